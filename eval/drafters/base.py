@@ -1,0 +1,83 @@
+"""The one interface every drafter implements, and the sampling settings it is told about."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eval.tree import DraftTree
+from eval.verify import logits_to_probs
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings shared by target and drafter (temperature > 0)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+class Drafter:
+    """Proposes a token tree after the root; learns what the target committed.
+
+    The decoder calls, per request:
+      begin(prompt_ids)                      - reset per-request state
+      observe(tokens, hidden)                - tokens now committed in the target's cache, with the
+                                               target's hidden states at those positions for the
+                                               layers in `hidden_layers` (dict layer -> (m, H))
+      propose(root, context, sampling, gen)  - tree of continuations of `context` (all committed
+                                               tokens followed by the root, which the target has
+                                               not processed yet). `sampling` None = greedy: propose
+                                               likely tokens; otherwise draw children from q
+                                               without replacement and return the q rows.
+    """
+
+    name = "drafter"
+    hidden_layers: tuple[int, ...] = ()
+    tokenizer = None  # set by drafters that carry their own tokenizer (checked against the target's)
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        pass
+
+    def observe(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        pass
+
+    def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None,
+                generator: torch.Generator | None) -> DraftTree:
+        raise NotImplementedError
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: the decoder then runs plain one-token-per-forward decoding."""
+
+    name = "none"
+
+    def propose(self, root, context, sampling, generator):
+        return DraftTree.empty(context.device)
+
+
+def draw_children(probs: torch.Tensor, count: int, sampling: Sampling | None,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick `count` distinct children of one node from its draft distribution.
+
+    probs (V,): the draft distribution (greedy: any monotone score is fine). Greedy: the top-count
+    tokens, no q rows. Sampling: `count` draws without replacement (Gumbel-top-k = sequential
+    draws), and q rows (count, V) where row i = probs with the earlier draws removed,
+    renormalised: the distribution draw i actually came from.
+    """
+    count = min(count, int((probs > 0).sum()) if sampling is not None else probs.numel())
+    if sampling is None:
+        return torch.topk(probs, count).indices, None
+    gumbel = -torch.log(-torch.log(torch.rand(probs.shape, generator=generator, device=probs.device)
+                                   .clamp_(min=1e-20, max=1 - 1e-7)))
+    tokens = torch.topk(torch.log(probs) + gumbel, count).indices
+    rows = probs.expand(count, -1).clone()  # (count, V)
+    for i in range(1, count):
+        rows[i:, tokens[i - 1]] = 0.0
+    rows = rows / rows.sum(-1, keepdim=True)
+    return tokens, rows

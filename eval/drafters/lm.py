@@ -1,0 +1,131 @@
+"""Small-LM drafter: any HF causal LM with the target's tokenizer, as a chain or a token tree.
+
+The drafter keeps its own DynamicCache over the committed tokens. `propose` first feeds the
+committed tokens it has not seen (reusing the longest common prefix with what it cached last
+time), then drafts:
+  chain: k tokens, one forward each (greedy argmax, or one draw from q when sampling);
+  tree:  EAGLE-2 style dynamic tree: every expanded node gets `topk` children (greedy: top-k;
+         sampling: k draws without replacement); the `beam` best nodes of each new level by
+         cumulative log-probability are expanded next, for `depth` levels. Greedy then keeps
+         the best `budget` nodes overall (re-ranking). Sampling keeps every drawn node, since
+         dropping drawn siblings by their value would bias verification.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from eval.drafters.base import Drafter, Sampling, draw_children
+from eval.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
+from models.target import additive_mask, crop_cache
+
+
+class LMDrafter(Drafter):
+    def __init__(self, model: PreTrainedModel, tokenizer=None, mode: str = "chain", num_tokens: int = 4,
+                 depth: int = 4, topk: int = 4, beam: int | None = None, budget: int = 16,
+                 name: str | None = None):
+        if mode not in ("chain", "tree"):
+            raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.mode, self.num_tokens = mode, num_tokens
+        self.depth, self.topk, self.beam, self.budget = depth, topk, beam or topk, budget
+        self.name = name or f"lm-{mode}"
+        self.cache: DynamicCache | None = None
+        self.cached: list[int] = []  # tokens whose KV sits in self.cache, in order
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def begin(self, prompt_ids):
+        self.cache, self.cached = DynamicCache(config=self.model.config), []
+
+    def _forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Append input_ids (1, n) to the cache; float32 logits (n, V)."""
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        return out.logits[0].float()
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Make the cache hold exactly `context`; return the logits after its last token (V,)."""
+        common = 0
+        limit = min(len(self.cached), len(context) - 1)  # re-feed at least the root to get its logits
+        while common < limit and self.cached[common] == context[common]:
+            common += 1
+        crop_cache(self.cache, common)
+        logits = self._forward(torch.tensor([context[common:]], device=self.device))
+        self.cached = list(context)
+        return logits[-1]
+
+    @torch.inference_mode()
+    def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
+        context_list = context.tolist()
+        logits = self._sync(context_list)
+        if self.mode == "chain":
+            return self._chain(logits, sampling, generator)
+        tree = self._tree(logits, len(context_list), sampling, generator)
+        crop_cache(self.cache, len(context_list))  # drop the tree slots; keep the committed context
+        return tree
+
+    def _chain(self, logits, sampling, generator) -> DraftTree:
+        tokens, rows = [], []
+        for step in range(self.num_tokens):
+            probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
+            token, q = draw_children(probs, 1, sampling, generator)
+            tokens.append(int(token[0]))
+            if q is not None:
+                rows.append(q[0])
+            if step + 1 < self.num_tokens:
+                logits = self._forward(token.view(1, 1))[-1]
+                self.cached.append(tokens[-1])
+        probs = torch.stack(rows) if rows else None
+        return DraftTree.chain(torch.tensor(tokens, device=self.device), probs)
+
+    def _tree(self, root_logits, context_len, sampling, generator) -> DraftTree:
+        tokens, parents, scores, rows = [], [], [], []  # per node; scores = cumulative log-prob
+        fed: list[int] = []  # node ids whose KV follows the context in the cache, in order
+        expand = [(-1, root_logits)]  # (node id, its next-token logits)
+        for level in range(self.depth):
+            new_nodes = []
+            for parent, logits in expand:
+                probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
+                children, q = draw_children(probs, self.topk, sampling, generator)
+                base = 0.0 if parent < 0 else scores[parent]
+                for i, token in enumerate(children.tolist()):
+                    new_nodes.append(len(tokens))
+                    tokens.append(token)
+                    parents.append(parent)
+                    scores.append(base + float(torch.log(probs[token].clamp(min=1e-30))))
+                    if q is not None:
+                        rows.append(q[i])
+            if level + 1 == self.depth:
+                break
+            # Expand the `beam` best nodes of this level: one drafter forward over them.
+            best = sorted(new_nodes, key=lambda n: -scores[n])[: self.beam]
+            parents_t = torch.tensor(parents, dtype=torch.long)
+            reach = ancestor_matrix(parents_t)[1:, 1:]  # (n, n) node-level ancestor-or-self
+            tree_cols = torch.tensor(fed + best, dtype=torch.long)
+            allowed = torch.ones(len(best), context_len + len(tree_cols), dtype=torch.bool)
+            allowed[:, context_len:] = reach[torch.tensor(best)][:, tree_cols]
+            depth_of = [self._depth(parents, n) for n in best]
+            positions = torch.tensor([[context_len - 1 + d for d in depth_of]])
+            level_logits = self._forward(
+                torch.tensor([[tokens[n] for n in best]], device=self.device),
+                position_ids=positions.to(self.device),
+                attention_mask=additive_mask(allowed[None, None].to(self.device), self.model.dtype))
+            fed.extend(best)
+            expand = list(zip(best, level_logits))
+        tree = DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents),
+                                      torch.stack(rows) if rows else None)
+        if sampling is None:
+            tree = subtree(tree, select_top_nodes(torch.tensor(scores), tree.parents, self.budget))
+        return DraftTree(tree.tokens.to(self.device), tree.parents.to(self.device), tree.depths.to(self.device),
+                         tree.draft_probs)
+
+    @staticmethod
+    def _depth(parents: list[int], node: int) -> int:
+        depth = 0
+        while node >= 0:
+            depth, node = depth + 1, parents[node]
+        return depth

@@ -1,0 +1,60 @@
+"""Medusa drafter: heads on the target's final hidden state fill a static tree ("choices").
+
+Node at depth d with rank r takes the r-th candidate of head d (heads predict 2, 3, ... tokens
+ahead of the last committed token, i.e. depth 1, 2, ... after the root). Greedy: candidates are
+each head's top tokens. Sampling: candidates are draws without replacement from each head's
+warped distribution; siblings are a prefix of those draws, so q rows are exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eval.drafters.base import Drafter, Sampling, draw_children
+from eval.tree import DraftTree, tree_from_paths
+from models.medusa import MedusaHeads
+
+# A small default tree for CPU budgets: 2-3 candidates near the root, deeper along the top path.
+DEFAULT_MEDUSA_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
+                        [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+
+
+class MedusaDrafter(Drafter):
+    hidden_layers = (-1,)  # the final normed hidden state, as the target's LM head reads it
+
+    def __init__(self, heads: MedusaHeads, paths: list[list[int]] | None = None, name: str = "medusa"):
+        self.heads = heads.eval()
+        self.name = name
+        paths = paths or DEFAULT_MEDUSA_PATHS
+        self.parents, self.depths, self.ranks = tree_from_paths(paths)
+        if int(self.depths.max()) > heads.config.num_heads:
+            raise ValueError(f"tree depth {int(self.depths.max())} exceeds num_heads={heads.config.num_heads}")
+        for parent in [-1] + list(range(self.parents.numel())):  # siblings must be ranks 0..k-1
+            ranks = sorted(self.ranks[self.parents == parent].tolist())
+            if ranks != list(range(len(ranks))):
+                raise ValueError(f"children of tree node {parent} have ranks {ranks}; each node's children "
+                                 "must take ranks 0..k-1 (sampling verification draws them in order)")
+        self.last_hidden: torch.Tensor | None = None
+
+    def observe(self, tokens, hidden):
+        self.last_hidden = hidden[-1][-1]  # (H,) state of the last committed token
+
+    @torch.inference_mode()
+    def propose(self, root, context, sampling: Sampling | None, generator) -> DraftTree:
+        param = next(self.heads.parameters())
+        logits = self.heads(self.last_hidden.to(param.device, param.dtype)).float()  # (K, V)
+        device = context.device
+        tokens = torch.empty(self.parents.numel(), dtype=torch.long)
+        rows = [] if sampling is not None else None
+        candidates = {}
+        for depth in sorted(set(self.depths.tolist())):
+            count = int(self.ranks[self.depths == depth].max()) + 1
+            probs = torch.softmax(logits[depth - 1], -1) if sampling is None else sampling.probs(logits[depth - 1])
+            candidates[depth] = draw_children(probs, count, sampling, generator)
+        for node, (depth, rank) in enumerate(zip(self.depths.tolist(), self.ranks.tolist())):
+            chosen, q = candidates[depth]
+            tokens[node] = chosen[rank]
+            if rows is not None:
+                rows.append(q[rank])
+        probs = torch.stack(rows).to(device) if rows else None
+        return DraftTree(tokens.to(device), self.parents.to(device), self.depths.to(device), probs)

@@ -1,0 +1,56 @@
+"""Prompt-lookup (n-gram) drafter: training-free, proposes continuations of earlier matches.
+
+The last n tokens of the context (n from `max_ngram` down to `min_ngram`) are searched for in
+the context itself, most recent match first; the `num_tokens` tokens that followed a match are
+proposed. With `num_branches` > 1 several distinct continuations are merged into a trie, giving
+a token tree. Proposals are deterministic, so for sampling each node is a point mass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eval.drafters.base import Drafter
+from eval.tree import DraftTree
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 5, num_branches: int = 1,
+                 name: str = "ngram"):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.num_tokens, self.num_branches = num_tokens, num_branches
+        self.name = name
+
+    def continuations(self, context: torch.Tensor) -> list[list[int]]:
+        """Up to num_branches distinct continuations, longest n-gram and most recent match first."""
+        found: list[list[int]] = []
+        length = context.numel()
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            pattern = context[-n:]
+            windows = context[: length - 1].unfold(0, n, 1)  # (length - n, n): windows ending before the last token
+            starts = torch.nonzero((windows == pattern).all(-1)).flatten().tolist()
+            for start in reversed(starts):
+                follow = context[start + n: start + n + self.num_tokens].tolist()
+                if follow and follow not in found:
+                    found.append(follow)
+                    if len(found) == self.num_branches:
+                        return found
+        return found
+
+    def propose(self, root, context, sampling, generator) -> DraftTree:
+        tokens, parents, index = [], [], {}  # trie: (parent node, token) -> node
+        for continuation in self.continuations(context):
+            parent = -1
+            for token in continuation:
+                key = (parent, token)
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
+                parent = index[key]
+        if not tokens:
+            return DraftTree.empty(context.device)
+        return DraftTree.from_parents(torch.tensor(tokens, device=context.device),
+                                      torch.tensor(parents, device=context.device))

@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random HF models built in-process (no files, no network)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY_VOCAB = 96
+
+
+def tiny_config(family: str = "llama", vocab_size: int = TINY_VOCAB, hidden_size: int = 48,
+                num_layers: int = 2, eos_token_id: int | None = None):
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=0.2, eos_token_id=eos_token_id,
+                  bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(family)
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **kwargs):
+    """A random tiny causal LM in fp32 eval mode, sdpa attention."""
+    torch.manual_seed(seed)
+    config = tiny_config(family, **kwargs)
+    config._attn_implementation = "sdpa"
+    cls = LlamaForCausalLM if family == "llama" else Qwen2ForCausalLM
+    model = cls(config).eval()
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.eos_token_id if config.eos_token_id is not None else 0
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def family(request):
+    return request.param
