@@ -96,8 +96,10 @@ def _smollm2_tokenizer(cache_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def smol(request):
-    return _smollm2_tokenizer(request.config.cache.mkdir("draftsmith-smollm2-tokenizer"))
+def smol(request, tmp_path_factory):
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    where = cache.mkdir("draftsmith-smollm2-tokenizer") if cache is not None else tmp_path_factory.mktemp("smollm2")
+    return _smollm2_tokenizer(where)
 
 
 @pytest.fixture(scope="module")
