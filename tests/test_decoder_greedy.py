@@ -1,0 +1,98 @@
+"""Greedy equivalence: every drafter + the tree decoder == model.generate(do_sample=False)."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from eval.decoder import DecodeConfig, SpeculativeDecoder
+from eval.drafters.lm import LMDrafter
+from eval.drafters.medusa import MedusaDrafter
+from eval.drafters.ngram import NgramDrafter
+from models.medusa import MedusaConfig, MedusaHeads
+from models.student import layer_subset_student
+from models.target import TargetModel
+
+NEW_TOKENS = 24
+
+
+def reference_greedy(model, prompt, max_new_tokens=NEW_TOKENS):
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                         do_sample=False)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def make_drafter(kind, model, seed):
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    if kind == "none":
+        return None
+    if kind == "chain-shallow":
+        return LMDrafter(layer_subset_student(model, [0]), mode="chain", num_tokens=3 + seed % 3)
+    if kind == "chain-other":  # an unrelated random model: mostly rejected drafts
+        return LMDrafter(tiny_model(model.config.model_type, seed=seed + 50), mode="chain", num_tokens=4)
+    if kind == "tree-shallow":
+        return LMDrafter(layer_subset_student(model, [1]), mode="tree", depth=3 + seed % 2, topk=2 + seed % 3,
+                         budget=6 + 4 * seed)
+    if kind == "tree-self":  # the target drafting for itself: long acceptances, exercises deep commits
+        return LMDrafter(model, mode="tree", depth=4, topk=3, budget=24)
+    if kind == "ngram":
+        return NgramDrafter(max_ngram=2 + seed % 2, num_tokens=4, num_branches=1 + seed % 3)
+    if kind == "medusa":
+        torch.manual_seed(seed)
+        heads = MedusaHeads(MedusaConfig(hidden, vocab, num_heads=5))
+        heads.init_lm_heads(model.lm_head.weight)
+        return MedusaDrafter(heads)
+    raise ValueError(kind)
+
+
+KINDS = ["none", "chain-shallow", "chain-other", "tree-shallow", "tree-self", "ngram", "medusa"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_equivalence(family, kind, seed):
+    model = tiny_model(family, seed=seed, num_layers=3)
+    target = TargetModel(model, tokenizer=None)
+    # Repetitive prompts give the n-gram drafter something to find.
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 96, (6,), generator=gen)
+    prompt = torch.cat([base, base, torch.randint(0, 96, (3,), generator=gen)])[None]
+    decoder = SpeculativeDecoder(target, make_drafter(kind, model, seed), DecodeConfig(max_new_tokens=NEW_TOKENS))
+    result = decoder.generate(prompt)
+    assert result.tokens == reference_greedy(model, prompt)
+    stats = result.stats
+    assert stats.new_tokens == NEW_TOKENS
+    assert stats.round_tokens >= stats.verify_forwards  # at least the bonus token each round
+    if kind == "none":
+        assert stats.tau == 1.0
+    if kind == "tree-self":
+        assert stats.tau > 2.0  # the target agrees with itself
+
+
+def test_eos_stops_like_generate(family):
+    """With an EOS id that the model emits, output stops right after it, as generate does."""
+    model = tiny_model(family, seed=3)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    free_run = reference_greedy(model, prompt, 30)
+    eos = free_run[10]  # a token the greedy run does emit
+    model.generation_config.eos_token_id = eos
+    expected = reference_greedy(model, prompt, 30)
+    assert expected[-1] == eos and len(expected) <= 11
+    target = TargetModel(model, tokenizer=None)
+    for drafter in (None, LMDrafter(model, mode="chain", num_tokens=5), NgramDrafter()):
+        assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=30)).generate(prompt).tokens == expected
+
+
+def test_tree_budget_is_enforced():
+    model = tiny_model(seed=0)
+    drafter = LMDrafter(model, mode="tree", depth=3, topk=4, budget=20)
+    decoder = SpeculativeDecoder(TargetModel(model, None), drafter, DecodeConfig(max_tree_tokens=8))
+    with pytest.raises(ValueError, match="max_tree_tokens=8"):
+        decoder.generate(torch.tensor([[1, 2, 3]]))
+
+
+def test_medusa_tree_must_use_rank_prefixes():
+    heads = MedusaHeads(MedusaConfig(48, 96, num_heads=3))
+    with pytest.raises(ValueError, match="ranks"):
+        MedusaDrafter(heads, paths=[[0], [2]])
+    with pytest.raises(ValueError, match="num_heads"):
+        MedusaDrafter(heads, paths=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])

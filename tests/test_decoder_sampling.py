@@ -1,0 +1,83 @@
+"""Speculative sampling is lossless in distribution: the decoder's first tokens follow the target.
+
+A tiny-vocab model lets us enumerate the exact joint distribution of the first three new tokens
+(x1 is drawn from the prefill; x2, x3 go through draft + verification), and compare it with
+the decoder's empirical distribution by a chi-square test at a fixed seed budget.
+"""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_model
+from eval.decoder import DecodeConfig, SpeculativeDecoder
+from eval.drafters.lm import LMDrafter
+from eval.drafters.medusa import MedusaDrafter
+from eval.drafters.ngram import NgramDrafter
+from eval.verify import logits_to_probs
+from models.medusa import MedusaConfig, MedusaHeads
+from models.target import TargetModel
+
+VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1500
+PROMPT = torch.tensor([[1, 3, 0, 2, 1, 3]])
+
+
+def exact_joint(model) -> dict[tuple, float]:
+    """P(x1, x2, x3 | prompt) under temperature sampling, by enumeration (VOCAB ** NEW sequences)."""
+    sequences = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))  # (S, NEW)
+    inputs = torch.cat([PROMPT.expand(len(sequences), -1), sequences], dim=1)
+    with torch.no_grad():
+        logits = model(inputs).logits  # (S, T + NEW, V)
+    start = PROMPT.shape[1] - 1
+    probs = logits_to_probs(logits[:, start:start + NEW], TEMPERATURE)  # (S, NEW, V)
+    step_probs = probs.gather(-1, sequences[..., None])[..., 0].prod(-1)
+    return {tuple(seq.tolist()): float(p) for seq, p in zip(sequences, step_probs)}
+
+
+def make_drafter(kind, model):
+    if kind == "chain":  # an unrelated model: q far from p, exercises rejection + residuals
+        return LMDrafter(tiny_model("llama", seed=11, vocab_size=VOCAB, num_layers=1), mode="chain", num_tokens=2)
+    if kind == "tree":  # several children drawn without replacement per node
+        return LMDrafter(tiny_model("llama", seed=12, vocab_size=VOCAB, num_layers=1), mode="tree",
+                         depth=2, topk=3, beam=2)
+    if kind == "medusa":
+        torch.manual_seed(13)
+        heads = MedusaHeads(MedusaConfig(model.config.hidden_size, VOCAB, num_heads=2))
+        return MedusaDrafter(heads, paths=[[0], [1], [0, 0], [0, 1], [1, 0]])
+    if kind == "ngram":  # point-mass proposals, two branches
+        return NgramDrafter(max_ngram=2, num_tokens=2, num_branches=2)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "medusa", "ngram"])
+def test_sampling_matches_target_distribution(kind):
+    model = tiny_model("llama", seed=5, vocab_size=VOCAB, num_layers=1, hidden_size=32)
+    target = TargetModel(model, tokenizer=None)
+    drafter = make_drafter(kind, model)
+    exact = exact_joint(model)
+    counts = dict.fromkeys(exact, 0)
+    accepted_any = 0
+    for seed in range(SAMPLES):
+        decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW, temperature=TEMPERATURE,
+                                                                   seed=seed))
+        result = decoder.generate(PROMPT)
+        counts[tuple(result.tokens)] += 1
+        accepted_any += result.stats.round_tokens > result.stats.verify_forwards
+    assert accepted_any > SAMPLES // 10, "drafts were (almost) never accepted: the test would prove little"
+    # Pool cells with small expected counts so the chi-square approximation holds.
+    keys = sorted(exact, key=exact.get, reverse=True)
+    observed, expected, pool_o, pool_e = [], [], 0, 0.0
+    for key in keys:
+        e = exact[key] * SAMPLES
+        if e >= 5:
+            observed.append(counts[key])
+            expected.append(e)
+        else:
+            pool_o, pool_e = pool_o + counts[key], pool_e + e
+    observed.append(pool_o)
+    expected.append(pool_e)
+    scale = sum(observed) / sum(expected)  # exact probabilities sum to 1 only up to float rounding
+    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
+    assert p_value > 1e-3, f"{kind}: chi-square p = {p_value:.2e}"
