@@ -1,0 +1,311 @@
+"""Medusa recipe and train/common helpers on a tiny in-process target (seconds on a 2-core CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eval.decoder import DecodeConfig, SpeculativeDecoder
+from models.target import TargetModel
+from train.common import (CheckpointError, ConfigError, MetricsFile, TinyTokenizer, batch_indices,
+                          build_tiny_causal_lm, latest_checkpoint, list_checkpoints, load_checkpoint, load_config,
+                          load_target, read_records, rng_state, save_checkpoint, set_rng_state, split_heldout,
+                          write_records)
+from train.medusa import MedusaRecipeConfig, cli, load_medusa_drafter, main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_YAML = REPO / "train" / "configs" / "medusa_tiny.yaml"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls run ~10x faster on one thread when the 2 cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_cfg(output_dir, *overrides) -> MedusaRecipeConfig:
+    return load_config(MedusaRecipeConfig, TINY_YAML, [f"output_dir={output_dir}", *overrides])
+
+
+def train_losses(output_dir) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in MetricsFile.read(Path(output_dir) / "metrics.jsonl")
+            if "train/loss" in r}
+
+
+# ---------------------------------------------------------------------------------------------
+# config loading
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Inner:
+    rate: float = 0.1
+    names: list[str] = field(default_factory=list)
+    depth: int | None = None
+
+
+@dataclass
+class _Outer:
+    inner: _Inner = field(default_factory=_Inner)
+    flag: bool = False
+
+
+def test_config_rejects_unknown_keys_with_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"'train\.max_stepz'.*did you mean 'train\.max_steps'"):
+        tiny_cfg(tmp_path, "train.max_stepz=3")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  sourse: gsm8k\n")
+    with pytest.raises(ConfigError, match=r"'data\.sourse'"):
+        load_config(MedusaRecipeConfig, bad)
+    with pytest.raises(ConfigError, match=r"unknown config key 'inner\.nested\.x'|'inner\.nested'"):
+        load_config(_Outer, None, ["inner.nested.x=1"])
+
+
+def test_config_types_and_overrides(tmp_path):
+    cfg = load_config(_Outer, None, ["inner.rate=1e-3", "inner.names=[a, b]", "flag=true", "inner.depth=null"])
+    assert cfg.inner.rate == 1e-3 and cfg.inner.names == ["a", "b"] and cfg.flag is True and cfg.inner.depth is None
+    with pytest.raises(ConfigError, match=r"inner\.depth: expected an integer"):
+        load_config(_Outer, None, ["inner.depth=2.5"])
+    with pytest.raises(ConfigError, match=r"inner\.names\[1\]: expected a string"):
+        load_config(_Outer, None, ["inner.names=[a, 3]"])
+    with pytest.raises(ConfigError, match=r"flag: expected true/false"):
+        load_config(_Outer, None, ["flag=1"])
+    with pytest.raises(ConfigError, match="heads.num_heads"):
+        tiny_cfg(tmp_path, "loss.head_weights=[1.0]")
+    with pytest.raises(ConfigError, match="logging.tracker.*not one of"):
+        tiny_cfg(tmp_path, "logging.tracker=tensorboard")
+    with pytest.raises(FileNotFoundError):
+        load_config(_Outer, tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("name", ["medusa_tiny.yaml", "medusa_smollm2.yaml"])
+def test_shipped_configs_load_and_name_their_launch_command(name):
+    path = REPO / "train" / "configs" / name
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and f"train/medusa.py --config train/configs/{name}" in first
+    load_config(MedusaRecipeConfig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints, RNG, data order
+# ---------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_roundtrip_atomic_and_keep_last(tmp_path):
+    opt_like = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
+                "param_groups": [{"params": [0], "betas": (0.9, 0.99), "lr": 0.1, "fused": None}]}
+    state = {"optimizer": opt_like, "arr": np.arange(4, dtype=np.uint32), "nested": [{"x": torch.ones(2)}],
+             "dotted.key": torch.zeros(1), "dotted": {"key": torch.ones(1)}}
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step, state, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_4", "step_6"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    back = load_checkpoint(latest_checkpoint(tmp_path))
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], opt_like["state"][0]["exp_avg"])
+    assert list(back["optimizer"]["state"]) == [0]
+    assert back["arr"].dtype == np.uint32 and back["arr"].tolist() == [0, 1, 2, 3]
+    assert torch.equal(back["dotted.key"], torch.zeros(1)) and torch.equal(back["dotted"]["key"], torch.ones(1))
+
+
+def test_checkpoint_errors_name_the_file(tmp_path):
+    path = save_checkpoint(tmp_path, 1, {"w": torch.randn(64, 64)})
+    tensors = path / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="tensors.safetensors is corrupt"):
+        load_checkpoint(path)
+    (path / "state.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="state.json is corrupt"):
+        load_checkpoint(path)
+    (path / "state.json").unlink()
+    with pytest.raises(CheckpointError, match="state.json is missing"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "step_99")
+
+
+def test_rng_state_roundtrip_through_checkpoint(tmp_path):
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    save_checkpoint(tmp_path, 1, {"rng": rng_state()})
+    draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    set_rng_state(load_checkpoint(tmp_path / "step_1")["rng"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws
+
+
+def test_batch_order_is_a_function_of_samples_seen():
+    stream = batch_indices(10, 0, 35, seed=3)
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
+    assert stream[10:20] != stream[:10]  # each epoch reshuffles
+    assert batch_indices(10, 13, 9, seed=3) == stream[13:22]
+    assert batch_indices(10, 0, 10, seed=4) != stream[:10]
+    records = [{"input_ids": [i], "loss_mask": [1]} for i in range(20)]
+    train, held = split_heldout(records, 0.1, seed=0)
+    assert len(held) == 2 and len(train) == 18 and split_heldout(records, 0.1, seed=0) == (train, held)
+
+
+def test_tiny_target_is_deterministic():
+    a, b = build_tiny_causal_lm("qwen2"), build_tiny_causal_lm("qwen2")
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    target = load_target("tiny:llama")
+    assert target.config.hidden_size == 48 and len(target.tokenizer.get_vocab()) == 96
+    with pytest.raises(ValueError, match="unknown tiny model family"):
+        load_target("tiny:gpt9")
+
+
+# ---------------------------------------------------------------------------------------------
+# the recipe
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Interrupted right after the step-4 checkpoint and resumed == uninterrupted (8 steps), with
+    gradient accumulation and self-distillation on."""
+    extra = ["train.grad_accum_steps=2", "train.batch_size=2", "loss.distill_weight=0.5", "train.checkpoint_every=2"]
+    main(tiny_cfg(tmp_path / "full", *extra))
+    main(tiny_cfg(tmp_path / "cut", *extra, "train.stop_after_steps=4"))
+    assert max(train_losses(tmp_path / "cut")) == 4
+    assert not (tmp_path / "cut" / "final").exists()
+    with pytest.raises(RuntimeError, match="already holds checkpoints"):
+        main(tiny_cfg(tmp_path / "cut", *extra))
+    main(tiny_cfg(tmp_path / "cut", *extra), resume="auto")
+    full, cut = train_losses(tmp_path / "full"), train_losses(tmp_path / "cut")
+    assert sorted(full) == sorted(cut) == list(range(1, 9))
+    for step in range(5, 9):
+        assert cut[step] == pytest.approx(full[step], abs=1e-6)
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "full" / "final" / "medusa_heads.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "final" / "medusa_heads.safetensors"))
+    assert all(torch.allclose(a[name], b[name], atol=1e-6) for name in a)
+    assert [p.name for p in list_checkpoints(tmp_path / "cut" / "checkpoints")] == ["step_6", "step_8"]
+
+
+def test_grad_accumulation_matches_large_batch(tmp_path):
+    main(tiny_cfg(tmp_path / "big", "train.max_steps=3", "train.batch_size=4"))
+    main(tiny_cfg(tmp_path / "acc", "train.max_steps=3", "train.batch_size=2", "train.grad_accum_steps=2"))
+    big, acc = train_losses(tmp_path / "big"), train_losses(tmp_path / "acc")
+    for step in (1, 2, 3):
+        assert acc[step] == pytest.approx(big[step], rel=1e-5)
+
+
+def test_medusa1_outputs_and_drafter(tmp_path):
+    summary = main(tiny_cfg(tmp_path, "data.source=synthetic:96:0.3", "train.max_steps=12"))
+    final = tmp_path / "final"
+    assert {p.name for p in final.iterdir()} >= {"medusa_heads.safetensors", "config.json", "manifest.json",
+                                                "head_accuracy.json", "train_config.yaml"}
+    manifest = json.loads((final / "manifest.json").read_text())
+    target = load_target("tiny:llama")
+    from models.target import vocab_fingerprint
+
+    assert manifest["method"] == "medusa-1" and manifest["target_adapter"] is None
+    assert manifest["target"]["hidden_size"] == 48 and manifest["target"]["hidden_layer"] == -1
+    assert manifest["target"]["vocab_fingerprint"] == vocab_fingerprint(target.tokenizer)
+    assert summary["lm_loss_before"] == summary["lm_loss_after"]  # Medusa-1 never touches the target
+    evals = [r for r in MetricsFile.read(tmp_path / "metrics.jsonl") if "eval/loss" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 12
+    assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
+    for key in ("eval/head1_top1", "eval/head3_top3"):
+        assert 0.0 <= evals[-1][key] <= 1.0
+    accuracy = json.loads((final / "head_accuracy.json").read_text())
+    assert len(accuracy["rank_accuracy"]) == 3 and len(accuracy["rank_accuracy"][0]) == 5
+
+    # The loaded drafter decodes exactly like plain greedy decoding.
+    drafter = load_medusa_drafter(final, target, width=6)
+    assert drafter.parents.numel() == 6
+    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    config = DecodeConfig(max_new_tokens=16, stop_on_eos=False)
+    plain = SpeculativeDecoder(target, None, config).generate(prompt).tokens
+    assert SpeculativeDecoder(target, drafter, config).generate(prompt).tokens == plain
+
+
+def test_drafter_refuses_another_target(tmp_path):
+    main(tiny_cfg(tmp_path, "train.max_steps=1", "eval.every_steps=0"))
+    wider = TargetModel(build_tiny_causal_lm("llama", hidden_size=64), TinyTokenizer(96), name="wider")
+    with pytest.raises(ValueError, match=r"hidden_size: 48 in the manifest vs 64"):
+        load_medusa_drafter(tmp_path / "final", wider)
+
+    class Shuffled(TinyTokenizer):
+        def get_vocab(self):
+            return {f"<{(i + 1) % 96}>": i for i in range(96)}
+
+    other_vocab = TargetModel(build_tiny_causal_lm("llama"), Shuffled(96), name="other-vocab")
+    with pytest.raises(ValueError, match="vocab_fingerprint") as err:
+        load_medusa_drafter(tmp_path / "final", other_vocab)
+    assert "hidden_size" not in str(err.value)
+
+
+def test_medusa2_smoke(tmp_path):
+    summary = main(tiny_cfg(tmp_path, "medusa2.enabled=true", "medusa2.lora_lr=1e-2", "medusa2.heads_only_steps=2",
+                            "train.max_steps=6"))
+    manifest = json.loads((tmp_path / "final" / "manifest.json").read_text())
+    assert manifest["method"] == "medusa-2" and manifest["target_adapter"] == "target_lora"
+    assert (tmp_path / "final" / "target_lora" / "adapter_model.safetensors").is_file()
+    before, after = manifest["eval"]["lm_loss_before"], manifest["eval"]["lm_loss_after"]
+    assert before == summary["lm_loss_before"] and after == summary["lm_loss_after"] and after != before
+    logged = [r for r in MetricsFile.read(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert logged[0]["train/lora_lr"] == 0.0 and logged[-1]["train/lora_lr"] > 0  # heads-only warm-up
+    assert all("train/lm_loss" in r for r in logged)
+
+    target = load_target("tiny:llama")
+    with pytest.raises(ValueError, match="target_adapter='merge'"):
+        load_medusa_drafter(tmp_path / "final", target)
+    drafter = load_medusa_drafter(tmp_path / "final", target, target_adapter="merge")
+    assert drafter.heads.config.num_heads == 3
+    prompt = torch.arange(5)[None]
+    config = DecodeConfig(max_new_tokens=10, stop_on_eos=False)
+    assert (SpeculativeDecoder(target, drafter, config).generate(prompt).tokens
+            == SpeculativeDecoder(target, None, config).generate(prompt).tokens)
+
+
+def test_records_source_and_wandb_offline(tmp_path, monkeypatch):
+    """A JSONL of pre-tokenised records trains without any tokenizer; W&B writes an offline run."""
+    gen = torch.Generator().manual_seed(0)
+    records = [{"input_ids": torch.randint(0, 96, (20,), generator=gen).tolist(), "loss_mask": [0] * 5 + [1] * 15}
+               for _ in range(16)]
+    path = tmp_path / "records.jsonl"
+    write_records(path, records)
+    assert read_records(path) == records
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    main(tiny_cfg(tmp_path / "run", f"data.source=records:{path}", "train.max_steps=2", "eval.every_steps=0",
+                  "logging.tracker=wandb"))
+    assert (tmp_path / "run" / "final" / "manifest.json").is_file()
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_cli_rejects_unknown_key(tmp_path):
+    with pytest.raises(ConfigError, match="train.max_stepz"):
+        cli(["--config", str(TINY_YAML), f"output_dir={tmp_path}", "train.max_stepz=1"])
+
+
+def test_script_runs_as_plain_python(tmp_path):
+    """`python train/medusa.py ...` works as a script (train/ is sys.path[0]) and prints its summary."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "train/medusa.py", "--config", str(TINY_YAML), f"output_dir={tmp_path}",
+           "train.max_steps=2", "train.checkpoint_every=1", "eval.every_steps=0"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["step"] == 2
+    assert (tmp_path / "final" / "medusa_heads.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_accelerate_launch(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    cmd = ["accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "train/medusa.py", "--config", str(TINY_YAML), f"output_dir={tmp_path}",
+           "train.max_steps=2"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "final" / "manifest.json").is_file()
