@@ -1,0 +1,695 @@
+"""Regeneration: the target model rewrites the assistant turns (self-distillation data).
+
+A drafter learns the *target's* distribution best from text the target itself wrote (Medusa-2,
+SpecForge, EAGLE "regenerated ShareGPT"). ``regenerate(cfg)`` replays every conversation turn by
+turn: the target answers the first user turn (after any system message), its reply replaces the
+original assistant message, the next original user turn follows, and so on; single-turn prompt
+datasets get one reply, MT-Bench-style ``followups`` are asked after the last turn. Generation is
+batched (left padding, one ``model.generate`` call per batch and turn), greedy
+(``temperature=0``) or sampled, and stops at the template's end-of-turn token or EOS.
+
+Output directory (one per run; shared by all ranks)::
+
+    shard_<rank>_<index>.jsonl   Conversation.to_dict() records, one per line, with
+                                 meta["regenerated"] = {"model", "item", "original_id", "turns",
+                                 "truncated", ["correct"], ...}
+    progress_rank<rank>.json     per-rank ledger: the run's plan + complete shards (the authority)
+    index.json                   all ranks' ledgers merged (rewritten after every shard)
+
+Sharding and resuming (shared with ``data/features.py``, see ``ShardLedger``):
+  - rank r of world size W takes items ``i % W == r`` of the (limited) source and splits them
+    into shards of ``shard_size`` items; shard k of rank r is always the same items.
+  - a shard is written to ``<name>.tmp``, fsynced, renamed, then recorded in the rank's ledger.
+    A rerun of the same command skips recorded shards, so a kill -9 loses at most the shard in
+    progress; a shard that was renamed but not recorded is simply redone (same content: each
+    shard reseeds the RNG).
+  - the ledger stores the plan (model, data fingerprint, world size, shard size, generation
+    settings); a rerun with a different plan in the same directory is refused, naming the field.
+
+``RANK``/``WORLD_SIZE`` come from the environment (``torchrun``, ``accelerate launch``) unless set
+in the config, so ``accelerate launch -m data.regenerate ...`` runs one rank per process.
+
+CLI::
+
+    python -m data.regenerate --model smollm2-135m-instruct --source gsm8k:train --limit 64 \\
+        --output-dir runs/regen/gsm8k-smollm2 [--temperature 0.7 --top-p 0.95] [--filter-wrong]
+
+Reading the result back: ``load_regenerated(dir)`` (or, once ``data.sources`` accepts a directory,
+the source spec ``conversations:<dir>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from data.sources import Conversation, gsm8k_final_answer, load_source
+
+log = logging.getLogger(__name__)
+
+REGEN_FORMAT = "draftsmith.regenerated/1"
+INDEX_NAME = "index.json"
+
+
+# ---------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): explicit values win, else ``RANK``/``WORLD_SIZE`` (torchrun and
+    ``accelerate launch`` set both), else (0, 1)."""
+    world = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
+    r = rank if rank is not None else _env_int("RANK", 0)
+    if world < 1 or not 0 <= r < world:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={r}, world_size={world}")
+    return r, world
+
+
+def resolve_rank_device(device: str | None):
+    """``models.target.resolve_device``, pinned to ``cuda:$LOCAL_RANK`` for multi-process runs."""
+    from models.target import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None and "LOCAL_RANK" in os.environ:
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return dev
+
+
+def config_from_dict(cls, d: Mapping[str, Any]):
+    """Build a config dataclass, rejecting unknown keys by name."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys: {known}")
+    return cls(**d)
+
+
+@dataclass
+class RegenerateConfig:
+    """What ``regenerate`` does; every default is declared here once.
+
+    model:            zoo name, local dir or hub id (used as the model id in the output)
+    source:           source spec for ``data.sources.load_source`` ("gsm8k:train", a dict, ...)
+    output_dir:       run directory (shards + ledgers + index.json)
+    max_new_tokens:   per assistant turn
+    temperature:      0 = greedy; > 0 samples at this temperature
+    top_p, top_k:     nucleus / top-k sampling (top_k=0: off); ignored when greedy
+    batch_size:       conversations generated together (left-padded)
+    shard_size:       conversations per shard (the unit of resuming)
+    limit:            keep the first N records of the source (before sharding across ranks)
+    seed:             sampling seed; every shard reseeds with (seed, rank, shard index)
+    dtype, device:    target compute dtype / device (None = cpu, "auto" = cuda when present)
+    rank, world_size: None = from RANK / WORLD_SIZE in the environment, else 0 / 1
+    filter_wrong:     drop replies that a checker (by ``Conversation.source``) marks wrong;
+                      without it they are kept and marked meta["regenerated"]["correct"]=False
+    max_prompt_tokens: a turn whose prompt is longer ends the replay there (a first turn that is
+                      too long drops the conversation); None = the model's context length minus
+                      max_new_tokens
+    max_shards:       stop after writing this many shards in this call (time-boxed jobs; the
+                      rerun continues); None = all
+    progress:         tqdm progress bar on stderr
+    """
+
+    model: str
+    source: str | dict | None
+    output_dir: str
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_size: int = 8
+    shard_size: int = 256
+    limit: int | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    device: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    filter_wrong: bool = False
+    max_prompt_tokens: int | None = None
+    max_shards: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "shard_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RegenerateConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"RegenerateConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"RegenerateConfig.top_p must be in (0, 1], got {self.top_p}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RegenerateConfig":
+        return config_from_dict(cls, d)
+
+
+# ---------------------------------------------------------------------------
+# Sharded, resumable output (shared by data/regenerate.py and data/features.py)
+# ---------------------------------------------------------------------------
+
+
+def rank_items(n_items: int, rank: int, world_size: int) -> list[int]:
+    """Item indices of one rank: ``i % world_size == rank``."""
+    return list(range(rank, n_items, world_size))
+
+
+def chunk(seq: Sequence, size: int) -> list[Sequence]:
+    return [seq[i : i + size] for i in range(0, len(seq), size)]
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 of a JSON-serialisable object (the data a run was planned on)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` then fsync + rename to ``path``: readers see the old file or the whole new one.
+
+    The temp name is unique per process, so concurrent writers never share a half-written file.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def _dir_lock(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<dir>/.lock`` (serialises index merges across ranks)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: merges may race, each one is still atomic
+        yield
+        return
+    with open(directory / ".lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+class PlanMismatch(ValueError):
+    """An output directory holds a run planned differently from the one being started."""
+
+
+def _plan_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} (on disk) != {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+class ShardLedger:
+    """The record of one rank's complete shards, plus the merged ``index.json`` of all ranks.
+
+    ``progress_rank<r>.json`` = {"plan", "rank", "world_size", "done", "shards": [entry, ...]};
+    an entry is a dict with at least "file" and "index". The ledger, not the presence of a shard
+    file, says a shard is complete (a file renamed just before a crash is redone).
+    """
+
+    def __init__(self, out_dir: str | Path, rank: int, world_size: int, plan: Mapping[str, Any]):
+        self.dir = Path(out_dir)
+        self.rank, self.world_size = rank, world_size
+        self.plan = {**plan, "world_size": world_size}
+        self.path = self.dir / f"progress_rank{rank}.json"
+        self.shards: dict[int, dict] = {}
+        self.done = False
+        if self.path.exists():
+            state = json.loads(self.path.read_text(encoding="utf-8"))
+            diff = _plan_diff(state["plan"], self.plan)
+            if diff:
+                raise PlanMismatch(
+                    f"{self.dir} holds a run planned differently ({'; '.join(diff)}). Rerun with the "
+                    "same settings to resume, or use a new output directory."
+                )
+            self.shards = {int(e["index"]): e for e in state["shards"]}
+            self.done = bool(state.get("done"))
+
+    def is_complete(self, index: int) -> bool:
+        return index in self.shards and (self.dir / self.shards[index]["file"]).exists()
+
+    def _save(self) -> None:
+        atomic_write_json(self.path, {"plan": self.plan, "rank": self.rank, "world_size": self.world_size,
+                                      "done": self.done,
+                                      "shards": [self.shards[k] for k in sorted(self.shards)]})
+        write_merged_index(self.dir)
+
+    def start(self) -> None:
+        """Write the ledger (so the plan is fixed on disk) and refresh the index."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._save()
+
+    def commit(self, entry: dict) -> None:
+        """Record a shard whose file is already in place."""
+        self.shards[int(entry["index"])] = entry
+        self._save()
+
+    def finish(self) -> None:
+        self.done = True
+        self._save()
+
+
+def merged_index(out_dir: str | Path) -> dict:
+    """All ranks' ledgers merged: the common plan, every complete shard (sorted by rank, index),
+    and ``complete`` = every rank of the plan's world size has finished."""
+    d = Path(out_dir)
+    ledgers = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(d.glob("progress_rank*.json"))]
+    if not ledgers:
+        raise FileNotFoundError(f"{d}: no progress_rank*.json ledger (not a draftsmith shard directory?)")
+    plan = ledgers[0]["plan"]
+    for led in ledgers[1:]:
+        diff = _plan_diff(plan, led["plan"])
+        if diff:
+            raise PlanMismatch(f"{d}: ranks 0 and {led['rank']} planned differently: {'; '.join(diff)}")
+    world = int(plan["world_size"])
+    done = sorted(int(led["rank"]) for led in ledgers if led.get("done"))
+    shards = [dict(e, rank=int(led["rank"])) for led in ledgers for e in led["shards"]]
+    shards.sort(key=lambda e: (e["rank"], int(e["index"])))
+    return {**plan, "ranks_done": done, "complete": done == list(range(world)), "shards": shards}
+
+
+def write_merged_index(out_dir: str | Path) -> dict:
+    """Merge the ledgers into ``index.json`` (under a directory lock, atomically)."""
+    d = Path(out_dir)
+    with _dir_lock(d):
+        index = merged_index(d)
+        atomic_write_json(d / INDEX_NAME, index)
+    return index
+
+
+# ---------------------------------------------------------------------------
+# Checkers (by Conversation.source)
+# ---------------------------------------------------------------------------
+
+
+def check_gsm8k(conv: Conversation) -> bool | None:
+    """True when the final number of the last assistant reply equals the reference; None when
+    there is no reference to check against."""
+    if conv.reference is None:
+        return None
+    replies = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+    if not replies:
+        return False
+    return gsm8k_final_answer(replies[-1]) == gsm8k_final_answer(conv.reference)
+
+
+# Conversation.source -> checker returning True (right), False (wrong) or None (cannot tell).
+CHECKERS: dict[str, Callable[[Conversation], bool | None]] = {"gsm8k": check_gsm8k}
+
+
+# ---------------------------------------------------------------------------
+# Turn-by-turn replay
+# ---------------------------------------------------------------------------
+
+
+def context_chunks(conv: Conversation) -> list[list[dict]]:
+    """The non-assistant messages that precede each reply to generate.
+
+    [sys, u1, a1, u2, a2] -> [[sys, u1], [u2]]; [u1] -> [[u1]]; followups add one [user] chunk
+    each. Original assistant messages are dropped (they are what gets regenerated).
+    """
+    chunks: list[list[dict]] = []
+    cur: list[dict] = []
+    for m in conv.messages:
+        if m["role"] == "assistant":
+            if cur:
+                chunks.append(cur)
+                cur = []
+            continue  # an assistant turn with no new context (e.g. leading) is dropped
+        cur.append(dict(m))
+    if cur:
+        chunks.append(cur)
+    chunks += [[{"role": "user", "content": f}] for f in conv.followups]
+    if chunks and not any(m["role"] == "user" for m in chunks[0]):
+        raise ValueError(f"conversation {conv.id!r}: no user message before the first reply")
+    return chunks
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """EOS ids of the model's generation config and tokenizer, plus the special token that the
+    chat template puts after an assistant reply (its end-of-turn token)."""
+    from data.chat import end_of_turn_candidates, render_text
+
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    marker = "draftsmith-probe-reply"
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
+    text = render_text(tokenizer, probe)
+    after = text[text.rfind(marker) + len(marker) :].lstrip()
+    for tok in end_of_turn_candidates(tokenizer):
+        if after.startswith(tok):
+            ids.append(tokenizer.convert_tokens_to_ids(tok))
+            break
+    return sorted({int(i) for i in ids if i is not None and i >= 0})
+
+
+@dataclass
+class GenerationBackend:
+    """The pieces ``generate_replies`` needs (a TargetModel or a bare model + tokenizer)."""
+
+    model: Any
+    tokenizer: Any
+    stop_ids: list[int]
+    pad_id: int
+
+
+def make_backend(model: Any, tokenizer: Any) -> GenerationBackend:
+    stops = stop_token_ids(tokenizer, model)
+    if not stops:
+        raise ValueError("no EOS / end-of-turn token: set generation_config.eos_token_id or the tokenizer's eos_token")
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = stops[0]  # pad token missing: pad with EOS (masked out anyway)
+    return GenerationBackend(model=model, tokenizer=tokenizer, stop_ids=stops, pad_id=int(pad))
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, T_max), padded on the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        if s:
+            ids[b, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[b, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def generate_replies(backend: GenerationBackend, prompts: list[list[int]], cfg: RegenerateConfig) -> list[tuple[str, bool]]:
+    """One batched ``generate`` call: (reply text, finished) per prompt; finished = a stop token
+    was produced within ``max_new_tokens``."""
+    from transformers import GenerationConfig
+
+    model = backend.model
+    ids, mask = left_pad(prompts, backend.pad_id, model.device)
+    sample = cfg.temperature > 0
+    gen = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=sample,
+        temperature=cfg.temperature if sample else None,
+        top_p=cfg.top_p if sample else None,
+        top_k=cfg.top_k if sample else None,
+        eos_token_id=backend.stop_ids,
+        pad_token_id=backend.pad_id,
+    )
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
+    new = out[:, ids.shape[1] :].tolist()
+    stops = set(backend.stop_ids)
+    replies = []
+    for row in new:
+        cut = next((t for t, tok in enumerate(row) if tok in stops), None)
+        body = row if cut is None else row[:cut]
+        replies.append((backend.tokenizer.decode(body, skip_special_tokens=True).strip(), cut is not None))
+    return replies
+
+
+def replay_batch(
+    backend: GenerationBackend, convs: list[Conversation], cfg: RegenerateConfig, max_prompt_tokens: int | None
+) -> list[tuple[Conversation | None, dict]]:
+    """Regenerate the assistant turns of ``convs`` (one batch), turn by turn.
+
+    Returns (conversation or None when dropped, info) per input; info holds "turns",
+    "truncated" (a reply hit max_new_tokens) and "reason" when dropped.
+    """
+    from data.chat import prompt_ids
+
+    plans = [context_chunks(c) for c in convs]
+    history: list[list[dict]] = [[] for _ in convs]
+    info: list[dict] = [{"turns": 0, "truncated": False, "context_cut": False} for _ in convs]
+    active = list(range(len(convs)))
+    turn = 0
+    while active:
+        prompts: dict[int, list[int]] = {}
+        for i in active:
+            msgs = history[i] + plans[i][turn]
+            ids = prompt_ids(backend.tokenizer, msgs)
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                info[i]["context_cut"] = True  # the replay ends here; earlier turns are kept
+                continue
+            prompts[i] = ids
+        order = list(prompts)
+        for start in range(0, len(order), cfg.batch_size):
+            part = order[start : start + cfg.batch_size]
+            for i, (reply, finished) in zip(part, generate_replies(backend, [prompts[i] for i in part], cfg)):
+                history[i] = history[i] + plans[i][turn] + [{"role": "assistant", "content": reply}]
+                info[i]["turns"] += 1
+                info[i]["truncated"] |= not finished
+        turn += 1
+        active = [i for i in order if turn < len(plans[i])]
+    results = []
+    for conv, msgs, inf in zip(convs, history, info):
+        if inf["turns"] == 0:
+            results.append((None, {**inf, "reason": "prompt_too_long"}))
+            continue
+        results.append((Conversation(id=conv.id, source=conv.source, messages=msgs, reference=conv.reference,
+                                     category=conv.category, followups=[], meta=dict(conv.meta)), inf))
+    return results
+
+
+# ---------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------
+
+
+def _shard_name(rank: int, index: int, suffix: str) -> str:
+    return f"shard_{rank}_{index:05d}.{suffix}"
+
+
+def _default_max_prompt(model: Any, max_new_tokens: int) -> int | None:
+    ctx = getattr(model.config, "max_position_embeddings", None)
+    return None if ctx is None else max(1, int(ctx) - max_new_tokens)
+
+
+@dataclass
+class RegenerateResult:
+    output_dir: Path
+    rank: int
+    world_size: int
+    shards_written: int
+    shards_skipped: int
+    items_written: int
+    dropped: Counter = field(default_factory=Counter)
+    stopped_early: bool = False  # max_shards reached before the rank's last shard
+
+
+def regenerate(
+    cfg: RegenerateConfig,
+    target: Any = None,
+    records: Sequence[Conversation] | None = None,
+    checkers: Mapping[str, Callable[[Conversation], bool | None]] | None = None,
+) -> RegenerateResult:
+    """Regenerate the assistant turns of ``cfg.source`` (or ``records``) with ``cfg.model``.
+
+    ``target``: an already loaded ``models.target.TargetModel`` (or anything with ``.model`` and
+    ``.tokenizer``); None loads ``cfg.model`` with ``cfg.dtype`` / ``cfg.device``. ``checkers``
+    maps ``Conversation.source`` to a checker (default ``CHECKERS``: GSM8K final answers).
+    Resumable: complete shards of this rank are skipped (see the module docstring).
+    """
+    from tqdm.auto import tqdm
+
+    rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
+    convs = list(records) if records is not None else load_source(cfg.source, limit=cfg.limit)
+    if records is not None and cfg.limit is not None:
+        convs = convs[: cfg.limit]
+    plan = {
+        "format": REGEN_FORMAT,
+        "model": cfg.model,
+        "source": cfg.source if records is None else "<records>",
+        "n_items": len(convs),
+        "items_sha256": fingerprint([c.to_dict() for c in convs]),
+        "shard_size": cfg.shard_size,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "seed": cfg.seed,
+        "dtype": cfg.dtype,
+        "filter_wrong": cfg.filter_wrong,
+        "max_prompt_tokens": cfg.max_prompt_tokens,
+    }
+    out = Path(cfg.output_dir)
+    ledger = ShardLedger(out, rank, world, plan)
+    ledger.start()
+    mine = rank_items(len(convs), rank, world)
+    shards = chunk(mine, cfg.shard_size)
+    todo = [k for k in range(len(shards)) if not ledger.is_complete(k)]
+    result = RegenerateResult(out, rank, world, 0, len(shards) - len(todo), 0)
+    if not todo:
+        log.info("regenerate rank %d: all %d shard(s) complete in %s", rank, len(shards), out)
+        ledger.finish()
+        return result
+
+    if target is None:
+        from models.target import TargetModel, resolve_dtype
+
+        target = TargetModel.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype), device=resolve_rank_device(cfg.device))
+    backend = make_backend(target.model, target.tokenizer)
+    max_prompt = cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else _default_max_prompt(
+        target.model, cfg.max_new_tokens)
+    checkers = CHECKERS if checkers is None else checkers
+    done_items = sum(len(shards[k]) for k in range(len(shards)) if k not in todo)
+    bar = tqdm(total=len(mine), initial=done_items, desc=f"regenerate rank {rank}/{world}", unit="conv",
+               disable=not cfg.progress, file=sys.stderr)
+    try:
+        for k in todo:
+            if cfg.max_shards is not None and result.shards_written >= cfg.max_shards:
+                result.stopped_early = True
+                break
+            t0 = time.perf_counter()
+            torch.manual_seed(cfg.seed * 1_000_003 + rank * 100_003 + k)  # a redone shard is the same shard
+            lines: list[str] = []
+            dropped: Counter = Counter()
+            items = shards[k]
+            for start in range(0, len(items), cfg.batch_size):
+                batch_items = items[start : start + cfg.batch_size]
+                for item, (conv, info) in zip(batch_items, replay_batch(backend, [convs[i] for i in batch_items],
+                                                                         cfg, max_prompt)):
+                    bar.update(1)
+                    if conv is None:
+                        dropped[info["reason"]] += 1
+                        continue
+                    mark = {"model": cfg.model, "item": item, "original_id": convs[item].id,
+                            "turns": info["turns"], "truncated": info["truncated"],
+                            "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+                    if info["context_cut"]:
+                        mark["context_cut"] = True
+                    check = checkers.get(conv.source)
+                    verdict = check(conv) if check is not None else None
+                    if verdict is not None:
+                        mark["correct"] = bool(verdict)
+                        if not verdict and cfg.filter_wrong:
+                            dropped["wrong_answer"] += 1
+                            continue
+                    conv.meta["regenerated"] = mark
+                    lines.append(json.dumps(conv.to_dict(), ensure_ascii=False) + "\n")
+            name = _shard_name(rank, k, "jsonl")
+            atomic_write(out / name, lambda p: p.write_text("".join(lines), encoding="utf-8"))
+            ledger.commit({"file": name, "index": k, "n_items": len(items), "n_written": len(lines),
+                           "first_item": items[0], "dropped": dict(dropped),
+                           "seconds": round(time.perf_counter() - t0, 3)})
+            result.shards_written += 1
+            result.items_written += len(lines)
+            result.dropped.update(dropped)
+            if dropped:
+                log.info("regenerate rank %d shard %d: dropped %s", rank, k, dict(dropped))
+        else:
+            ledger.finish()
+    finally:
+        bar.close()
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Reading back
+# ---------------------------------------------------------------------------
+
+
+def load_regenerated(path: str | Path, limit: int | None = None, require_complete: bool = False) -> list[Conversation]:
+    """The conversations of a regeneration directory, in source order (across ranks).
+
+    Reads the shards listed in the rank ledgers (temp files and unrecorded shards are ignored).
+    ``require_complete`` raises when some rank has not finished; otherwise a partial run
+    yields what is complete (with a warning).
+    """
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise FileNotFoundError(f"regenerated data: {d} is not a directory")
+    index = merged_index(d)
+    if index.get("format") != REGEN_FORMAT:
+        raise ValueError(f"{d}: format {index.get('format')!r} is not {REGEN_FORMAT!r}")
+    if not index["complete"]:
+        msg = (f"{d}: regeneration incomplete (ranks done {index['ranks_done']} of world size "
+               f"{index['world_size']}, {len(index['shards'])} shard(s) complete)")
+        if require_complete:
+            raise RuntimeError(msg + "; rerun the regeneration command to finish it")
+        log.warning("%s; loading the complete shards", msg)
+    convs: list[Conversation] = []
+    for entry in index["shards"]:
+        with open(d / entry["file"], encoding="utf-8") as f:
+            convs += [Conversation.from_dict(json.loads(line)) for line in f if line.strip()]
+    convs.sort(key=lambda c: c.meta["regenerated"]["item"])
+    return convs[:limit] if limit is not None else convs
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m data.regenerate",
+                                 description="Regenerate assistant turns with the target model (resumable, sharded).")
+    ap.add_argument("--model", required=True, help="zoo name, local dir or hub id")
+    ap.add_argument("--source", required=True, help="source spec, e.g. gsm8k:train, sharegpt, mt-bench")
+    ap.add_argument("--output-dir", required=True)
+    defaults = {f.name: f.default for f in dataclasses.fields(RegenerateConfig)}
+    for name, typ in (("max_new_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int),
+                      ("batch_size", int), ("shard_size", int), ("limit", int), ("seed", int), ("dtype", str),
+                      ("device", str), ("rank", int), ("world_size", int), ("max_prompt_tokens", int),
+                      ("max_shards", int)):
+        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=defaults[name])
+    ap.add_argument("--filter-wrong", action="store_true", help="drop replies a checker marks wrong (GSM8K)")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    args["progress"] = not args.pop("no_progress")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    res = regenerate(RegenerateConfig.from_dict(args))
+    print(f"rank {res.rank}/{res.world_size}: wrote {res.shards_written} shard(s) ({res.items_written} conversations), "
+          f"skipped {res.shards_skipped} complete shard(s), dropped {dict(res.dropped)}"
+          f"{' (stopped at --max-shards)' if res.stopped_early else ''} -> {res.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
