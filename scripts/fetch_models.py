@@ -1,0 +1,48 @@
+"""Fetch bundled zoo models into the local cache and print where each one is.
+
+    python scripts/fetch_models.py                       # smollm2-135m-instruct only
+    python scripts/fetch_models.py qwen2.5-coder-0.5b-instruct
+    python scripts/fetch_models.py --all
+    python scripts/fetch_models.py --list
+
+The cache is `$DRAFTSMITH_CACHE/models/<name>` (default `~/.cache/draftsmith/models/<name>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from models import zoo
+
+DEFAULT_MODELS = ["smollm2-135m-instruct"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help=f"zoo names (default: {' '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--all", action="store_true", help="fetch every zoo model")
+    parser.add_argument("--list", action="store_true", help="list zoo models and whether they are fetched")
+    parser.add_argument("--keep-gguf", action="store_true", help="keep the assembled GGUF of split models")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    args = parser.parse_args(argv)
+
+    if args.list:
+        for name in zoo.list_models():
+            state = "fetched" if zoo.is_fetched(name) else "not fetched"
+            print(f"{name:32s} {state:12s} {zoo.model_dir(name)}  # {zoo.get(name).description}")
+        return 0
+    names = zoo.list_models() if args.all else (args.names or DEFAULT_MODELS)
+    unknown = [n for n in names if n not in zoo.REGISTRY]
+    if unknown:  # fail on a typo before spending minutes on the names before it
+        parser.error(f"unknown zoo model(s) {', '.join(unknown)}; valid names: {', '.join(zoo.list_models())}")
+    for name in names:
+        t0 = time.perf_counter()
+        path = zoo.fetch(name, progress=not args.quiet, keep_gguf=args.keep_gguf)
+        print(f"{name}: {path}  ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
