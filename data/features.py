@@ -101,6 +101,7 @@ class FeatureCacheConfig:
     skip_no_loss:   drop sequences without a single trained token (nothing to learn from)
     disk_margin:    refuse to start unless free space >= estimate * (1 + disk_margin)
     max_shards:     stop after writing this many shards in this call (rerun continues)
+    num_threads:    torch CPU threads (None = torch's default)
     progress:       tqdm progress bar on stderr
     """
 
@@ -121,6 +122,7 @@ class FeatureCacheConfig:
     skip_no_loss: bool = True
     disk_margin: float = 0.05
     max_shards: int | None = None
+    num_threads: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -309,6 +311,8 @@ def build_feature_cache(cfg: FeatureCacheConfig, target: Any = None,
     recs = list(records) if records is not None else load_source(cfg.source, limit=cfg.limit)
     if records is not None and cfg.limit is not None:
         recs = recs[: cfg.limit]
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
     if target is None:
         from models.target import TargetModel
 
@@ -569,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--topk", dest="topk_logits", type=int, default=defaults["topk_logits"])
     for name, typ in (("max_length", int), ("shard_tokens", int), ("storage_dtype", str), ("dtype", str),
                       ("device", str), ("batch_size", int), ("limit", int), ("rank", int), ("world_size", int),
-                      ("disk_margin", float), ("max_shards", int)):
+                      ("disk_margin", float), ("max_shards", int), ("num_threads", int)):
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=defaults[name])
     ap.add_argument("--keep-no-loss", action="store_true", help="keep sequences without trained tokens")
     ap.add_argument("--no-progress", action="store_true")

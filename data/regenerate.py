@@ -126,6 +126,7 @@ class RegenerateConfig:
                       max_new_tokens
     max_shards:       stop after writing this many shards in this call (time-boxed jobs; the
                       rerun continues); None = all
+    num_threads:      torch CPU threads (None = torch's default; 1 is fastest on a busy shared CPU)
     progress:         tqdm progress bar on stderr
     """
 
@@ -147,6 +148,7 @@ class RegenerateConfig:
     filter_wrong: bool = False
     max_prompt_tokens: int | None = None
     max_shards: int | None = None
+    num_threads: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -191,6 +193,12 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """``write(tmp)`` then fsync + rename to ``path``: readers see the old file or the whole new one.
 
@@ -202,6 +210,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # some writers (safetensors) create files 0600
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -296,7 +305,9 @@ def merged_index(out_dir: str | Path) -> dict:
     d = Path(out_dir)
     ledgers = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(d.glob("progress_rank*.json"))]
     if not ledgers:
-        raise FileNotFoundError(f"{d}: no progress_rank*.json ledger (not a draftsmith shard directory?)")
+        if (d / INDEX_NAME).is_file():  # a copy without the ledgers: the index is all there is
+            return json.loads((d / INDEX_NAME).read_text(encoding="utf-8"))
+        raise FileNotFoundError(f"{d}: neither progress_rank*.json ledgers nor {INDEX_NAME} (not a shard directory?)")
     plan = ledgers[0]["plan"]
     for led in ledgers[1:]:
         diff = _plan_diff(plan, led["plan"])
@@ -460,10 +471,16 @@ def replay_batch(
     """
     from data.chat import prompt_ids
 
-    plans = [context_chunks(c) for c in convs]
-    history: list[list[dict]] = [[] for _ in convs]
+    plans: list[list[list[dict]]] = []
     info: list[dict] = [{"turns": 0, "truncated": False, "context_cut": False} for _ in convs]
-    active = list(range(len(convs)))
+    for i, conv in enumerate(convs):
+        try:
+            plans.append(context_chunks(conv))
+        except ValueError:
+            plans.append([])
+            info[i]["reason"] = "no_user_turn"
+    history: list[list[dict]] = [[] for _ in convs]
+    active = [i for i in range(len(convs)) if plans[i]]
     turn = 0
     while active:
         prompts: dict[int, list[int]] = {}
@@ -486,7 +503,7 @@ def replay_batch(
     results = []
     for conv, msgs, inf in zip(convs, history, info):
         if inf["turns"] == 0:
-            results.append((None, {**inf, "reason": "prompt_too_long"}))
+            results.append((None, {"reason": "prompt_too_long", **inf}))
             continue
         results.append((Conversation(id=conv.id, source=conv.source, messages=msgs, reference=conv.reference,
                                      category=conv.category, followups=[], meta=dict(conv.meta)), inf))
@@ -566,6 +583,8 @@ def regenerate(
         ledger.finish()
         return result
 
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
     if target is None:
         from models.target import TargetModel, resolve_dtype
 
@@ -673,7 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in (("max_new_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int),
                       ("batch_size", int), ("shard_size", int), ("limit", int), ("seed", int), ("dtype", str),
                       ("device", str), ("rank", int), ("world_size", int), ("max_prompt_tokens", int),
-                      ("max_shards", int)):
+                      ("max_shards", int), ("num_threads", int)):
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=defaults[name])
     ap.add_argument("--filter-wrong", action="store_true", help="drop replies a checker marks wrong (GSM8K)")
     ap.add_argument("--no-progress", action="store_true")

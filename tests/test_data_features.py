@@ -208,6 +208,11 @@ def test_world_size_two(tmp_path, target):
     index = load_index(tmp_path)
     assert index["complete"] and {s["rank"] for s in index["shards"]} == {0, 1}
     assert sorted(int(x["item"]) for x in FeatureDataset(tmp_path)) == KEPT_ITEMS
+    copy = tmp_path / "copy"  # shards + index.json only (no ledgers): still readable
+    copy.mkdir()
+    for p in [*tmp_path.glob("shard_*"), tmp_path / "index.json"]:
+        shutil.copy(p, copy / p.name)
+    assert sorted(int(x["item"]) for x in FeatureDataset(copy)) == KEPT_ITEMS
 
 
 def test_load_index_refuses_mismatched_target(cache, target, tokenizer):

@@ -244,3 +244,13 @@ def test_config_rejects_unknown_keys_and_bad_values():
     args = regen.build_parser().parse_args(["--model", "m", "--source", "gsm8k:train", "--limit", "64",
                                             "--output-dir", "o", "--filter-wrong"])
     assert args.limit == 64 and args.filter_wrong and args.temperature == 0.0
+
+
+def test_unanswerable_records_are_dropped_and_counted(tmp_path, target):
+    convs = single_turn(2) + [Conversation(id="sys-only", source="test",
+                                           messages=[{"role": "system", "content": "Nothing to answer."}])]
+    res = regenerate(cfg_for(tmp_path / "a", shard_size=4), target=target, records=convs)
+    assert res.dropped == {"no_user_turn": 1} and res.items_written == 2
+    res = regenerate(cfg_for(tmp_path / "b", shard_size=4, max_prompt_tokens=5), target=target, records=convs)
+    assert res.dropped == {"prompt_too_long": 2, "no_user_turn": 1} and res.items_written == 0
+    assert load_regenerated(tmp_path / "b") == []
