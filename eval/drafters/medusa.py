@@ -25,7 +25,8 @@ class MedusaDrafter(Drafter):
     def __init__(self, heads: MedusaHeads, paths: list[list[int]] | None = None, name: str = "medusa"):
         self.heads = heads.eval()
         self.name = name
-        paths = paths or DEFAULT_MEDUSA_PATHS
+        if paths is None:  # the default tree, cut to the depth these heads can fill
+            paths = [path for path in DEFAULT_MEDUSA_PATHS if len(path) <= heads.config.num_heads]
         self.parents, self.depths, self.ranks = tree_from_paths(paths)
         if int(self.depths.max()) > heads.config.num_heads:
             raise ValueError(f"tree depth {int(self.depths.max())} exceeds num_heads={heads.config.num_heads}")
