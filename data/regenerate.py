@@ -285,8 +285,11 @@ class ShardLedger:
         write_merged_index(self.dir)
 
     def start(self) -> None:
-        """Write the ledger (so the plan is fixed on disk) and refresh the index."""
+        """Write the ledger (so the plan is fixed on disk), drop this rank's temp files left by a
+        killed run, and refresh the index."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(f"shard_{self.rank}_*.tmp"):
+            stale.unlink(missing_ok=True)
         self._save()
 
     def commit(self, entry: dict) -> None:

@@ -129,6 +129,7 @@ def test_crash_then_rerun_resumes_without_duplicates(tmp_path, target, monkeypat
 
     res = regenerate(cfg, target=target, records=convs)
     assert (res.shards_written, res.shards_skipped) == (2, 1)
+    assert not list(crash_dir.glob("*.tmp"))  # the killed run's leftovers are cleaned up
     # Same shards, same (sampled) text as the uninterrupted run; every item exactly once.
     assert shard_texts(crash_dir) == shard_texts(ref_dir)
     assert [c.id for c in load_regenerated(crash_dir, require_complete=True)] == [c.id for c in convs]
