@@ -309,3 +309,8 @@ def test_accelerate_launch(tmp_path):
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "final" / "manifest.json").is_file()
+
+
+def test_medusa2_names_bad_lora_modules(tmp_path):
+    with pytest.raises(ConfigError, match=r"medusa2\.lora_target_modules \['nope'\]"):
+        main(tiny_cfg(tmp_path, "medusa2.enabled=true", "medusa2.lora_target_modules=[nope]"))

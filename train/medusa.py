@@ -1,6 +1,6 @@
 """Medusa-1 / Medusa-2 recipe: K decoding heads on a target's final hidden state.
 
-    accelerate launch train/medusa.py --config train/configs/medusa_tiny.yaml [--resume [CKPT]] [key.path=value ...]
+    accelerate launch train/medusa.py --config train/configs/medusa_tiny.yaml [--resume | --resume-from CKPT] [key.path=value ...]
     python train/medusa.py --config train/configs/medusa_tiny.yaml train.max_steps=10
 
 Medusa-1: the target is frozen; only the heads (ResBlocks + an LM head copied from the target's)
@@ -58,6 +58,8 @@ CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 ACCURACY_FILE = "head_accuracy.json"
 LORA_DIR = "target_lora"
+# Keys a resumed run may change without a warning (everything else is compared with the checkpoint's config).
+RESUME_MAY_CHANGE = {"train.stop_after_steps", "train.max_steps", "logging.run_name", "output_dir", "device"}
 HIDDEN_LAYER = -1  # the final normed hidden state, as the target's LM head (and MedusaDrafter) read it
 
 
@@ -311,8 +313,12 @@ class MedusaRecipe:
             from peft import LoraConfig, get_peft_model
 
             m2 = cfg.medusa2
-            model = get_peft_model(model, LoraConfig(r=m2.lora_r, lora_alpha=m2.lora_alpha, lora_dropout=m2.lora_dropout,
-                                                     target_modules=list(m2.lora_target_modules), bias="none"))
+            try:
+                model = get_peft_model(model, LoraConfig(r=m2.lora_r, lora_alpha=m2.lora_alpha,
+                                                         lora_dropout=m2.lora_dropout, bias="none",
+                                                         target_modules=list(m2.lora_target_modules)))
+            except ValueError as err:
+                raise ConfigError(f"medusa2.lora_target_modules {m2.lora_target_modules}: {err}") from err
             lora = [p for p in model.parameters() if p.requires_grad]
             if not lora:
                 raise ConfigError(f"medusa2.lora_target_modules {m2.lora_target_modules} matched no module")
@@ -425,6 +431,7 @@ class MedusaRecipe:
         if cfg.optim.max_grad_norm is not None:
             grad_norm = acc.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]],
                                             cfg.optim.max_grad_norm)
+        lrs = [group["lr"] for group in self.optimizer.param_groups]  # the rates this step uses
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -435,11 +442,11 @@ class MedusaRecipe:
             sums = acc.reduce(sums, "sum")
             sums[:2] /= self.world  # per-process losses were scaled by world / N_total
         k = cfg.heads.num_heads
-        metrics = {"train/loss": float(sums[0]), "train/lr": self.scheduler.get_last_lr()[0],
+        metrics = {"train/loss": float(sums[0]), "train/lr": lrs[0],
                    "train/tokens": int(sums[2]), "train/samples_seen": self.samples_seen}
         if medusa2:
             metrics["train/lm_loss"] = float(sums[1])
-            metrics["train/lora_lr"] = self.scheduler.get_last_lr()[1]
+            metrics["train/lora_lr"] = lrs[1]
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
         for h in range(k):
@@ -550,8 +557,20 @@ class MedusaRecipe:
                     raise CheckpointError(f"checkpoint {path}: {name} has shape {tuple(saved[name].shape)}, "
                                           f"expected {tuple(p.shape)}")
                 p.copy_(saved[name])
+        saved_cfg, cfg_now = flatten_dict(state["config"]), flatten_dict(config_to_dict(self.cfg))
+        changed = [key for key in sorted(set(saved_cfg) | set(cfg_now))
+                   if saved_cfg.get(key) != cfg_now.get(key) and key not in RESUME_MAY_CHANGE]
+        if changed:
+            log.warning("resuming with a config that differs from the checkpoint's in %s", ", ".join(
+                f"{key} ({saved_cfg.get(key)!r} -> {cfg_now.get(key)!r})" for key in changed))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # The config's optimizer settings win over the saved ones (identical when nothing changed).
+        base_lrs = [self.cfg.optim.lr] + ([self.cfg.medusa2.lora_lr] if self.cfg.medusa2.enabled else [])
+        self.scheduler.base_lrs = base_lrs
+        for group, base, factor in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas):
+            group.update(lr=base * factor(self.scheduler.last_epoch), initial_lr=base, betas=tuple(self.cfg.optim.betas),
+                         eps=self.cfg.optim.eps, weight_decay=self.cfg.optim.weight_decay)
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self.lm_loss_before = state["lm_loss_before"]
         rng = state["rng"]
@@ -748,8 +767,10 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train Medusa heads (Medusa-1, or Medusa-2 with LoRA on the target).")
     parser.add_argument("--config", required=True, help="YAML config (see train/configs/)")
-    parser.add_argument("--resume", nargs="?", const="auto", default=None,
-                        help="continue from the latest checkpoint in output_dir (or from the given checkpoint dir)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in output_dir/checkpoints (fresh start if none)")
+    parser.add_argument("--resume-from", metavar="CHECKPOINT_DIR", default=None,
+                        help="continue from this checkpoint directory (output_dir/checkpoints/step_<N>)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.max_steps=10")
     return parser.parse_args(argv)
 
@@ -758,7 +779,7 @@ def cli(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(MedusaRecipeConfig, args.config, args.overrides)
-    summary = main(cfg, resume=args.resume)
+    summary = main(cfg, resume=args.resume_from or ("auto" if args.resume else None))
     print(json.dumps(summary))
     return summary
 
