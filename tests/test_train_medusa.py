@@ -20,7 +20,8 @@ from train.common import (CheckpointError, ConfigError, MetricsFile, TinyTokeniz
                           build_tiny_causal_lm, latest_checkpoint, list_checkpoints, load_checkpoint, load_config,
                           load_target, read_records, rng_state, save_checkpoint, set_rng_state, split_heldout,
                           write_records)
-from train.medusa import MedusaRecipeConfig, cli, load_medusa_drafter, main
+from eval.drafters.medusa import load_medusa_drafter
+from train.medusa import MedusaRecipeConfig, cli, main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "train" / "configs" / "medusa_tiny.yaml"

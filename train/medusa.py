@@ -18,7 +18,7 @@ Layout of `output_dir`:
                             train_config.yaml, and target_lora/ for Medusa-2
     metrics.jsonl           every logged metric (also sent to W&B when `logging.tracker: wandb`)
 
-`load_medusa_drafter(final_dir, target)` turns `final/` into the decoder's MedusaDrafter after
+`eval.drafters.medusa.load_medusa_drafter(final_dir, target)` turns `final/` into the decoder's MedusaDrafter after
 checking that the manifest's target (hidden size, vocab fingerprint) is the given one.
 """
 
@@ -41,8 +41,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from models.medusa import MedusaConfig, MedusaHeads
-from models.target import resolve_device, resolve_dtype, vocab_fingerprint
+from models.medusa import (ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, HIDDEN_LAYER, MANIFEST_FILE, MANIFEST_FORMAT,
+                           MedusaConfig, MedusaHeads)
+from models.target import resolve_device, vocab_fingerprint
 from train.common import (MetricsFile, CheckpointError, ConfigError, batch_indices, collate, config_to_dict,
                           flatten_dict, latest_checkpoint, load_checkpoint, load_config, load_records, load_target,
                           prepare_wandb_env, rng_state, save_checkpoint, save_config, seed_everything, set_rng_state,
@@ -52,15 +53,9 @@ from train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa
 
 log = logging.getLogger("train.medusa")
 
-MANIFEST_FORMAT = "draftsmith.medusa/1"
-HEADS_FILE = "medusa_heads.safetensors"
-CONFIG_FILE = "config.json"
-MANIFEST_FILE = "manifest.json"
-ACCURACY_FILE = "head_accuracy.json"
 LORA_DIR = "target_lora"
 # Keys a resumed run may change without a warning (everything else is compared with the checkpoint's config).
 RESUME_MAY_CHANGE = {"train.stop_after_steps", "train.max_steps", "logging.run_name", "output_dir", "device"}
-HIDDEN_LAYER = -1  # the final normed hidden state, as the target's LM head (and MedusaDrafter) read it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,99 +659,6 @@ def main(cfg: MedusaRecipeConfig, resume: str | None = None) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Loading a trained checkpoint into the decoder
 # ---------------------------------------------------------------------------------------------
-
-
-def read_manifest(path: str | Path) -> dict:
-    path = Path(path)
-    file = path / MANIFEST_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"no {MANIFEST_FILE} in {path} (expected a Medusa recipe's final/ directory)")
-    try:
-        manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is corrupt ({err})") from err
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{file}: format {manifest.get('format')!r} is not {MANIFEST_FORMAT!r}")
-    return manifest
-
-
-def check_manifest_target(manifest: dict, target, where: str = "checkpoint") -> None:
-    """Refuse heads trained for another target: say which of hidden size / vocab / layer differs."""
-    want = manifest["target"]
-    config = target.config
-    if target.tokenizer is None:
-        raise ValueError(f"the target has no tokenizer, so its vocabulary cannot be checked against {where}")
-    have = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-            "vocab_fingerprint": vocab_fingerprint(target.tokenizer)}
-    problems = [f"{key}: {want.get(key)!r} in the manifest vs {value!r} for the given target"
-                for key, value in have.items() if want.get(key) != value]
-    if want.get("hidden_layer") != HIDDEN_LAYER:
-        problems.append(f"hidden_layer: the heads read layer {want.get('hidden_layer')}, MedusaDrafter feeds {HIDDEN_LAYER}")
-    if problems:
-        raise ValueError(f"{where} was trained for target {want.get('name')!r} and does not fit the given target "
-                         f"{getattr(target, 'name', '')!r}: " + "; ".join(problems))
-
-
-def load_medusa_heads(path: str | Path, device: str | torch.device | None = None) -> tuple[MedusaHeads, dict]:
-    """(MedusaHeads in float32, manifest) from a recipe's final/ directory (no target check)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    manifest = read_manifest(path)
-    config_file, heads_file = path / manifest["heads"]["config"], path / manifest["heads"]["file"]
-    for file in (config_file, heads_file):
-        if not file.is_file():
-            raise FileNotFoundError(f"Medusa checkpoint {path} is incomplete: {file.name} is missing")
-    config = MedusaConfig(**json.loads(config_file.read_text()))
-    heads = MedusaHeads(config)
-    try:
-        state = load_file(str(heads_file))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{heads_file} is corrupt or truncated ({err})") from err
-    try:
-        heads.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"{heads_file} does not match {config_file.name}: {err}") from err
-    return heads.to(resolve_device(device)).eval(), manifest
-
-
-def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None = None, width: int | None = None,
-                        target_adapter: Literal["refuse", "merge", "ignore"] = "refuse"):
-    """A MedusaDrafter for `target` from a recipe's final/ directory.
-
-    Refuses a manifest whose target hidden size, vocab size or vocab fingerprint differs from the
-    given target's. Tree: `paths` if given; else an ARCA tree of `width` nodes (default: as many as
-    the default tree) from the held-out per-rank accuracies saved with the heads. Medusa-2 heads
-    were trained on the LoRA-adapted target: `target_adapter="merge"` merges the saved adapter into
-    `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises.
-    """
-    from eval.arca import arca_paths, load_rank_accuracy
-    from eval.drafters.medusa import DEFAULT_MEDUSA_PATHS, MedusaDrafter
-
-    path = Path(path)
-    manifest = read_manifest(path)
-    check_manifest_target(manifest, target, where=f"Medusa checkpoint {path}")
-    heads, manifest = load_medusa_heads(path, device=target.device)
-    adapter = manifest.get("target_adapter")
-    if adapter:
-        if target_adapter == "refuse":
-            raise ValueError(f"Medusa checkpoint {path} was trained jointly with a LoRA adapter on the target "
-                             f"({path / adapter}); pass target_adapter='merge' to decode with the adapted target, "
-                             "or 'ignore' to use the base target (lower acceptance)")
-        if target_adapter == "merge":
-            from peft import PeftModel
-
-            target.model = PeftModel.from_pretrained(target.model, str(path / adapter)).merge_and_unload().eval()
-    if paths is None:
-        accuracy_file = path / ACCURACY_FILE
-        if accuracy_file.is_file():
-            paths = arca_paths(load_rank_accuracy(accuracy_file), width or len(DEFAULT_MEDUSA_PATHS))
-        elif width is not None:
-            raise FileNotFoundError(f"{accuracy_file} is missing: pass explicit paths")
-        else:
-            paths = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
-    return MedusaDrafter(heads, paths, name=f"medusa:{path}")
 
 
 # ---------------------------------------------------------------------------------------------

