@@ -116,11 +116,16 @@ def test_smollm2_sampling_matches_target(smol):
 
 @pytest.mark.slow
 def test_qwen_coder_pair_greedy_equivalence():
-    """Qwen2.5-Coder-1.5B target with the 0.5B as draft (chain and tree), 3 prompts, bf16."""
+    """Qwen2.5-Coder-1.5B target with the 0.5B as draft (chain and tree), 3 prompts, float32.
+
+    float32 on purpose: in bf16 on CPU a multi-token forward and a one-token forward round
+    differently, so near-tie argmaxes can flip between *any* two decoding schedules (HF's own
+    assisted generation included); the comparison with `generate` is then not about our decoder.
+    """
     for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"):
         need(name)
-    target = TargetModel.from_pretrained("qwen2.5-coder-1.5b-instruct", dtype="bfloat16")
-    draft = TargetModel.from_pretrained("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
+    target = TargetModel.from_pretrained("qwen2.5-coder-1.5b-instruct", dtype="float32")
+    draft = TargetModel.from_pretrained("qwen2.5-coder-0.5b-instruct", dtype="float32")
     prompts = PROMPTS + ["Explain what a Python list comprehension is, with an example."]
     for prompt in prompts:
         ids = chat_ids(target.tokenizer, prompt)
