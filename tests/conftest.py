@@ -43,3 +43,24 @@ def tiny_model(family: str = "llama", seed: int = 0, **kwargs):
 @pytest.fixture(params=["llama", "qwen2"])
 def family(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The real SmolLM2 tokenizer (chat template included) from the zoo cache; skip if absent."""
+    from transformers import AutoTokenizer
+
+    from models.zoo import is_fetched, resolve_model_path
+
+    if not is_fetched("smollm2-135m-instruct"):
+        pytest.skip("smollm2-135m-instruct not converted in the zoo cache (scripts/fetch_models.py)")
+    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+
+
+def tiny_target_for(tokenizer, seed: int):
+    """A tiny random Llama whose vocab matches `tokenizer` (ids decode to real text), as a target."""
+    from types import SimpleNamespace
+
+    model = tiny_model("llama", seed=seed, vocab_size=len(tokenizer), hidden_size=32,
+                       eos_token_id=tokenizer.eos_token_id)
+    return SimpleNamespace(model=model, tokenizer=tokenizer)

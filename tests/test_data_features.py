@@ -26,26 +26,19 @@ from data.features import (
 )
 from data.sources import Conversation
 
-from conftest import tiny_model
+from conftest import tiny_target_for
 
 TOPK = 5
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from models.zoo import is_fetched, resolve_model_path
-    from transformers import AutoTokenizer
-
-    if not is_fetched("smollm2-135m-instruct"):
-        pytest.skip("smollm2-135m-instruct not converted in the zoo cache (scripts/fetch_models.py)")
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+def tokenizer(smol_tokenizer):
+    return smol_tokenizer
 
 
 @pytest.fixture(scope="module")
 def target(tokenizer):
-    model = tiny_model("llama", seed=1, vocab_size=len(tokenizer), hidden_size=32,
-                       eos_token_id=tokenizer.eos_token_id)
-    return SimpleNamespace(model=model, tokenizer=tokenizer)
+    return tiny_target_for(tokenizer, seed=1)
 
 
 def records() -> list:

@@ -7,7 +7,6 @@ whose vocab matches the tokenizer, so generated ids decode to real text pieces.
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,26 +23,19 @@ from data.regenerate import (
 )
 from data.sources import Conversation
 
-from conftest import tiny_model
+from conftest import tiny_target_for
 
 MAX_NEW = 5
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from models.zoo import is_fetched, resolve_model_path
-    from transformers import AutoTokenizer
-
-    if not is_fetched("smollm2-135m-instruct"):
-        pytest.skip("smollm2-135m-instruct not converted in the zoo cache (scripts/fetch_models.py)")
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+def tokenizer(smol_tokenizer):
+    return smol_tokenizer
 
 
 @pytest.fixture(scope="module")
 def target(tokenizer):
-    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer), hidden_size=32,
-                       eos_token_id=tokenizer.eos_token_id)
-    return SimpleNamespace(model=model, tokenizer=tokenizer)
+    return tiny_target_for(tokenizer, seed=0)
 
 
 def single_turn(n: int, source: str = "test") -> list[Conversation]:
