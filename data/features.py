@@ -58,6 +58,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data.regenerate import (
+    job_parser,
     PlanMismatch,
     ShardLedger,
     atomic_write,
@@ -562,21 +563,17 @@ class FeatureDataset(IterableDataset):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m data.features",
-                                 description="Cache target hidden states / top-k logits to bf16 safetensors shards.")
-    ap.add_argument("--model", required=True, help="zoo name, local dir or hub id")
-    ap.add_argument("--source", required=True, help="source spec, e.g. gsm8k:train or conversations:<regenerated dir>")
-    ap.add_argument("--output-dir", required=True)
+    ap = job_parser("python -m data.features",
+                    "Cache target hidden states / top-k logits to bf16 safetensors shards.",
+                    FeatureCacheConfig, "source spec, e.g. gsm8k:train or conversations:<regenerated dir>",
+                    (("max_length", int), ("shard_tokens", int), ("storage_dtype", str), ("dtype", str),
+                     ("device", str), ("batch_size", int), ("limit", int), ("rank", int), ("world_size", int),
+                     ("disk_margin", float), ("max_shards", int), ("num_threads", int)))
     defaults = {f.name: f.default for f in dataclasses.fields(FeatureCacheConfig)}
     ap.add_argument("--layers", dest="hidden_layers", type=int, nargs="+", default=list(defaults["hidden_layers"]),
                     help="output_hidden_states indices (-1 = final normed state)")
     ap.add_argument("--topk", dest="topk_logits", type=int, default=defaults["topk_logits"])
-    for name, typ in (("max_length", int), ("shard_tokens", int), ("storage_dtype", str), ("dtype", str),
-                      ("device", str), ("batch_size", int), ("limit", int), ("rank", int), ("world_size", int),
-                      ("disk_margin", float), ("max_shards", int), ("num_threads", int)):
-        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=defaults[name])
     ap.add_argument("--keep-no-loss", action="store_true", help="keep sequences without trained tokens")
-    ap.add_argument("--no-progress", action="store_true")
     return ap
 
 

@@ -685,20 +685,30 @@ def load_regenerated(path: str | Path, limit: int | None = None, require_complet
 # ---------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m data.regenerate",
-                                 description="Regenerate assistant turns with the target model (resumable, sharded).")
+def job_parser(prog: str, description: str, config_cls: type, source_help: str,
+               options: Sequence[tuple[str, type]]) -> argparse.ArgumentParser:
+    """The CLI shared by the sharded data jobs (regenerate, features): --model/--source/--output-dir,
+    one --flag per (config field, type) in `options` with the dataclass default, and --no-progress."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--model", required=True, help="zoo name, local dir or hub id")
-    ap.add_argument("--source", required=True, help="source spec, e.g. gsm8k:train, sharegpt, mt-bench")
+    ap.add_argument("--source", required=True, help=source_help)
     ap.add_argument("--output-dir", required=True)
-    defaults = {f.name: f.default for f in dataclasses.fields(RegenerateConfig)}
-    for name, typ in (("max_new_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int),
-                      ("batch_size", int), ("shard_size", int), ("limit", int), ("seed", int), ("dtype", str),
-                      ("device", str), ("rank", int), ("world_size", int), ("max_prompt_tokens", int),
-                      ("max_shards", int), ("num_threads", int)):
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    for name, typ in options:
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=defaults[name])
-    ap.add_argument("--filter-wrong", action="store_true", help="drop replies a checker marks wrong (GSM8K)")
     ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = job_parser("python -m data.regenerate",
+                    "Regenerate assistant turns with the target model (resumable, sharded).",
+                    RegenerateConfig, "source spec, e.g. gsm8k:train, sharegpt, mt-bench",
+                    (("max_new_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int),
+                     ("batch_size", int), ("shard_size", int), ("limit", int), ("seed", int), ("dtype", str),
+                     ("device", str), ("rank", int), ("world_size", int), ("max_prompt_tokens", int),
+                     ("max_shards", int), ("num_threads", int)))
+    ap.add_argument("--filter-wrong", action="store_true", help="drop replies a checker marks wrong (GSM8K)")
     return ap
 
 
