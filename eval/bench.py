@@ -58,23 +58,41 @@ class BenchConfig:
 
 
 def parse_method(spec: str) -> tuple[str, dict[str, str]]:
-    """'lm-tree:depth=4,topk=3' -> ('lm-tree', {'depth': '4', 'topk': '3'}); 'medusa:/dir' -> path option."""
+    """'lm-tree:depth=4,topk=3' -> ('lm-tree', {'depth': '4', 'topk': '3'});
+    'medusa:/dir,width=8' -> ('medusa', {'path': '/dir', 'width': '8'}) (a leading item without '='
+    is the `path` option)."""
     kind, _, rest = spec.partition(":")
     options: dict[str, str] = {}
-    if rest:
-        if "=" not in rest:
-            options["path"] = rest
-        else:
-            for item in rest.split(","):
-                key, eq, value = item.partition("=")
-                if not eq:
-                    raise ValueError(f"bad option {item!r} in method {spec!r}: use key=value")
-                options[key.strip()] = value.strip()
+    for index, item in enumerate(rest.split(",") if rest else []):
+        key, eq, value = item.partition("=")
+        if not eq:
+            if index == 0:
+                options["path"] = item.strip()
+                continue
+            raise ValueError(f"bad option {item!r} in method {spec!r}: use key=value")
+        options[key.strip()] = value.strip()
     return kind, options
 
 
-def build_drafter(spec: str, target: TargetModel, draft: TargetModel | None) -> Drafter | None:
-    """A drafter from a method spec (None for the plain loop)."""
+# Methods implemented outside this file: kind -> "module:function". The function is called as
+# build(options, target, draft, name) and must pop every option it understands from `options`
+# (leftovers are rejected). It returns a Drafter (run by SpeculativeDecoder) or a decoding
+# *policy*: any object with make_decoder(target, decode_config) -> obj with .generate((1, T)) ->
+# DecodeResult (for methods that change the loop itself: Self-Draft, pipelines, placements).
+EXTERNAL_METHODS: dict[str, str] = {
+    "medusa": "eval.drafters.medusa:build_from_spec",
+}
+
+
+def _import_builder(target_path: str):
+    import importlib
+
+    module, _, function = target_path.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def build_drafter(spec: str, target: TargetModel, draft: TargetModel | None):
+    """A drafter (or decoding policy) from a method spec (None for the plain loop)."""
     kind, opt = parse_method(spec)
 
     def take(key, default, cast=int):
@@ -101,13 +119,11 @@ def build_drafter(spec: str, target: TargetModel, draft: TargetModel | None) -> 
     elif kind == "ngram":
         drafter = NgramDrafter(max_ngram=take("n", 3), num_tokens=take("k", 5), num_branches=take("branches", 1),
                                name=spec)
-    elif kind == "medusa":
-        from eval.drafters.medusa import load_medusa_drafter
-
-        drafter = load_medusa_drafter(opt.pop("path"), target, name=spec)
+    elif kind in EXTERNAL_METHODS:
+        drafter = _import_builder(EXTERNAL_METHODS[kind])(opt, target, draft, spec)
     else:
-        raise ValueError(f"unknown method {spec!r}; known: plain, loop-plain, hf-assisted, lm-chain, lm-tree, "
-                         "ngram, medusa:<dir>")
+        known = ["plain", "loop-plain", "hf-assisted", "lm-chain", "lm-tree", "ngram", *sorted(EXTERNAL_METHODS)]
+        raise ValueError(f"unknown method {spec!r}; known: {', '.join(known)}")
     if opt:
         raise ValueError(f"unknown option(s) {sorted(opt)} for method {spec!r}")
     return drafter
@@ -179,7 +195,12 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
                                         max_new_tokens=config.max_new_tokens, **extra)
             _sync(target.device)
             return out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - start, None
-        result = SpeculativeDecoder(target, drafters[method], decode).generate(input_ids)
+        method_object = drafters[method]
+        if hasattr(method_object, "make_decoder"):  # a policy that runs its own loop
+            decoder = method_object.make_decoder(target, decode)
+        else:
+            decoder = SpeculativeDecoder(target, method_object, decode)
+        result = decoder.generate(input_ids)
         _sync(target.device)
         return result.tokens, time.perf_counter() - start, result.stats
 

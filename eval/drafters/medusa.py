@@ -99,3 +99,10 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
         else:
             paths = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
     return MedusaDrafter(heads, paths, name=name or f"medusa:{path}")
+
+
+def build_from_spec(options: dict, target, draft, name: str):
+    """Bench method `medusa:<dir>[,width=N,adapter=merge]` (see eval.bench.EXTERNAL_METHODS)."""
+    width = options.pop("width", None)
+    return load_medusa_drafter(options.pop("path"), target, width=int(width) if width else None,
+                               target_adapter=options.pop("adapter", "refuse"), name=name)
