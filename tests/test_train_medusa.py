@@ -193,6 +193,28 @@ def test_resume_continues_exactly(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "cut" / "checkpoints")] == ["step_6", "step_8"]
 
 
+def test_frozen_lm_heads_train_resblocks_only_and_resume(tmp_path):
+    """heads.train_lm_head=false: the LM heads stay the target's, ResBlocks learn, resume is exact."""
+    extra = ["heads.train_lm_head=false", "train.max_steps=4", "train.checkpoint_every=2", "optim.lr=0.05"]
+    main(tiny_cfg(tmp_path / "full", *extra))
+    main(tiny_cfg(tmp_path / "cut", *extra, "train.stop_after_steps=2"))
+    main(tiny_cfg(tmp_path / "cut", *extra), resume="auto")
+    from safetensors.torch import load_file
+
+    full = load_file(str(tmp_path / "full" / "final" / "medusa_heads.safetensors"))
+    cut = load_file(str(tmp_path / "cut" / "final" / "medusa_heads.safetensors"))
+    lm_head = load_target("tiny:llama").model.get_output_embeddings().weight
+    for name, tensor in full.items():
+        assert torch.allclose(tensor, cut[name], atol=1e-6), name
+        if name.endswith(".1.weight"):  # medusa_head.{k}.{num_layers=1}.weight: the LM head
+            assert torch.equal(tensor, lm_head.float())
+        elif name.endswith("linear.weight"):
+            assert tensor.abs().sum() > 0  # zero-initialised, so it moved
+    saved = load_checkpoint(latest_checkpoint(tmp_path / "cut" / "checkpoints"))
+    assert sorted(saved["trainable"]) == sorted(f"heads.medusa_head.{k}.0.linear.{w}"
+                                                for k in range(3) for w in ("weight", "bias"))
+
+
 def test_grad_accumulation_matches_large_batch(tmp_path):
     main(tiny_cfg(tmp_path / "big", "train.max_steps=3", "train.batch_size=4"))
     main(tiny_cfg(tmp_path / "acc", "train.max_steps=3", "train.batch_size=2", "train.grad_accum_steps=2"))

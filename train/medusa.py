@@ -74,6 +74,9 @@ class ModelConfig:
 class HeadsConfig:
     num_heads: int = 4
     num_layers: int = 1  # ResBlocks per head
+    # False: every head's LM head stays the frozen copy of the target's; only the ResBlocks train.
+    # Large vocabularies (Qwen: 152k x 1536 per head) then need no optimizer state or weight grads there.
+    train_lm_head: bool = True
 
 
 @dataclass
@@ -302,8 +305,11 @@ class MedusaRecipe:
                                           num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers)
         heads = MedusaHeads(self.medusa_config).to(acc.device)  # float32 whatever the target's dtype
         heads.init_lm_heads(model.get_output_embeddings().weight)
+        if not cfg.heads.train_lm_head:  # re-initialised identically from the target on resume
+            for head in heads.medusa_head:
+                head[-1].weight.requires_grad_(False)
         model.requires_grad_(False)
-        param_groups = [{"params": list(heads.parameters()), "lr": cfg.optim.lr}]
+        param_groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
         if cfg.medusa2.enabled:
             from peft import LoraConfig, get_peft_model
 
