@@ -300,6 +300,8 @@ def test_records_source_and_wandb_offline(tmp_path, monkeypatch):
     path = tmp_path / "records.jsonl"
     write_records(path, records)
     assert read_records(path) == records
+    mixed = load_records(f"records:{path} + records:{path}", limit=3)  # a mixture concatenates its parts
+    assert mixed == records[:3] + records[:3]
     monkeypatch.setenv("WANDB_MODE", "offline")
     main(tiny_cfg(tmp_path / "run", f"data.source=records:{path}", "train.max_steps=2", "eval.every_steps=0",
                   "logging.tracker=wandb"))

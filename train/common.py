@@ -329,8 +329,14 @@ def load_records(spec: str, tokenizer=None, max_length: int | None = None, limit
                            (default 1; tiny smoke runs)
     anything else          `data.sources.load_source(spec)` conversations rendered with the target's
                            chat template and assistant-only loss mask (`data.chat.render_and_mask`)
+    `a + b + ...`          a mixture: the records of each spec, concatenated in order (`limit`
+                           applies to each part; the recipes shuffle)
     Records without any trainable token are dropped.
     """
+    if " + " in spec:
+        parts = [part.strip() for part in spec.split(" + ")]
+        return [record for part in parts
+                for record in load_records(part, tokenizer, max_length, limit, model, seed)]
     if spec.startswith(RECORDS_PREFIX):
         records = read_records(spec[len(RECORDS_PREFIX):])
         if limit is not None:
