@@ -18,7 +18,7 @@ from eval.decoder import DecodeConfig, SpeculativeDecoder
 from models.target import TargetModel
 from train.common import (CheckpointError, ConfigError, MetricsFile, TinyTokenizer, batch_indices,
                           build_tiny_causal_lm, latest_checkpoint, list_checkpoints, load_checkpoint, load_config,
-                          load_target, read_records, rng_state, save_checkpoint, set_rng_state, split_heldout,
+                          load_records, load_target, read_records, rng_state, save_checkpoint, set_rng_state, split_heldout,
                           write_records)
 from eval.drafters.medusa import load_medusa_drafter
 from train.medusa import MedusaRecipeConfig, cli, main
