@@ -20,6 +20,7 @@ data parallelism exactly equivalent to one large batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,3 +144,252 @@ def rank_hits(logits: torch.Tensor, labels: torch.Tensor, max_rank: int) -> torc
     for r in range(max_rank):
         hits[:, r] = ((rank == r) & valid).sum(-1)
     return hits
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE / DGF feature drafters (Li et al., 2024; Dovetail). At position t the drafter predicts the
+# target feature f_{t+1}; its logits lm_head(f^_{t+1}) predict x_{t+2}. With m_t = 1 on valid
+# positions and N the normalizer (valid positions of the whole optimizer step):
+#   feature loss  L_f = sum_t m_t * mean_h SmoothL1_beta(f^_{t+1,h} - f_{t+1,h}) / N     (EAGLE's vloss)
+#   soft CE       L_p = sum_t m_t * -sum_v p_t(v) log q_t(v) / N                          (EAGLE's ploss)
+# with p_t the target's distribution for x_{t+2} and q_t = softmax(drafter logits); hard CE uses
+# the one-hot of x_{t+2} instead of p_t. Unrolled ("training-time test") step j has weight decay^j.
+# ---------------------------------------------------------------------------------------------
+
+
+def feature_regression_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                            normalizer: torch.Tensor | float | None = None, beta: float = 1.0) -> torch.Tensor:
+    """pred/target (…, H), mask (…) -> sum over masked positions of the per-position mean SmoothL1, / normalizer."""
+    per = F.smooth_l1_loss(pred.float(), target.float(), reduction="none", beta=beta).mean(-1)  # (…)
+    mask = mask.to(per.dtype)
+    if normalizer is None:
+        normalizer = mask.sum().clamp(min=1)
+    return (per * mask).sum() / normalizer
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_logprobs: torch.Tensor, mask: torch.Tensor,
+                       normalizer: torch.Tensor | float | None = None) -> torch.Tensor:
+    """-sum_v p(v) log softmax(logits)(v) per position (p = exp(target_logprobs), both (…, V)), masked, / normalizer."""
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    per = -(target_logprobs.float().exp() * log_q).sum(-1)  # (…)
+    mask = mask.to(per.dtype)
+    if normalizer is None:
+        normalizer = mask.sum().clamp(min=1)
+    return (per * mask).sum() / normalizer
+
+
+def topk_soft_cross_entropy(logits: torch.Tensor, topk_indices: torch.Tensor, topk_logits: torch.Tensor,
+                            mask: torch.Tensor, normalizer: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Soft CE against a target known only through its top-k logits (…, k): p = softmax over those k
+    (the target renormalised to its top-k), q = the drafter's full softmax at those tokens."""
+    log_q = F.log_softmax(logits.float(), dim=-1).gather(-1, topk_indices.long())  # (…, k)
+    p = torch.softmax(topk_logits.float(), dim=-1)
+    per = -(p * log_q).sum(-1)
+    mask = mask.to(per.dtype)
+    if normalizer is None:
+        normalizer = mask.sum().clamp(min=1)
+    return (per * mask).sum() / normalizer
+
+
+def hard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                       normalizer: torch.Tensor | float | None = None) -> torch.Tensor:
+    """CE to labels (…) with IGNORE_INDEX, summed over valid positions / normalizer (default: their count)."""
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                         reduction="sum")
+    if normalizer is None:
+        normalizer = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return ce / normalizer
+
+
+def unrolled_step_weights(steps: int, decay: float) -> torch.Tensor:
+    """Weights decay^j of unrolled steps j = 0..steps-1 (step 0 = teacher-forced features). (steps,)"""
+    return torch.tensor([decay ** j for j in range(steps)], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Knowledge distillation of a student LM toward the target (train/distill.py)
+# ---------------------------------------------------------------------------------------------
+#
+# p = the target's (teacher's) next-token distribution, q = the student's, both softmax(logits / T)
+# at temperature T. Divergences per position (DistillSpec, Zhou et al. 2024; GKD, Agarwal et al.):
+#
+#     fkl   forward KL   KL(p || q) = sum_v p_v (log p_v - log q_v)          (mode covering)
+#     rkl   reverse KL   KL(q || p) = sum_v q_v (log q_v - log p_v)          (mode seeking)
+#     jsd   generalized JSD(beta) = beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q,
+#           0 < beta < 1; beta = 0.5 is the ordinary Jensen-Shannon divergence, JSD(beta) / beta -> FKL
+#           as beta -> 0 and JSD(beta) / (1 - beta) -> RKL as beta -> 1
+#     tvd   total variation  0.5 * sum_v |p_v - q_v|
+#
+# Every divergence is multiplied by T^2 (Hinton et al.'s convention, which keeps gradient scales
+# comparable across temperatures; a no-op at T = 1).
+#
+# Teachers given as stored top-k logits (data/features.py: the k largest logits z_1..z_k of the
+# target, their token ids, and the logsumexp L of the full logit vector, so z_i - L are exact
+# log-probabilities) cannot give the full distribution; two ways to handle the tail:
+#
+#     tail="bucket"       (k + 1)-way distributions: the k stored tokens plus one "everything else"
+#                         bucket. Teacher: p_i = exp(z_i - L), p_tail = 1 - sum_i p_i. Student: its
+#                         full-softmax probabilities of the same k ids, and its remaining mass
+#                         (logsumexp of its logits outside the k ids). The divergence of these coarse
+#                         distributions is a lower bound of the full-vocabulary one (data-processing
+#                         inequality) and equals it when the teacher puts no mass outside its top k and
+#                         the student matches inside. Needs T = 1 (the tempered tail mass would need
+#                         the logsumexp of z / T, which is not stored).
+#     tail="renormalize"  both distributions restricted to the k stored ids and renormalised there
+#                         (softmax over the k teacher logits / T, softmax over the student's logits
+#                         of those ids / T); works at any temperature, ignores the tail entirely.
+
+KD_KINDS = ("fkl", "rkl", "jsd", "tvd")
+TOPK_TAILS = ("bucket", "renormalize")
+TAIL_FLOOR = 1e-8  # smallest tail-bucket probability (see topk_logprobs)
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _kl_from_logprobs(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) along the last axis from log-probabilities; terms with a = 0 count 0. (...,)"""
+    a = log_a.exp()
+    terms = torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a))
+    return terms.sum(-1)
+
+
+def divergence_from_logprobs(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float = 0.5) -> torch.Tensor:
+    """Per-position divergence between teacher log-probs `log_p` and student log-probs `log_q`.
+
+    log_p, log_q (..., C) normalised along the last axis (C = vocab, or k + 1 for top-k buckets).
+    Returns (...,) float32 (float64 for float64 inputs).
+    """
+    log_p, log_q = _at_least_float32(log_p), _at_least_float32(log_q)
+    if kind == "fkl":
+        return _kl_from_logprobs(log_p, log_q)
+    if kind == "rkl":
+        return _kl_from_logprobs(log_q, log_p)
+    if kind == "jsd":
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"generalized JSD needs 0 < beta < 1, got {beta} (use fkl / rkl for the limits)")
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1.0 - beta))  # (..., C)
+        return beta * _kl_from_logprobs(log_p, log_m) + (1.0 - beta) * _kl_from_logprobs(log_q, log_m)
+    if kind == "tvd":
+        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    raise ValueError(f"unknown distillation divergence {kind!r}; choose one of {list(KD_KINDS)}")
+
+
+def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str, beta: float = 0.5,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """Full-vocabulary divergence per position: logits (..., V) -> (...,), times T^2."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} differ in shape")
+    log_q = F.log_softmax(_at_least_float32(student_logits) / temperature, dim=-1)
+    log_p = F.log_softmax(_at_least_float32(teacher_logits) / temperature, dim=-1)
+    return divergence_from_logprobs(log_p, log_q, kind, beta) * temperature ** 2
+
+
+def topk_logprobs(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor,
+                  logsumexp: torch.Tensor | None, temperature: float = 1.0,
+                  tail: str = "bucket") -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher, student) log-probs over the stored top-k ids (+ the tail bucket), see above.
+
+    student_logits (..., V); topk_values (..., k) teacher logits; topk_indices (..., k) their ids;
+    logsumexp (...,) of the teacher's full logits (needed for tail="bucket").
+    Returns two (..., k + 1) tensors for "bucket", (..., k) for "renormalize".
+    """
+    if tail not in TOPK_TAILS:
+        raise ValueError(f"unknown top-k tail handling {tail!r}; choose one of {list(TOPK_TAILS)}")
+    if topk_values.shape != topk_indices.shape or topk_values.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(f"top-k values {tuple(topk_values.shape)} / indices {tuple(topk_indices.shape)} do not match "
+                         f"student logits {tuple(student_logits.shape)}")
+    student = _at_least_float32(student_logits)
+    indices = topk_indices.long()
+    values = topk_values.to(student.dtype)
+    picked = student.gather(-1, indices)  # (..., k) student logits of the teacher's top-k ids
+    if tail == "renormalize":
+        return F.log_softmax(values / temperature, dim=-1), F.log_softmax(picked / temperature, dim=-1)
+    if temperature != 1.0:
+        raise ValueError("tail='bucket' needs temperature 1 (the stored logsumexp is of the untempered logits); "
+                         "use tail='renormalize' for another temperature")
+    if logsumexp is None:
+        raise ValueError("tail='bucket' needs the teacher's logsumexp")
+    log_p_top = values - logsumexp.to(student.dtype)[..., None]  # (..., k) exact teacher log-probs
+    # The stored values are bf16-rounded: the top-k mass can exceed 1 by a rounding error.
+    # Both tails are floored at TAIL_FLOOR so that an empty tail (k = V, or rounding) on one side never
+    # meets a non-empty one as log 0 (that term would be infinite); the floor's own error is <= 1e-8.
+    top_mass = log_p_top.exp().sum(-1).clamp(max=1.0)
+    log_p_tail = torch.log1p(-top_mass).clamp(min=math.log(TAIL_FLOOR))  # (...,)
+    student_lse = torch.logsumexp(student, dim=-1)  # (...,)
+    rest = student.scatter(-1, indices, float("-inf"))  # (..., V) logits outside the top-k ids
+    log_q_tail = (torch.logsumexp(rest, dim=-1) - student_lse).clamp(min=math.log(TAIL_FLOOR))
+    log_q_top = picked - student_lse[..., None]
+    log_p = torch.cat([log_p_top, log_p_tail[..., None]], dim=-1)
+    log_q = torch.cat([log_q_top, log_q_tail[..., None]], dim=-1)
+    return log_p, log_q
+
+
+def kd_divergence_topk(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor,
+                       logsumexp: torch.Tensor | None, kind: str, beta: float = 0.5, temperature: float = 1.0,
+                       tail: str = "bucket") -> torch.Tensor:
+    """Divergence per position against a stored top-k teacher: (...,), times T^2."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    log_p, log_q = topk_logprobs(student_logits, topk_values, topk_indices, logsumexp, temperature, tail)
+    return divergence_from_logprobs(log_p, log_q, kind, beta) * temperature ** 2
+
+
+def kd_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) bool: positions t whose next token t + 1 is trained (assistant-only loss mask).
+
+    Logits at t predict token t + 1, so a position is distilled when the loss mask is set on the
+    token it predicts (the same alignment as `lm_labels`). The last position predicts nothing.
+    """
+    keep = torch.zeros_like(loss_mask, dtype=torch.bool)
+    keep[:, :-1] = loss_mask[:, 1:].bool()
+    if attention_mask is not None:
+        keep[:, :-1] &= attention_mask[:, 1:].bool()
+    return keep
+
+
+@dataclass
+class KDLoss:
+    loss: torch.Tensor  # scalar: sum of per-position divergences / normalizer (differentiable)
+    total: torch.Tensor  # detached sum of per-position divergences
+    tokens: torch.Tensor  # number of distilled positions
+
+
+def kd_loss(student_logits: torch.Tensor, kind: str, *, teacher_logits: torch.Tensor | None = None,
+            topk_values: torch.Tensor | None = None, topk_indices: torch.Tensor | None = None,
+            logsumexp: torch.Tensor | None = None, mask: torch.Tensor | None = None, beta: float = 0.5,
+            temperature: float = 1.0, tail: str = "bucket",
+            normalizer: torch.Tensor | float | None = None) -> KDLoss:
+    """Token-level distillation loss, summed over masked positions and divided by `normalizer`.
+
+    student_logits (..., V); the teacher is either `teacher_logits` (..., V) or the top-k triple
+    (`topk_values`, `topk_indices` (..., k), `logsumexp` (...,)); `mask` (...,) bool selects the
+    positions (e.g. `kd_mask(loss_mask)`; None: all). `normalizer` defaults to the number of
+    selected positions (pass the step's global count for exact gradient accumulation).
+    """
+    if (teacher_logits is None) == (topk_values is None):
+        raise ValueError("give exactly one teacher: teacher_logits, or topk_values + topk_indices (+ logsumexp)")
+    if mask is not None:
+        mask = mask.bool()
+        student_logits = student_logits[mask]  # (N, V)
+        if teacher_logits is not None:
+            teacher_logits = teacher_logits[mask]
+        else:
+            topk_values, topk_indices = topk_values[mask], topk_indices[mask]
+            logsumexp = logsumexp[mask] if logsumexp is not None else None
+    if teacher_logits is not None:
+        per_position = kd_divergence(student_logits, teacher_logits, kind, beta, temperature)
+    else:
+        if topk_indices is None:
+            raise ValueError("topk_values needs topk_indices")
+        per_position = kd_divergence_topk(student_logits, topk_values, topk_indices, logsumexp, kind, beta,
+                                          temperature, tail)
+    tokens = torch.tensor(per_position.numel(), device=per_position.device)
+    total = per_position.sum()
+    if normalizer is None:
+        normalizer = tokens.clamp(min=1)
+    return KDLoss(total / normalizer, total.detach(), tokens)
