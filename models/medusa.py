@@ -70,22 +70,25 @@ class MedusaHeads(nn.Module):
         return torch.stack([head(hidden) for head in self.medusa_head])
 
 
-def read_manifest(path: str | Path) -> dict:
+def read_manifest(path: str | Path, expected_format: str = MANIFEST_FORMAT) -> dict:
+    """manifest.json of a drafter directory; `expected_format` other drafter types (e.g. draftsmith.dgf/1)."""
     path = Path(path)
     file = path / MANIFEST_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"no {MANIFEST_FILE} in {path} (expected a Medusa recipe's final/ directory)")
+        raise FileNotFoundError(f"no {MANIFEST_FILE} in {path} (expected a recipe's final/ directory of format "
+                                f"{expected_format})")
     try:
         manifest = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{file} is corrupt ({err})") from err
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{file}: format {manifest.get('format')!r} is not {MANIFEST_FORMAT!r}")
+    if manifest.get("format") != expected_format:
+        raise ValueError(f"{file}: format {manifest.get('format')!r} is not {expected_format!r}")
     return manifest
 
 
-def check_manifest_target(manifest: dict, target, where: str = "checkpoint") -> None:
-    """Refuse heads trained for another target: say which of hidden size / vocab / layer differs."""
+def check_manifest_target(manifest: dict, target, where: str = "checkpoint", hidden_layer: int = HIDDEN_LAYER) -> None:
+    """Refuse heads trained for another target: say which of hidden size / vocab / layer differs.
+    `hidden_layer`: the layer the loading drafter feeds (other drafter types pass their own)."""
     want = manifest["target"]
     config = target.config
     if target.tokenizer is None:
@@ -94,8 +97,8 @@ def check_manifest_target(manifest: dict, target, where: str = "checkpoint") -> 
             "vocab_fingerprint": vocab_fingerprint(target.tokenizer)}
     problems = [f"{key}: {want.get(key)!r} in the manifest vs {value!r} for the given target"
                 for key, value in have.items() if want.get(key) != value]
-    if want.get("hidden_layer") != HIDDEN_LAYER:
-        problems.append(f"hidden_layer: the heads read layer {want.get('hidden_layer')}, MedusaDrafter feeds {HIDDEN_LAYER}")
+    if want.get("hidden_layer") != hidden_layer:
+        problems.append(f"hidden_layer: the checkpoint reads layer {want.get('hidden_layer')}, the drafter feeds {hidden_layer}")
     if problems:
         raise ValueError(f"{where} was trained for target {want.get('name')!r} and does not fit the given target "
                          f"{getattr(target, 'name', '')!r}: " + "; ".join(problems))
