@@ -1,0 +1,349 @@
+"""Decoder policies of issue 5: Minions, LLMCad, Self-Draft, the speculative generation pipeline.
+
+Greedy equivalence with generate(do_sample=False) for each policy (both tiny families, several
+seeds), speculative sampling == target distribution for the tree policies, and unit tests of
+the pieces that carry the papers' formulas.
+"""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from eval.bench import build_drafter
+from eval.decoder import DecodeConfig, SpeculativeDecoder
+from eval.drafters.base import Drafter
+from eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter, pacer_pick, update_alpha
+from eval.drafters.lm import LMDrafter
+from eval.drafters.minions import (LengthSelector, MinionsConfig, MinionsDrafter, acceptance_rate, fit_slope,
+                                   majority_path, merge_proposals, update_weights, voted_drafters)
+from eval.drafters.ngram import NgramDrafter
+from eval.pipeline import PipelinePolicy, first_child_nodes, reroot
+from eval.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
+                            selfdraft_mask, selfdraft_positions)
+from eval.tree import DraftTree
+from models.student import layer_subset_student
+from models.target import TargetModel
+
+from test_decoder_greedy import reference_greedy
+from test_decoder_sampling import PROMPT, SAMPLES, TEMPERATURE, VOCAB, exact_joint
+
+NEW_TOKENS = 24
+POLICIES = ["minions-path", "minions-tree", "llmcad", "llmcad-nofallback", "self-draft", "self-draft-corpus",
+            "pipeline-tree", "pipeline-chain"]
+
+
+def make_policy(kind, model, seed):
+    shallow = layer_subset_student(model, [seed % 2])
+    if kind == "minions-path":
+        drafters = [LMDrafter(shallow, mode="chain", name="shallow"), LMDrafter(model, mode="chain", name="self"),
+                    NgramDrafter(name="ngram")]
+        return MinionsDrafter(drafters, MinionsConfig(decision_threshold=2, window=6))
+    if kind == "minions-tree":
+        drafters = [LMDrafter(shallow, mode="chain", name="shallow"),
+                    LMDrafter(tiny_model(model.config.model_type, seed=seed + 40), mode="chain", name="other"),
+                    NgramDrafter(name="ngram")]
+        return MinionsDrafter(drafters, MinionsConfig(verify="tree", feedback="voted", speculation_length=3 + seed))
+    if kind == "llmcad":
+        return LLMCadDrafter(shallow, config=LLMCadConfig(alpha=0.001, branch_threshold=0.1, max_tokens=10))
+    if kind == "llmcad-nofallback":
+        return LLMCadDrafter(model, config=LLMCadConfig(fallback=False, branch_threshold=0.05, max_tokens=12))
+    if kind == "self-draft":
+        return SelfDraftPolicy(SelfDraftConfig(branches=2 + seed % 2, length=3 + seed, gram=3 + seed % 2, seed=seed))
+    if kind == "self-draft-corpus":
+        policy = SelfDraftPolicy(SelfDraftConfig(branches=1, length=4, pad="vocab", seed=seed))
+        policy.corpus = CorpusCache([reference_greedy(model, torch.tensor([[seed + 1, 2, 3]]), 30)], gram=4, top=2)
+        return policy
+    if kind == "pipeline-tree":  # the target drafting for itself: pre-drafts get used
+        return PipelinePolicy(LMDrafter(model, mode="tree", depth=3, topk=2, budget=8))
+    if kind == "pipeline-chain":
+        return PipelinePolicy(LMDrafter(shallow, mode="chain", num_tokens=3))
+    raise ValueError(kind)
+
+
+def decoder_for(policy, target, config):
+    if hasattr(policy, "make_decoder"):
+        return policy.make_decoder(target, config)
+    return SpeculativeDecoder(target, policy, config)
+
+
+@pytest.mark.parametrize("kind", POLICIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_equivalence(family, kind, seed):
+    model = tiny_model(family, seed=seed, num_layers=3)
+    target = TargetModel(model, tokenizer=None)
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 96, (6,), generator=gen)
+    prompt = torch.cat([base, base, torch.randint(0, 96, (3,), generator=gen)])[None]
+    policy = make_policy(kind, model, seed)
+    expected = reference_greedy(model, prompt)
+    for _ in range(2 if seed == 0 else 1):  # a second request: carried-over weights / alpha / s must not matter
+        result = decoder_for(policy, target, DecodeConfig(max_new_tokens=NEW_TOKENS)).generate(prompt)
+        assert result.tokens == expected
+        stats = result.stats
+        assert stats.new_tokens == NEW_TOKENS and stats.round_tokens >= stats.verify_forwards
+    if kind == "pipeline-tree":
+        assert policy.hits > 0 and stats.tau > 2.0
+
+
+def test_eos_stops_like_generate(family):
+    model = tiny_model(family, seed=3)
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7]])
+    eos = reference_greedy(model, prompt, 30)[10]
+    model.generation_config.eos_token_id = eos
+    expected = reference_greedy(model, prompt, 30)
+    target = TargetModel(model, tokenizer=None)
+    for kind in ("minions-path", "llmcad", "self-draft", "pipeline-tree"):
+        result = decoder_for(make_policy(kind, model, 0), target, DecodeConfig(max_new_tokens=30)).generate(prompt)
+        assert result.tokens == expected, kind
+
+
+@pytest.mark.parametrize("kind", ["minions-tree", "pipeline", pytest.param("llmcad", marks=pytest.mark.slow),
+                                  pytest.param("self-draft", marks=pytest.mark.slow)])
+def test_sampling_matches_target_distribution(kind):
+    from scipy.stats import chisquare
+
+    model = tiny_model("llama", seed=5, vocab_size=VOCAB, num_layers=1, hidden_size=32)
+    target = TargetModel(model, tokenizer=None)
+    other = tiny_model("llama", seed=12, vocab_size=VOCAB, num_layers=1)
+    if kind == "minions-tree":
+        policy = MinionsDrafter([LMDrafter(other, mode="chain", num_tokens=2), LMDrafter(model, mode="chain"),
+                                 NgramDrafter(max_ngram=2)], MinionsConfig(verify="tree", speculation_length=2))
+    elif kind == "llmcad":
+        policy = LLMCadDrafter(other, config=LLMCadConfig(branch_threshold=0.2, max_tokens=6, max_depth=2))
+    elif kind == "self-draft":
+        policy = SelfDraftPolicy(SelfDraftConfig(branches=2, length=3, gram=2))
+    else:  # q rows (sampled tree) + pre-drafted trees
+        policy = PipelinePolicy(LMDrafter(model, mode="tree", depth=2, topk=2, beam=2))
+    exact = exact_joint(model)
+    counts = dict.fromkeys(exact, 0)
+    accepted_any = 0
+    for seed in range(SAMPLES):
+        config = DecodeConfig(max_new_tokens=3, temperature=TEMPERATURE, seed=seed)
+        result = decoder_for(policy, target, config).generate(PROMPT)
+        counts[tuple(result.tokens)] += 1
+        accepted_any += result.stats.round_tokens > result.stats.verify_forwards
+    assert accepted_any > SAMPLES // 20, "drafts were (almost) never accepted: the test would prove little"
+    if kind == "pipeline":
+        assert policy.hits > SAMPLES // 20
+    keys = sorted(exact, key=exact.get, reverse=True)
+    observed, expected, pool_o, pool_e = [], [], 0, 0.0
+    for key in keys:
+        e = exact[key] * SAMPLES
+        if e >= 5:
+            observed.append(counts[key])
+            expected.append(e)
+        else:
+            pool_o, pool_e = pool_o + counts[key], pool_e + e
+    observed.append(pool_o)
+    expected.append(pool_e)
+    scale = sum(observed) / sum(expected)
+    assert chisquare(observed, [e * scale for e in expected]).pvalue > 1e-3
+
+
+# ----------------------------------------------------------------------------------- Minions
+
+def test_merge_and_majority_vote_follow_figure_5():
+    # Three SSMs: 1 and 2 agree on the first token ("like"), 3 differs ("likes"); below "like",
+    # SSM 1 says "apple", SSM 2 "pear". w1 + w2 > w3 picks "like"; w1 > w2 picks "apple".
+    merged = merge_proposals([[10, 20], [10, 21], [11, 22]], [0.5, 0.3, 0.6])
+    like = merged.tokens.index(10)
+    assert merged.weights[like] == pytest.approx(0.8) and sorted(merged.members[like]) == [0, 1]
+    path = majority_path(merged)
+    assert [merged.tokens[n] for n in path] == [10, 20]
+    assert voted_drafters(merged, path) == [0]
+    # Topological, heaviest-first sibling order, shared prefixes merged.
+    assert len(merged.tokens) == 5 and all(p < i for i, p in enumerate(merged.parents))
+    assert merged.tokens[:2] == [10, 11]
+    # A stronger third drafter flips the vote.
+    flipped = merge_proposals([[10, 20], [10, 21], [11, 22]], [0.5, 0.3, 0.9])
+    assert [flipped.tokens[n] for n in majority_path(flipped)] == [11, 22]
+    assert majority_path(merge_proposals([[], []], [1.0, 1.0])) == []
+
+
+def test_acceptance_rate_and_weight_thresholds():
+    assert acceptance_rate([1, 2, 3, 4], [1, 2, 9, 4, 5]) == 0.5
+    assert acceptance_rate([1, 2], [1, 2, 3]) == 1.0
+    assert acceptance_rate([], [1]) == 0.0
+    config = MinionsConfig(reward_threshold=0.6, punish_threshold=0.3, reward_factor=2.0, punish_factor=0.5,
+                           min_weight=0.2)
+    # ACR (equation 1) = mean of each drafter's rates: 0.75 -> reward, 0.1 -> punish, 0.45 -> keep, none -> keep.
+    new = update_weights([1.0, 1.0, 1.0, 1.0], [[1.0, 0.5], [0.0, 0.2], [0.4, 0.5], []], config)
+    assert new == [2.0, 0.5, 1.0, 1.0]
+    assert update_weights([0.3], [[0.0]], config) == [0.2]  # clamped at min_weight
+
+
+def test_length_selector_follows_the_slope():
+    config = MinionsConfig(speculation_length=4, decision_threshold=2, window=4, s_reward=1, s_punish=1)
+    selector = LengthSelector(config)
+    selector.record(1.0, 2)
+    assert selector.record(1.0, 2) == 5  # a single s seen: explore upward
+    selector.record(3.0, 2)  # s = 5 costs more per verified token: slope > 0 -> back down
+    assert selector.record(3.0, 2) == 4
+    assert selector.decisions[-1][1] > 0
+    config = MinionsConfig(speculation_length=4, decision_threshold=2, window=4)
+    selector = LengthSelector(config)
+    selector.record(2.0, 1), selector.record(2.0, 1)
+    selector.record(1.0, 1)
+    assert selector.record(1.0, 1) == 6  # cheaper per token at s = 5: keep growing
+    assert fit_slope([1, 1], [2, 3]) is None and fit_slope([1, 2], [1, 3]) == pytest.approx(2.0)
+    fixed = LengthSelector(MinionsConfig(adaptive=False, decision_threshold=1))
+    assert fixed.record(1.0, 1) == 4
+
+
+class FixedDrafter(Drafter):
+    def __init__(self, tokens, name):
+        self.tokens, self.name = tokens, name
+
+    def propose(self, root, context, sampling, generator):
+        return DraftTree.chain(torch.tensor(self.tokens))
+
+
+def test_minions_feedback_rewards_the_drafter_the_target_agrees_with():
+    good, bad = FixedDrafter([7], "good"), FixedDrafter([5, 5, 5], "bad")
+    minions = MinionsDrafter([bad, good], MinionsConfig(adaptive=False, speculation_length=3), weights=[1.0, 0.9])
+    context = torch.tensor([1, 2])
+    tree = minions.propose(2, context, None, None)
+    assert tree.tokens.tolist() == [5, 5, 5]  # the heavier (bad) drafter wins the first vote
+    minions.observe(torch.tensor([2]), {})  # nothing accepted; the target's next token is 7
+    minions.propose(7, torch.tensor([1, 2, 7]), None, None)  # feedback happens here (bonus now known)
+    assert minions.weights[0] < 1.0 and minions.weights[1] > 0.9
+    assert minions.propose(7, torch.tensor([1, 2, 7]), None, None).tokens.tolist() == [7]
+
+
+# ------------------------------------------------------------------------------------ LLMCad
+
+def test_llmcad_alpha_update_equation_3():
+    assert update_alpha(0.01, 0.2, 5, 5) == pytest.approx(0.005)  # no error: halve
+    # Errors: alpha / T_c ** ((N_all - N_correct) / N_all).
+    assert update_alpha(0.01, 0.25, 2, 4) == pytest.approx(0.01 / 0.25 ** 0.5)
+    assert update_alpha(0.01, 0.25, 0, 4) == pytest.approx(0.01 / 0.25)
+    assert update_alpha(0.4, 0.01, 0, 4, alpha_max=0.5) == 0.5
+    assert update_alpha(1e-5, 0.5, 3, 3, alpha_min=1e-5) == 1e-5
+
+
+def test_llmcad_pacer_gives_the_token_to_the_most_underserved_branch():
+    # f(x) = M * C_x / sum C - T_x: branch 0 (C 0.6, 3 tokens), branch 1 (C 0.4, 0 tokens), M = 4.
+    assert pacer_pick([0.6, 0.4], [3, 0], 4, [True, True]) == 1
+    assert pacer_pick([0.6, 0.4], [1, 1], 4, [True, True]) == 0
+    assert pacer_pick([0.6, 0.4], [1, 1], 4, [False, True]) == 1
+    assert pacer_pick([0.6], [1], 2, [False]) is None
+
+
+def test_llmcad_fallback_threshold_controls_tree_size():
+    model = tiny_model("llama", seed=0, num_layers=2)
+    context = torch.tensor([3, 4, 5, 6])
+    sizes = []
+    for alpha in (0.4, 1e-30):
+        drafter = LLMCadDrafter(model, config=LLMCadConfig(alpha=alpha, alpha_min=1e-30, max_tokens=12, max_depth=12))
+        drafter.begin(context)
+        tree = drafter.propose(6, context, None, None)
+        tree.validate()
+        sizes.append(tree.size)
+    assert sizes[0] < sizes[1] == 12
+    # After a verification that rejects the first token alpha grows, after a full accept it halves.
+    drafter.observe(torch.tensor([6]), {})
+    assert drafter.alpha > 1e-30
+
+
+# -------------------------------------------------------------------------------- Self-Draft
+
+def test_ngram_cache_is_lru_per_prefix_token():
+    cache = NgramCache(capacity=2)
+    cache.insert([1, 2, 3, 4])
+    cache.insert([1, 5, 6, 7])
+    cache.insert([9, 9, 9, 9])
+    assert cache.lookup(1, 5) == [(5, 6, 7), (2, 3, 4)]  # most recent first
+    cache.insert([1, 2, 3, 4])  # touch: becomes most recent
+    cache.insert([1, 8, 8, 8])  # evicts the least recently used (5, 6, 7)
+    assert cache.lookup(1, 5) == [(8, 8, 8), (2, 3, 4)]
+    assert cache.lookup(1, 1) == [(8, 8, 8)] and cache.lookup(4, 3) == []
+    assert cache.lookup(9, 3) == [(9, 9, 9)]
+
+
+def test_branch_grams_and_corpus_cache():
+    # Branch tau = [a, b, c, d] with draft tokens D = [p, q, r, s]; G = 4 -> [a, b, c, r], [b, c, d, s].
+    assert branch_grams([1, 2, 3, 4], [11, 12, 13, 14], 4) == [[1, 2, 3, 13], [2, 3, 4, 14]]
+    assert branch_grams([1, 2], [11, 12], 4) == []
+    corpus = CorpusCache([[1, 2, 3, 4, 5], [7, 2, 3, 4, 6], [8, 2, 9, 9, 9]], gram=3, top=2)
+    assert corpus.lookup([0, 1, 2], 4)[0] == (3, 4)  # 2-token prefix (1, 2) first
+    assert corpus.lookup([5, 2], 4) == [(3, 4), (9, 9)]  # 1-token prefix, most frequent first
+    assert candidate_trie([(3, 4), (3, 5), (6,)]) == ([3, 4, 5, 6], [-1, 0, 0, -1])
+
+
+def test_selfdraft_mask_is_block_diagonal_over_branches():
+    parents = torch.tensor([-1, 0, -1])  # trie: root -> n0 -> n1, root -> n2
+    allowed = selfdraft_mask(parents, [2, 3], past_len=4)[0, 0]
+    assert allowed.shape == (9, 13)
+    assert allowed[:, :4].all()  # everyone sees the committed cache
+    new = allowed[:, 4:]
+    trie = new[:4, :4].int().tolist()
+    assert trie == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+    assert not new[:4, 4:].any()  # candidates never see branches
+    first, second = slice(4, 6), slice(6, 9)
+    assert new[first, 0].all() and new[second, 0].all()  # branches see the root
+    assert not new[4:, 1:4].any()  # ... but not the candidates
+    assert new[first, first].int().tolist() == [[1, 0], [1, 1]]
+    assert new[second, second].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert not new[first, second].any() and not new[second, first].any()
+    positions = selfdraft_positions(torch.tensor([1, 2, 1]), [2, 3], 4)
+    assert positions.tolist() == [[4, 5, 6, 5, 5, 6, 5, 6, 7]]
+
+
+def test_selfdraft_forward_matches_separate_sequences(family):
+    """Branch logits from the packed forward == each branch run alone after the context."""
+    model = tiny_model(family, seed=1)
+    target = TargetModel(model, tokenizer=None)
+    context, root = torch.tensor([[4, 8, 15, 16, 23]]), 42
+    branches, parents = [[7, 9], [11, 12, 13]], torch.tensor([-1, 0])
+    trie_tokens = [30, 31]
+    cache = target.new_cache()
+    target.forward(context, cache)
+    inputs = torch.tensor([[root] + trie_tokens + branches[0] + branches[1]])
+    out = target.forward(inputs, cache, selfdraft_positions(torch.tensor([1, 2]), [2, 3], 5),
+                         selfdraft_mask(parents, [2, 3], 5))
+    with torch.no_grad():
+        alone = [model(torch.cat([context, torch.tensor([[root] + seq]).long()], 1)).logits[0, 5:]
+                 for seq in (trie_tokens, *branches)]
+    torch.testing.assert_close(out.logits[0, :3], alone[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.logits[0, 3:5], alone[1][1:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.logits[0, 5:8], alone[2][1:], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- pipeline
+
+def test_reroot_and_first_child_path():
+    #          root
+    #        0      1
+    #      2   3     4
+    #      5
+    tree = DraftTree.from_parents(torch.tensor([10, 11, 12, 13, 14, 15]), torch.tensor([-1, -1, 0, 0, 1, 2]))
+    assert first_child_nodes(tree.parents) == [0, 2, 5]
+    sub = reroot(tree, 0)
+    assert sub.tokens.tolist() == [12, 13, 15] and sub.parents.tolist() == [-1, -1, 0]
+    assert sub.depths.tolist() == [1, 1, 2]
+    assert reroot(tree, 5).size == 0
+
+
+# ------------------------------------------------------------------------------------- bench
+
+def test_bench_specs_build_each_policy():
+    model = tiny_model("llama", seed=0, num_layers=4)
+    target = TargetModel(model, tokenizer=None)
+    minions = build_drafter("minions:models=every2+every3+ngram,s=3,verify=tree,adaptive=0", target, None)
+    assert isinstance(minions, MinionsDrafter) and len(minions.drafters) == 3
+    assert minions.config.speculation_length == 3 and minions.config.adaptive is False
+    assert build_drafter("minions:drafters=every2+ngram,weights=2+1", target, None).weights == [2.0, 1.0]
+    llmcad = build_drafter("llmcad:model=every2,threshold=0.2,budget=8,alpha=0.05,fallback=0", target, None)
+    assert llmcad.config.branch_threshold == 0.2 and llmcad.config.max_tokens == 8 and not llmcad.config.fallback
+    selfdraft = build_drafter("self-draft:branches=2,length=5,candidates=3", target, None)
+    assert (selfdraft.config.branches, selfdraft.config.length, selfdraft.config.max_candidates) == (2, 5, 3)
+    pipeline = build_drafter("pipeline:lm-chain,k=3,student=every2", target, None)
+    assert isinstance(pipeline, PipelinePolicy) and pipeline.drafter.num_tokens == 3
+    with pytest.raises(ValueError, match="unknown option"):
+        build_drafter("minions:models=ngram,colour=red", target, None)
+    with pytest.raises(ValueError, match="needs the bench's --draft"):
+        build_drafter("llmcad:model=draft", target, None)
+    with pytest.raises(ValueError, match="verify"):
+        build_drafter("minions:models=ngram,verify=forest", target, None)
+    with pytest.raises(ValueError, match="base method"):
+        build_drafter("pipeline", target, None)
