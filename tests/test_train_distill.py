@@ -1,0 +1,181 @@
+"""Distillation recipe (train/distill.py) on tiny in-process models (seconds on a 2-core CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.common import ConfigError, MetricsFile, build_tiny_causal_lm, load_config, synthetic_records, TinyTokenizer
+from train.distill import DistillRecipeConfig, load_conversation_records, main, read_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_YAML = REPO / "train" / "configs" / "distill_tiny.yaml"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_cfg(output_dir, *overrides) -> DistillRecipeConfig:
+    return load_config(DistillRecipeConfig, TINY_YAML, [f"output_dir={output_dir}", *overrides])
+
+
+def train_metrics(output_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in MetricsFile.read(Path(output_dir) / "metrics.jsonl") if "train/loss" in r}
+
+
+def test_config_rejects_unknown_and_inconsistent_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"'loss\.knd'.*did you mean 'loss\.kind'"):
+        tiny_cfg(tmp_path, "loss.knd=fkl")
+    with pytest.raises(ConfigError, match=r"loss\.kind: 'kl' is not one of"):
+        tiny_cfg(tmp_path, "loss.kind=kl")
+    with pytest.raises(ConfigError, match="feature_cache holds the target's logits"):
+        tiny_cfg(tmp_path, "loss.kind=ce", "data.feature_cache=/x")
+    with pytest.raises(ConfigError, match="on_policy needs a divergence"):
+        tiny_cfg(tmp_path, "loss.kind=ce", "on_policy.fraction=0.5")
+    with pytest.raises(ConfigError, match="bucket needs loss.temperature 1"):
+        tiny_cfg(tmp_path, "loss.temperature=2.0", "data.feature_cache=/x")
+
+
+@pytest.mark.parametrize("kind", ["ce", "fkl", "rkl", "jsd", "tvd"])
+def test_each_loss_trains(tmp_path, kind):
+    summary = main(tiny_cfg(tmp_path, f"loss.kind={kind}", "train.max_steps=4", "eval.every_steps=0",
+                            "train.checkpoint_every=100"))
+    losses = [m["train/loss"] for m in train_metrics(tmp_path).values()]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    before, after = summary["eval_before"], summary["eval_after"]
+    assert after[f"eval/{kind}"] < before[f"eval/{kind}"], (before, after)
+    assert read_manifest(tmp_path / "final")["training"]["loss"]["kind"] == kind
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    """Interrupted at step 3 (on-policy batches + LoRA dropout use the RNG), resumed: same losses."""
+    common = ["train.max_steps=6", "train.checkpoint_every=3", "eval.every_steps=0", "on_policy.fraction=0.5",
+              "lora.enabled=true", "lora.dropout=0.1", "lora.target_modules=[q_proj, v_proj]", "optim.lr=0.05"]
+    main(tiny_cfg(tmp_path / "full", *common))
+    main(tiny_cfg(tmp_path / "cut", *common, "train.stop_after_steps=3"))
+    assert not (tmp_path / "cut" / "final").exists()
+    main(tiny_cfg(tmp_path / "cut", *common), resume="auto")
+    full, cut = train_metrics(tmp_path / "full"), train_metrics(tmp_path / "cut")
+    assert sorted(cut) == list(range(1, 7))
+    assert {m["train/on_policy"] for m in full.values()} == {0, 1}  # both kinds of batch were exercised
+    for step in range(1, 7):
+        assert cut[step]["train/loss"] == pytest.approx(full[step]["train/loss"], rel=1e-5, abs=1e-7), step
+        assert cut[step]["train/on_policy"] == full[step]["train/on_policy"]
+
+
+def test_lora_export_is_merged_and_generates_like_the_target(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    main(tiny_cfg(tmp_path, "lora.enabled=true", "lora.r=4", "train.max_steps=3", "eval.every_steps=0",
+                  "optim.lr=0.05"))
+    final = tmp_path / "final"
+    manifest = read_manifest(final)
+    assert manifest["student"]["lora_merged"] and manifest["target"]["name"] == "tiny:llama"
+    student = AutoModelForCausalLM.from_pretrained(final).eval()
+    assert not any("lora" in name for name, _ in student.named_parameters())
+    init = build_tiny_causal_lm("llama", seed=1)
+    trained = dict(student.named_parameters())
+    assert any(not torch.equal(p, trained[name]) for name, p in init.named_parameters())  # adapters merged in
+    target = build_tiny_causal_lm("llama", seed=0)  # the tiny:llama target
+    ids = torch.tensor([[5, 17, 3, 42, 8, 9]])
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assisted = target.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, assistant_model=student)
+    assert torch.equal(plain, assisted)
+
+
+def test_on_policy_mode(tmp_path):
+    summary = main(tiny_cfg(tmp_path, "on_policy.fraction=1.0", "loss.kind=rkl", "train.max_steps=3",
+                            "eval.every_steps=0", "train.checkpoint_every=100"))
+    metrics = train_metrics(tmp_path)
+    assert all(m["train/on_policy"] == 1 and m["train/tokens"] > 0 for m in metrics.values())
+    assert summary["eval_after"]["eval/rkl"] < summary["eval_before"]["eval/rkl"]
+
+
+def test_topk_feature_cache_mode(tmp_path):
+    from types import SimpleNamespace
+
+    from data.features import FeatureCacheConfig, build_feature_cache
+
+    target = build_tiny_causal_lm("llama", seed=0)
+    records = synthetic_records(target, 40, 24, seed=0, temperature=0.3)
+    build_feature_cache(FeatureCacheConfig(model="tiny:llama", source=None, output_dir=str(tmp_path / "cache"),
+                                           topk_logits=8, progress=False, rank=0, world_size=1),
+                        target=SimpleNamespace(model=target, tokenizer=TinyTokenizer(96)), records=records)
+    summary = main(tiny_cfg(tmp_path / "run", f"data.feature_cache={tmp_path / 'cache'}", "train.max_steps=4",
+                            "eval.every_steps=0", "train.checkpoint_every=100"))
+    assert summary["eval_after"]["eval/fkl"] < summary["eval_before"]["eval/fkl"]
+    manifest = read_manifest(tmp_path / "run" / "final")
+    assert manifest["training"]["data"]["feature_cache"] == str(tmp_path / "cache")
+    assert manifest["training"]["data"]["train_records"] + manifest["training"]["data"]["heldout_records"] == 40
+
+
+def test_layer_and_shallow_students(tmp_path):
+    main(tiny_cfg(tmp_path / "layers", "student.init=layers", "student.layer_ids=[1]", "train.max_steps=2",
+                  "eval.every_steps=0"))
+    info = read_manifest(tmp_path / "layers" / "final")["student"]
+    assert info["num_layers"] == 1 and info["layer_ids"] == [1]
+    assert info["trainable_parameters"] < info["parameters"]  # embeddings + LM head frozen
+    main(tiny_cfg(tmp_path / "shallow", "student.init=shallow", "student.num_layers=1",
+                  "student.intermediate_size=16", "train.max_steps=2", "eval.every_steps=0"))
+    info = read_manifest(tmp_path / "shallow" / "final")["student"]
+    assert info["num_layers"] == 1
+
+
+def test_filter_wrong_gsm8k_answers(tmp_path, smol_tokenizer):
+    from data.sources import Conversation, save_conversations
+
+    def conv(i, answer):
+        return Conversation(id=f"g{i}", source="gsm8k", reference="42",
+                            messages=[{"role": "user", "content": "What is 6 * 7?"},
+                                      {"role": "assistant", "content": f"6 * 7 = {answer}. #### {answer}"}])
+
+    path = save_conversations(tmp_path / "c.jsonl", [conv(0, 42), conv(1, 41), conv(2, 42)])
+    records, stats = load_conversation_records(f"conversations:{path}", smol_tokenizer, 128, None, True)
+    assert len(records) == 2 and stats == {"kept": 2, "wrong_answer": 1}
+    records, stats = load_conversation_records(f"conversations:{path}", smol_tokenizer, 128, None, False)
+    assert len(records) == 3
+
+
+def test_refuses_student_with_other_tokenizer(tmp_path, monkeypatch):
+    import train.distill as distill
+
+    def other_vocab(spec, dtype):
+        return build_tiny_causal_lm("llama", seed=1, vocab_size=64), TinyTokenizer(64)
+
+    monkeypatch.setattr(distill, "load_pretrained_student", other_vocab)
+    with pytest.raises(ValueError, match="student's tokenizer differs"):
+        main(tiny_cfg(tmp_path, "train.max_steps=1"))
+
+
+@pytest.mark.slow
+def test_smollm2_layer_student_exports_as_draft(tmp_path):
+    """Real model: a SmolLM2 every-2-layers student, exported, loads as a bench --draft and decodes losslessly."""
+    from eval.decoder import DecodeConfig, SpeculativeDecoder
+    from eval.drafters.lm import LMDrafter
+    from models.target import TargetModel
+    from models.zoo import is_fetched
+
+    if not is_fetched("smollm2-135m-instruct"):
+        pytest.skip("smollm2-135m-instruct not converted")
+    main(tiny_cfg(tmp_path, "model.target=smollm2-135m-instruct", "student.init=layers", "student.layer_stride=2",
+                  "data.source=gsm8k:train", "data.limit=12", "data.max_length=96", "train.max_steps=2",
+                  "train.batch_size=2", "eval.every_steps=0", "optim.lr=1e-4", "export.dtype=float32"))
+    target = TargetModel.from_pretrained("smollm2-135m-instruct")
+    draft = TargetModel.from_pretrained(str(tmp_path / "final"))  # what eval.bench --draft <dir> does
+    assert read_manifest(tmp_path / "final")["target"]["vocab_fingerprint"]
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    plain = target.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    drafter = LMDrafter(draft.model, draft.tokenizer, mode="chain", num_tokens=3)
+    result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24, temperature=0.0)).generate(ids)
+    assert result.tokens[:len(plain)] == plain[:len(result.tokens)]
+    assisted = target.model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft.model)
+    assert assisted[0, ids.shape[1]:].tolist() == plain
