@@ -45,6 +45,7 @@ class DGFDrafter(Drafter):
         self.features: list[torch.Tensor] = []  # committed target features, chunks of (m, H)
         self.num_features = 0
         self.fed = 0  # pairs in the cache
+        self.root_feature: torch.Tensor | None = None  # the drafter's output for the last pair
 
     @property
     def device(self) -> torch.device:
@@ -75,10 +76,11 @@ class DGFDrafter(Drafter):
                                f"{length - 1} committed tokens (observe() must see every committed token)")
         # Feed pairs (f_i, x_{i+1}) for i = fed .. length - 2; the last output predicts the root's feature.
         features = self._pending_features()
-        tokens = context[self.fed + 1:].to(device)
-        out = model(features[None], tokens[None], cache=self.cache)[0]  # (n, H)
-        self.fed = length - 1
-        root_feature = out[-1]
+        if features.shape[0]:  # nothing pending only when proposing twice for the same context
+            tokens = context[self.fed + 1:].to(device)
+            self.root_feature = model(features[None], tokens[None], cache=self.cache)[0, -1]  # (H,)
+            self.fed = length - 1
+        root_feature = self.root_feature
         root_logits = model.logits(root_feature)  # (V,)
         try:
             tree = self._tree(root_feature, root_logits, length, sampling, generator)
