@@ -347,7 +347,7 @@ def load_dgf(path: str | Path, target=None, device: str | torch.device | None = 
 # ---------------------------------------------------------------------------------------------
 
 
-def export_eagle(model: DGFModel, out_dir: str | Path) -> Path:
+def export_eagle(model: "DGFModel | DGFDrafter", out_dir: str | Path) -> Path:
     """Write a `fusion: linear` drafter in EAGLE's checkpoint layout (SafeAILab/EAGLE `cnets.py`).
 
     config.json: the target family's HF config with num_hidden_layers = M (as EAGLE's configs are),
@@ -361,6 +361,7 @@ def export_eagle(model: DGFModel, out_dir: str | Path) -> Path:
     """
     from safetensors.torch import save_file
 
+    model = getattr(model, "model", model)  # a DGFDrafter works too
     if model.config.fusion != "linear":
         raise ValueError("EAGLE's layout has no gated fusion: only fusion='linear' drafters export to it "
                          "(save DGF drafters with save_dgf and their manifest)")
