@@ -11,8 +11,9 @@ printed loudly and recorded; `--strict` makes it fatal). speedup = plain wall ti
 time summed over prompts; the per-prompt ratios give a 95% confidence interval.
 
 Method specs: `plain`, `loop-plain` (our loop, no drafter: shows loop overhead), `hf-assisted`
-(needs --draft), `lm-chain[:k=4]`, `lm-tree[:depth=4,topk=3,budget=16]` (the --draft model, or a
-layer-subset copy of the target with `student=every2`), `ngram[:n=3,k=5,branches=1]`,
+(needs --draft), `lm-chain[:k=4]`, `lm-tree[:depth=4,topk=3,budget=16]` (the --draft model, another one
+with `draft=<dir or zoo name>` (e.g. a train/distill.py export), or a layer-subset copy of the target
+with `student=every2`), `ngram[:n=3,k=5,branches=1]`,
 `medusa:<dir>` (trained heads). Options after ':' are comma-separated key=value pairs.
 """
 
@@ -96,6 +97,19 @@ def _import_builder(target_path: str):
     return getattr(importlib.import_module(module), function)
 
 
+_EXTRA_DRAFTS: dict[tuple, TargetModel] = {}
+
+
+def _extra_draft(name_or_path: str, target: TargetModel):
+    """(model, tokenizer) of a draft named in a method spec (`lm-chain:draft=<dir>`), loaded once per
+    run in the target's dtype and device, so two drafts compare side by side in one run."""
+    key = (name_or_path, str(target.dtype), str(target.device))
+    if key not in _EXTRA_DRAFTS:
+        _EXTRA_DRAFTS[key] = TargetModel.from_pretrained(name_or_path, dtype=target.dtype, device=target.device)
+    loaded = _EXTRA_DRAFTS[key]
+    return loaded.model, loaded.tokenizer
+
+
 def build_drafter(spec: str, target: TargetModel, draft: TargetModel | None):
     """A drafter (or decoding policy) from a method spec (None for the plain loop)."""
     kind, opt = parse_method(spec)
@@ -107,7 +121,10 @@ def build_drafter(spec: str, target: TargetModel, draft: TargetModel | None):
         drafter = None
     elif kind in ("lm-chain", "lm-tree"):
         student = opt.pop("student", None)
-        if student:
+        other_draft = opt.pop("draft", None)  # another draft model dir / zoo name than --draft (e.g. a distilled student)
+        if other_draft:
+            model, tokenizer = _extra_draft(other_draft, target)
+        elif student:
             if not student.startswith("every"):
                 raise ValueError(f"student={student!r}: use everyN (keep every N-th target layer)")
             layers = every_nth_layer(target.num_layers, int(student[len("every"):]))
