@@ -179,3 +179,9 @@ def test_smollm2_layer_student_exports_as_draft(tmp_path):
     assert result.tokens[:len(plain)] == plain[:len(result.tokens)]
     assisted = target.model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft.model)
     assert assisted[0, ids.shape[1]:].tolist() == plain
+    from eval.bench import BenchConfig, run_benchmark  # a second draft named in the method spec
+
+    report = run_benchmark(BenchConfig(target="smollm2-135m-instruct", methods=["plain", f"lm-chain:draft={tmp_path / 'final'}"],
+                                       num_prompts=1, max_new_tokens=8), target=target, progress=False)
+    entry = report["summary"][f"lm-chain:draft={tmp_path / 'final'}"]
+    assert entry["mismatches"] == [] and entry["tau"] >= 1.0
