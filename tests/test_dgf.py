@@ -180,6 +180,22 @@ def test_greedy_decoding_is_lossless(trained, family, depth, topk, budget):
     assert max(taus) > 1.0, "no draft was ever accepted: the test would prove little"
 
 
+@pytest.mark.parametrize("budget", [3, 5, 8])
+def test_capping_depth_and_topk_at_g_keeps_the_tree(trained, budget):
+    model, fitted = trained["llama"]
+    context = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(budget))
+    with torch.no_grad():
+        feats = model(context[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+    trees = []
+    for cap in (True, False):
+        drafter = DGFDrafter(fitted, depth=7, topk=6, budget=budget)
+        drafter.cap_at_budget = cap
+        drafter.begin(context)
+        drafter.observe(context[:-1], {-1: feats})
+        trees.append(drafter.propose(int(context[-1]), context, None, None))
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+
+
 def test_build_from_spec_and_option_errors(tmp_path):
     model = tiny_model("llama")
     target = TargetModel(model, TinyTokenizer(96))

@@ -16,7 +16,8 @@ sampling: the same expansion order, but each expanded node draws its children fr
     for expansion (root first: min(k, g) children). Nothing drawn is dropped, which keeps the
     q-rows honest for `verify_sampling` (as `LMDrafter` does).
 
-`depth` = the maximum depth of a drafted node (drafter forwards per round: 1 + depth - 1).
+`depth` = the maximum depth of a drafted node (drafter forwards per round: 1 + depth - 1). Greedy
+trees cap depth and top-k at g (exact: no node beyond them can be among the g kept).
 The decoder verifies every proposal, so the output is the target's whatever the drafter says.
 """
 
@@ -39,6 +40,7 @@ class DGFDrafter(Drafter):
         model._need_target()
         self.model = model.eval()
         self.depth, self.topk, self.budget = depth, topk, budget
+        self.cap_at_budget = True  # greedy: cap depth and top-k at g (same tree; False only for tests)
         self.hidden_layers = (model.config.feature_layer,)
         self.name = name or f"dgf-{model.config.fusion}-m{model.config.num_blocks}"
         self.cache = None
@@ -89,7 +91,12 @@ class DGFDrafter(Drafter):
         return tree
 
     def _tree(self, root_feature, root_logits, length, sampling, generator) -> DraftTree:
-        model, device, k = self.model, self.device, self.topk
+        model, device, k, depth = self.model, self.device, self.topk, self.depth
+        if sampling is None and self.cap_at_budget:
+            # Exact shortcut: the final g nodes are ancestor-closed and scores fall along paths, so a
+            # kept node has depth <= g, lies in the top g of its level and among its parent's top g
+            # children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper.
+            k, depth = min(k, self.budget), min(depth, self.budget)
         committed = length - 1  # cache entries that every tree node may attend to
         tokens: list[torch.Tensor] = []  # per level: (n_level,) tokens
         parents: list[torch.Tensor] = []  # per level: (n_level,) global parent ids (-1 = root)
@@ -116,7 +123,7 @@ class DGFDrafter(Drafter):
         fed_ids: list[int] = []  # global ids of tree nodes in the cache, in order
         fed_reach = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (fed, fed) ancestor-or-self
         fed_features: dict[int, torch.Tensor] = {-1: root_feature}  # node -> its predicted feature
-        for level in range(1, self.depth):
+        for level in range(1, depth):
             if sampling is not None and budget_left <= 0:
                 break
             # Expand the best k nodes of the newest level in one forward.
