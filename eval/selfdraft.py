@@ -103,7 +103,8 @@ class CorpusCache:
             for prefix_len in range(1, max_prefix + 1):
                 for start in range(len(seq) - prefix_len - follow + 1):
                     prefix = tuple(seq[start:start + prefix_len])
-                    counts.setdefault(prefix, Counter())[tuple(seq[start + prefix_len:start + prefix_len + follow])] += 1
+                    continuation = tuple(seq[start + prefix_len:start + prefix_len + follow])
+                    counts.setdefault(prefix, Counter())[continuation] += 1
         self.table = {prefix: [c for c, _ in counter.most_common(top)] for prefix, counter in counts.items()}
 
     def lookup(self, context: list[int], limit: int) -> list[tuple[int, ...]]:
@@ -196,8 +197,9 @@ class SelfDraftDecoder:
         prompt = input_ids.to(device)
         cache = target.new_cache()
         out = target.forward(prompt, cache)
-        last = out.logits[0, -1]
-        root = int(last.argmax()) if sampling is None else int(torch.multinomial(sampling.probs(last), 1, generator=generator))
+        last = out.logits[0, -1]  # (V,) the first new token: argmax, or a draw from the warped target
+        root = int(last.argmax()) if sampling is None else int(
+            torch.multinomial(sampling.probs(last), 1, generator=generator))
         context = prompt[0].tolist() + [root]
         generated = [root]
         branches = self._initial_branches(prompt[0].tolist(), pad_generator)

@@ -14,6 +14,7 @@ from eval.decoder import DecodeConfig, SpeculativeDecoder
 from eval.drafters.base import Drafter
 from eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter, pacer_pick, update_alpha
 from eval.drafters.lm import LMDrafter
+from eval.drafters.medusa import MedusaDrafter
 from eval.drafters.minions import (LengthSelector, MinionsConfig, MinionsDrafter, acceptance_rate, fit_slope,
                                    majority_path, merge_proposals, update_weights, voted_drafters)
 from eval.drafters.ngram import NgramDrafter
@@ -21,6 +22,7 @@ from eval.pipeline import PipelinePolicy, first_child_nodes, reroot
 from eval.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
                             selfdraft_mask, selfdraft_positions)
 from eval.tree import DraftTree
+from models.medusa import MedusaConfig, MedusaHeads
 from models.student import layer_subset_student
 from models.target import TargetModel
 
@@ -38,8 +40,11 @@ def make_policy(kind, model, seed):
         drafters = [LMDrafter(shallow, mode="chain", name="shallow"), LMDrafter(model, mode="chain", name="self"),
                     NgramDrafter(name="ngram")]
         return MinionsDrafter(drafters, MinionsConfig(decision_threshold=2, window=6))
-    if kind == "minions-tree":
-        drafters = [LMDrafter(shallow, mode="chain", name="shallow"),
+    if kind == "minions-tree":  # with a feature drafter (Medusa heads read the target's hidden states)
+        torch.manual_seed(seed)
+        heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3))
+        heads.init_lm_heads(model.lm_head.weight)
+        drafters = [LMDrafter(shallow, mode="chain", name="shallow"), MedusaDrafter(heads),
                     LMDrafter(tiny_model(model.config.model_type, seed=seed + 40), mode="chain", name="other"),
                     NgramDrafter(name="ngram")]
         return MinionsDrafter(drafters, MinionsConfig(verify="tree", feedback="voted", speculation_length=3 + seed))

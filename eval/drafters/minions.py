@@ -243,9 +243,9 @@ class MinionsDrafter(Drafter):
                  weights: list[float] | None = None, name: str = "minions"):
         if not drafters:
             raise ValueError("Minions needs at least one drafter")
-        if any(d.hidden_layers for d in drafters):
-            raise ValueError("Minions sub-drafters must not need target hidden states")
         self.drafters = drafters
+        # Feature drafters (Medusa heads, ...) get the target hidden states they ask for.
+        self.hidden_layers = tuple(sorted({layer for d in drafters for layer in d.hidden_layers}))
         self.config = config or MinionsConfig()
         self.name = name
         self.weights = list(weights) if weights is not None else [1.0] * len(drafters)
@@ -272,7 +272,7 @@ class MinionsDrafter(Drafter):
 
     def observe(self, tokens, hidden):
         for drafter in self.drafters:
-            drafter.observe(tokens, {})
+            drafter.observe(tokens, {layer: hidden[layer] for layer in drafter.hidden_layers})
         if self._pending is not None and self._pending.get("verify_end") is None:
             self._pending["verify_end"] = time.perf_counter()
             self._pending["accepted"] = tokens[1:].tolist()  # the root comes first
@@ -357,12 +357,17 @@ def small_model(name: str, target, draft):
 
 
 def sub_drafter(name: str, target, draft, ngram_n: int = 3) -> Drafter:
-    """A chain drafter for one entry of `models=`: `ngram` or a small model (see small_model)."""
+    """A drafter for one entry of `models=`: `ngram`, `medusa@<dir>` (trained Medusa heads; their
+    first-child path is the proposal) or a small model (see small_model) drafting a chain."""
     from eval.drafters.lm import LMDrafter
     from eval.drafters.ngram import NgramDrafter
 
     if name == "ngram":
         return NgramDrafter(max_ngram=ngram_n, num_tokens=4, name="ngram")
+    if name.startswith("medusa@"):
+        from eval.drafters.medusa import load_medusa_drafter
+
+        return load_medusa_drafter(name[len("medusa@"):], target, name=name)
     model, tokenizer = small_model(name, target, draft)
     return LMDrafter(model, tokenizer, mode="chain", num_tokens=4, name=name)
 
@@ -398,8 +403,9 @@ def build_from_spec(options: dict, target, draft, name: str):
     """Bench method `minions:models=A+B+C[,key=value...]`.
 
     models (alias drafters): '+'-separated sub-drafters, each `draft` (the --draft model),
-    `everyN` (layer-subset student of the target), `ngram` (prompt lookup), or a zoo name /
-    model dir (e.g. qwen2.5-coder-0.5b-instruct, outputs/distill_x/final). Default
+    `everyN` (layer-subset student of the target), `ngram` (prompt lookup), `medusa@<dir>`
+    (trained Medusa heads), or a zoo name / model dir (e.g. qwen2.5-coder-0.5b-instruct,
+    outputs/distill_x/final). Default
     `every2+every3+ngram`. weights: optional '+'-separated initial weights. ngram_n: n-gram
     length for `ngram` (3). Every MinionsConfig field is an option (aliases: s/k =
     speculation_length, min_s, max_s, decision = decision_threshold), e.g.
