@@ -82,6 +82,9 @@ def parse_method(spec: str) -> tuple[str, dict[str, str]]:
 # DecodeResult (for methods that change the loop itself: Self-Draft, pipelines, placements).
 EXTERNAL_METHODS: dict[str, str] = {
     "medusa": "eval.drafters.medusa:build_from_spec",
+    "dovetail": "eval.placement:build_from_spec",
+    "hcmp": "eval.hcmp:build_from_spec",
+    "arca": "eval.profile:build_from_spec",
     "minions": "eval.drafters.minions:build_from_spec",
     "llmcad": "eval.drafters.llmcad:build_from_spec",
     "self-draft": "eval.selfdraft:build_from_spec",

@@ -52,6 +52,7 @@ class DecodeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    transfer_bytes: int = 0  # bytes crossing devices (eval.placement: placed drafters), summed
 
     @property
     def tau(self) -> float:

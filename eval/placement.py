@@ -1,0 +1,139 @@
+"""Dovetail placement (section III-A): the target on one device, the drafter on another.
+
+The target model (large, memory-bound) stays where it is (CPU in Dovetail); the drafter runs on
+a second device (the GPU). Per decoding round only token ids and the hidden states the drafter
+declares (`Drafter.hidden_layers`) cross between them:
+
+  target -> drafter: the newly committed tokens and their target hidden states (observe), the
+                     context tokens the drafter has not been sent yet (propose; the root included)
+  drafter -> target: the draft tree (tokens, parents, depths; plus q rows when sampling)
+
+`PlacedDrafter` wraps any drafter and does exactly these copies, counting the bytes (the count
+is what crosses the boundary; when both devices are the same, `.to()` copies nothing but the
+count is the same). `DovetailPolicy.make_decoder` runs the ordinary SpeculativeDecoder with it
+and reports the bytes in `DecodeStats.transfer_bytes`. The drafter's modules are moved to the
+drafter device (deep copies when they live elsewhere, so a target or draft model shared with
+other methods in the same benchmark run is never moved).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from eval.drafters.base import Drafter, Sampling
+from eval.tree import DraftTree
+from models.target import resolve_device
+
+
+def tensor_bytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def move_drafter(drafter: Drafter, device: torch.device) -> Drafter:
+    """Put every nn.Module attribute of `drafter` on `device` (a deep copy when it lives elsewhere)."""
+    for attr, value in list(vars(drafter).items()):
+        if isinstance(value, nn.Module):
+            param = next(value.parameters(), None)
+            if param is not None and param.device != device:
+                setattr(drafter, attr, copy.deepcopy(value).to(device))
+    return drafter
+
+
+class PlacedDrafter(Drafter):
+    """Runs `inner` on `device`; only tokens and the declared hidden states cross devices."""
+
+    def __init__(self, inner: Drafter, device: str | torch.device, target_device: str | torch.device = "cpu"):
+        self.inner = move_drafter(inner, resolve_device(device))
+        self.device = resolve_device(device)
+        self.target_device = resolve_device(target_device)
+        self.name = f"dovetail[{inner.name}]"
+        self.hidden_layers = tuple(inner.hidden_layers)
+        self.tokenizer = inner.tokenizer
+        self.transfer_bytes = 0  # since the last reset
+        self._context: torch.Tensor | None = None  # the drafter-side copy of the committed context
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        self._context = prompt_ids.to(self.device)
+        self.transfer_bytes += tensor_bytes(prompt_ids)
+        self.inner.begin(self._context)
+
+    def observe(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        self.transfer_bytes += tensor_bytes(tokens) + sum(tensor_bytes(h) for h in hidden.values())
+        self.inner.observe(tokens.to(self.device), {k: v.to(self.device) for k, v in hidden.items()})
+
+    def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None,
+                generator: torch.Generator | None) -> DraftTree:
+        known = 0 if self._context is None else self._context.numel()
+        if known > context.numel():
+            raise RuntimeError("the decoding context shrank between rounds (begin() not called for a new request?)")
+        delta = context[known:]  # only the tokens the drafter side has not seen (the root among them)
+        self.transfer_bytes += tensor_bytes(delta)
+        self._context = delta.to(self.device) if self._context is None else torch.cat(
+            [self._context, delta.to(self.device)])
+        drafter_generator = generator
+        if generator is not None and generator.device != self.device:
+            drafter_generator = torch.Generator(device=self.device).manual_seed(int(torch.randint(
+                0, 2**62, (1,), generator=generator)))
+        tree = self.inner.propose(root, self._context, sampling, drafter_generator)
+        self.transfer_bytes += sum(tensor_bytes(t) for t in (tree.tokens, tree.parents, tree.depths, tree.draft_probs))
+        device = self.target_device
+        probs = None if tree.draft_probs is None else tree.draft_probs.to(device)
+        return DraftTree(tree.tokens.to(device), tree.parents.to(device), tree.depths.to(device), probs)
+
+
+class DovetailDecoder:
+    """SpeculativeDecoder with the drafter placed on another device; stats carry transfer_bytes."""
+
+    def __init__(self, target, drafter: PlacedDrafter, decode_config):
+        from eval.decoder import SpeculativeDecoder
+
+        self.drafter = drafter
+        self.inner = SpeculativeDecoder(target, drafter, decode_config)
+
+    def generate(self, input_ids: torch.Tensor):
+        self.drafter.transfer_bytes = 0
+        result = self.inner.generate(input_ids)
+        result.stats.transfer_bytes += self.drafter.transfer_bytes
+        return result
+
+
+class DovetailPolicy:
+    """Bench policy: target where it was loaded, drafter on `device`."""
+
+    def __init__(self, inner: Drafter, device: str | torch.device, name: str = "dovetail"):
+        self.inner, self.device, self.name = inner, device, name
+        self._placed: PlacedDrafter | None = None
+
+    def make_decoder(self, target, decode_config) -> DovetailDecoder:
+        if self._placed is None or self._placed.target_device != target.device:
+            self._placed = PlacedDrafter(self.inner, self.device, target.device)
+        return DovetailDecoder(target, self._placed, decode_config)
+
+
+def build_inner(options: dict, target, draft) -> Drafter:
+    """The drafter named by `inner=<method>` plus every remaining option (popped from `options`).
+
+    `inner=lm-tree,depth=4,topk=3` -> method spec `lm-tree:depth=4,topk=3`;
+    `inner=medusa:/dir,width=8` -> `medusa:/dir,width=8`.
+    """
+    from eval.bench import build_drafter
+
+    inner = options.pop("inner")
+    rest = [f"{key}={value}" for key, value in options.items()]
+    options.clear()
+    spec = inner + (("," if ":" in inner else ":") + ",".join(rest) if rest else "")
+    drafter = build_drafter(spec, target, draft)
+    if drafter is None or hasattr(drafter, "make_decoder"):
+        raise ValueError(f"inner method {spec!r} must be a drafter (not loop-plain or another policy)")
+    return drafter
+
+
+def build_from_spec(options: dict, target, draft, name: str) -> DovetailPolicy:
+    """Bench method `dovetail:device=cuda:0,inner=<method>,<its options>` (device default: auto)."""
+    if "inner" not in options:
+        raise ValueError(f"{name}: dovetail needs inner=<drafter method>, e.g. dovetail:device=cuda:0,inner=lm-chain,k=4")
+    device = options.pop("device", "auto")
+    return DovetailPolicy(build_inner(options, target, draft), device, name=name)

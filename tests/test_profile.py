@@ -1,0 +1,104 @@
+"""ARCA profiler: latency measurement, rank recording, replay/refinement, profile JSON round trip."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model, tiny_target_for
+from eval.bench import build_drafter
+from eval.decoder import DecodeConfig, SpeculativeDecoder
+from eval.drafters.base import Drafter
+from eval.hcmp import HcmpPolicy
+from eval.profile import (ProfileConfig, RankRecorder, build_drafter_from_profile, load_profile,
+                          measure_verify_latency, random_tree, refine_paths, replay_tau, run_profile, save_profile)
+from eval.tree import DraftTree
+from models.target import TargetModel
+
+
+def test_random_tree_is_topological():
+    gen = torch.Generator().manual_seed(0)
+    for width in (0, 1, 7, 64):
+        tree = random_tree(width, 50, gen)
+        tree.validate()
+        assert tree.size == width
+
+
+def test_measure_verify_latency_restores_cache():
+    target = TargetModel(tiny_model("llama"), tokenizer=None)
+    times = measure_verify_latency(target, torch.randint(0, 96, (1, 12)), [0, 1, 4], repeats=2, warmup=1)
+    assert set(times) == {0, 1, 4} and all(len(t) == 2 and min(t) > 0 for t in times.values())
+
+
+class _FixedTree(Drafter):
+    """Root children [5, 6], under 5: [7, 8]; under 7: [9]."""
+
+    def propose(self, root, context, sampling, generator):
+        return DraftTree.from_parents(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 0, 2]))
+
+
+def test_rank_recorder_reads_rank_paths():
+    recorder = RankRecorder(_FixedTree())
+    recorder.begin(torch.tensor([1, 2]))
+    context = torch.tensor([1, 2, 3])
+    recorder.propose(3, context, None, None)
+    context = torch.cat([context, torch.tensor([5, 8, 4])])  # accepted 5 (rank 0), 8 (rank 1), bonus 4
+    recorder.propose(4, context, None, None)
+    context = torch.cat([context, torch.tensor([6, 1])])  # rank 1 at depth 1, then a miss (6 has no children)
+    recorder.propose(1, context, None, None)
+    context = torch.cat([context, torch.tensor([2])])  # a miss at depth 1
+    recorder.propose(2, context, None, None)
+    assert recorder.rank_paths == [[0, 1], [1], [-1]]  # depth 3 under node 8: no children, not an attempt
+    assert recorder.attempts == {1: 3, 2: 1}
+    accuracy = recorder.rank_accuracy()
+    assert accuracy[0] == pytest.approx([1 / 3, 1 / 3]) and accuracy[1] == pytest.approx([0.0, 1.0])
+
+
+def test_replay_and_refine():
+    rounds = [[0, 1], [0, 1], [1], [0, 0, -1], [-1]]
+    assert replay_tau([[0]], rounds) == pytest.approx((2 + 2 + 1 + 2 + 1) / 5)
+    assert replay_tau([[0], [0, 0], [0, 1]], rounds) == pytest.approx((3 + 3 + 1 + 3 + 1) / 5)
+    start = [[0], [1], [0, 0]]  # the estimate; the recorded rounds prefer [0, 1] over [0, 0]... with [0, 0] first
+    refined, tau = refine_paths(start, rounds, allowed=None)
+    assert tau >= replay_tau(start, rounds)
+    assert len(refined) == len(start)
+    found = {tuple(p) for p in refined}
+    assert all(p[:-1] in found or len(p) == 1 for p in found)
+
+
+@pytest.mark.parametrize("placement", ["plain", "hcmp"])
+def test_profile_round_trip_and_decoding(tmp_path, smol_tokenizer, placement):
+    tiny = tiny_target_for(smol_tokenizer, seed=0)
+    target = TargetModel(tiny.model, smol_tokenizer)
+    config = ProfileConfig(drafter="lm-tree:student=every2,depth=3,topk=2", widths=[1, 2, 4], repeats=1,
+                           context_tokens=16, calibration_offset=0, calibration_prompts=2,
+                           calibration_width=8, calibration_new_tokens=12, placement=placement,
+                           hcmp_ratios=[0.5], refine_iterations=2)
+    profile = run_profile(config, target, progress=False)
+    assert profile["widths"] == [0, 1, 2, 4]
+    assert profile["best"]["width"] in (1, 2, 4)
+    path = save_profile(profile, tmp_path / "profile.json")
+    loaded = load_profile(path)
+    assert loaded["trees"] == {w: p for w, p in profile["trees"].items()}
+    assert loaded["best"] == json.loads(json.dumps(profile["best"]))
+    method = build_drafter(f"arca:{path},width=4", target, None)
+    if loaded["best"]["placement"] == "hcmp":
+        assert isinstance(method, HcmpPolicy)
+        decoder = method.make_decoder(target, DecodeConfig(max_new_tokens=12))
+    else:
+        assert method.budget == 4
+        decoder = SpeculativeDecoder(target, method, DecodeConfig(max_new_tokens=12))
+    prompt = torch.tensor([smol_tokenizer.encode("Hello there, how are you")])
+    reference = tiny.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                    do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert decoder.generate(prompt).tokens == reference
+    with pytest.raises(ValueError, match="no tree for width"):
+        build_drafter_from_profile(loaded, target, None, width=3)
+
+
+def test_load_profile_refuses_other_files(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"version": 1}))
+    with pytest.raises(ValueError, match="not an ARCA profile"):
+        load_profile(tmp_path / "x.json")
+    with pytest.raises(FileNotFoundError):
+        load_profile(tmp_path / "missing.json")
