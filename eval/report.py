@@ -1,0 +1,157 @@
+"""Reports of eval.bench runs: PNG plots (matplotlib, Agg backend) and W&B logging.
+
+Plots, written beside the run's JSON (`x.json` -> `x_<name>.png`):
+  acceptance     per-depth acceptance a_k of every method with a drafter (one line per method)
+  category_tps   tokens/s per category (MT-Bench categories, GSM8K, ...), one bar per method
+  speedup_width  speedup vs tree width (mean draft tokens verified per round), one line per method
+                 kind, drawn only when some kind (e.g. lm-tree, medusa, dgf) appears with several
+                 tree sizes in the run
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def method_family(spec: str) -> str:
+    """The part of a method spec that names the drafter, without its size options:
+    'lm-tree:depth=4,topk=2,budget=8' -> 'lm-tree'; 'medusa:/d,width=8' -> 'medusa:/d';
+    'lm-chain:k=4,draft=/s' -> 'lm-chain:draft=/s'."""
+    from eval.bench import parse_method
+
+    kind, options = parse_method(spec)
+    keep = [f"{key}={value}" for key, value in options.items()
+            if key in ("draft", "student", "model", "models", "fusion")]
+    path = options.get("path")
+    return kind + (":" + ",".join(([path] if path else []) + keep) if path or keep else "")
+
+
+def width_series(summary: dict) -> dict[str, list[tuple[float, float, str]]]:
+    """{family: [(tree tokens per round, speedup, spec), ...]} for families with >= 2 sizes."""
+    series: dict[str, list] = {}
+    for spec, entry in summary.items():
+        width, speedup = entry.get("tree_tokens_per_round"), entry.get("speedup")
+        if width is None or speedup is None or spec in ("plain", "loop-plain"):
+            continue
+        series.setdefault(method_family(spec), []).append((width, speedup, spec))
+    return {family: sorted(points) for family, points in series.items()
+            if len({round(p[0], 6) for p in points}) >= 2}
+
+
+def write_plots(results: dict, out: str | Path) -> list[Path]:
+    """Write the PNG plots of a bench result next to `out` (a .json path); returns the files."""
+    plt = _pyplot()
+    out = Path(out)
+    stem = out.with_suffix("")
+    summary = results["summary"]
+    config = results["config"]
+    target = (results.get("models") or {}).get("target") or config["target"]
+    title = f"{target} | {config['suite']} | T={config.get('temperature', 0.0)}"
+    written = []
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    drawn = 0
+    for method, entry in summary.items():
+        depths = entry.get("depth_acceptance") or {}
+        if depths:
+            x = [int(k) for k in depths]
+            axes.plot(x, list(depths.values()), marker="o", label=method)
+            drawn += 1
+    axes.set_xlabel("draft depth k")
+    axes.set_ylabel("acceptance a_k = P(depth k accepted | depth k-1 accepted)")
+    axes.set_ylim(0, 1.05)
+    axes.set_title(f"Per-depth acceptance\n{title}", fontsize=9)
+    if drawn:
+        axes.legend(fontsize=7)
+        axes.xaxis.get_major_locator().set_params(integer=True)
+    else:
+        axes.text(0.5, 0.5, "no drafter in this run", ha="center", transform=axes.transAxes)
+    written.append(_save(figure, plt, f"{stem}_acceptance.png"))
+
+    categories = list(next(iter(summary.values()), {}).get("by_category", {}))
+    figure, axes = plt.subplots(figsize=(max(7, 0.9 * len(categories) * max(len(summary), 1) ** 0.5 + 3), 4.5))
+    bar_width = 0.8 / max(len(summary), 1)
+    for index, (method, entry) in enumerate(summary.items()):
+        values = [entry["by_category"].get(c, {}).get("tokens_per_s", math.nan) for c in categories]
+        axes.bar([i + index * bar_width for i in range(len(categories))], values, bar_width, label=method)
+    axes.set_xticks([i + 0.4 - bar_width / 2 for i in range(len(categories))])
+    axes.set_xticklabels(categories, rotation=30, ha="right", fontsize=8)
+    axes.set_ylabel("tokens/s")
+    axes.set_title(f"Tokens/s per category\n{title}", fontsize=9)
+    axes.legend(fontsize=7)
+    written.append(_save(figure, plt, f"{stem}_category_tps.png"))
+
+    series = width_series(summary)
+    if series:
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for family, points in series.items():
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=family)
+        axes.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+        axes.set_xlabel("tree width (mean draft tokens verified per round)")
+        axes.set_ylabel("speedup vs plain")
+        axes.set_title(f"Speedup vs tree width\n{title}", fontsize=9)
+        axes.legend(fontsize=7)
+        written.append(_save(figure, plt, f"{stem}_speedup_width.png"))
+    return written
+
+
+def _save(figure, plt, path: str) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)
+
+
+def log_wandb(results: dict, config, files: list[Path] = ()) -> str:
+    """One W&B run per bench run: config, a summary table, per-method metrics, plots as images and
+    all files as an artifact. Offline mode when there is no network (an explicit WANDB_MODE wins);
+    returns the run directory."""
+    from train.common import flatten_dict, prepare_wandb_env
+
+    import wandb
+
+    out_dir = Path(config.out).parent if config.out else Path("outputs")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mode = prepare_wandb_env(out_dir)
+    name = Path(config.out).stem if config.out else None
+    run = wandb.init(project=config.wandb_project, name=name, dir=str(out_dir), mode=mode, job_type="bench",
+                     config=flatten_dict({"bench": results["config"], "machine": results["machine"]}))
+    try:
+        columns = ["method", "tokens_per_s", "tau", "speedup", "speedup_ci95", "tree_tokens_per_round", "mismatches"]
+        table = wandb.Table(columns=columns)
+        metrics = {}
+        for method, entry in results["summary"].items():
+            table.add_data(method, entry["tokens_per_s"], entry["tau"], entry.get("speedup"),
+                           entry.get("speedup_ci95"), entry.get("tree_tokens_per_round"), len(entry["mismatches"]))
+            for key in ("tokens_per_s", "tau", "speedup", "speedup_ci95", "tree_tokens_per_round"):
+                if entry.get(key) is not None:
+                    metrics[f"{method}/{key}"] = entry[key]
+            for depth, value in entry["depth_acceptance"].items():
+                metrics[f"{method}/acceptance_depth{depth}"] = value
+            for category, sub in entry.get("by_category", {}).items():
+                metrics[f"{method}/tokens_per_s/{category}"] = sub["tokens_per_s"]
+        metrics["summary"] = table
+        for file in files:
+            if file.suffix == ".png":
+                metrics[f"plots/{file.stem}"] = wandb.Image(str(file))
+        run.log(metrics)
+        run.summary.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        if files:
+            artifact = wandb.Artifact(name=f"bench-{name or run.id}".replace("/", "_"), type="bench-results")
+            for file in files:
+                artifact.add_file(str(file))
+            run.log_artifact(artifact)
+        return str(Path(run.dir).parent)
+    finally:
+        run.finish()

@@ -1,0 +1,154 @@
+"""eval.bench end to end on tiny in-process models (real SmolLM2 tokenizer + chat template, random
+weights): JSON + markdown + PNG, two-turn MT-Bench prompt construction, several suites in one run,
+temperature-1 mode, W&B offline logging."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eval import bench, report
+from eval.bench import BenchConfig, run_benchmark, turn_input_ids, write_outputs
+from models.target import TargetModel
+from tests.conftest import tiny_target_for
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(smol_tokenizer):
+    target = tiny_target_for(smol_tokenizer, seed=0)
+    draft = tiny_target_for(smol_tokenizer, seed=1)
+    return TargetModel(target.model, smol_tokenizer, name="tiny-target"), TargetModel(draft.model, smol_tokenizer, name="tiny-draft")
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"id": "p0", "prompt": "Count from one to ten."}, {"id": "p1", "prompt": "Name three colours."},
+             {"id": "p2", "prompt": "What is two plus two?"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_two_turn_prompt_is_chat_template_over_q1_answer_q2(smol_tokenizer):
+    from data.chat import prompt_ids
+    from data.sources import Conversation
+
+    conv = Conversation(id="c", source="mt-bench", messages=[{"role": "user", "content": "Q1?"}],
+                        category="writing", followups=["Q2?"])
+    first = turn_input_ids(smol_tokenizer, conv, [])
+    second = turn_input_ids(smol_tokenizer, conv, ["A1."])
+    expected = prompt_ids(smol_tokenizer, [{"role": "user", "content": "Q1?"}, {"role": "assistant", "content": "A1."},
+                                           {"role": "user", "content": "Q2?"}])
+    assert second[0].tolist() == expected
+    text = smol_tokenizer.decode(second[0])
+    assert text.index("Q1?") < text.index("A1.") < text.index("Q2?")
+    assert first.shape[1] < second.shape[1]
+    assert bench.num_turns(conv, 2) == 2 and bench.num_turns(conv, 1) == 1 and bench.num_turns(conv, 5) == 2
+
+
+def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "run" / "bench.json"
+    config = BenchConfig(methods=["plain", "hf-assisted", "lm-chain:k=3", "lm-tree:depth=2,topk=2,budget=4",
+                                  "lm-tree:depth=3,topk=2,budget=8", "ngram"],
+                         suite=f"jsonl:{prompts_file},mt-bench", num_prompts=2, turns=2, max_new_tokens=8,
+                         out=str(out))
+    results = run_benchmark(config, target=target, draft=draft, progress=False)
+    written = write_outputs(results, config)
+
+    summary = results["summary"]
+    assert results["suites"] == [f"jsonl:{prompts_file}", "mt-bench"]
+    for method in config.methods:
+        assert summary[method]["mismatches"] == [], method  # greedy: every method == plain on every prompt/turn
+        assert set(summary[method]["by_suite"]) == set(results["suites"])
+        assert set(summary[method]["by_turn"]) == {"1", "2"}
+    assert summary["lm-chain:k=3"]["tau"] >= 1.0 and summary["lm-chain:k=3"]["depth_acceptance"]
+    # 2 jsonl prompts (1 turn) + 2 MT-Bench questions x 2 turns
+    rows = results["per_prompt"]
+    assert [(r["suite"] == "mt-bench", r["turn"]) for r in rows] == [(False, 1), (False, 1), (True, 1), (True, 2),
+                                                                      (True, 1), (True, 2)]
+    # turn 2's history is the plain greedy answer of turn 1, and its prompt is built from it
+    from data.sources import load_source
+
+    first_q = load_source("mt-bench")[0]
+    turn1, turn2 = rows[2], rows[3]
+    assert turn2["id"] == turn1["id"] == first_q.id
+    turn1_ids = turn_input_ids(target.tokenizer, first_q, [])
+    assert turn1["prompt_tokens"] == turn1_ids.shape[1]
+    greedy = target.model.generate(turn1_ids, attention_mask=torch.ones_like(turn1_ids), do_sample=False,
+                                   max_new_tokens=8)[0, turn1_ids.shape[1]:]
+    assert turn2["history"] == [target.tokenizer.decode(greedy, skip_special_tokens=True).strip()]
+    assert turn2["prompt_tokens"] == turn_input_ids(target.tokenizer, first_q, turn2["history"]).shape[1]
+    assert any(key.startswith("mt-bench/") for key in summary["plain"]["by_category"])
+
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["plain"]["speedup"] == pytest.approx(1.0)
+    markdown = out.with_suffix(".md").read_text()
+    assert "| lm-chain:k=3 |" in markdown and "Per suite" in markdown and "Per turn" in markdown
+    assert "Tokens/s per category" in markdown
+    names = {p.split("/")[-1] for p in written["plots"]}
+    assert names == {"bench_acceptance.png", "bench_category_tps.png", "bench_speedup_width.png"}
+    for path in written["plots"]:
+        assert open(path, "rb").read(8) == PNG_MAGIC
+
+
+def test_bench_temperature_one_records_tau_without_token_comparison(tiny_pair, prompts_file, tmp_path):
+    target, draft = tiny_pair
+    config = BenchConfig(methods=["plain", "lm-chain:k=3", "ngram"], suite=f"jsonl:{prompts_file}", num_prompts=2,
+                         max_new_tokens=8, temperature=1.0, out=str(tmp_path / "t1.json"))
+    results = run_benchmark(config, target=target, draft=draft, progress=False)
+    write_outputs(results, config)
+    chain = results["summary"]["lm-chain:k=3"]
+    assert chain["tau"] is not None and chain["tau"] >= 1.0 and chain["tokens_per_s"] > 0
+    assert chain["mismatches"] == []  # never compared at T > 0
+    assert "speedup" in chain and chain["speedup"] > 0
+    assert "sampled (not compared)" in (tmp_path / "t1.md").read_text()
+
+
+def test_suite_errors(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    with pytest.raises(ValueError, match="names a suite twice"):
+        bench.split_suites("gsm8k,gsm8k")
+    with pytest.raises(ValueError, match="comma-separated"):
+        bench.split_suites("mt-bench,")
+    with pytest.raises(FileNotFoundError):
+        run_benchmark(BenchConfig(methods=["plain"], suite=f"jsonl:{tmp_path}/missing.jsonl"), target=target,
+                      progress=False)
+    with pytest.raises(ValueError, match="temperature"):
+        run_benchmark(BenchConfig(methods=["plain"], temperature=-1), target=target, progress=False)
+
+
+def test_cli_parses_new_flags():
+    config = bench.parse_args(["--suite", "mt-bench,gsm8k", "--temperature", "1", "--turns", "1", "--wandb",
+                               "--no-plots"])
+    assert config.suite == "mt-bench,gsm8k" and config.temperature == 1.0 and config.turns == 1
+    assert config.wandb and not config.plots
+
+
+def test_width_series_groups_sizes_of_one_kind():
+    summary = {"plain": {"tree_tokens_per_round": None, "speedup": 1.0},
+               "lm-tree:depth=2,budget=4": {"tree_tokens_per_round": 4.0, "speedup": 0.9},
+               "lm-tree:depth=3,budget=8": {"tree_tokens_per_round": 8.0, "speedup": 0.8},
+               "ngram": {"tree_tokens_per_round": 3.0, "speedup": 1.0}}
+    assert report.width_series(summary) == {"lm-tree": [(4.0, 0.9, "lm-tree:depth=2,budget=4"),
+                                                        (8.0, 0.8, "lm-tree:depth=3,budget=8")]}
+    assert report.method_family("lm-chain:k=4,draft=/s") == "lm-chain:draft=/s"
+    assert report.method_family("medusa:/d,width=8") == "medusa:/d"
+
+
+def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    target, draft = tiny_pair
+    config = BenchConfig(methods=["plain", "lm-chain:k=2"], suite=f"jsonl:{prompts_file}", num_prompts=1,
+                         max_new_tokens=4, out=str(tmp_path / "w.json"), wandb=True)
+    results = run_benchmark(config, target=target, draft=draft, progress=False)
+    written = write_outputs(results, config)
+    run_dirs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert run_dirs and written["wandb"]
+    assert list(run_dirs[0].glob("*.wandb"))
+    torch.set_num_threads(1)
