@@ -477,8 +477,9 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
             t_draft = chain_draft_per_token * max(len(paths), 1)
         else:
             t_draft = draft_per_round
+        nodes = len(paths) if width else 0  # a tree can have fewer nodes than w (the table ran out)
         for label, curve in latency.items():
-            t_verify = curve[width]
+            t_verify = interpolate_latency(curve, nodes)
             step = t_draft + t_verify
             predicted.setdefault(label, {})[width] = {
                 "tau_estimate": tau_est, "tau_replay": tau_replay if width else 1.0, "tau": tau,
@@ -487,7 +488,7 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
                 "eq1_t_avg_s": step / tau,  # Dovetail eq. (1)
                 "eq6_ratio": (t_draft / base_tt + t_verify / base_tt) / tau,  # eq. (6): T_avg / T_T
                 "predicted_speedup": tau * base_tt / step,
-                "tree_depth": max((len(p) for p in paths), default=0)}
+                "tree_nodes": nodes, "tree_depth": max((len(p) for p in paths), default=0)}
 
     best_label, best_width = max(((label, w) for label in predicted for w in predicted[label] if w > 0),
                                  key=lambda lw: predicted[lw[0]][lw[1]]["tokens_per_s"])
@@ -511,6 +512,18 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
     return profile
 
 
+def interpolate_latency(curve: dict[int, float], nodes: int) -> float:
+    """T at `nodes` draft nodes, linear between the measured widths (clamped at the ends)."""
+    widths = sorted(int(w) for w in curve)
+    values = {int(w): t for w, t in curve.items()}
+    if nodes <= widths[0]:
+        return values[widths[0]]
+    for low, high in zip(widths, widths[1:]):
+        if nodes <= high:
+            return values[low] + (values[high] - values[low]) * (nodes - low) / (high - low)
+    return values[widths[-1]]
+
+
 def _medusa_paths(drafter) -> list[list[int]]:
     """Rank paths of a MedusaDrafter's static tree (through a PlacedDrafter wrapper too)."""
     drafter = getattr(drafter, "inner", drafter)
@@ -526,8 +539,8 @@ def _medusa_paths(drafter) -> list[list[int]]:
 
 
 def format_profile(profile: dict) -> str:
-    lines = ["| placement | w | T(w) ms | T(w)/T_T | T_draft/T_T | tau est | tau replay | pred tok/s | "
-             "eq.(6) T_avg/T_T | pred speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| placement | w | nodes | T(nodes) ms | T(w)/T_T | T_draft/T_T | tau est | tau replay | pred tok/s | "
+             "eq.(6) T_avg/T_T | pred speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     base_tt = profile["verify_latency_s"]["plain"]["0"] if "0" in profile["verify_latency_s"]["plain"] \
         else profile["verify_latency_s"]["plain"][0]
     for label, rows in profile["predicted"].items():
@@ -535,10 +548,14 @@ def format_profile(profile: dict) -> str:
             mark = " **<- ARCA**" if (int(width) == profile["best"]["width"] and
                                       (label == "plain") == (profile["best"]["placement"] == "plain") and
                                       (label == "plain" or float(label.split(":")[1]) == profile["best"]["hcmp_ratio"])) else ""
-            lines.append(f"| {label} | {width} | {1000 * row['t_verify_s']:.1f} | {row['t_verify_s'] / base_tt:.2f} | "
+            lines.append(f"| {label} | {width} | {row['tree_nodes']} | {1000 * row['t_verify_s']:.1f} | {row['t_verify_s'] / base_tt:.2f} | "
                          f"{row['t_draft_s'] / base_tt:.2f} | {row['tau_estimate']:.2f} | {row['tau_replay']:.2f} | "
                          f"{row['tokens_per_s']:.1f} | {row['eq6_ratio']:.3f} | {row['predicted_speedup']:.2f}x{mark} |")
     best = profile["best"]
+    lines.append("")
+    for label, curve in profile["verify_latency_s"].items():
+        lines.append(f"Measured T(w) [{label}], median of {profile['config']['repeats']}, ms: " + ", ".join(
+            f"w={w}: {1000 * t:.1f}" for w, t in sorted(curve.items(), key=lambda item: int(item[0]))))
     lines.append("")
     lines.append(f"ARCA pick: width {best['width']} ({best['placement']}"
                  + (f", ratio {best['hcmp_ratio']:g}" if best["hcmp_ratio"] is not None else "")

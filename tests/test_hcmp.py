@@ -7,7 +7,7 @@ from torch import nn
 from conftest import tiny_model
 from eval.decoder import DecodeConfig, SpeculativeDecoder
 from eval.drafters.lm import LMDrafter
-from eval.hcmp import (HcmpConfig, HcmpPlan, SplitLinear, _Units, build_from_spec, hcmp_mode,
+from eval.hcmp import (HcmpConfig, HcmpPlan, HcmpPolicy, SplitLinear, _Units, build_from_spec, hcmp_mode,
                        merge_attention_partials, partial_attention)
 from eval.tree import node_depths, tree_attention_mask, tree_position_ids
 from models.student import layer_subset_student
@@ -127,3 +127,25 @@ def test_config_validation():
         HcmpConfig(ratios={"mlp": 1.5})
     with pytest.raises(ValueError, match="decoder layer list"):
         HcmpPlan(nn.Linear(2, 2), HcmpConfig())
+
+
+@pytest.mark.slow
+def test_real_smollm2_split_forward_and_decoding():
+    from models.zoo import is_fetched
+
+    if not is_fetched("smollm2-135m-instruct"):
+        pytest.skip("smollm2-135m-instruct not in the zoo cache")
+    target = TargetModel.from_pretrained("smollm2-135m-instruct", dtype="float32")
+    prompt = torch.tensor([target.tokenizer.encode("Write a short poem about the sea and the wind.")])
+    tree_ids = torch.randint(0, 1000, (1, PARENTS.numel() + 1), generator=torch.Generator().manual_seed(0))
+    expected = _tree_forward(target, prompt, tree_ids)
+    with hcmp_mode(target.model, HcmpConfig(ratios={"qkv": 0.3, "o": 0.6, "mlp": 0.5, "attention": 0.7})):
+        got = _tree_forward(target, prompt, tree_ids)
+    torch.testing.assert_close(got.logits, expected.logits, atol=2e-3, rtol=1e-3)
+    reference = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,
+                                      do_sample=False)[0, prompt.shape[1]:].tolist()
+    drafter = LMDrafter(layer_subset_student(target.model, list(range(0, target.num_layers, 2))), mode="tree",
+                        depth=3, topk=2, budget=8)
+    decoder = HcmpPolicy(drafter, HcmpConfig.uniform(0.5)).make_decoder(target, DecodeConfig(max_new_tokens=24))
+    assert decoder.generate(prompt).tokens == reference
+
