@@ -555,6 +555,7 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, state: Mapping, keep
 
     root = Path(checkpoints_dir)
     root.mkdir(parents=True, exist_ok=True)
+    recover_checkpoints(root)  # leftovers of a killed earlier save
     final = root / f"{STEP_PREFIX}{step}"
     tmp = root / f".tmp_{STEP_PREFIX}{step}_{os.getpid()}"
     if tmp.exists():
@@ -601,6 +602,121 @@ def load_checkpoint(path: str | Path) -> dict:
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"checkpoint {path}: {CHECKPOINT_TENSORS} is corrupt or truncated ({err})") from err
     return unpack_state(doc["state"], tensors, source=f"checkpoint {path}")
+
+
+CORRUPT_SUFFIX = ".corrupt"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_checkpoints(checkpoints_dir: str | Path) -> None:
+    """Tidy what a killed `save_checkpoint` left behind (call from the process that saves).
+
+    `.tmp_step_<N>_<pid>` of a dead process: an unfinished write, removed. `.old_step_<N>_<pid>`
+    without `step_<N>`: the process died between swapping a re-saved step out and in; the old
+    (complete) copy is put back.
+    """
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        for kind in (".tmp_", ".old_"):
+            if not entry.name.startswith(kind + STEP_PREFIX):
+                continue
+            name, _, pid = entry.name[len(kind):].rpartition("_")
+            if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+                continue
+            final = root / name
+            if kind == ".old_" and not final.exists() and checkpoint_step(final) is not None:
+                os.replace(entry, final)
+                log.warning("restored %s from an interrupted re-save", final)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def load_latest_checkpoint(checkpoints_dir: str | Path, quarantine: bool = True) -> tuple[Path, dict] | None:
+    """(path, state) of the newest checkpoint that loads, or None when there is none.
+
+    A newest checkpoint that is corrupt or truncated does not stop a resume: a warning naming the
+    file is printed (stderr and the log) and the previous one is used; with `quarantine` (the main
+    process only, under multi-process launches) the bad directory is renamed to
+    `step_<N>.corrupt` so it is kept for inspection but never listed or pruned as a checkpoint.
+    Raises `CheckpointError` naming every file when checkpoints exist but none loads.
+    """
+    import sys
+
+    if quarantine:
+        recover_checkpoints(checkpoints_dir)
+    found = list_checkpoints(checkpoints_dir)
+    problems = []
+    for path in reversed(found):
+        try:
+            return path, load_checkpoint(path)
+        except (CheckpointError, FileNotFoundError) as err:
+            problems.append(str(err))
+            message = f"warning: {err}; falling back to the previous checkpoint"
+            print(message, file=sys.stderr, flush=True)
+            log.warning(message)
+            if quarantine and path.exists():
+                bad = path.with_name(path.name + CORRUPT_SUFFIX)
+                shutil.rmtree(bad, ignore_errors=True)
+                os.replace(path, bad)
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {checkpoints_dir}: " + "; ".join(problems))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults: non-finite losses, multi-process helpers
+# ---------------------------------------------------------------------------------------------
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A loss (or gradient norm) became NaN/inf; the message names the step."""
+
+
+def check_finite(value: Any, step: int, what: str = "loss", checkpoints_dir: str | Path | None = None) -> None:
+    """Stop the run when `value` (float or tensor) is NaN or inf, naming the step.
+
+    Call it before saving anything for `step`, on a value that is identical on every process
+    (e.g. the loss after `accelerator.reduce`), so every rank stops together and the last good
+    checkpoint stays the newest one; `checkpoints_dir` lets the message name that checkpoint.
+    """
+    tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    if bool(torch.isfinite(tensor).all()):
+        return
+    kind = "NaN" if bool(torch.isnan(tensor).any()) else "inf"
+    last = latest_checkpoint(checkpoints_dir) if checkpoints_dir is not None else None
+    keep = (f"; the last good checkpoint is {last} (resume with --resume after fixing the cause, e.g. a lower "
+            f"learning rate)") if last is not None else "; no checkpoint was written before it"
+    raise NonFiniteLossError(f"{what} is {kind} at step {step}: stopping the run{keep}")
+
+
+def gather_trainable_state(accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU copies of `module`'s trainable parameters, by name.
+
+    Call on EVERY process: under FSDP / DeepSpeed ZeRO-3 `accelerator.get_state_dict` gathers the
+    shards collectively (and returns them on the main process); under DDP it is a local copy.
+    Frozen parameters (the target) are left out, so drafter checkpoints stay small.
+    """
+    unwrapped = accelerator.unwrap_model(module)
+    trainable = {name for name, p in unwrapped.named_parameters() if p.requires_grad}
+    state = accelerator.get_state_dict(module, unwrap=True) or {}
+    return {name: t.detach().cpu().contiguous() for name, t in state.items() if name in trainable}
+
+
+def local_rank_zero() -> bool:
+    """True in the process that should write shared files, before an Accelerator exists
+    (`RANK` from torchrun / `accelerate launch`; 0 when not launched)."""
+    return int(os.environ.get("RANK", "0") or 0) == 0
 
 
 # ---------------------------------------------------------------------------------------------

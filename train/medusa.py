@@ -44,10 +44,10 @@ from torch import nn
 from models.medusa import (ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, HIDDEN_LAYER, MANIFEST_FILE, MANIFEST_FORMAT,
                            MedusaConfig, MedusaHeads)
 from models.target import resolve_device, vocab_fingerprint
-from train.common import (MetricsFile, CheckpointError, ConfigError, batch_indices, collate, config_to_dict,
-                          flatten_dict, latest_checkpoint, load_checkpoint, load_config, load_records, load_target,
-                          prepare_wandb_env, rng_state, save_checkpoint, save_config, seed_everything, set_rng_state,
-                          split_heldout)
+from train.common import (MetricsFile, CheckpointError, ConfigError, NonFiniteLossError, batch_indices, check_finite,
+                          collate, config_to_dict, flatten_dict, latest_checkpoint, load_checkpoint, load_config,
+                          load_latest_checkpoint, load_records, load_target, local_rank_zero, prepare_wandb_env,
+                          rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout)
 from train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss, rank_hits,
                           teacher_positions)
 
@@ -261,6 +261,7 @@ class MedusaRecipe:
         self.lm_loss_before: float | None = None
         self.last_eval: dict | None = None
         self.run_id = uuid.uuid4().hex[:8]
+        self._resume_state: dict | None = None  # loaded by _resume_path for --resume
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -274,7 +275,7 @@ class MedusaRecipe:
             raise RuntimeError(f"{self.checkpoints_dir} already holds checkpoints: pass --resume to continue that run, "
                                "or choose another output_dir")
         if resume_path is not None:
-            state = load_checkpoint(resume_path)
+            state = self._resume_state if self._resume_state is not None else load_checkpoint(resume_path)
             self.run_id = state["run_id"]
         log_with = None
         if cfg.logging.tracker == "wandb":
@@ -350,11 +351,13 @@ class MedusaRecipe:
     def _resume_path(self, resume: str | None) -> Path | None:
         if resume is None:
             return None
-        if resume == "auto":
-            found = latest_checkpoint(self.checkpoints_dir)
+        if resume == "auto":  # the newest checkpoint that loads (a corrupt newest one is set aside with a warning)
+            found = load_latest_checkpoint(self.checkpoints_dir, quarantine=local_rank_zero())
             if found is None:
                 log.warning("--resume: no checkpoint in %s, starting from scratch", self.checkpoints_dir)
-            return found
+                return None
+            path, self._resume_state = found
+            return path
         return Path(resume)
 
     def _pad_id(self) -> int:
@@ -442,6 +445,10 @@ class MedusaRecipe:
         if self.world > 1:
             sums = acc.reduce(sums, "sum")
             sums[:2] /= self.world  # per-process losses were scaled by world / N_total
+        # Same value on every process, checked before this step can be checkpointed: all ranks stop together.
+        check_finite(sums[0], self.step, "training loss", self.checkpoints_dir)
+        if grad_norm is not None:
+            check_finite(grad_norm, self.step, "gradient norm", self.checkpoints_dir)
         k = cfg.heads.num_heads
         metrics = {"train/loss": float(sums[0]), "train/lr": lrs[0],
                    "train/tokens": int(sums[2]), "train/samples_seen": self.samples_seen}
@@ -695,5 +702,5 @@ def cli(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         cli()
-    except (ConfigError, CheckpointError) as err:
+    except (ConfigError, CheckpointError, NonFiniteLossError) as err:
         sys.exit(f"error: {err}")

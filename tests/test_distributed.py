@@ -1,0 +1,128 @@
+"""Multi-process runs through `accelerate launch` on CPU (gloo): real 2-process launches in subprocesses.
+
+The launch command is the shipped `train/accelerate/ddp_cpu.yaml` (torchrun launcher; see the
+comment in that file for why `--cpu --num_processes 2` alone starts one process).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data.features import FeatureDataset, load_index
+from data.regenerate import load_regenerated
+from data.sources import Conversation, save_conversations
+from train.common import MetricsFile, load_config
+from train.medusa import MedusaRecipeConfig, main
+
+from launch_utils import ACCELERATE_CONFIGS, REPO, TINY_YAML, accelerate_launch, run, save_tiny_model_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+SHIPPED = {"ddp_cpu.yaml": ("MULTI_GPU", 2, 1), "ddp_1gpu.yaml": ("NO", 1, 1), "ddp_8gpu.yaml": ("MULTI_GPU", 8, 1),
+           "fsdp.yaml": ("FSDP", 8, 1), "deepspeed_zero2.yaml": ("DEEPSPEED", 8, 1),
+           "deepspeed_zero3.yaml": ("DEEPSPEED", 8, 1), "multinode.yaml": ("MULTI_GPU", 16, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_accelerate_configs_load_and_validate(name):
+    """Each YAML parses with accelerate's config loader and passes `accelerate launch`'s own validation."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    path = ACCELERATE_CONFIGS / name
+    kind, processes, machines = SHIPPED[name]
+    config = load_config_from_file(str(path))
+    assert config.distributed_type.value == kind and config.num_processes == processes
+    assert config.num_machines == machines and not config.use_cpu
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(
+        ["--config_file", str(path), "train/medusa.py"]))
+    assert args.num_processes == processes
+    if kind == "FSDP":
+        assert config.fsdp_config["fsdp_version"] == 2 and args.use_fsdp
+    if kind == "DEEPSPEED":
+        assert config.deepspeed_config["zero_stage"] == int(name[-6]) and args.use_deepspeed
+    assert sorted(p.name for p in ACCELERATE_CONFIGS.glob("*.yaml")) == sorted(SHIPPED)
+
+
+def _metrics(output_dir: Path) -> list[dict]:
+    return MetricsFile.read(output_dir / "metrics.jsonl")
+
+
+def test_two_processes_equal_one_process_at_the_same_global_batch(tmp_path):
+    """2 processes x batch 2 (gloo DDP) == 1 process x batch 4 == 1 process x batch 2 x 2 accumulation:
+    same losses, held-out metrics and final heads; metrics and W&B are written once (main process)."""
+    common = ["train.max_steps=4", "train.checkpoint_every=2", "loss.distill_weight=0.5"]
+    done = run([*accelerate_launch(2), "train/medusa.py", "--config", str(TINY_YAML), f"output_dir={tmp_path / 'ddp'}",
+                "train.batch_size=2", "logging.tracker=wandb", *common])
+    summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 2 and all(s["step"] == 4 for s in summaries)  # both ranks ran to the end
+    main(load_config(MedusaRecipeConfig, TINY_YAML, [f"output_dir={tmp_path / 'big'}", "train.batch_size=4", *common]))
+    main(load_config(MedusaRecipeConfig, TINY_YAML, [f"output_dir={tmp_path / 'accum'}", "train.batch_size=2",
+                                                     "train.grad_accum_steps=2", *common]))
+    ddp = _metrics(tmp_path / "ddp")
+    steps = [(r["step"], "train/loss" in r) for r in ddp]
+    assert len(steps) == len(set(steps))  # every metric row logged once, not once per process
+    for other in ("big", "accum"):
+        ref = _metrics(tmp_path / other)
+        assert len(ref) == len(ddp)
+        for a, b in zip(ddp, ref):
+            assert a["step"] == b["step"]
+            for key in ("train/loss", "train/samples_seen", "eval/loss", "eval/head1_top1", "eval/head3_top3"):
+                if key in b:
+                    assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (other, a["step"], key)
+        heads_a = load_file(str(tmp_path / "ddp" / "final" / "medusa_heads.safetensors"))
+        heads_b = load_file(str(tmp_path / other / "final" / "medusa_heads.safetensors"))
+        for name, tensor in heads_b.items():
+            assert torch.allclose(heads_a[name], tensor, atol=1e-5), (other, name)
+    assert len(list((tmp_path / "ddp" / "wandb").glob("offline-run-*"))) == 1
+    # the checkpoint holds both processes' RNG states (exact resume under the same world size)
+    state = json.loads((tmp_path / "ddp" / "checkpoints" / "step_4" / "state.json").read_text())
+    assert len(state["state"]["rng"]) == 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smol_tokenizer):
+    return save_tiny_model_dir(smol_tokenizer, tmp_path_factory.mktemp("tiny-model"))
+
+
+def conversations(n: int) -> list[Conversation]:
+    return [Conversation(id=f"c{i}", source="test", messages=[
+        {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+        {"role": "assistant", "content": f"It is {2 * i}. " * (1 + i % 3)}]) for i in range(n)]
+
+
+@pytest.mark.slow  # ~1 min on 2 busy cores (4 process start-ups); the rank split itself is tested in-process
+def test_regeneration_and_feature_cache_shard_across_two_processes(tmp_path, model_dir):
+    """`accelerate launch -m data.regenerate / data.features`: each rank writes its own shards, the
+    merged index covers every item once, and the readers see the whole data set."""
+    source = save_conversations(tmp_path / "convs.jsonl", conversations(7))
+    regen_dir, feat_dir = tmp_path / "regen", tmp_path / "features"
+    run([*accelerate_launch(2), "-m", "data.regenerate", "--model", str(model_dir), "--source",
+         f"conversations:{source}", "--output-dir", str(regen_dir), "--max-new-tokens", "4", "--shard-size", "2",
+         "--batch-size", "2", "--num-threads", "1", "--no-progress"])
+    index = json.loads((regen_dir / "index.json").read_text())
+    assert {s["rank"] for s in index["shards"]} == {0, 1}
+    assert {p.name for p in regen_dir.glob("shard_*.jsonl")} == {"shard_0_00000.jsonl", "shard_0_00001.jsonl",
+                                                                "shard_1_00000.jsonl", "shard_1_00001.jsonl"}
+    regenerated = load_regenerated(regen_dir, require_complete=True)
+    assert [c.meta["regenerated"]["item"] for c in regenerated] == list(range(7))
+
+    run([*accelerate_launch(2), "-m", "data.features", "--model", str(model_dir), "--source",
+         f"conversations:{regen_dir}", "--output-dir", str(feat_dir), "--layers", "-1", "--topk", "0",
+         "--shard-tokens", "64", "--batch-size", "2", "--num-threads", "1", "--no-progress"])
+    index = load_index(feat_dir)
+    assert index["complete"] and {s["rank"] for s in index["shards"]} == {0, 1}
+    items = sorted(int(x["item"]) for x in FeatureDataset(feat_dir))
+    assert items == list(range(len(regenerated)))  # every regenerated conversation once, across both ranks
