@@ -1,0 +1,210 @@
+"""scripts/export.py / eval.export round trips: HF students (assistant_model generate parity), Medusa
+heads in the FasterDecoding layout (names + parity), DGF/EAGLE drafters, manifests, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_model, tiny_target_for
+from eval import export
+from models.medusa import ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MedusaConfig, MedusaHeads
+from models.target import TargetModel, vocab_fingerprint
+from scripts.export import main as export_cli
+from train.common import TinyTokenizer
+
+
+# -- students --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def student_setup(smol_tokenizer, tmp_path_factory):
+    """(target TargetModel, a student HF dir, a distill-style final/ dir) sharing the SmolLM2 tokenizer."""
+    root = tmp_path_factory.mktemp("students")
+    target = tiny_target_for(smol_tokenizer, seed=0)
+    target = TargetModel(target.model, smol_tokenizer, name="tiny-target")
+    student = tiny_target_for(smol_tokenizer, seed=1).model
+    plain_dir = root / "plain"
+    student.save_pretrained(str(plain_dir))
+    smol_tokenizer.save_pretrained(str(plain_dir))
+    final = root / "run" / "final"
+    student.save_pretrained(str(final))
+    smol_tokenizer.save_pretrained(str(final))
+    (final / "manifest.json").write_text(json.dumps({
+        "format": "draftsmith.distilled/1", "method": "distilled-student",
+        "target": {"name": "tiny-target", "vocab_fingerprint": vocab_fingerprint(smol_tokenizer)},
+        "training": {"steps": 3}}))
+    return target, student, plain_dir, final
+
+
+def test_student_export_round_trip_with_assisted_generate(student_setup, tmp_path):
+    target, student, _, final = student_setup
+    result = export.export_student(final, tmp_path / "out", target=target)
+    out = tmp_path / "out"
+    assert result.max_abs_diff == 0.0 and not (tmp_path / "out.tmp").exists()
+    manifest = export.read_export_manifest(out)
+    assert manifest["layout"] == "hf" and manifest["target"]["name"] == "tiny-target"
+    assert manifest["target"]["vocab_fingerprint"] == vocab_fingerprint(target.tokenizer)
+    assert manifest["target"]["hidden_layers"] == [] and manifest["fusion"] is None and manifest["tree"]
+    assert manifest["student"]["distillation"] == {"steps": 3}
+    assert "assisted_generate" in manifest["parity"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    prompt = torch.tensor([target.tokenizer("Hello there, how are you")["input_ids"]])
+    common = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=10)
+    assert torch.equal(target.model.generate(prompt, assistant_model=loaded, **common),
+                       target.model.generate(prompt, **common))
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(prompt).logits, student(prompt).logits, rtol=0, atol=0)
+
+
+def test_student_export_plain_dir_without_target(student_setup, tmp_path):
+    _, _, plain_dir, _ = student_setup
+    result = export.export_student(plain_dir, tmp_path / "o")
+    assert result.manifest["target"]["name"] is None and "assisted_generate" not in result.manifest["parity"]
+
+
+def test_student_export_bad_input(student_setup, tmp_path):
+    target, _, plain_dir, _ = student_setup
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        export.export_student(tmp_path, tmp_path / "o")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export.export_student(plain_dir, tmp_path / "busy")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in plain_dir.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
+    with pytest.raises(ValueError, match="corrupt"):
+        export.export_student(broken, tmp_path / "o2")
+    other = TargetModel(tiny_model("llama", vocab_size=96), TinyTokenizer(96))
+    with pytest.raises(ValueError):
+        export.export_student(plain_dir, tmp_path / "o3", target=other)
+
+
+# -- Medusa ------------------------------------------------------------------------------------
+
+
+def make_medusa_final(path, num_heads=3, num_layers=1, hidden=16, vocab=40, adapter=None):
+    """A train/medusa.py-style final/ dir with random (nonzero) heads."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(path / HEADS_FILE))
+    (path / CONFIG_FILE).write_text(json.dumps(heads.config.to_dict()))
+    (path / MANIFEST_FILE).write_text(json.dumps({
+        "format": MANIFEST_FORMAT, "method": "medusa-1", "target_adapter": adapter,
+        "target": {"name": "tiny-target", "model_type": "llama", "hidden_size": hidden, "vocab_size": vocab,
+                   "num_hidden_layers": 2, "vocab_fingerprint": "abc", "hidden_layer": -1},
+        "heads": {"file": HEADS_FILE, "config": CONFIG_FILE}}))
+    (path / ACCURACY_FILE).write_text(json.dumps({"rank_accuracy": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]],
+                                                  "top1": [0.6, 0.4, 0.3]}))
+    return heads
+
+
+def test_medusa_fasterdecoding_layout_and_parity(tmp_path):
+    from safetensors import safe_open
+
+    heads = make_medusa_final(tmp_path / "final", num_heads=3, num_layers=2)
+    result = export.export_medusa(tmp_path / "final", tmp_path / "fd", base_model="org/base")
+    out = tmp_path / "fd"
+    assert result.max_abs_diff == 0.0
+    with safe_open(str(out / "medusa_lm_head.safetensors"), "pt") as f:
+        names = set(f.keys())
+    expected = {f"{k}.{j}.linear.{p}" for k in range(3) for j in range(2) for p in ("weight", "bias")}
+    expected |= {f"{k}.2.weight" for k in range(3)}
+    assert names == expected
+    config = json.loads((out / "config.json").read_text())
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 2
+    assert config["base_model_name_or_path"] == "org/base"
+    manifest = export.read_export_manifest(out)
+    assert manifest["layout"] == "fasterdecoding-medusa" and manifest["target"]["hidden_layers"] == [-1]
+    assert manifest["target"]["vocab_fingerprint"] == "abc" and manifest["tree"]["medusa_choices"]
+    reloaded, _ = export.load_fasterdecoding_medusa(out)
+    hidden = torch.randn(2, 5, 16)
+    torch.testing.assert_close(reloaded(hidden), heads(hidden), rtol=0, atol=0)
+
+
+def test_medusa_loader_accepts_model_prefixed_names(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    heads = make_medusa_final(tmp_path / "final")
+    export.export_medusa(tmp_path / "final", tmp_path / "fd")
+    file = tmp_path / "fd" / "medusa_lm_head.safetensors"
+    save_file({f"medusa_head.{k}": v for k, v in load_file(str(file)).items()}, str(file))
+    reloaded, config = export.load_fasterdecoding_medusa(tmp_path / "fd")
+    assert config["base_model_name_or_path"] == "tiny-target"
+    hidden = torch.randn(1, 3, 16)
+    torch.testing.assert_close(reloaded(hidden), heads(hidden), rtol=0, atol=0)
+
+
+def test_medusa_export_errors(tmp_path, monkeypatch):
+    make_medusa_final(tmp_path / "final")
+    export.export_medusa(tmp_path / "final", tmp_path / "fd")
+    (tmp_path / "fd" / "medusa_lm_head.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        export.load_fasterdecoding_medusa(tmp_path / "fd")
+    (tmp_path / "fd" / "medusa_lm_head.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="medusa_lm_head.safetensors is missing"):
+        export.load_fasterdecoding_medusa(tmp_path / "fd")
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        export.export_medusa(tmp_path / "nothing", tmp_path / "o")
+    make_medusa_final(tmp_path / "m2", adapter="target_lora")
+    with pytest.raises(ValueError, match="LoRA adapter"):
+        export.export_medusa(tmp_path / "m2", tmp_path / "o")
+    # a reload that does not reproduce the logits fails the export and leaves no output directory
+    real = export.load_fasterdecoding_medusa
+
+    def perturbed(path):
+        heads, config = real(path)
+        with torch.no_grad():
+            heads.medusa_head[0][-1].weight.add_(1e-3)
+        return heads, config
+
+    monkeypatch.setattr(export, "load_fasterdecoding_medusa", perturbed)
+    with pytest.raises(export.ParityError, match="differs"):
+        export.export_medusa(tmp_path / "final", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()
+
+
+def test_cli_medusa_and_failure_exit_code(tmp_path, capsys):
+    make_medusa_final(tmp_path / "final")
+    assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "cli")]) == 0
+    assert "parity" in capsys.readouterr().out
+    assert export_cli(["medusa", str(tmp_path / "missing"), str(tmp_path / "cli2")]) == 1
+    assert "export failed" in capsys.readouterr().err
+
+
+# -- DGF / EAGLE -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fusion,layout", [("linear", "eagle"), ("dgf", "draftsmith.dgf")])
+def test_dgf_export_round_trip(tmp_path, fusion, layout):
+    from models.dgf import DGFConfig, DGFModel, save_dgf, target_manifest
+
+    model = tiny_model("llama")
+    target = TargetModel(model, TinyTokenizer(96), name="tiny-llama")
+    torch.manual_seed(0)
+    drafter = DGFModel(DGFConfig.for_target(model.config, fusion=fusion, num_blocks=2)).attach_target(model).eval()
+    save_dgf(drafter, tmp_path / "final", target_manifest(target, target.name, -1))
+    result = export.export_dgf(tmp_path / "final", tmp_path / "out", target=target)
+    manifest = result.manifest
+    assert manifest["layout"] == layout and manifest["fusion"] == fusion and result.max_abs_diff == 0.0
+    assert manifest["target"]["hidden_layers"] == [-1] and manifest["target"]["name"] == "tiny-llama"
+    assert manifest["tree"] == {"depth": 7, "topk": 10, "g": 16} and manifest["parity"]["embedding_and_head"] == "target"
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert ("model.safetensors" in names) if fusion == "linear" else ("dgf.safetensors" in names)
+    # without a target the parity check runs through a seeded stand-in embedding / head
+    stand_in = export.export_dgf(tmp_path / "final", tmp_path / "out2")
+    assert stand_in.manifest["parity"]["embedding_and_head"].startswith("seeded stand-in")
+    if fusion == "dgf":
+        with pytest.raises(ValueError, match="EAGLE's layout"):
+            export.export_dgf(tmp_path / "final", tmp_path / "out3", layout="eagle")
