@@ -152,3 +152,27 @@ def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
     assert run_dirs and written["wandb"]
     assert list(run_dirs[0].glob("*.wandb"))
     torch.set_num_threads(1)
+
+
+def test_results_page_discovery_and_markers(tmp_path):
+    from eval import results as results_page
+
+    root = tmp_path / "outputs"
+    for name, fmt, target in [("medusa_a", "draftsmith.medusa/1", "t"), ("medusa_untrained", "draftsmith.medusa/1", "t"),
+                              ("dgf_x", "draftsmith.dgf/1", "t"), ("other", "draftsmith.dgf/1", "u"),
+                              ("stud", "draftsmith.distilled/1", "t"), ("junk", "nope/1", "t")]:
+        (root / name / "final").mkdir(parents=True)
+        (root / name / "final" / "manifest.json").write_text(json.dumps({"format": fmt, "target": {"name": target}}))
+    found = results_page.discover_drafters(root, "t", quick=True)
+    assert sorted(kind for kind, _ in found) == ["dgf", "medusa", "student"]
+    assert len(results_page.discover_drafters(root, "t", quick=False)) == 4
+    methods = results_page.drafter_methods(found, quick=True, per_kind=1)
+    assert any(m.startswith("medusa:") and m.endswith("width=12") for m in methods)
+    assert any(m.startswith("lm-chain:k=4,draft=") for m in methods) and any(m.startswith("dgf:") for m in methods)
+    page = tmp_path / "RESULTS.md"
+    page.write_text("# Results\n\nintro\n")
+    results_page.update_page(page, f"{results_page.BEGIN}\nfirst\n{results_page.END}")
+    page.write_text(page.read_text() + "\n## someone else's section\n")
+    results_page.update_page(page, f"{results_page.BEGIN}\nsecond\n{results_page.END}")
+    text = page.read_text()
+    assert "second" in text and "first" not in text and "intro" in text and "someone else's section" in text
