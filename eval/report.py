@@ -121,7 +121,7 @@ def log_wandb(results: dict, config, files: list[Path] = ()) -> str:
 
     import wandb
 
-    out_dir = Path(config.out).parent if config.out else Path("outputs")
+    out_dir = Path(os.environ.get("WANDB_DIR") or "outputs")  # W&B's files stay out of results/
     out_dir.mkdir(parents=True, exist_ok=True)
     mode = prepare_wandb_env(out_dir)
     name = Path(config.out).stem if config.out else None

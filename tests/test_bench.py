@@ -143,6 +143,7 @@ def test_width_series_groups_sizes_of_one_kind():
 def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     target, draft = tiny_pair
     config = BenchConfig(methods=["plain", "lm-chain:k=2"], suite=f"jsonl:{prompts_file}", num_prompts=1,
                          max_new_tokens=4, out=str(tmp_path / "w.json"), wandb=True)
