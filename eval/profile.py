@@ -82,6 +82,7 @@ class ProfileConfig:
     seed: int = 0
     bench_prompts: int = 0  # > 0: benchmark the pick against --compare-widths right after
     bench_new_tokens: int = 64
+    bench_turns: int = 1  # MT-Bench turns per prompt in the benchmark (the bench's own default is 2)
     compare_widths: list[int] = field(default_factory=lambda: [4, 64])
     out: str | None = None
 
@@ -606,6 +607,7 @@ def parse_args(argv: list[str] | None = None) -> ProfileConfig:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--bench-prompts", type=int, default=defaults.bench_prompts)
     p.add_argument("--bench-new-tokens", type=int, default=defaults.bench_new_tokens)
+    p.add_argument("--bench-turns", type=int, default=defaults.bench_turns)
     p.add_argument("--compare-widths", default=",".join(map(str, defaults.compare_widths)))
     p.add_argument("--out", default=defaults.out)
     a = p.parse_args(argv)
@@ -618,7 +620,7 @@ def parse_args(argv: list[str] | None = None) -> ProfileConfig:
         calibration_offset=a.calibration_offset, calibration_prompts=a.calibration_prompts,
         calibration_width=a.calibration_width, calibration_new_tokens=a.calibration_new_tokens,
         acceptance=a.acceptance, refine_iterations=a.refine_iterations, threads=a.threads, seed=a.seed,
-        bench_prompts=a.bench_prompts, bench_new_tokens=a.bench_new_tokens, compare_widths=ints(a.compare_widths),
+        bench_prompts=a.bench_prompts, bench_new_tokens=a.bench_new_tokens, bench_turns=a.bench_turns, compare_widths=ints(a.compare_widths),
         out=a.out)
 
 
@@ -641,7 +643,7 @@ def main(argv: list[str] | None = None) -> dict:
                 method_widths[f"arca:{out},width={width}"] = width
         bench_config = BenchConfig(target=config.target, draft=config.draft, methods=["plain", *method_widths],
                                    suite=config.suite, num_prompts=config.bench_prompts,
-                                   max_new_tokens=config.bench_new_tokens, dtype=config.dtype, device=config.device,
+                                   max_new_tokens=config.bench_new_tokens, turns=config.bench_turns, dtype=config.dtype, device=config.device,
                                    threads=config.threads, seed=config.seed,
                                    max_tree_tokens=max(max(profile["trees"]), 1))
         bench = run_benchmark(bench_config, target, draft)
