@@ -63,7 +63,7 @@ def _metrics(output_dir: Path) -> list[dict]:
 def test_two_processes_equal_one_process_at_the_same_global_batch(tmp_path):
     """2 processes x batch 2 (gloo DDP) == 1 process x batch 4 == 1 process x batch 2 x 2 accumulation:
     same losses, held-out metrics and final heads; metrics and W&B are written once (main process)."""
-    common = ["train.max_steps=4", "train.checkpoint_every=2", "loss.distill_weight=0.5"]
+    common = ["train.max_steps=4", "train.checkpoint_every=2", "loss.distill_weight=0.5", *RECIPES["medusa"]]
     done = run([*accelerate_launch(2), "train/medusa.py", "--config", str(TINY_YAML), f"output_dir={tmp_path / 'ddp'}",
                 "train.batch_size=2", "logging.tracker=wandb", *common])
     summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -126,3 +126,37 @@ def test_regeneration_and_feature_cache_shard_across_two_processes(tmp_path, mod
     assert index["complete"] and {s["rank"] for s in index["shards"]} == {0, 1}
     items = sorted(int(x["item"]) for x in FeatureDataset(feat_dir))
     assert items == list(range(len(regenerated)))  # every regenerated conversation once, across both ranks
+
+
+RECIPES = {  # recipe -> overrides giving an uneven number of held-out batches per rank (3 batches, 2 ranks)
+    "medusa": ["eval.batch_size=5"],
+    "dgf": ["eval.batch_size=5"],
+    "distill": ["eval.batch_size=3"],
+}
+SKIP_KEYS = ("elapsed", "time", "per_s", "seconds")
+
+
+def _assert_same_metrics(a_rows: list[dict], b_rows: list[dict], where: str) -> None:
+    assert [r["step"] for r in a_rows] == [r["step"] for r in b_rows], where
+    for a, b in zip(a_rows, b_rows):
+        assert a.keys() == b.keys(), where
+        for key, value in b.items():
+            if isinstance(value, float) and not any(s in key for s in SKIP_KEYS):
+                assert a[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (where, a["step"], key)
+
+
+@pytest.mark.parametrize("recipe", ["dgf", "distill"])
+def test_every_recipe_two_processes_equal_one_process(tmp_path, recipe):
+    """Each recipe under a real 2-process launch (batch 2 per rank) == 1 process with batch 4, with an
+    evaluation whose batches do not split evenly over the ranks (a DDP forward is a collective)."""
+    import importlib
+
+    module = importlib.import_module(f"train.{recipe}")
+    yaml_path = REPO / "train" / "configs" / f"{recipe}_tiny.yaml"
+    common = ["train.max_steps=3", "train.checkpoint_every=3", "eval.every_steps=2", *RECIPES[recipe]]
+    done = run([*accelerate_launch(2), f"train/{recipe}.py", "--config", str(yaml_path),
+                f"output_dir={tmp_path / 'ddp'}", "train.batch_size=2", *common], timeout=240)
+    assert len([line for line in done.stdout.splitlines() if line.startswith("{")]) == 2  # both ranks finished
+    config_cls = next(v for k, v in vars(module).items() if k.endswith("RecipeConfig"))
+    module.main(load_config(config_cls, yaml_path, [f"output_dir={tmp_path / 'one'}", "train.batch_size=4", *common]))
+    _assert_same_metrics(_metrics(tmp_path / "ddp"), _metrics(tmp_path / "one"), recipe)

@@ -90,6 +90,7 @@ def shard_files(d: Path, pattern: str) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.glob(pattern))}
 
 
+@pytest.mark.slow  # ~25 s (2 start-ups); the in-process crash/resume tests of data/ run by default
 def test_kill9_regeneration_then_rerun_loses_at_most_one_shard(tmp_path, model_dir):
     source = save_conversations(tmp_path / "convs.jsonl", conversations(40))
     out = tmp_path / "killed"
@@ -109,6 +110,7 @@ def test_kill9_regeneration_then_rerun_loses_at_most_one_shard(tmp_path, model_d
     assert not list(out.glob("*.tmp"))
 
 
+@pytest.mark.slow  # ~25 s (2 start-ups); the in-process crash/resume tests of data/ run by default
 def test_kill9_feature_caching_then_rerun_loses_at_most_one_shard(tmp_path, model_dir):
     source = save_conversations(tmp_path / "convs.jsonl", conversations(60))
     out = tmp_path / "killed"

@@ -51,7 +51,8 @@ from models.dgf import DGFConfig, DGFModel, save_dgf, target_manifest
 from models.target import resolve_device
 from train.common import (MetricsFile, CheckpointError, ConfigError, batch_indices, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_records, load_target, prepare_wandb_env,
-                          rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout)
+                          rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
+                          even_shard)
 from train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                           topk_soft_cross_entropy, unrolled_step_weights)
 
@@ -526,9 +527,11 @@ class DGFRecipe:
         sums = torch.zeros(steps, 4, dtype=torch.float64, device=acc.device)  # feature, token, correct, valid
         size = cfg.eval.batch_size
         starts = list(range(0, len(self.heldout_records), size))
-        for start in starts[acc.process_index::self.world]:
+        for start, real in even_shard(starts, acc.process_index, self.world):  # same forward count on every rank
             batch = self._collate(self.heldout_records[start:start + size])
             for j, (_, feat, token, correct, valid) in enumerate(self._losses(batch, steps, None, noise=False)):
+                if not real:
+                    continue
                 n = float(valid)
                 sums[j] += torch.tensor([float(feat) * n, float(token) * n, float(correct), n], dtype=torch.float64,
                                         device=acc.device)

@@ -61,7 +61,7 @@ from train.common import (TINY_PREFIX, CheckpointError, ConfigError, MetricsFile
                           batch_indices, build_tiny_causal_lm, check_finite, collate, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_latest_checkpoint, load_records,
                           load_target, local_rank_zero, prepare_wandb_env, rng_state, save_checkpoint, save_config,
-                          seed_everything, set_rng_state, split_heldout)
+                          seed_everything, set_rng_state, split_heldout, even_shard)
 from train.losses import KD_KINDS, kd_loss, kd_mask
 
 log = logging.getLogger("train.distill")
@@ -704,9 +704,11 @@ class DistillRecipe:
         online = cfg.loss.kind in KD_KINDS and not cfg.data.feature_cache
         size = cfg.eval.batch_size
         starts = list(range(0, len(self.heldout_records), size))
-        for start in starts[acc.process_index::self.world]:
+        for start, real in even_shard(starts, acc.process_index, self.world):  # same forward count on every rank
             batch = collate_distill(self.heldout_records[start:start + size], self.pad_id)
             terms = self._losses(batch, 1.0, online)
+            if not real:
+                continue
             sums += torch.stack([terms["divergence"], terms["ce"], terms["agree"].float(),
                                  terms["tokens"].float()]).double()
         if self.world > 1:

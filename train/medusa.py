@@ -47,7 +47,8 @@ from models.target import resolve_device, vocab_fingerprint
 from train.common import (MetricsFile, CheckpointError, ConfigError, NonFiniteLossError, batch_indices, check_finite,
                           collate, config_to_dict, flatten_dict, latest_checkpoint, load_checkpoint, load_config,
                           load_latest_checkpoint, load_records, load_target, local_rank_zero, prepare_wandb_env,
-                          rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout)
+                          rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
+                          even_shard)
 from train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss, rank_hits,
                           teacher_positions)
 
@@ -473,9 +474,11 @@ class MedusaRecipe:
         sums = torch.zeros(2 * k + 2, dtype=torch.float64, device=acc.device)  # ce_k, tokens_k, lm ce, lm tokens
         size = cfg.eval.batch_size
         starts = list(range(0, len(self.heldout_records), size))
-        for start in starts[acc.process_index::self.world]:
+        for start, real in even_shard(starts, acc.process_index, self.world):  # same forward count on every rank
             batch = collate(self.heldout_records[start:start + size], self.pad_id)
             batch, labels, head_logits, target_logits, _ = self._forward(batch, want_logits=True)
+            if not real:
+                continue
             hits += rank_hits(head_logits, labels, max_rank)
             out = medusa_loss(head_logits, labels, self.weights)
             sums[:k] += out.head_ce.double()
