@@ -263,3 +263,21 @@ def test_nothing_is_unpickled():
                 offenders.append(f"{path.relative_to(REPO)}:{no}: {line.strip()}")
     offenders = [o for o in offenders if not o.startswith("tests/test_faults.py")]
     assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("recipe", ["dgf", "distill"])
+def test_other_recipes_resume_past_a_truncated_newest_checkpoint(tmp_path, capsys, recipe):
+    import importlib
+
+    module = importlib.import_module(f"train.{recipe}")
+    config_cls = next(v for k, v in vars(module).items() if k.endswith("RecipeConfig"))
+    yaml_path = REPO / "train" / "configs" / f"{recipe}_tiny.yaml"
+    cfg = lambda *extra: load_config(config_cls, yaml_path, [f"output_dir={tmp_path}", "train.max_steps=4",
+                                                             "train.checkpoint_every=1", "eval.every_steps=0", *extra])
+    module.main(cfg("train.stop_after_steps=3"))
+    tensors = tmp_path / "checkpoints" / "step_3" / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:1000])
+    capsys.readouterr()
+    summary = module.main(cfg(), resume="auto")
+    assert "step_3: tensors.safetensors is corrupt or truncated" in capsys.readouterr().err
+    assert summary["step"] == 4 and (tmp_path / "checkpoints" / "step_3.corrupt").is_dir()

@@ -52,7 +52,7 @@ from models.target import resolve_device
 from train.common import (MetricsFile, CheckpointError, ConfigError, batch_indices, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_records, load_target, prepare_wandb_env,
                           rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
-                          even_shard)
+                          even_shard, check_finite, load_latest_checkpoint, local_rank_zero)
 from train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                           topk_soft_cross_entropy, unrolled_step_weights)
 
@@ -274,7 +274,7 @@ class DGFRecipe:
                                "or choose another output_dir")
         state = None
         if resume_path is not None:
-            state = load_checkpoint(resume_path)
+            state = getattr(self, "_resume_state", None) or load_checkpoint(resume_path)
             self.run_id = state["run_id"]
         log_with = None
         if cfg.logging.tracker == "wandb":
@@ -330,11 +330,13 @@ class DGFRecipe:
     def _resume_path(self, resume: str | None) -> Path | None:
         if resume is None:
             return None
-        if resume == "auto":
-            found = latest_checkpoint(self.checkpoints_dir)
+        if resume == "auto":  # the newest checkpoint that loads (a corrupt newest one is set aside with a warning)
+            found = load_latest_checkpoint(self.checkpoints_dir, quarantine=local_rank_zero())
             if found is None:
                 log.warning("--resume: no checkpoint in %s, starting from scratch", self.checkpoints_dir)
-            return found
+                return None
+            path, self._resume_state = found
+            return path
         return Path(resume)
 
     def _pad_id(self) -> int:
@@ -492,8 +494,6 @@ class DGFRecipe:
                 acc.backward(loss)
             for j, (step_loss, feat, token, correct, _) in enumerate(results):
                 sums[4 * j:4 * j + 4] += torch.stack([step_loss.detach(), feat, token, correct.float()])
-        if not torch.isfinite(sums[0]):
-            raise FloatingPointError(f"non-finite loss at step {self.step + 1}; the last checkpoint is kept")
         grad_norm = None
         if cfg.optim.max_grad_norm is not None:
             grad_norm = acc.clip_grad_norm_(self.module.parameters(), cfg.optim.max_grad_norm)
@@ -507,6 +507,10 @@ class DGFRecipe:
             sums = acc.reduce(sums, "sum")
             for j in range(steps):
                 sums[4 * j:4 * j + 3] /= self.world
+        # Same value on every process (after the reduce), before this step can be checkpointed.
+        check_finite(sums[0], self.step, "training loss", self.checkpoints_dir)
+        if grad_norm is not None:
+            check_finite(grad_norm, self.step, "gradient norm", self.checkpoints_dir)
         metrics = {"train/loss": float(sum(weights[j] * sums[4 * j] for j in range(steps))), "train/lr": lr,
                    "train/samples_seen": self.samples_seen}
         if grad_norm is not None:
