@@ -95,6 +95,8 @@ def check_manifest_target(manifest: dict, target, where: str = "checkpoint", hid
         raise ValueError(f"the target has no tokenizer, so its vocabulary cannot be checked against {where}")
     have = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
             "vocab_fingerprint": vocab_fingerprint(target.tokenizer)}
+    if want.get("num_hidden_layers") is not None:  # layer ids (hidden_layer) only mean the same at the same depth
+        have["num_hidden_layers"] = config.num_hidden_layers
     problems = [f"{key}: {want.get(key)!r} in the manifest vs {value!r} for the given target"
                 for key, value in have.items() if want.get(key) != value]
     if want.get("hidden_layer") != hidden_layer:

@@ -240,12 +240,14 @@ def test_manifest_check_names_every_difference():
     good = {"name": "tiny:llama", "hidden_size": 48, "vocab_size": 96, "hidden_layer": -1,
             "vocab_fingerprint": vocab_fingerprint(target.tokenizer)}
     check_manifest_target({"target": good}, target)
-    bad = {**good, "hidden_size": 64, "hidden_layer": -2, "vocab_fingerprint": "0" * 16}
+    check_manifest_target({"target": {**good, "num_hidden_layers": 2}}, target)
+    bad = {**good, "hidden_size": 64, "hidden_layer": -2, "vocab_fingerprint": "0" * 16, "num_hidden_layers": 3}
     with pytest.raises(ValueError) as err:
         check_manifest_target({"target": bad}, target, where="heads dir")
     message = str(err.value)
     assert message.startswith("heads dir was trained for target 'tiny:llama'")
-    for part in ("hidden_size: 64 in the manifest vs 48", "vocab_fingerprint", "hidden_layer"):
+    for part in ("hidden_size: 64 in the manifest vs 48", "vocab_fingerprint", "hidden_layer",
+                 "num_hidden_layers: 3 in the manifest vs 2"):
         assert part in message
     assert "vocab_size" not in message  # only what differs is listed
 
