@@ -160,3 +160,17 @@ def test_every_recipe_two_processes_equal_one_process(tmp_path, recipe):
     config_cls = next(v for k, v in vars(module).items() if k.endswith("RecipeConfig"))
     module.main(load_config(config_cls, yaml_path, [f"output_dir={tmp_path / 'one'}", "train.batch_size=4", *common]))
     _assert_same_metrics(_metrics(tmp_path / "ddp"), _metrics(tmp_path / "one"), recipe)
+
+
+def test_gather_trainable_state_keeps_only_trainable_weights():
+    from accelerate import Accelerator
+
+    from train.common import gather_trainable_state
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    module[0].requires_grad_(False)  # "the frozen target"
+    acc = Accelerator(cpu=True)
+    prepared = acc.prepare(module)
+    state = gather_trainable_state(acc, prepared)
+    assert sorted(state) == ["1.bias", "1.weight"]
+    assert torch.equal(state["1.weight"], module[1].weight.detach()) and state["1.weight"].device.type == "cpu"

@@ -48,7 +48,7 @@ from train.common import (MetricsFile, CheckpointError, ConfigError, NonFiniteLo
                           collate, config_to_dict, flatten_dict, latest_checkpoint, load_checkpoint, load_config,
                           load_latest_checkpoint, load_records, load_target, local_rank_zero, prepare_wandb_env,
                           rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
-                          even_shard)
+                          even_shard, gather_trainable_state)
 from train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss, rank_hits,
                           teacher_positions)
 
@@ -533,6 +533,7 @@ class MedusaRecipe:
 
         acc = self.accelerator
         rng = gather_object([rng_state()]) if self.world > 1 else [rng_state()]
+        trainable = gather_trainable_state(acc, self.module)  # every rank: collective under FSDP / ZeRO-3
         path = self.checkpoints_dir / f"step_{self.step}"
         if acc.is_main_process:
             state = {
@@ -541,7 +542,7 @@ class MedusaRecipe:
                 "num_train_records": len(self.train_records),
                 "run_id": self.run_id,
                 "lm_loss_before": self.lm_loss_before,
-                "trainable": {name: p.detach() for name, p in self._trainable().items()},
+                "trainable": trainable,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rng,
