@@ -107,7 +107,7 @@ def plan_runs(args) -> list[tuple[RunPlan, list[str]]]:
             continue
         found = discover_drafters(Path(args.drafters_root), plan.target, args.quick)
         methods = list(plan.methods) + ([] if args.quick else plan.full_only_methods)
-        methods += drafter_methods(found, args.quick, 1 if args.quick else args.per_kind)
+        methods += drafter_methods(found, args.quick, args.per_kind)
         if args.quick:
             plan = replace(plan, num_prompts=3, max_new_tokens=64)
         runs.append((plan, methods))
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out-dir", default="results/current")
     parser.add_argument("--page", default="RESULTS.md")
     parser.add_argument("--drafters-root", default="outputs", help="where trained drafters' final/ dirs are searched")
-    parser.add_argument("--per-kind", type=int, default=2, help="trained drafters per kind (newest first; full mode)")
+    parser.add_argument("--per-kind", type=int, default=3, help="trained drafters per kind (newest first)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--suite", default="mt-bench,gsm8k")
     parser.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
