@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import re
 import subprocess
 import sys
 import time
@@ -85,3 +86,10 @@ def save_tiny_model_dir(tokenizer, path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def summaries(stdout: str) -> list[dict]:
+    """The recipes' final JSON summaries (`{"step": ...}`) in a launch's stdout. Ranks share the pipe, so
+    two summaries can land on one line: decode each object from where it starts instead of per line."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(stdout, match.start())[0] for match in re.finditer(r'\{"step": ', stdout)]

@@ -19,7 +19,7 @@ from data.sources import Conversation, save_conversations
 from train.common import MetricsFile, load_config
 from train.medusa import MedusaRecipeConfig, main
 
-from launch_utils import ACCELERATE_CONFIGS, REPO, TINY_YAML, accelerate_launch, run, save_tiny_model_dir
+from launch_utils import ACCELERATE_CONFIGS, REPO, TINY_YAML, accelerate_launch, run, save_tiny_model_dir, summaries
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -66,8 +66,8 @@ def test_two_processes_equal_one_process_at_the_same_global_batch(tmp_path):
     common = ["train.max_steps=4", "train.checkpoint_every=2", "loss.distill_weight=0.5", *RECIPES["medusa"]]
     done = run([*accelerate_launch(2), "train/medusa.py", "--config", str(TINY_YAML), f"output_dir={tmp_path / 'ddp'}",
                 "train.batch_size=2", "logging.tracker=wandb", *common])
-    summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(summaries) == 2 and all(s["step"] == 4 for s in summaries)  # both ranks ran to the end
+    finished = summaries(done.stdout)
+    assert len(finished) == 2 and all(s["step"] == 4 for s in finished)  # both ranks ran to the end
     main(load_config(MedusaRecipeConfig, TINY_YAML, [f"output_dir={tmp_path / 'big'}", "train.batch_size=4", *common]))
     main(load_config(MedusaRecipeConfig, TINY_YAML, [f"output_dir={tmp_path / 'accum'}", "train.batch_size=2",
                                                      "train.grad_accum_steps=2", *common]))
@@ -156,7 +156,7 @@ def test_every_recipe_two_processes_equal_one_process(tmp_path, recipe):
     common = ["train.max_steps=3", "train.checkpoint_every=3", "eval.every_steps=2", *RECIPES[recipe]]
     done = run([*accelerate_launch(2), f"train/{recipe}.py", "--config", str(yaml_path),
                 f"output_dir={tmp_path / 'ddp'}", "train.batch_size=2", *common], timeout=240)
-    assert len([line for line in done.stdout.splitlines() if line.startswith("{")]) == 2  # both ranks finished
+    assert len(summaries(done.stdout)) == 2  # both ranks finished
     config_cls = next(v for k, v in vars(module).items() if k.endswith("RecipeConfig"))
     module.main(load_config(config_cls, yaml_path, [f"output_dir={tmp_path / 'one'}", "train.batch_size=4", *common]))
     _assert_same_metrics(_metrics(tmp_path / "ddp"), _metrics(tmp_path / "one"), recipe)

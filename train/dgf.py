@@ -52,7 +52,7 @@ from models.target import resolve_device
 from train.common import (MetricsFile, CheckpointError, ConfigError, batch_indices, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_records, load_target, prepare_wandb_env,
                           rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
-                          even_shard, check_finite, load_latest_checkpoint, local_rank_zero)
+                          even_shard, check_finite, load_latest_checkpoint, local_rank_zero, gather_trainable_state)
 from train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                           topk_soft_cross_entropy, unrolled_step_weights)
 
@@ -581,12 +581,13 @@ class DGFRecipe:
 
         acc = self.accelerator
         rng = gather_object([rng_state()]) if self.world > 1 else [rng_state()]
+        trainable = gather_trainable_state(acc, self.module)  # every rank: collective under FSDP / ZeRO-3
         path = self.checkpoints_dir / f"step_{self.step}"
         if acc.is_main_process:
             state = {"step": self.step, "samples_seen": self.samples_seen,
                      "num_train_records": len(self.train_records), "run_id": self.run_id,
                      "first_eval": self.first_eval,
-                     "trainable": {name: p.detach() for name, p in self._trainable().items()},
+                     "trainable": trainable,
                      "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                      "rng": rng, "config": config_to_dict(self.cfg)}
             path = save_checkpoint(self.checkpoints_dir, self.step, state, keep_last=self.cfg.train.keep_checkpoints)
@@ -692,7 +693,8 @@ def cli(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(DGFRecipeConfig, args.config, args.overrides)
     summary = main(cfg, resume=args.resume_from or ("auto" if args.resume else None))
-    print(json.dumps(summary))
+    sys.stdout.write(json.dumps(summary) + "\n")  # one write: ranks share the pipe
+    sys.stdout.flush()
     return summary
 
 

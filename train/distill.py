@@ -61,7 +61,7 @@ from train.common import (TINY_PREFIX, CheckpointError, ConfigError, MetricsFile
                           batch_indices, build_tiny_causal_lm, check_finite, collate, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_latest_checkpoint, load_records,
                           load_target, local_rank_zero, prepare_wandb_env, rng_state, save_checkpoint, save_config,
-                          seed_everything, set_rng_state, split_heldout, even_shard)
+                          seed_everything, set_rng_state, split_heldout, even_shard, gather_trainable_state)
 from train.losses import KD_KINDS, kd_loss, kd_mask
 
 log = logging.getLogger("train.distill")
@@ -749,6 +749,7 @@ class DistillRecipe:
 
         acc = self.accelerator
         rng = gather_object([rng_state()]) if self.world > 1 else [rng_state()]
+        trainable = gather_trainable_state(acc, self.module)  # every rank: collective under FSDP / ZeRO-3
         path = self.checkpoints_dir / f"step_{self.step}"
         if acc.is_main_process:
             state = {
@@ -757,7 +758,7 @@ class DistillRecipe:
                 "num_train_records": len(self.train_records),
                 "run_id": self.run_id,
                 "eval_before": self.eval_before,
-                "trainable": {name: p.detach() for name, p in self._trainable().items()},
+                "trainable": trainable,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rng,
@@ -912,7 +913,8 @@ def cli(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(DistillRecipeConfig, args.config, args.overrides)
     summary = main(cfg, resume=args.resume_from or ("auto" if args.resume else None))
-    print(json.dumps(summary))
+    sys.stdout.write(json.dumps(summary) + "\n")  # one write: ranks share the pipe
+    sys.stdout.flush()
     return summary
 
 

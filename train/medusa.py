@@ -699,7 +699,8 @@ def cli(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(MedusaRecipeConfig, args.config, args.overrides)
     summary = main(cfg, resume=args.resume_from or ("auto" if args.resume else None))
-    print(json.dumps(summary))
+    sys.stdout.write(json.dumps(summary) + "\n")  # one write: ranks share the pipe
+    sys.stdout.flush()
     return summary
 
 
