@@ -70,6 +70,8 @@ def test_kill9_training_then_rerun_continues_from_last_checkpoint(tmp_path):
     main(tiny_cfg(tmp_path / "straight", *overrides))
     full, cut = last_losses(tmp_path / "straight"), last_losses(out)
     assert sorted(full) == sorted(cut) == list(range(1, 121))
+    rows = [(row["step"], tuple(sorted(row))) for row in MetricsFile.read(out / "metrics.jsonl")]
+    assert len(rows) == len(set(rows))  # the redone steps are not logged twice
     for step in full:
         assert cut[step] == pytest.approx(full[step], abs=1e-6), step
     assert_same_heads(out, tmp_path / "straight")

@@ -777,6 +777,15 @@ class MetricsFile:
             with self.path.open("a") as f:
                 f.write(json.dumps(dict(record)) + "\n")
 
+    def drop_after(self, step: int) -> None:
+        """Forget rows logged after `step` (a resumed run redoes those steps and logs them again)."""
+        if not (self.enabled and self.path.is_file()):
+            return
+        kept = [row for row in self.read(self.path) if int(row.get("step", 0)) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.path)
+
     @staticmethod
     def read(path: str | Path) -> list[dict]:
         path = Path(path)

@@ -528,6 +528,7 @@ class DistillRecipe:
 
         if resume_path is not None:
             self._restore(state, resume_path)
+            self.metrics.drop_after(self.step)  # the steps after the checkpoint are redone and logged again
         else:
             seed_everything(cfg.train.seed + acc.process_index)
         if acc.is_main_process:
