@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import socket
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -763,6 +764,13 @@ def flatten_dict(d: Mapping, prefix: str = "") -> dict:
         else:
             out[key] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
     return out
+
+
+def print_summary(summary: Mapping) -> None:
+    """Print a recipe's final JSON summary as one line in one write: under `accelerate launch` the ranks
+    share the stdout pipe, and a print split into several writes can interleave with another rank's."""
+    sys.stdout.write(json.dumps(dict(summary)) + "\n")
+    sys.stdout.flush()
 
 
 class MetricsFile:

@@ -31,7 +31,6 @@ metrics.jsonl (also W&B via accelerate's trackers, offline without network).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -52,7 +51,8 @@ from models.target import resolve_device
 from train.common import (MetricsFile, CheckpointError, ConfigError, batch_indices, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_records, load_target, prepare_wandb_env,
                           rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
-                          even_shard, check_finite, load_latest_checkpoint, local_rank_zero, gather_trainable_state)
+                          even_shard, check_finite, load_latest_checkpoint, local_rank_zero, gather_trainable_state,
+                          print_summary)
 from train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                           topk_soft_cross_entropy, unrolled_step_weights)
 
@@ -694,8 +694,7 @@ def cli(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(DGFRecipeConfig, args.config, args.overrides)
     summary = main(cfg, resume=args.resume_from or ("auto" if args.resume else None))
-    sys.stdout.write(json.dumps(summary) + "\n")  # one write: ranks share the pipe
-    sys.stdout.flush()
+    print_summary(summary)
     return summary
 
 

@@ -61,7 +61,8 @@ from train.common import (TINY_PREFIX, CheckpointError, ConfigError, MetricsFile
                           batch_indices, build_tiny_causal_lm, check_finite, collate, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_latest_checkpoint, load_records,
                           load_target, local_rank_zero, prepare_wandb_env, rng_state, save_checkpoint, save_config,
-                          seed_everything, set_rng_state, split_heldout, even_shard, gather_trainable_state)
+                          seed_everything, set_rng_state, split_heldout, even_shard, gather_trainable_state,
+                          print_summary)
 from train.losses import KD_KINDS, kd_loss, kd_mask
 
 log = logging.getLogger("train.distill")
@@ -914,8 +915,7 @@ def cli(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(DistillRecipeConfig, args.config, args.overrides)
     summary = main(cfg, resume=args.resume_from or ("auto" if args.resume else None))
-    sys.stdout.write(json.dumps(summary) + "\n")  # one write: ranks share the pipe
-    sys.stdout.flush()
+    print_summary(summary)
     return summary
 
 

@@ -48,7 +48,7 @@ from train.common import (MetricsFile, CheckpointError, ConfigError, NonFiniteLo
                           collate, config_to_dict, flatten_dict, latest_checkpoint, load_checkpoint, load_config,
                           load_latest_checkpoint, load_records, load_target, local_rank_zero, prepare_wandb_env,
                           rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
-                          even_shard, gather_trainable_state)
+                          even_shard, gather_trainable_state, print_summary)
 from train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss, rank_hits,
                           teacher_positions)
 
@@ -700,8 +700,7 @@ def cli(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(MedusaRecipeConfig, args.config, args.overrides)
     summary = main(cfg, resume=args.resume_from or ("auto" if args.resume else None))
-    sys.stdout.write(json.dumps(summary) + "\n")  # one write: ranks share the pipe
-    sys.stdout.flush()
+    print_summary(summary)
     return summary
 
 
