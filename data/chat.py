@@ -306,7 +306,7 @@ def format_mask(tokenizer: Any, input_ids: list[int], loss_mask: list[int], colo
 
 
 # ---------------------------------------------------------------------------
-# CLI: python -m data.chat --model <name_or_path> --source gsm8k:train --n 2
+# CLI: python -m draftsmith.data.chat --model <name_or_path> --source gsm8k:train --n 2
 # ---------------------------------------------------------------------------
 
 ZOO_CACHE = Path("~/.cache/draftsmith/models").expanduser()
@@ -330,10 +330,10 @@ def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data.sources import load_source
+    from draftsmith.data.sources import load_source
 
     ap = argparse.ArgumentParser(
-        prog="python -m data.chat", description="Print samples with their loss masks highlighted."
+        prog="python -m draftsmith.data.chat", description="Print samples with their loss masks highlighted."
     )
     ap.add_argument("--model", required=True, help="tokenizer: path, .gguf file, zoo name, or hub name")
     ap.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (directory)")

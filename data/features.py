@@ -36,7 +36,7 @@ rows it yields), optionally shuffled with a seed, split across DataLoader worker
 
 CLI::
 
-    python -m data.features --model smollm2-135m-instruct --source gsm8k:train --limit 64 \\
+    python -m draftsmith.data.features --model smollm2-135m-instruct --source gsm8k:train --limit 64 \\
         --layers -1 --topk 0 --output-dir runs/features/gsm8k-smollm2
 """
 
@@ -57,7 +57,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data.regenerate import (
+from draftsmith.data.regenerate import (
     job_parser,
     PlanMismatch,
     ShardLedger,
@@ -69,7 +69,7 @@ from data.regenerate import (
     resolve_rank_device,
     resolve_rank_world,
 )
-from data.sources import Conversation, load_source
+from draftsmith.data.sources import Conversation, load_source
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def _model_config(target: Any) -> Any:
 def _tokenise(records: Sequence[Any], items: Sequence[int], tokenizer: Any, max_length: int,
               skip_no_loss: bool) -> tuple[list[dict], dict[str, int]]:
     """[{item, id, input_ids, loss_mask}] for the given item indices, plus skip counts."""
-    from data.chat import render_and_mask
+    from draftsmith.data.chat import render_and_mask
 
     seqs, skipped = [], {}
     for i in items:
@@ -306,7 +306,7 @@ def build_feature_cache(cfg: FeatureCacheConfig, target: Any = None,
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from models.target import resolve_dtype, vocab_fingerprint
+    from draftsmith.models.target import resolve_dtype, vocab_fingerprint
 
     rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
     recs = list(records) if records is not None else load_source(cfg.source, limit=cfg.limit)
@@ -315,7 +315,7 @@ def build_feature_cache(cfg: FeatureCacheConfig, target: Any = None,
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     if target is None:
-        from models.target import TargetModel
+        from draftsmith.models.target import TargetModel
 
         target = TargetModel.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype), device=resolve_rank_device(cfg.device))
     model, tokenizer = target.model, target.tokenizer
@@ -455,7 +455,7 @@ def load_index(path: str | Path, target: Any = None, *, hidden_layers: Sequence[
                            f"{index['world_size']}); rerun the build command to finish it")
     problems = []
     if target is not None:
-        from models.target import vocab_fingerprint
+        from draftsmith.models.target import vocab_fingerprint
 
         mcfg = _model_config(target)
         if index["vocab_fingerprint"] != vocab_fingerprint(target.tokenizer):
@@ -563,7 +563,7 @@ class FeatureDataset(IterableDataset):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = job_parser("python -m data.features",
+    ap = job_parser("python -m draftsmith.data.features",
                     "Cache target hidden states / top-k logits to bf16 safetensors shards.",
                     FeatureCacheConfig, "source spec, e.g. gsm8k:train or conversations:<regenerated dir>",
                     (("max_length", int), ("shard_tokens", int), ("storage_dtype", str), ("dtype", str),

@@ -27,11 +27,11 @@ Sharding and resuming (shared with ``data/features.py``, see ``ShardLedger``):
     settings); a rerun with a different plan in the same directory is refused, naming the field.
 
 ``RANK``/``WORLD_SIZE`` come from the environment (``torchrun``, ``accelerate launch``) unless set
-in the config, so ``accelerate launch -m data.regenerate ...`` runs one rank per process.
+in the config, so ``accelerate launch -m draftsmith.data.regenerate ...`` runs one rank per process.
 
 CLI::
 
-    python -m data.regenerate --model smollm2-135m-instruct --source gsm8k:train --limit 64 \\
+    python -m draftsmith.data.regenerate --model smollm2-135m-instruct --source gsm8k:train --limit 64 \\
         --output-dir runs/regen/gsm8k-smollm2 [--temperature 0.7 --top-p 0.95] [--filter-wrong]
 
 Reading the result back: ``load_regenerated(dir)`` (or, once ``data.sources`` accepts a directory,
@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from data.sources import Conversation, gsm8k_final_answer, load_source
+from draftsmith.data.sources import Conversation, gsm8k_final_answer, load_source
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, i
 
 def resolve_rank_device(device: str | None):
     """``models.target.resolve_device``, pinned to ``cuda:$LOCAL_RANK`` for multi-process runs."""
-    from models.target import resolve_device
+    from draftsmith.models.target import resolve_device
 
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None and "LOCAL_RANK" in os.environ:
@@ -388,7 +388,7 @@ def context_chunks(conv: Conversation) -> list[list[dict]]:
 def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
     """EOS ids of the model's generation config and tokenizer, plus the special token that the
     chat template puts after an assistant reply (its end-of-turn token)."""
-    from data.chat import end_of_turn_candidates, render_text
+    from draftsmith.data.chat import end_of_turn_candidates, render_text
 
     ids: list[int] = []
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -477,7 +477,7 @@ def replay_batch(
     Returns (conversation or None when dropped, info) per input; info holds "turns",
     "truncated" (a reply hit max_new_tokens) and "reason" when dropped.
     """
-    from data.chat import prompt_ids
+    from draftsmith.data.chat import prompt_ids
 
     plans: list[list[list[dict]]] = []
     info: list[dict] = [{"turns": 0, "truncated": False, "context_cut": False} for _ in convs]
@@ -596,7 +596,7 @@ def regenerate(
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     if target is None:
-        from models.target import TargetModel, resolve_dtype
+        from draftsmith.models.target import TargetModel, resolve_dtype
 
         target = TargetModel.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype), device=resolve_rank_device(cfg.device))
     backend = make_backend(target.model, target.tokenizer)
@@ -708,7 +708,7 @@ def job_parser(prog: str, description: str, config_cls: type, source_help: str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = job_parser("python -m data.regenerate",
+    ap = job_parser("python -m draftsmith.data.regenerate",
                     "Regenerate assistant turns with the target model (resumable, sharded).",
                     RegenerateConfig, "source spec, e.g. gsm8k:train, sharegpt, mt-bench",
                     (("max_new_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int),

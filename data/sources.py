@@ -28,6 +28,7 @@ The dict form passes keyword arguments through: ``{"kind": "jsonl", "path": p,
 from __future__ import annotations
 
 import gzip
+import os
 import inspect
 import json
 import logging
@@ -55,10 +56,18 @@ SHAREGPT_ROLE_MAP = {
     "model": "assistant",
 }
 
-# Repo-relative local copy of GSM8K (the hub name is used when it is absent).
-REPO_ROOT = Path(__file__).resolve().parents[1]
-LOCAL_GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+# GSM8K is located explicitly: $DRAFTSMITH_GSM8K_DIR, else the copy that `scripts/fetch_models.py
+# --gsm8k-from DIR` (run by scripts/install.sh) put into the draftsmith cache, else the hub dataset.
+GSM8K_ENV = "DRAFTSMITH_GSM8K_DIR"
 GSM8K_HUB_NAME = "openai/gsm8k"
+
+
+def gsm8k_dir() -> Path:
+    """Where the local GSM8K copy ({split}.jsonl) is looked for (it may not exist)."""
+    from draftsmith.models.zoo import draftsmith_cache
+
+    configured = os.environ.get(GSM8K_ENV)
+    return Path(configured).expanduser() if configured else draftsmith_cache() / "data" / "gsm8k"
 
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. "
@@ -397,7 +406,7 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
     """Read records written by ``save_conversations`` (strict: a bad record raises), or a
     regenerated-data directory written by ``data.regenerate``."""
     if Path(path).expanduser().is_dir():
-        from data.regenerate import load_regenerated
+        from draftsmith.data.regenerate import load_regenerated
 
         return load_regenerated(path, limit=limit)
     p = _require_file(path, "conversations")
@@ -634,10 +643,10 @@ def load_gsm8k(
     """GSM8K ``train``/``test``: user = question, assistant = worked solution (calculator
     annotations removed), ``reference`` = final answer.
 
-    ``path`` is a directory holding ``{split}.jsonl``; default: the repo-relative
-    ``../shared/data/gsm8k`` when it exists, else the hub dataset ``openai/gsm8k`` (config ``main``).
+    ``path`` is a directory holding ``{split}.jsonl``; default: ``gsm8k_dir()`` when it exists, else
+    the hub dataset ``openai/gsm8k`` (config ``main``).
     """
-    d = Path(path).expanduser() if path is not None else LOCAL_GSM8K_DIR
+    d = Path(path).expanduser() if path is not None else gsm8k_dir()
     if path is not None or d.is_dir():
         f = _require_file(d / f"{split}.jsonl", f"gsm8k:{split}")
         rows: Iterator[dict] = iter_json_records(f)

@@ -1,6 +1,6 @@
 """Side-by-side benchmark: plain greedy, HF assisted generation and our decoder with each drafter.
 
-    python -m eval.bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
+    python -m draftsmith.eval.bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --suite mt-bench --num-prompts 8 --max-new-tokens 128 --dtype bfloat16 \
         --methods plain hf-assisted lm-chain lm-tree ngram --out results/bench_qwen.json
 
@@ -53,12 +53,12 @@ from pathlib import Path
 
 import torch
 
-from eval.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
-from eval.drafters.base import Drafter
-from eval.drafters.lm import LMDrafter
-from eval.drafters.ngram import NgramDrafter
-from models.student import every_nth_layer, layer_subset_student
-from models.target import TargetModel
+from draftsmith.eval.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
+from draftsmith.eval.drafters.base import Drafter
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.models.student import every_nth_layer, layer_subset_student
+from draftsmith.models.target import TargetModel
 
 SUITES = {"mt-bench": "mt-bench", "gsm8k": "gsm8k:test", "humaneval": "humaneval"}
 SAMPLED_SUITES = ("gsm8k",)  # suites drawn as a seeded random sample (the others: the first N records)
@@ -110,15 +110,15 @@ def parse_method(spec: str) -> tuple[str, dict[str, str]]:
 # *policy*: any object with make_decoder(target, decode_config) -> obj with .generate((1, T)) ->
 # DecodeResult (for methods that change the loop itself: Self-Draft, pipelines, placements).
 EXTERNAL_METHODS: dict[str, str] = {
-    "medusa": "eval.drafters.medusa:build_from_spec",
-    "dovetail": "eval.placement:build_from_spec",
-    "hcmp": "eval.hcmp:build_from_spec",
-    "arca": "eval.profile:build_from_spec",
-    "minions": "eval.drafters.minions:build_from_spec",
-    "llmcad": "eval.drafters.llmcad:build_from_spec",
-    "self-draft": "eval.selfdraft:build_from_spec",
-    "pipeline": "eval.pipeline:build_from_spec",
-    "dgf": "eval.drafters.dgf:build_from_spec",
+    "medusa": "draftsmith.eval.drafters.medusa:build_from_spec",
+    "dovetail": "draftsmith.eval.placement:build_from_spec",
+    "hcmp": "draftsmith.eval.hcmp:build_from_spec",
+    "arca": "draftsmith.eval.profile:build_from_spec",
+    "minions": "draftsmith.eval.drafters.minions:build_from_spec",
+    "llmcad": "draftsmith.eval.drafters.llmcad:build_from_spec",
+    "self-draft": "draftsmith.eval.selfdraft:build_from_spec",
+    "pipeline": "draftsmith.eval.pipeline:build_from_spec",
+    "dgf": "draftsmith.eval.drafters.dgf:build_from_spec",
 }
 
 
@@ -195,7 +195,7 @@ def split_suites(suite: str) -> list[str]:
 
 def select_conversations(suite: str, num_prompts: int, seed: int) -> list:
     """`num_prompts` records of one suite: a seeded random sample for GSM8K test, else the first N."""
-    from data.sources import load_source
+    from draftsmith.data.sources import load_source
 
     conversations = load_source(SUITES.get(suite, suite))
     if not conversations:
@@ -217,7 +217,7 @@ def turn_messages(conversation, answers: list[str]) -> list[dict]:
 
 def turn_input_ids(tokenizer, conversation, answers: list[str]) -> torch.Tensor:
     """(1, T) prompt ids of a turn through the tokenizer's chat template (generation prompt added)."""
-    from data.chat import prompt_ids
+    from draftsmith.data.chat import prompt_ids
 
     return torch.tensor([prompt_ids(tokenizer, turn_messages(conversation, answers))])
 
@@ -346,7 +346,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
         _sync(target.device)
         return result.tokens, time.perf_counter() - start, result.stats
 
-    from data.chat import prompt_ids
+    from draftsmith.data.chat import prompt_ids
 
     warmup_ids = torch.tensor([prompt_ids(target.tokenizer, WARMUP_MESSAGES)])
     for method in config.methods:  # warm-up: allocator, kernels, lazy imports
@@ -512,7 +512,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 
 def write_outputs(results: dict, config: BenchConfig) -> dict:
     """JSON + markdown (+ PNG plots, + W&B run) for a finished run; returns {"json": path, ...}."""
-    from eval import report
+    from draftsmith.eval import report
 
     table = format_table(results)
     written: dict = {}

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from eval.drafters.base import Drafter, NoDrafter, Sampling
-from eval.tree import DraftTree, tree_attention_mask, tree_position_ids
-from eval.verify import verify_greedy, verify_sampling
-from models.target import TargetModel, check_same_tokenizer, commit_kv
+from draftsmith.eval.drafters.base import Drafter, NoDrafter, Sampling
+from draftsmith.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
+from draftsmith.eval.verify import verify_greedy, verify_sampling
+from draftsmith.models.target import TargetModel, check_same_tokenizer, commit_kv
 
 
 @dataclass

@@ -151,8 +151,8 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
     train/distill.py `final/` (its manifest names the target). `target`: a TargetModel (or zoo name /
     dir) for the tokenizer check and the `generate(assistant_model=...)` check (greedy output of the
     target with the reloaded student as assistant == without it)."""
-    from models.target import TargetModel, check_same_tokenizer, resolve_dtype, vocab_fingerprint
-    from models.zoo import resolve_model_path
+    from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, vocab_fingerprint
+    from draftsmith.models.zoo import resolve_model_path
 
     source_path = Path(resolve_model_path(str(source))) if not Path(source).exists() else Path(source)
     if not (source_path / "config.json").is_file():
@@ -222,7 +222,7 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
 
 def load_fasterdecoding_medusa(path: str | Path):
     """MedusaHeads (float32) from a FasterDecoding-layout directory (config.json + medusa_lm_head.safetensors)."""
-    from models.medusa import MedusaConfig, MedusaHeads
+    from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 
     path = Path(path)
     config_file = path / MEDUSA_FD_CONFIG
@@ -255,7 +255,7 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
     to write (default: the target name in the manifest)."""
     from safetensors.torch import save_file
 
-    from models.medusa import ACCURACY_FILE, load_medusa_heads
+    from draftsmith.models.medusa import ACCURACY_FILE, load_medusa_heads
 
     source = Path(source)
     heads, source_manifest = load_medusa_heads(source)
@@ -274,8 +274,8 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
     (tmp / MEDUSA_FD_CONFIG).write_text(json.dumps(fd_config, indent=2))
     tree = None
     if (source / ACCURACY_FILE).is_file():
-        from eval.arca import arca_paths, load_rank_accuracy
-        from eval.drafters.medusa import DEFAULT_MEDUSA_PATHS
+        from draftsmith.eval.arca import arca_paths, load_rank_accuracy
+        from draftsmith.eval.drafters.medusa import DEFAULT_MEDUSA_PATHS
 
         shutil.copy(source / ACCURACY_FILE, tmp / ACCURACY_FILE)
         tree = {"medusa_choices": arca_paths(load_rank_accuracy(source / ACCURACY_FILE), len(DEFAULT_MEDUSA_PATHS))}
@@ -305,11 +305,11 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     target's embedding and LM head when `target` (TargetModel, or zoo name / dir) is given, else
     through a seeded stand-in embedding/head of the same shape (the drafter's own weights are what
     the export carries)."""
-    from models import dgf
+    from draftsmith.models import dgf
 
     source = Path(source)
     if isinstance(target, (str, Path)):
-        from models.target import TargetModel
+        from draftsmith.models.target import TargetModel
 
         target = TargetModel.from_pretrained(str(target))
     model, source_manifest = dgf.load_dgf(source, target=target)

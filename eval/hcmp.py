@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from models.target import resolve_device
+from draftsmith.models.target import resolve_device
 
 LAYER_TYPES = ("qkv", "o", "mlp", "attention")
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -316,7 +316,7 @@ class HcmpDecoder:
     """A SpeculativeDecoder whose target verification forwards run in HCMP mode."""
 
     def __init__(self, target, drafter, decode_config, config: HcmpConfig):
-        from eval.decoder import SpeculativeDecoder
+        from draftsmith.eval.decoder import SpeculativeDecoder
 
         self.inner = SpeculativeDecoder(target, drafter, decode_config)
         self.plan = HcmpPlan(target.model, config)
@@ -353,7 +353,7 @@ def build_from_spec(options: dict, target, draft, name: str):
 
     Without `inner` it is plain decoding (one token per forward) with the split target.
     """
-    from eval.placement import build_inner
+    from draftsmith.eval.placement import build_inner
 
     config = HcmpConfig(device0=options.pop("device0", "cpu"), device1=options.pop("device1", "cpu"),
                         ratios=parse_ratios(options), threads=options.pop("threads", "0") not in ("0", "false", ""))

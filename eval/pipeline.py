@@ -35,10 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from eval.decoder import DecodeConfig, DecodeResult, DecodeStats, SpeculativeDecoder
-from eval.drafters.base import Drafter
-from eval.tree import DraftTree
-from models.target import TargetModel
+from draftsmith.eval.decoder import DecodeConfig, DecodeResult, DecodeStats, SpeculativeDecoder
+from draftsmith.eval.drafters.base import Drafter
+from draftsmith.eval.tree import DraftTree
+from draftsmith.models.target import TargetModel
 
 
 def first_child_nodes(parents: torch.Tensor) -> list[int]:
@@ -180,7 +180,7 @@ def build_from_spec(options: dict, target, draft, name: str):
     """Bench method `pipeline:<base method>[,<its options>]`, e.g. `pipeline:lm-chain,k=4`,
     `pipeline:lm-tree,depth=4,topk=3,budget=16,student=every3`, `pipeline:ngram,k=5`: every
     option after the base kind is the base method's own (eval.bench method syntax)."""
-    from eval.bench import build_drafter
+    from draftsmith.eval.bench import build_drafter
 
     base = options.pop("path", None) or options.pop("base", None)
     if not base:

@@ -23,9 +23,9 @@ import copy
 import torch
 from torch import nn
 
-from eval.drafters.base import Drafter, Sampling
-from eval.tree import DraftTree
-from models.target import resolve_device
+from draftsmith.eval.drafters.base import Drafter, Sampling
+from draftsmith.eval.tree import DraftTree
+from draftsmith.models.target import resolve_device
 
 
 def tensor_bytes(tensor: torch.Tensor | None) -> int:
@@ -88,7 +88,7 @@ class DovetailDecoder:
     """SpeculativeDecoder with the drafter placed on another device; stats carry transfer_bytes."""
 
     def __init__(self, target, drafter: PlacedDrafter, decode_config):
-        from eval.decoder import SpeculativeDecoder
+        from draftsmith.eval.decoder import SpeculativeDecoder
 
         self.drafter = drafter
         self.inner = SpeculativeDecoder(target, drafter, decode_config)
@@ -119,7 +119,7 @@ def build_inner(options: dict, target, draft) -> Drafter:
     `inner=lm-tree,depth=4,topk=3` -> method spec `lm-tree:depth=4,topk=3`;
     `inner=medusa:/dir,width=8` -> `medusa:/dir,width=8`.
     """
-    from eval.bench import build_drafter
+    from draftsmith.eval.bench import build_drafter
 
     inner = options.pop("inner")
     rest = [f"{key}={value}" for key, value in options.items()]

@@ -1,6 +1,6 @@
 """ARCA profiler (Ghidorah III-C) with the Dovetail cost model (eq. (1)/(6)).
 
-    python -m eval.profile --target smollm2-135m-instruct --drafter medusa:outputs/medusa_smollm2_cpu/final \
+    python -m draftsmith.eval.profile --target smollm2-135m-instruct --drafter medusa:outputs/medusa_smollm2_cpu/final \
         --out results/arca_profile_smollm2.json [--placement hcmp --hcmp-ratios 0.5,0.75] [--bench-prompts 4]
 
 Steps (everything measured on the machine and placement it runs on):
@@ -46,11 +46,11 @@ from pathlib import Path
 
 import torch
 
-from eval.arca import arca_paths, expected_accepted, load_rank_accuracy
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.base import Drafter
-from eval.tree import DraftTree, tree_from_paths
-from models.target import TargetModel, crop_cache
+from draftsmith.eval.arca import arca_paths, expected_accepted, load_rank_accuracy
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.base import Drafter
+from draftsmith.eval.tree import DraftTree, tree_from_paths
+from draftsmith.models.target import TargetModel, crop_cache
 
 PROFILE_VERSION = 1
 DEFAULT_WIDTHS = [0, 1, 2, 4, 8, 16, 32, 64]
@@ -326,7 +326,7 @@ def drafter_spec_for_width(profile: dict, width: int) -> str:
 
 def build_drafter_from_profile(profile: dict, target, draft, width: int | None = None, name: str | None = None):
     """The drafter (or HCMP policy) the profile describes, at its chosen width or `width`."""
-    from eval.bench import build_drafter, parse_method
+    from draftsmith.eval.bench import build_drafter, parse_method
 
     width = profile["best"]["width"] if width is None else width
     profile_paths(profile, width)  # refuses a width the profile did not measure
@@ -334,7 +334,7 @@ def build_drafter_from_profile(profile: dict, target, draft, width: int | None =
     if width == 0:
         drafter = None
     elif kind == "medusa":
-        from eval.drafters.medusa import load_medusa_drafter
+        from draftsmith.eval.drafters.medusa import load_medusa_drafter
 
         drafter = load_medusa_drafter(options.pop("path"), target, paths=profile_paths(profile, width),
                                       target_adapter=options.pop("adapter", "refuse"),
@@ -343,7 +343,7 @@ def build_drafter_from_profile(profile: dict, target, draft, width: int | None =
         drafter = build_drafter(drafter_spec_for_width(profile, width), target, draft)
     ratio = profile["best"].get("hcmp_ratio")
     if ratio is not None:
-        from eval.hcmp import HcmpConfig, HcmpPolicy
+        from draftsmith.eval.hcmp import HcmpConfig, HcmpPolicy
 
         config = HcmpConfig.uniform(ratio, threads=bool(profile["config"].get("hcmp_threads")))
         return HcmpPolicy(drafter, config, name=name or f"arca-hcmp[w={width}]")
@@ -382,7 +382,7 @@ def _calibration_spec(spec: str, width: int) -> str:
 
 def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft: TargetModel | None = None,
                 progress: bool = True) -> dict:
-    from eval.bench import build_drafter, load_prompts, machine_info, BenchConfig, parse_method
+    from draftsmith.eval.bench import build_drafter, load_prompts, machine_info, BenchConfig, parse_method
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -409,7 +409,7 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
         if ratio is None:
             times = measure_verify_latency(target, input_ids, config.widths, config.repeats, config.seed)
         else:
-            from eval.hcmp import HcmpConfig, hcmp_mode
+            from draftsmith.eval.hcmp import HcmpConfig, hcmp_mode
 
             with hcmp_mode(target.model, HcmpConfig.uniform(ratio, threads=config.hcmp_threads)):
                 times = measure_verify_latency(target, input_ids, config.widths, config.repeats, config.seed)
@@ -423,7 +423,7 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
     if inner is None or hasattr(inner, "make_decoder"):
         raise ValueError(f"--drafter {config.drafter!r} must be a drafter method (medusa, lm-tree, lm-chain, ngram ...)")
     if config.drafter_device:
-        from eval.placement import PlacedDrafter
+        from draftsmith.eval.placement import PlacedDrafter
 
         inner = PlacedDrafter(inner, config.drafter_device, target.device)
     recorder = RankRecorder(inner)
@@ -625,7 +625,7 @@ def parse_args(argv: list[str] | None = None) -> ProfileConfig:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from eval.bench import BenchConfig, format_table, run_benchmark
+    from draftsmith.eval.bench import BenchConfig, format_table, run_benchmark
 
     config = parse_args(argv)
     target = TargetModel.from_pretrained(config.target, dtype=config.dtype, device=config.device)

@@ -28,7 +28,7 @@ def method_family(spec: str) -> str:
     """The part of a method spec that names the drafter, without its size options:
     'lm-tree:depth=4,topk=2,budget=8' -> 'lm-tree'; 'medusa:/d,width=8' -> 'medusa:/d';
     'lm-chain:k=4,draft=/s' -> 'lm-chain:draft=/s'."""
-    from eval.bench import parse_method
+    from draftsmith.eval.bench import parse_method
 
     kind, options = parse_method(spec)
     keep = [f"{key}={value}" for key, value in options.items()
@@ -117,7 +117,7 @@ def log_wandb(results: dict, config, files: list[Path] = ()) -> str:
     """One W&B run per bench run: config, a summary table, per-method metrics, plots as images and
     all files as an artifact. Offline mode when there is no network (an explicit WANDB_MODE wins);
     returns the run directory."""
-    from train.common import flatten_dict, prepare_wandb_env
+    from draftsmith.train.common import flatten_dict, prepare_wandb_env
 
     import wandb
 

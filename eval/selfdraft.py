@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.decoder import DecodeConfig, DecodeResult, DecodeStats, SpeculativeDecoder
-from eval.tree import DraftTree, ancestor_matrix
-from eval.verify import verify_greedy, verify_sampling
-from models.target import TargetModel, commit_kv
+from draftsmith.eval.decoder import DecodeConfig, DecodeResult, DecodeStats, SpeculativeDecoder
+from draftsmith.eval.tree import DraftTree, ancestor_matrix
+from draftsmith.eval.verify import verify_greedy, verify_sampling
+from draftsmith.models.target import TargetModel, commit_kv
 
 
 @dataclass
@@ -282,7 +282,7 @@ class SelfDraftPolicy:
 
 def corpus_sequences(spec: str, tokenizer, limit: int) -> list[list[int]]:
     """Token ids of every message text of a data.sources spec (no chat template: plain text)."""
-    from data.sources import load_source
+    from draftsmith.data.sources import load_source
 
     conversations = load_source(spec, limit=limit)
     return [tokenizer(message["content"], add_special_tokens=False)["input_ids"]
@@ -299,7 +299,7 @@ def build_from_spec(options: dict, target, draft, name: str):
     candidates = max_candidates). `corpus` is a data.sources spec whose message texts build the
     corpus cache (optional); `pad=prompt|vocab` picks the random padding tokens' pool.
     """
-    from eval.drafters.minions import config_from_options
+    from draftsmith.eval.drafters.minions import config_from_options
 
     config = config_from_options(SelfDraftConfig, options, SELFDRAFT_ALIASES)
     return SelfDraftPolicy(config, tokenizer=target.tokenizer, name=name)

@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from models.target import additive_mask, resolve_device, vocab_fingerprint
+from draftsmith.models.target import additive_mask, resolve_device, vocab_fingerprint
 
 MANIFEST_FORMAT = "draftsmith.dgf/1"
 WEIGHTS_FILE = "dgf.safetensors"
@@ -262,14 +262,14 @@ def target_manifest(target, name: str, feature_layer: int, dtype: str | None = N
 
 
 def read_manifest(path: str | Path) -> dict:
-    from models.medusa import read_manifest as read_any
+    from draftsmith.models.medusa import read_manifest as read_any
 
     return read_any(path, expected_format=MANIFEST_FORMAT)
 
 
 def check_manifest_target(manifest: dict, target, where: str = "DGF checkpoint") -> None:
     """Refuse a drafter trained for another target (hidden size, vocab size/fingerprint, layers)."""
-    from models.medusa import check_manifest_target as check_any
+    from draftsmith.models.medusa import check_manifest_target as check_any
 
     check_any(manifest, target, where=where, hidden_layer=manifest["target"].get("hidden_layer"))
     num_layers = manifest["target"].get("num_hidden_layers")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.target import resolve_device, vocab_fingerprint
+from draftsmith.models.target import resolve_device, vocab_fingerprint
 
 # On-disk layout of a trained-heads directory (the Medusa recipe's final/): manifest + config + weights.
 MANIFEST_FORMAT = "draftsmith.medusa/1"

@@ -119,7 +119,7 @@ class TargetModel:
                         device: str | torch.device | None = None, gguf_file: str | None = None,
                         attn_implementation: str = "sdpa") -> "TargetModel":
         """Load by zoo name, local dir or hub id (and optionally a GGUF file inside that dir)."""
-        from models.zoo import resolve_model_path  # local import: the zoo installs packages lazily
+        from draftsmith.models.zoo import resolve_model_path  # local import: the zoo installs packages lazily
 
         path = resolve_model_path(name_or_path)
         extra = {"gguf_file": gguf_file} if gguf_file else {}

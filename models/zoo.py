@@ -132,9 +132,14 @@ def get(name: str) -> ZooModel:
         raise UnknownModelError(f"unknown zoo model {name!r}; valid names: {', '.join(REGISTRY)}") from None
 
 
+def draftsmith_cache() -> Path:
+    """The draftsmith cache folder (`$DRAFTSMITH_CACHE`, default ~/.cache/draftsmith), read at call time."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+
+
 def cache_root() -> Path:
     """Folder holding all converted zoo models (`$DRAFTSMITH_CACHE/models`), read at call time."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser() / "models"
+    return draftsmith_cache() / "models"
 
 
 def model_dir(name: str) -> Path:

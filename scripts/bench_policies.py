@@ -17,13 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-import eval.bench as bench
+import draftsmith.eval.bench as bench
 
 
 def policy_state(method) -> dict:
-    from eval.drafters.llmcad import LLMCadDrafter
-    from eval.drafters.minions import MinionsDrafter
-    from eval.pipeline import PipelinePolicy
+    from draftsmith.eval.drafters.llmcad import LLMCadDrafter
+    from draftsmith.eval.drafters.minions import MinionsDrafter
+    from draftsmith.eval.pipeline import PipelinePolicy
 
     if isinstance(method, MinionsDrafter):
         return method.summary()

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eval.bench import parse_method
+from draftsmith.eval.bench import parse_method
 
 
 def collect(runs: list[str], runs_dir: Path, bench_files: list[Path]) -> dict:

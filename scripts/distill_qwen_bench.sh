@@ -7,7 +7,7 @@ set -euo pipefail
 D=${D:-outputs/distill_qwen/run/final}
 P=${P:-3}
 for suite in ${SUITES:-gsm8k mt-bench}; do
-  python -m eval.bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 \
+  python -m draftsmith.eval.bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --dtype bfloat16 \
     --suite $suite --num-prompts $P --max-new-tokens 64 --threads 2 \
     --methods plain lm-chain:k=4 lm-chain:k=4,draft=$D lm-tree:depth=4,topk=2,budget=8 \
               lm-tree:depth=4,topk=2,budget=8,draft=$D \

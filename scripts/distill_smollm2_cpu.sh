@@ -39,7 +39,7 @@ PY
 WANDB_MODE=offline python train/distill.py --config train/configs/distill_smollm2_cpu.yaml --resume
 D=$OUT/run/final
 for suite in ${SUITES:-gsm8k mt-bench}; do
-  python -m eval.bench --target smollm2-135m-instruct --dtype float32 --suite $suite --num-prompts ${P:-3} \
+  python -m draftsmith.eval.bench --target smollm2-135m-instruct --dtype float32 --suite $suite --num-prompts ${P:-3} \
     --max-new-tokens 64 --threads 2 \
     --methods plain lm-chain:k=4,student=every2 lm-chain:k=4,draft=$D lm-tree:depth=4,topk=2,budget=8,student=every2 \
               lm-tree:depth=4,topk=2,budget=8,draft=$D \

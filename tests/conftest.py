@@ -50,7 +50,7 @@ def smol_tokenizer():
     """The real SmolLM2 tokenizer (chat template included) from the zoo cache; skip if absent."""
     from transformers import AutoTokenizer
 
-    from models.zoo import is_fetched, resolve_model_path
+    from draftsmith.models.zoo import is_fetched, resolve_model_path
 
     if not is_fetched("smollm2-135m-instruct"):
         pytest.skip("smollm2-135m-instruct not converted in the zoo cache (scripts/fetch_models.py)")

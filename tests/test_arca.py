@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from eval.arca import (arca_paths, expected_accepted, load_rank_accuracy, path_value, rank_accuracy_from_topk)
-from eval.drafters.medusa import MedusaDrafter
-from eval.tree import tree_from_paths
-from models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.eval.arca import (arca_paths, expected_accepted, load_rank_accuracy, path_value, rank_accuracy_from_topk)
+from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.tree import tree_from_paths
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2], [0.4, 0.1]]
 

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from eval import bench, report
-from eval.bench import BenchConfig, run_benchmark, turn_input_ids, write_outputs
-from models.target import TargetModel
+from draftsmith.eval import bench, report
+from draftsmith.eval.bench import BenchConfig, run_benchmark, turn_input_ids, write_outputs
+from draftsmith.models.target import TargetModel
 from tests.conftest import tiny_target_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -34,8 +34,8 @@ def prompts_file(tmp_path):
 
 
 def test_two_turn_prompt_is_chat_template_over_q1_answer_q2(smol_tokenizer):
-    from data.chat import prompt_ids
-    from data.sources import Conversation
+    from draftsmith.data.chat import prompt_ids
+    from draftsmith.data.sources import Conversation
 
     conv = Conversation(id="c", source="mt-bench", messages=[{"role": "user", "content": "Q1?"}],
                         category="writing", followups=["Q2?"])
@@ -72,7 +72,7 @@ def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
     assert [(r["suite"] == "mt-bench", r["turn"]) for r in rows] == [(False, 1), (False, 1), (True, 1), (True, 2),
                                                                       (True, 1), (True, 2)]
     # turn 2's history is the plain greedy answer of turn 1, and its prompt is built from it
-    from data.sources import load_source
+    from draftsmith.data.sources import load_source
 
     first_q = load_source("mt-bench")[0]
     turn1, turn2 = rows[2], rows[3]
@@ -156,7 +156,7 @@ def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
 
 
 def test_results_page_discovery_and_markers(tmp_path):
-    from eval import results as results_page
+    from draftsmith.eval import results as results_page
 
     root = tmp_path / "outputs"
     for name, fmt, target in [("medusa_a", "draftsmith.medusa/1", "t"), ("medusa_untrained", "draftsmith.medusa/1", "t"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from data.chat import (
+from draftsmith.data.chat import (
     OPEN,
     CLOSE,
     ChatTemplateError,
@@ -30,7 +30,7 @@ from data.chat import (
     render_and_mask,
     render_text,
 )
-from data.sources import LOCAL_GSM8K_DIR
+from draftsmith.data.sources import gsm8k_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN_ZOO_DIR = Path("~/.cache/draftsmith/models/qwen2.5-coder-0.5b-instruct").expanduser()
@@ -106,7 +106,7 @@ def smol(request, tmp_path_factory):
 def qwen():
     if not QWEN_ZOO_DIR.is_dir():
         pytest.skip(f"Qwen tokenizer not converted yet ({QWEN_ZOO_DIR} missing; models/zoo.py creates it)")
-    from data.chat import load_tokenizer
+    from draftsmith.data.chat import load_tokenizer
 
     return load_tokenizer(str(QWEN_ZOO_DIR))
 
@@ -271,7 +271,7 @@ def test_cli_prints_samples(smol, tmp_path, capsys):
     assert main(["--model", str(tmp_path / "tok"), "--source", f"sharegpt:{src}", "--n", "2", "--color", "never"]) == 0
     printed = capsys.readouterr().out
     assert "=== c1 (sharegpt)" in printed and "[[hello<|im_end|>]]" in printed
-    if LOCAL_GSM8K_DIR.is_dir():
+    if gsm8k_dir().is_dir():
         main(["--model", str(tmp_path / "tok"), "--source", "gsm8k:train", "--n", "2", "--color", "never"])
         printed = capsys.readouterr().out
         assert printed.count("=== gsm8k-train-") == 2 and "#### 72<|im_end|>]]" in printed

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-import data.features as features
-from data.chat import render_and_mask
-from data.features import (
+import draftsmith.data.features as features
+from draftsmith.data.chat import render_and_mask
+from draftsmith.data.features import (
     FeatureCacheConfig,
     FeatureCacheMismatch,
     FeatureDataset,
@@ -24,7 +24,7 @@ from data.features import (
     build_feature_cache,
     load_index,
 )
-from data.sources import Conversation
+from draftsmith.data.sources import Conversation
 
 from conftest import tiny_target_for
 

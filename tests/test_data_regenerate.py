@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-import data.regenerate as regen
-from data.chat import prompt_ids
-from data.regenerate import (
+import draftsmith.data.regenerate as regen
+from draftsmith.data.chat import prompt_ids
+from draftsmith.data.regenerate import (
     PlanMismatch,
     RegenerateConfig,
     check_gsm8k,
@@ -21,7 +21,7 @@ from data.regenerate import (
     load_regenerated,
     regenerate,
 )
-from data.sources import Conversation
+from draftsmith.data.sources import Conversation
 
 from conftest import tiny_target_for
 

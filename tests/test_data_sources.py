@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from data.sources import (
-    LOCAL_GSM8K_DIR,
+from draftsmith.data.sources import (
+    gsm8k_dir,
     Conversation,
     bundled_sharegpt_path,
     gsm8k_final_answer,
@@ -253,12 +253,12 @@ def test_mt_bench():
     assert len(load_source("mt-bench")) == 80
 
 
-@pytest.mark.skipif(not LOCAL_GSM8K_DIR.is_dir(), reason=f"no local GSM8K copy at {LOCAL_GSM8K_DIR}")
+@pytest.mark.skipif(not gsm8k_dir().is_dir(), reason=f"no local GSM8K copy at {gsm8k_dir()}")
 def test_gsm8k_local():
     test = load_gsm8k("test")
     assert len(test) == 1319
     assert len(load_source("gsm8k:train")) == 7473
-    raw = next(iter_json_records(LOCAL_GSM8K_DIR / "test.jsonl"))
+    raw = next(iter_json_records(gsm8k_dir() / "test.jsonl"))
     c = test[0]
     assert c.messages[0] == {"role": "user", "content": raw["question"]}
     assert c.reference == gsm8k_final_answer(raw["answer"]) == raw["answer"].rsplit("####", 1)[1].strip()

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.lm import LMDrafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.drafters.ngram import NgramDrafter
-from models.medusa import MedusaConfig, MedusaHeads
-from models.student import layer_subset_student
-from models.target import TargetModel
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.student import layer_subset_student
+from draftsmith.models.target import TargetModel
 
 NEW_TOKENS = 24
 

@@ -12,13 +12,13 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_model
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.lm import LMDrafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.drafters.ngram import NgramDrafter
-from eval.verify import logits_to_probs
-from models.medusa import MedusaConfig, MedusaHeads
-from models.target import TargetModel
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.eval.verify import logits_to_probs
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.target import TargetModel
 
 VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1500
 PROMPT = torch.tensor([[1, 3, 0, 2, 1, 3]])

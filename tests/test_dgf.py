@@ -9,15 +9,15 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_model
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.dgf import DGFDrafter, build_from_spec
-from eval.tree import ancestor_matrix
-from eval.verify import logits_to_probs
-from models.dgf import (DGFConfig, DGFModel, export_eagle, family_classes, load_dgf, load_eagle, save_dgf,
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.dgf import DGFDrafter, build_from_spec
+from draftsmith.eval.tree import ancestor_matrix
+from draftsmith.eval.verify import logits_to_probs
+from draftsmith.models.dgf import (DGFConfig, DGFModel, export_eagle, family_classes, load_dgf, load_eagle, save_dgf,
                         target_manifest)
-from models.target import TargetModel
-from train.common import TinyTokenizer
-from train.losses import feature_regression_loss, soft_cross_entropy
+from draftsmith.models.target import TargetModel
+from draftsmith.train.common import TinyTokenizer
+from draftsmith.train.losses import feature_regression_loss, soft_cross_entropy
 
 
 def make_drafter(model, fusion="dgf", num_blocks=2, seed=0, **kwargs):

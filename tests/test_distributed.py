@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.features import FeatureDataset, load_index
-from data.regenerate import load_regenerated
-from data.sources import Conversation, save_conversations
-from train.common import MetricsFile, load_config
-from train.medusa import MedusaRecipeConfig, main
+from draftsmith.data.features import FeatureDataset, load_index
+from draftsmith.data.regenerate import load_regenerated
+from draftsmith.data.sources import Conversation, save_conversations
+from draftsmith.train.common import MetricsFile, load_config
+from draftsmith.train.medusa import MedusaRecipeConfig, main
 
 from launch_utils import ACCELERATE_CONFIGS, REPO, TINY_YAML, accelerate_launch, run, save_tiny_model_dir, summaries
 
@@ -105,7 +105,7 @@ def conversations(n: int) -> list[Conversation]:
 
 @pytest.mark.slow  # ~1 min on 2 busy cores (4 process start-ups); the rank split itself is tested in-process
 def test_regeneration_and_feature_cache_shard_across_two_processes(tmp_path, model_dir):
-    """`accelerate launch -m data.regenerate / data.features`: each rank writes its own shards, the
+    """`accelerate launch -m draftsmith.data.regenerate / data.features`: each rank writes its own shards, the
     merged index covers every item once, and the readers see the whole data set."""
     source = save_conversations(tmp_path / "convs.jsonl", conversations(7))
     regen_dir, feat_dir = tmp_path / "regen", tmp_path / "features"
@@ -165,7 +165,7 @@ def test_every_recipe_two_processes_equal_one_process(tmp_path, recipe):
 def test_gather_trainable_state_keeps_only_trainable_weights():
     from accelerate import Accelerator
 
-    from train.common import gather_trainable_state
+    from draftsmith.train.common import gather_trainable_state
 
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     module[0].requires_grad_(False)  # "the frozen target"

@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_model, tiny_target_for
-from eval import export
-from models.medusa import ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MedusaConfig, MedusaHeads
-from models.target import TargetModel, vocab_fingerprint
-from scripts.export import main as export_cli
-from train.common import TinyTokenizer
+from draftsmith.eval import export
+from draftsmith.models.medusa import ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MedusaConfig, MedusaHeads
+from draftsmith.models.target import TargetModel, vocab_fingerprint
+from draftsmith.scripts.export import main as export_cli
+from draftsmith.train.common import TinyTokenizer
 
 
 # -- students --------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_cli_medusa_and_failure_exit_code(tmp_path, capsys):
 
 @pytest.mark.parametrize("fusion,layout", [("linear", "eagle"), ("dgf", "draftsmith.dgf")])
 def test_dgf_export_round_trip(tmp_path, fusion, layout):
-    from models.dgf import DGFConfig, DGFModel, save_dgf, target_manifest
+    from draftsmith.models.dgf import DGFConfig, DGFModel, save_dgf, target_manifest
 
     model = tiny_model("llama")
     target = TargetModel(model, TinyTokenizer(96), name="tiny-llama")

@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train.medusa as medusa_recipe
-from data.features import FeatureCacheConfig, build_feature_cache, load_index
-from data.regenerate import RegenerateConfig, regenerate
-from data.sources import Conversation, save_conversations
-from train.common import (CheckpointError, MetricsFile, NonFiniteLossError, check_finite, latest_checkpoint,
+import draftsmith.train.medusa as medusa_recipe
+from draftsmith.data.features import FeatureCacheConfig, build_feature_cache, load_index
+from draftsmith.data.regenerate import RegenerateConfig, regenerate
+from draftsmith.data.sources import Conversation, save_conversations
+from draftsmith.train.common import (CheckpointError, MetricsFile, NonFiniteLossError, check_finite, latest_checkpoint,
                           list_checkpoints, load_checkpoint, load_config, load_latest_checkpoint, recover_checkpoints,
                           save_checkpoint)
-from train.medusa import MedusaRecipeConfig, main
+from draftsmith.train.medusa import MedusaRecipeConfig, main
 
 from launch_utils import REPO, TINY_YAML, kill_when, ledger_shards, run, save_tiny_model_dir
 
@@ -234,9 +234,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
 
 
 def test_manifest_check_names_every_difference():
-    from models.medusa import check_manifest_target
-    from models.target import vocab_fingerprint
-    from train.common import load_target
+    from draftsmith.models.medusa import check_manifest_target
+    from draftsmith.models.target import vocab_fingerprint
+    from draftsmith.train.common import load_target
 
     target = load_target("tiny:llama")
     good = {"name": "tiny:llama", "hidden_size": 48, "vocab_size": 96, "hidden_layer": -1,

@@ -5,13 +5,13 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.lm import LMDrafter
-from eval.hcmp import (HcmpConfig, HcmpPlan, HcmpPolicy, SplitLinear, _Units, build_from_spec, hcmp_mode,
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.hcmp import (HcmpConfig, HcmpPlan, HcmpPolicy, SplitLinear, _Units, build_from_spec, hcmp_mode,
                        merge_attention_partials, partial_attention)
-from eval.tree import node_depths, tree_attention_mask, tree_position_ids
-from models.student import layer_subset_student
-from models.target import TargetModel, additive_mask
+from draftsmith.eval.tree import node_depths, tree_attention_mask, tree_position_ids
+from draftsmith.models.student import layer_subset_student
+from draftsmith.models.target import TargetModel, additive_mask
 
 PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2, -1, 5])  # an 8-node tree
 
@@ -95,7 +95,7 @@ def test_split_forward_equals_unsplit(family, ratios, threads):
 
 
 def test_hcmp_is_really_used(monkeypatch):
-    import eval.hcmp as hcmp
+    import draftsmith.eval.hcmp as hcmp
 
     calls = []
     original = hcmp.partial_attention
@@ -131,7 +131,7 @@ def test_config_validation():
 
 @pytest.mark.slow
 def test_real_smollm2_split_forward_and_decoding():
-    from models.zoo import is_fetched
+    from draftsmith.models.zoo import is_fetched
 
     if not is_fetched("smollm2-135m-instruct"):
         pytest.skip("smollm2-135m-instruct not in the zoo cache")

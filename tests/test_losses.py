@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss, rank_hits,
+from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss, rank_hits,
                           shifted_labels, teacher_positions)
 
 

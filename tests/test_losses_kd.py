@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from train.losses import (divergence_from_logprobs, kd_divergence, kd_divergence_topk, kd_loss, kd_mask,
+from draftsmith.train.losses import (divergence_from_logprobs, kd_divergence, kd_divergence_topk, kd_loss, kd_mask,
                           topk_logprobs)
 
 KINDS = ["fkl", "rkl", "jsd", "tvd"]

@@ -4,15 +4,15 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from eval.bench import build_drafter
-from eval.decoder import DecodeConfig, DecodeStats
-from eval.drafters.lm import LMDrafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.hcmp import HcmpPolicy
-from eval.placement import DovetailPolicy, PlacedDrafter, move_drafter, tensor_bytes
-from models.medusa import MedusaConfig, MedusaHeads
-from models.student import layer_subset_student
-from models.target import TargetModel
+from draftsmith.eval.bench import build_drafter
+from draftsmith.eval.decoder import DecodeConfig, DecodeStats
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.hcmp import HcmpPolicy
+from draftsmith.eval.placement import DovetailPolicy, PlacedDrafter, move_drafter, tensor_bytes
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.student import layer_subset_student
+from draftsmith.models.target import TargetModel
 
 NEW_TOKENS = 20
 

@@ -9,22 +9,22 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from eval.bench import build_drafter
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.base import Drafter
-from eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter, pacer_pick, update_alpha
-from eval.drafters.lm import LMDrafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.drafters.minions import (LengthSelector, MinionsConfig, MinionsDrafter, acceptance_rate, fit_slope,
+from draftsmith.eval.bench import build_drafter
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.base import Drafter
+from draftsmith.eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter, pacer_pick, update_alpha
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.drafters.minions import (LengthSelector, MinionsConfig, MinionsDrafter, acceptance_rate, fit_slope,
                                    majority_path, merge_proposals, update_weights, voted_drafters)
-from eval.drafters.ngram import NgramDrafter
-from eval.pipeline import PipelinePolicy, first_child_nodes, reroot
-from eval.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
+from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.eval.pipeline import PipelinePolicy, first_child_nodes, reroot
+from draftsmith.eval.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
                             selfdraft_mask, selfdraft_positions)
-from eval.tree import DraftTree
-from models.medusa import MedusaConfig, MedusaHeads
-from models.student import layer_subset_student
-from models.target import TargetModel
+from draftsmith.eval.tree import DraftTree
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.student import layer_subset_student
+from draftsmith.models.target import TargetModel
 
 from test_decoder_greedy import reference_greedy
 from test_decoder_sampling import PROMPT, SAMPLES, TEMPERATURE, VOCAB, exact_joint

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from conftest import tiny_model, tiny_target_for
-from eval.bench import build_drafter
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.base import Drafter
-from eval.hcmp import HcmpPolicy
-from eval.profile import (ProfileConfig, RankRecorder, build_drafter_from_profile, load_profile,
+from draftsmith.eval.bench import build_drafter
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.base import Drafter
+from draftsmith.eval.hcmp import HcmpPolicy
+from draftsmith.eval.profile import (ProfileConfig, RankRecorder, build_drafter_from_profile, load_profile,
                           measure_verify_latency, random_tree, refine_paths, replay_tau, run_profile, save_profile)
-from eval.tree import DraftTree
-from models.target import TargetModel
+from draftsmith.eval.tree import DraftTree
+from draftsmith.models.target import TargetModel
 
 
 def test_random_tree_is_topological():

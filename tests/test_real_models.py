@@ -6,14 +6,14 @@ CI fetches SmolLM2 before the tests (`python scripts/fetch_models.py`); the Qwen
 import pytest
 import torch
 
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.lm import LMDrafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.drafters.ngram import NgramDrafter
-from models import zoo
-from models.medusa import MedusaConfig, MedusaHeads
-from models.student import every_nth_layer, layer_subset_student
-from models.target import TargetModel, check_same_tokenizer
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.models import zoo
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.student import every_nth_layer, layer_subset_student
+from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 SMOL = "smollm2-135m-instruct"
 PROMPTS = ["Write a Python function that checks whether a number is prime.",

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from eval.drafters.dgf import load_dgf_drafter
-from train.common import ConfigError, MetricsFile, load_config, load_target
-from train.dgf import DGFRecipeConfig, main, pair_targets, unrolled_mask
-from train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.dgf import load_dgf_drafter
+from draftsmith.train.common import ConfigError, MetricsFile, load_config, load_target
+from draftsmith.train.dgf import DGFRecipeConfig, main, pair_targets, unrolled_mask
+from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                           topk_soft_cross_entropy, unrolled_step_weights)
 
 CONFIG = "train/configs/dgf_tiny.yaml"
@@ -96,8 +96,8 @@ def test_train_resume_and_lossless_decode(tmp_path, family):
 
 
 def test_offline_mode_from_feature_cache(tmp_path):
-    from data.features import FeatureCacheConfig, build_feature_cache
-    from train.common import load_records
+    from draftsmith.data.features import FeatureCacheConfig, build_feature_cache
+    from draftsmith.train.common import load_records
 
     target = load_target("tiny:llama")
     records = load_records("synthetic:24:0.3", max_length=20, model=target.model)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.common import ConfigError, MetricsFile, build_tiny_causal_lm, load_config, synthetic_records, TinyTokenizer
-from train.distill import DistillRecipeConfig, load_conversation_records, main, read_manifest
+from draftsmith.train.common import ConfigError, MetricsFile, build_tiny_causal_lm, load_config, synthetic_records, TinyTokenizer
+from draftsmith.train.distill import DistillRecipeConfig, load_conversation_records, main, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "train" / "configs" / "distill_tiny.yaml"
@@ -102,7 +102,7 @@ def test_on_policy_mode(tmp_path):
 def test_topk_feature_cache_mode(tmp_path):
     from types import SimpleNamespace
 
-    from data.features import FeatureCacheConfig, build_feature_cache
+    from draftsmith.data.features import FeatureCacheConfig, build_feature_cache
 
     target = build_tiny_causal_lm("llama", seed=0)
     records = synthetic_records(target, 40, 24, seed=0, temperature=0.3)
@@ -130,7 +130,7 @@ def test_layer_and_shallow_students(tmp_path):
 
 
 def test_filter_wrong_gsm8k_answers(tmp_path, smol_tokenizer):
-    from data.sources import Conversation, save_conversations
+    from draftsmith.data.sources import Conversation, save_conversations
 
     def conv(i, answer):
         return Conversation(id=f"g{i}", source="gsm8k", reference="42",
@@ -145,7 +145,7 @@ def test_filter_wrong_gsm8k_answers(tmp_path, smol_tokenizer):
 
 
 def test_refuses_student_with_other_tokenizer(tmp_path, monkeypatch):
-    import train.distill as distill
+    import draftsmith.train.distill as distill
 
     def other_vocab(spec, dtype):
         return build_tiny_causal_lm("llama", seed=1, vocab_size=64), TinyTokenizer(64)
@@ -158,10 +158,10 @@ def test_refuses_student_with_other_tokenizer(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_smollm2_layer_student_exports_as_draft(tmp_path):
     """Real model: a SmolLM2 every-2-layers student, exported, loads as a bench --draft and decodes losslessly."""
-    from eval.decoder import DecodeConfig, SpeculativeDecoder
-    from eval.drafters.lm import LMDrafter
-    from models.target import TargetModel
-    from models.zoo import is_fetched
+    from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+    from draftsmith.eval.drafters.lm import LMDrafter
+    from draftsmith.models.target import TargetModel
+    from draftsmith.models.zoo import is_fetched
 
     if not is_fetched("smollm2-135m-instruct"):
         pytest.skip("smollm2-135m-instruct not converted")
@@ -179,7 +179,7 @@ def test_smollm2_layer_student_exports_as_draft(tmp_path):
     assert result.tokens[:len(plain)] == plain[:len(result.tokens)]
     assisted = target.model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft.model)
     assert assisted[0, ids.shape[1]:].tolist() == plain
-    from eval.bench import BenchConfig, run_benchmark  # a second draft named in the method spec
+    from draftsmith.eval.bench import BenchConfig, run_benchmark  # a second draft named in the method spec
 
     report = run_benchmark(BenchConfig(target="smollm2-135m-instruct", methods=["plain", f"lm-chain:draft={tmp_path / 'final'}"],
                                        num_prompts=1, max_new_tokens=8), target=target, progress=False)

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from eval.decoder import DecodeConfig, SpeculativeDecoder
-from models.target import TargetModel
-from train.common import (CheckpointError, ConfigError, MetricsFile, TinyTokenizer, batch_indices,
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.models.target import TargetModel
+from draftsmith.train.common import (CheckpointError, ConfigError, MetricsFile, TinyTokenizer, batch_indices,
                           build_tiny_causal_lm, latest_checkpoint, list_checkpoints, load_checkpoint, load_config,
                           load_records, load_target, read_records, rng_state, save_checkpoint, set_rng_state, split_heldout,
                           write_records)
-from eval.drafters.medusa import load_medusa_drafter
-from train.medusa import MedusaRecipeConfig, cli, main
+from draftsmith.eval.drafters.medusa import load_medusa_drafter
+from draftsmith.train.medusa import MedusaRecipeConfig, cli, main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "train" / "configs" / "medusa_tiny.yaml"
@@ -230,7 +230,7 @@ def test_medusa1_outputs_and_drafter(tmp_path):
                                                 "head_accuracy.json", "train_config.yaml"}
     manifest = json.loads((final / "manifest.json").read_text())
     target = load_target("tiny:llama")
-    from models.target import vocab_fingerprint
+    from draftsmith.models.target import vocab_fingerprint
 
     assert manifest["method"] == "medusa-1" and manifest["target_adapter"] is None
     assert manifest["target"]["hidden_size"] == 48 and manifest["target"]["hidden_layer"] == -1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from models import zoo
+from draftsmith.models import zoo
 
 SMOLLM2 = "smollm2-135m-instruct"
 

@@ -255,7 +255,7 @@ def build_tiny_causal_lm(family: str = "llama", seed: int = 0, vocab_size: int =
 def load_target(spec: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
                 attn_implementation: str = "sdpa"):
     """A `TargetModel` from a zoo name / local dir / hub id, or `tiny:<family>` (seed 0)."""
-    from models.target import TargetModel, resolve_device, resolve_dtype
+    from draftsmith.models.target import TargetModel, resolve_device, resolve_dtype
 
     if spec.startswith(TINY_PREFIX):
         model = build_tiny_causal_lm(spec[len(TINY_PREFIX):], seed=0, dtype=resolve_dtype(dtype))
@@ -355,8 +355,8 @@ def load_records(spec: str, tokenizer=None, max_length: int | None = None, limit
         records = synthetic_records(model, count if limit is None else min(count, limit), max_length, seed=seed,
                                     temperature=temperature)
     else:
-        from data.chat import render_and_mask
-        from data.sources import load_source
+        from draftsmith.data.chat import render_and_mask
+        from draftsmith.data.sources import load_source
 
         if tokenizer is None:
             raise ValueError(f"source {spec!r} needs the target's tokenizer")

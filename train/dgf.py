@@ -18,7 +18,7 @@ across steps, diagonal masks).
 
 Data modes:
   online   `data.source` records; the frozen target runs in the loop (features + LM-head targets)
-  offline  `data.feature_cache` built once by `python -m data.features` with the feature layer
+  offline  `data.feature_cache` built once by `python -m draftsmith.data.features` with the feature layer
            (and optionally --topk logits): no target forward per step. The soft target is
            lm_head(final normed state) when the feature layer is -1 (exact), else the cached top-k.
 
@@ -46,14 +46,14 @@ from typing import Literal
 import torch
 from torch import nn
 
-from models.dgf import DGFConfig, DGFModel, save_dgf, target_manifest
-from models.target import resolve_device
-from train.common import (MetricsFile, CheckpointError, ConfigError, batch_indices, config_to_dict, flatten_dict,
+from draftsmith.models.dgf import DGFConfig, DGFModel, save_dgf, target_manifest
+from draftsmith.models.target import resolve_device
+from draftsmith.train.common import (MetricsFile, CheckpointError, ConfigError, batch_indices, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_records, load_target, prepare_wandb_env,
                           rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
                           even_shard, check_finite, load_latest_checkpoint, local_rank_zero, gather_trainable_state,
                           print_summary)
-from train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
+from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                           topk_soft_cross_entropy, unrolled_step_weights)
 
 log = logging.getLogger("train.dgf")
@@ -352,7 +352,7 @@ class DGFRecipe:
         if cfg.data.mode == "online":
             return load_records(cfg.data.source, tokenizer=self.target.tokenizer, max_length=cfg.data.max_length,
                                 limit=cfg.data.limit, model=self.target.model, seed=cfg.data.seed)
-        from data.features import FeatureDataset
+        from draftsmith.data.features import FeatureDataset
 
         records = []
         for cache_dir in (part.strip() for part in cfg.data.feature_cache.split(" + ")):

@@ -31,7 +31,7 @@ Layout of `output_dir`:
     final/                  the student in plain HF `save_pretrained` format (LoRA merged) + the target's
                             tokenizer + manifest.json (target id, vocab fingerprint, loss, data, eval);
                             usable as `generate(assistant_model=AutoModelForCausalLM.from_pretrained(final))`
-                            and as `python -m eval.bench --draft <output_dir>/final`
+                            and as `python -m draftsmith.eval.bench --draft <output_dir>/final`
     metrics.jsonl           every logged metric (also W&B when `logging.tracker: wandb`)
 """
 
@@ -56,14 +56,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.target import check_same_tokenizer, resolve_device, resolve_dtype, vocab_fingerprint
-from train.common import (TINY_PREFIX, CheckpointError, ConfigError, MetricsFile, NonFiniteLossError, TinyTokenizer,
+from draftsmith.models.target import check_same_tokenizer, resolve_device, resolve_dtype, vocab_fingerprint
+from draftsmith.train.common import (TINY_PREFIX, CheckpointError, ConfigError, MetricsFile, NonFiniteLossError, TinyTokenizer,
                           batch_indices, build_tiny_causal_lm, check_finite, collate, config_to_dict, flatten_dict,
                           latest_checkpoint, load_checkpoint, load_config, load_latest_checkpoint, load_records,
                           load_target, local_rank_zero, prepare_wandb_env, rng_state, save_checkpoint, save_config,
                           seed_everything, set_rng_state, split_heldout, even_shard, gather_trainable_state,
                           print_summary)
-from train.losses import KD_KINDS, kd_loss, kd_mask
+from draftsmith.train.losses import KD_KINDS, kd_loss, kd_mask
 
 log = logging.getLogger("train.distill")
 
@@ -243,7 +243,7 @@ def load_tokenizer(spec: str):
         return None  # built with the tiny model (its vocab size is only known then)
     from transformers import AutoTokenizer
 
-    from models.zoo import resolve_model_path
+    from draftsmith.models.zoo import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(spec))
 
@@ -256,7 +256,7 @@ def load_pretrained_student(spec: str, dtype: torch.dtype):
         return model, TinyTokenizer(model.config.vocab_size)
     from transformers import AutoModelForCausalLM
 
-    from models.zoo import resolve_model_path
+    from draftsmith.models.zoo import resolve_model_path
 
     path = resolve_model_path(spec)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
@@ -341,9 +341,9 @@ def load_conversation_records(spec: str, tokenizer, max_length: int, limit: int 
         records = load_records(spec, tokenizer=tokenizer, max_length=max_length, limit=limit, model=model, seed=seed)
         stats["kept"] = len(records)
         return records, stats
-    from data.chat import render_and_mask
-    from data.regenerate import CHECKERS
-    from data.sources import load_source
+    from draftsmith.data.chat import render_and_mask
+    from draftsmith.data.regenerate import CHECKERS
+    from draftsmith.data.sources import load_source
 
     records = []
     for conv in load_source(spec, limit=limit):
@@ -364,7 +364,7 @@ def load_conversation_records(spec: str, tokenizer, max_length: int, limit: int 
 
 def load_cache_records(path: str, target_fingerprint: str | None, limit: int | None, max_length: int) -> list[dict]:
     """Every sequence of a data/features.py cache with its top-k teacher logits, in cache order."""
-    from data.features import FeatureCacheMismatch, FeatureDataset
+    from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset
 
     dataset = FeatureDataset(path)
     index = dataset.index
@@ -461,7 +461,7 @@ class DistillRecipe:
         else:
             from transformers import AutoConfig
 
-            from models.zoo import resolve_model_path
+            from draftsmith.models.zoo import resolve_model_path
 
             self.tokenizer = load_tokenizer(cfg.model.target)
             target_vocab = AutoConfig.from_pretrained(resolve_model_path(cfg.model.target)).vocab_size
@@ -471,7 +471,7 @@ class DistillRecipe:
             student, student_tokenizer = load_pretrained_student(cfg.student.model, student_dtype)
             check_same_tokenizer(self.tokenizer, student_tokenizer, what="student")
         elif cfg.student.init == "layers":
-            from models.student import every_nth_layer, layer_subset_student
+            from draftsmith.models.student import every_nth_layer, layer_subset_student
 
             layers = self.target.model.config.num_hidden_layers
             ids = cfg.student.layer_ids or every_nth_layer(layers, cfg.student.layer_stride)

@@ -41,15 +41,15 @@ from typing import Literal
 import torch
 from torch import nn
 
-from models.medusa import (ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, HIDDEN_LAYER, MANIFEST_FILE, MANIFEST_FORMAT,
+from draftsmith.models.medusa import (ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, HIDDEN_LAYER, MANIFEST_FILE, MANIFEST_FORMAT,
                            MedusaConfig, MedusaHeads)
-from models.target import resolve_device, vocab_fingerprint
-from train.common import (MetricsFile, CheckpointError, ConfigError, NonFiniteLossError, batch_indices, check_finite,
+from draftsmith.models.target import resolve_device, vocab_fingerprint
+from draftsmith.train.common import (MetricsFile, CheckpointError, ConfigError, NonFiniteLossError, batch_indices, check_finite,
                           collate, config_to_dict, flatten_dict, latest_checkpoint, load_checkpoint, load_config,
                           load_latest_checkpoint, load_records, load_target, local_rank_zero, prepare_wandb_env,
                           rng_state, save_checkpoint, save_config, seed_everything, set_rng_state, split_heldout,
                           even_shard, gather_trainable_state, print_summary)
-from train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss, rank_hits,
+from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss, rank_hits,
                           teacher_positions)
 
 log = logging.getLogger("train.medusa")

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.tree import DraftTree
-from eval.verify import logits_to_probs
+from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.verify import logits_to_probs
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from eval.drafters.base import Drafter, Sampling, draw_children
-from eval.tree import DraftTree, select_top_nodes, subtree
-from models.dgf import DGFModel, load_dgf
-from models.target import crop_cache
+from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
+from draftsmith.eval.tree import DraftTree, select_top_nodes, subtree
+from draftsmith.models.dgf import DGFModel, load_dgf
+from draftsmith.models.target import crop_cache
 
 
 class DGFDrafter(Drafter):

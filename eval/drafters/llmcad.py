@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from eval.drafters.base import Sampling
-from eval.drafters.lm import LMDrafter
-from eval.tree import DraftTree, ancestor_matrix
-from models.target import additive_mask, crop_cache
+from draftsmith.eval.drafters.base import Sampling
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.tree import DraftTree, ancestor_matrix
+from draftsmith.models.target import additive_mask, crop_cache
 
 
 @dataclass
@@ -219,7 +219,7 @@ def build_from_spec(options: dict, target, draft, name: str):
     branch_threshold, budget = max_tokens, depth = max_depth, children = max_children; every
     LLMCadConfig field is also accepted by name.
     """
-    from eval.drafters.minions import config_from_options, small_model
+    from draftsmith.eval.drafters.minions import config_from_options, small_model
 
     model_name = options.pop("model", None) or ("draft" if draft is not None else "every3")
     config = config_from_options(LLMCadConfig, options, LLMCAD_ALIASES)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from eval.drafters.base import Drafter, Sampling, draw_children
-from eval.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
-from models.target import additive_mask, crop_cache
+from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
+from draftsmith.eval.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
+from draftsmith.models.target import additive_mask, crop_cache
 
 
 class LMDrafter(Drafter):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from eval.drafters.base import Drafter, Sampling, draw_children
-from eval.tree import DraftTree, tree_from_paths
+from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
+from draftsmith.eval.tree import DraftTree, tree_from_paths
 from pathlib import Path
 from typing import Literal
 
-from models.medusa import ACCURACY_FILE, MedusaHeads, check_manifest_target, load_medusa_heads, read_manifest
+from draftsmith.models.medusa import ACCURACY_FILE, MedusaHeads, check_manifest_target, load_medusa_heads, read_manifest
 
 # A small default tree for CPU budgets: 2-3 candidates near the root, deeper along the top path.
 DEFAULT_MEDUSA_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
@@ -74,7 +74,7 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
     were trained on the LoRA-adapted target: `target_adapter="merge"` merges the saved adapter into
     `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises.
     """
-    from eval.arca import arca_paths, load_rank_accuracy
+    from draftsmith.eval.arca import arca_paths, load_rank_accuracy
 
     path = Path(path)
     manifest = read_manifest(path)

@@ -50,9 +50,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from eval.drafters.base import Drafter, Sampling
-from eval.tree import DraftTree
-from models.target import check_same_tokenizer
+from draftsmith.eval.drafters.base import Drafter, Sampling
+from draftsmith.eval.tree import DraftTree
+from draftsmith.models.target import check_same_tokenizer
 
 
 @dataclass
@@ -338,8 +338,8 @@ def small_model(name: str, target, draft):
     """(model, tokenizer) for a drafter name: `draft` (the bench's --draft model), `everyN` (a
     copy of the target keeping every N-th decoder layer, models.student), or a zoo name / model
     dir (loaded in the target's dtype and device, e.g. outputs/distill_x/final)."""
-    from models.student import every_nth_layer, layer_subset_student
-    from models.target import TargetModel
+    from draftsmith.models.student import every_nth_layer, layer_subset_student
+    from draftsmith.models.target import TargetModel
 
     if name == "draft":
         if draft is None:
@@ -359,13 +359,13 @@ def small_model(name: str, target, draft):
 def sub_drafter(name: str, target, draft, ngram_n: int = 3) -> Drafter:
     """A drafter for one entry of `models=`: `ngram`, `medusa@<dir>` (trained Medusa heads; their
     first-child path is the proposal) or a small model (see small_model) drafting a chain."""
-    from eval.drafters.lm import LMDrafter
-    from eval.drafters.ngram import NgramDrafter
+    from draftsmith.eval.drafters.lm import LMDrafter
+    from draftsmith.eval.drafters.ngram import NgramDrafter
 
     if name == "ngram":
         return NgramDrafter(max_ngram=ngram_n, num_tokens=4, name="ngram")
     if name.startswith("medusa@"):
-        from eval.drafters.medusa import load_medusa_drafter
+        from draftsmith.eval.drafters.medusa import load_medusa_drafter
 
         return load_medusa_drafter(name[len("medusa@"):], target, name=name)
     model, tokenizer = small_model(name, target, draft)

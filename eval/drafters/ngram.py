@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from eval.drafters.base import Drafter
-from eval.tree import DraftTree
+from draftsmith.eval.drafters.base import Drafter
+from draftsmith.eval.tree import DraftTree
 
 
 class NgramDrafter(Drafter):

@@ -5,6 +5,6 @@
 set -euo pipefail
 OUT=${OUT:-outputs/regen/smollm2}
 COMMON="--model smollm2-135m-instruct --max-new-tokens 256 --max-turns 1 --batch-size 64 --shard-size 128 --num-threads 2 --no-progress"
-python -m data.regenerate $COMMON --source gsm8k:train --limit 2000 --output-dir $OUT/gsm8k
-python -m data.regenerate $COMMON --source python-docstrings --output-dir $OUT/code
-python -m data.regenerate $COMMON --source sharegpt --limit 2500 --output-dir $OUT/sharegpt
+python -m draftsmith.data.regenerate $COMMON --source gsm8k:train --limit 2000 --output-dir $OUT/gsm8k
+python -m draftsmith.data.regenerate $COMMON --source python-docstrings --output-dir $OUT/code
+python -m draftsmith.data.regenerate $COMMON --source sharegpt --limit 2500 --output-dir $OUT/sharegpt
