@@ -47,6 +47,9 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+from draftsmith.data.sources import load_source
+from draftsmith.models.target import load_tokenizer
+
 log = logging.getLogger(__name__)
 
 Strategy = Literal["auto", "prefix", "generation"]
@@ -309,41 +312,18 @@ def format_mask(tokenizer: Any, input_ids: list[int], loss_mask: list[int], colo
 # CLI: python -m draftsmith.data.chat --model <name_or_path> --source gsm8k:train --n 2
 # ---------------------------------------------------------------------------
 
-ZOO_CACHE = Path("~/.cache/draftsmith/models").expanduser()
-
-
-def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> Any:
-    """A path (dir, or a .gguf file), a converted-model name under ~/.cache/draftsmith/models, or a hub name."""
-    from transformers import AutoTokenizer
-
-    p = Path(name_or_path).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    if not p.exists() and (ZOO_CACHE / name_or_path).is_dir():
-        p = ZOO_CACHE / name_or_path
-    if p.is_dir():
-        ggufs = sorted(p.glob("*.gguf"))
-        if gguf_file is None and not (p / "tokenizer_config.json").exists() and len(ggufs) == 1:
-            gguf_file = ggufs[0].name
-        return AutoTokenizer.from_pretrained(str(p), gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(str(p))
-    return AutoTokenizer.from_pretrained(name_or_path, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(name_or_path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from draftsmith.data.sources import load_source
-
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.data.chat", description="Print samples with their loss masks highlighted."
     )
-    ap.add_argument("--model", required=True, help="tokenizer: path, .gguf file, zoo name, or hub name")
-    ap.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (directory)")
+    ap.add_argument("--model", required=True, help="tokenizer: zoo name, model directory, hub id or tiny:<family>")
     ap.add_argument("--source", default="gsm8k:train", help="source spec, e.g. gsm8k:train, sharegpt, mt-bench")
     ap.add_argument("--n", type=int, default=2, help="number of samples")
     ap.add_argument("--max-length", type=int, default=None)
     ap.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     args = ap.parse_args(argv)
 
-    tok = load_tokenizer(args.model, args.gguf_file)
+    tok = load_tokenizer(args.model)
     color = {"auto": None, "always": True, "never": False}[args.color]
     legend = "trained tokens in green" if _use_color(color) else f"trained tokens inside {OPEN} {CLOSE}"
     print(f"# {args.source} with the chat template of {args.model}; {legend}")

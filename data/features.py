@@ -57,19 +57,14 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from draftsmith.data.regenerate import (
-    job_parser,
-    PlanMismatch,
-    ShardLedger,
-    atomic_write,
-    config_from_dict,
-    fingerprint,
-    merged_index,
-    rank_items,
-    resolve_rank_device,
-    resolve_rank_world,
-)
+from draftsmith.config import config_from_dict
+from draftsmith.data.chat import render_and_mask
+from draftsmith.data.regenerate import job_parser
+from draftsmith.data.shards import (PlanMismatch, ShardLedger, fingerprint, merged_index, rank_items,
+                                    resolve_rank_device, resolve_rank_world)
 from draftsmith.data.sources import Conversation, load_source
+from draftsmith.fileio import atomic_write
+from draftsmith.models.target import TargetModel, resolve_dtype, vocab_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +196,6 @@ def _model_config(target: Any) -> Any:
 def _tokenise(records: Sequence[Any], items: Sequence[int], tokenizer: Any, max_length: int,
               skip_no_loss: bool) -> tuple[list[dict], dict[str, int]]:
     """[{item, id, input_ids, loss_mask}] for the given item indices, plus skip counts."""
-    from draftsmith.data.chat import render_and_mask
-
     seqs, skipped = [], {}
     for i in items:
         rec = records[i]
@@ -305,9 +298,6 @@ def build_feature_cache(cfg: FeatureCacheConfig, target: Any = None,
     """
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-
-    from draftsmith.models.target import resolve_dtype, vocab_fingerprint
-
     rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
     recs = list(records) if records is not None else load_source(cfg.source, limit=cfg.limit)
     if records is not None and cfg.limit is not None:
@@ -315,8 +305,6 @@ def build_feature_cache(cfg: FeatureCacheConfig, target: Any = None,
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     if target is None:
-        from draftsmith.models.target import TargetModel
-
         target = TargetModel.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype), device=resolve_rank_device(cfg.device))
     model, tokenizer = target.model, target.tokenizer
     mcfg = _model_config(target)
@@ -455,8 +443,6 @@ def load_index(path: str | Path, target: Any = None, *, hidden_layers: Sequence[
                            f"{index['world_size']}); rerun the build command to finish it")
     problems = []
     if target is not None:
-        from draftsmith.models.target import vocab_fingerprint
-
         mcfg = _model_config(target)
         if index["vocab_fingerprint"] != vocab_fingerprint(target.tokenizer):
             problems.append(f"vocab fingerprint differs (cache built with {index['model']!r}, vocab size "

@@ -56,51 +56,21 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from draftsmith.data.sources import Conversation, gsm8k_final_answer, load_source
+from draftsmith.config import config_from_dict
+from draftsmith.data.chat import end_of_turn_candidates, prompt_ids, render_text
+from draftsmith.data.shards import (PlanMismatch, ShardLedger, chunk, fingerprint, merged_index, rank_items,
+                                    resolve_rank_device, resolve_rank_world)
+from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, check_gsm8k, load_regenerated, load_source
+from draftsmith.fileio import atomic_write
+from draftsmith.models.target import TargetModel, resolve_dtype
 
 log = logging.getLogger(__name__)
 
-REGEN_FORMAT = "draftsmith.regenerated/1"
-INDEX_NAME = "index.json"
 
 
 # ---------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
-
-
-def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world_size): explicit values win, else ``RANK``/``WORLD_SIZE`` (torchrun and
-    ``accelerate launch`` set both), else (0, 1)."""
-    world = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
-    r = rank if rank is not None else _env_int("RANK", 0)
-    if world < 1 or not 0 <= r < world:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={r}, world_size={world}")
-    return r, world
-
-
-def resolve_rank_device(device: str | None):
-    """``models.target.resolve_device``, pinned to ``cuda:$LOCAL_RANK`` for multi-process runs."""
-    from draftsmith.models.target import resolve_device
-
-    dev = resolve_device(device)
-    if dev.type == "cuda" and dev.index is None and "LOCAL_RANK" in os.environ:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    return dev
-
-
-def config_from_dict(cls, d: Mapping[str, Any]):
-    """Build a config dataclass, rejecting unknown keys by name."""
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in d if k not in known]
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys: {known}")
-    return cls(**d)
 
 
 @dataclass
@@ -171,190 +141,10 @@ class RegenerateConfig:
 
 
 # ---------------------------------------------------------------------------
-# Sharded, resumable output (shared by data/regenerate.py and data/features.py)
-# ---------------------------------------------------------------------------
-
-
-def rank_items(n_items: int, rank: int, world_size: int) -> list[int]:
-    """Item indices of one rank: ``i % world_size == rank``."""
-    return list(range(rank, n_items, world_size))
-
-
-def chunk(seq: Sequence, size: int) -> list[Sequence]:
-    return [seq[i : i + size] for i in range(0, len(seq), size)]
-
-
-def fingerprint(obj: Any) -> str:
-    """sha256 of a JSON-serialisable object (the data a run was planned on)."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """``write(tmp)`` then fsync + rename to ``path``: readers see the old file or the whole new one.
-
-    The temp name is unique per process, so concurrent writers never share a half-written file.
-    """
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # some writers (safetensors) create files 0600
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> Path:
-    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
-    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
-
-
-@contextlib.contextmanager
-def _dir_lock(directory: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``<dir>/.lock`` (serialises index merges across ranks)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: merges may race, each one is still atomic
-        yield
-        return
-    with open(directory / ".lock", "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-class PlanMismatch(ValueError):
-    """An output directory holds a run planned differently from the one being started."""
-
-
-def _plan_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    keys = sorted(set(old) | set(new))
-    return [f"{k}: {old.get(k)!r} (on disk) != {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
-
-
-class ShardLedger:
-    """The record of one rank's complete shards, plus the merged ``index.json`` of all ranks.
-
-    ``progress_rank<r>.json`` = {"plan", "rank", "world_size", "done", "shards": [entry, ...]};
-    an entry is a dict with at least "file" and "index". The ledger, not the presence of a shard
-    file, says a shard is complete (a file renamed just before a crash is redone).
-    """
-
-    def __init__(self, out_dir: str | Path, rank: int, world_size: int, plan: Mapping[str, Any]):
-        self.dir = Path(out_dir)
-        self.rank, self.world_size = rank, world_size
-        self.plan = {**plan, "world_size": world_size}
-        self.path = self.dir / f"progress_rank{rank}.json"
-        self.shards: dict[int, dict] = {}
-        self.done = False
-        if self.path.exists():
-            state = json.loads(self.path.read_text(encoding="utf-8"))
-            diff = _plan_diff(state["plan"], self.plan)
-            if diff:
-                raise PlanMismatch(
-                    f"{self.dir} holds a run planned differently ({'; '.join(diff)}). Rerun with the "
-                    "same settings to resume, or use a new output directory."
-                )
-            self.shards = {int(e["index"]): e for e in state["shards"]}
-            self.done = bool(state.get("done"))
-
-    def is_complete(self, index: int) -> bool:
-        return index in self.shards and (self.dir / self.shards[index]["file"]).exists()
-
-    def _save(self) -> None:
-        atomic_write_json(self.path, {"plan": self.plan, "rank": self.rank, "world_size": self.world_size,
-                                      "done": self.done,
-                                      "shards": [self.shards[k] for k in sorted(self.shards)]})
-        write_merged_index(self.dir)
-
-    def start(self) -> None:
-        """Write the ledger (so the plan is fixed on disk), drop this rank's temp files left by a
-        killed run, and refresh the index."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(f"shard_{self.rank}_*.tmp"):
-            stale.unlink(missing_ok=True)
-        self._save()
-
-    def commit(self, entry: dict) -> None:
-        """Record a shard whose file is already in place."""
-        self.shards[int(entry["index"])] = entry
-        self._save()
-
-    def finish(self) -> None:
-        self.done = True
-        self._save()
-
-
-def merged_index(out_dir: str | Path) -> dict:
-    """All ranks' ledgers merged: the common plan, every complete shard (sorted by rank, index),
-    and ``complete`` = every rank of the plan's world size has finished."""
-    d = Path(out_dir)
-    ledgers = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(d.glob("progress_rank*.json"))]
-    if not ledgers:
-        if (d / INDEX_NAME).is_file():  # a copy without the ledgers: the index is all there is
-            return json.loads((d / INDEX_NAME).read_text(encoding="utf-8"))
-        raise FileNotFoundError(f"{d}: neither progress_rank*.json ledgers nor {INDEX_NAME} (not a shard directory?)")
-    plan = ledgers[0]["plan"]
-    for led in ledgers[1:]:
-        diff = _plan_diff(plan, led["plan"])
-        if diff:
-            raise PlanMismatch(f"{d}: ranks 0 and {led['rank']} planned differently: {'; '.join(diff)}")
-    world = int(plan["world_size"])
-    done = sorted(int(led["rank"]) for led in ledgers if led.get("done"))
-    shards = [dict(e, rank=int(led["rank"])) for led in ledgers for e in led["shards"]]
-    shards.sort(key=lambda e: (e["rank"], int(e["index"])))
-    return {**plan, "ranks_done": done, "complete": done == list(range(world)), "shards": shards}
-
-
-def write_merged_index(out_dir: str | Path) -> dict:
-    """Merge the ledgers into ``index.json`` (under a directory lock, atomically)."""
-    d = Path(out_dir)
-    with _dir_lock(d):
-        index = merged_index(d)
-        atomic_write_json(d / INDEX_NAME, index)
-    return index
-
-
-# ---------------------------------------------------------------------------
 # Checkers (by Conversation.source)
 # ---------------------------------------------------------------------------
 
 
-def check_gsm8k(conv: Conversation) -> bool | None:
-    """True when the final number of the last assistant reply equals the reference; None when
-    there is no reference to check against."""
-    if conv.reference is None:
-        return None
-    replies = [m["content"] for m in conv.messages if m["role"] == "assistant"]
-    if not replies:
-        return False
-    return gsm8k_final_answer(replies[-1]) == gsm8k_final_answer(conv.reference)
-
-
-# Conversation.source -> checker returning True (right), False (wrong) or None (cannot tell).
-CHECKERS: dict[str, Callable[[Conversation], bool | None]] = {"gsm8k": check_gsm8k}
 
 
 # ---------------------------------------------------------------------------
@@ -388,8 +178,6 @@ def context_chunks(conv: Conversation) -> list[list[dict]]:
 def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
     """EOS ids of the model's generation config and tokenizer, plus the special token that the
     chat template puts after an assistant reply (its end-of-turn token)."""
-    from draftsmith.data.chat import end_of_turn_candidates, render_text
-
     ids: list[int] = []
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
@@ -477,8 +265,6 @@ def replay_batch(
     Returns (conversation or None when dropped, info) per input; info holds "turns",
     "truncated" (a reply hit max_new_tokens) and "reason" when dropped.
     """
-    from draftsmith.data.chat import prompt_ids
-
     plans: list[list[list[dict]]] = []
     info: list[dict] = [{"turns": 0, "truncated": False, "context_cut": False} for _ in convs]
     for i, conv in enumerate(convs):
@@ -596,8 +382,6 @@ def regenerate(
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     if target is None:
-        from draftsmith.models.target import TargetModel, resolve_dtype
-
         target = TargetModel.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype), device=resolve_rank_device(cfg.device))
     backend = make_backend(target.model, target.tokenizer)
     max_prompt = cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else _default_max_prompt(
@@ -653,38 +437,6 @@ def regenerate(
     finally:
         bar.close()
     return result
-
-
-# ---------------------------------------------------------------------------
-# Reading back
-# ---------------------------------------------------------------------------
-
-
-def load_regenerated(path: str | Path, limit: int | None = None, require_complete: bool = False) -> list[Conversation]:
-    """The conversations of a regeneration directory, in source order (across ranks).
-
-    Reads the shards listed in the rank ledgers (temp files and unrecorded shards are ignored).
-    ``require_complete`` raises when some rank has not finished; otherwise a partial run
-    yields what is complete (with a warning).
-    """
-    d = Path(path).expanduser()
-    if not d.is_dir():
-        raise FileNotFoundError(f"regenerated data: {d} is not a directory")
-    index = merged_index(d)
-    if index.get("format") != REGEN_FORMAT:
-        raise ValueError(f"{d}: format {index.get('format')!r} is not {REGEN_FORMAT!r}")
-    if not index["complete"]:
-        msg = (f"{d}: regeneration incomplete (ranks done {index['ranks_done']} of world size "
-               f"{index['world_size']}, {len(index['shards'])} shard(s) complete)")
-        if require_complete:
-            raise RuntimeError(msg + "; rerun the regeneration command to finish it")
-        log.warning("%s; loading the complete shards", msg)
-    convs: list[Conversation] = []
-    for entry in index["shards"]:
-        with open(d / entry["file"], encoding="utf-8") as f:
-            convs += [Conversation.from_dict(json.loads(line)) for line in f if line.strip()]
-    convs.sort(key=lambda c: c.meta["regenerated"]["item"])
-    return convs[:limit] if limit is not None else convs
 
 
 # ---------------------------------------------------------------------------

@@ -39,6 +39,10 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from draftsmith.data.shards import merged_index
+from draftsmith.errors import UserError
+from draftsmith.models.zoo import draftsmith_cache
+
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
@@ -64,8 +68,6 @@ GSM8K_HUB_NAME = "openai/gsm8k"
 
 def gsm8k_dir() -> Path:
     """Where the local GSM8K copy ({split}.jsonl) is looked for (it may not exist)."""
-    from draftsmith.models.zoo import draftsmith_cache
-
     configured = os.environ.get(GSM8K_ENV)
     return Path(configured).expanduser() if configured else draftsmith_cache() / "data" / "gsm8k"
 
@@ -406,8 +408,6 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
     """Read records written by ``save_conversations`` (strict: a bad record raises), or a
     regenerated-data directory written by ``data.regenerate``."""
     if Path(path).expanduser().is_dir():
-        from draftsmith.data.regenerate import load_regenerated
-
         return load_regenerated(path, limit=limit)
     p = _require_file(path, "conversations")
     convs = []
@@ -416,6 +416,40 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
             break
         convs.append(Conversation.from_dict(item))
     return convs
+
+
+REGEN_FORMAT = "draftsmith.regenerated/1"
+
+
+class IncompleteDataError(UserError, RuntimeError):
+    """A data job's output is used before the job has finished."""
+
+
+def load_regenerated(path: str | Path, limit: int | None = None, require_complete: bool = False) -> list[Conversation]:
+    """The conversations of a regeneration directory, in source order (across ranks).
+
+    Reads the shards listed in the rank ledgers (temp files and unrecorded shards are ignored).
+    ``require_complete`` raises when some rank has not finished; otherwise a partial run
+    yields what is complete (with a warning).
+    """
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise FileNotFoundError(f"regenerated data: {d} is not a directory")
+    index = merged_index(d)
+    if index.get("format") != REGEN_FORMAT:
+        raise UserError(f"{d}: format {index.get('format')!r} is not {REGEN_FORMAT!r}")
+    if not index["complete"]:
+        msg = (f"{d}: regeneration incomplete (ranks done {index['ranks_done']} of world size "
+               f"{index['world_size']}, {len(index['shards'])} shard(s) complete)")
+        if require_complete:
+            raise IncompleteDataError(msg + "; rerun the regeneration command to finish it")
+        log.warning("%s; loading the complete shards", msg)
+    convs: list[Conversation] = []
+    for entry in index["shards"]:
+        with open(d / entry["file"], encoding="utf-8") as f:
+            convs += [Conversation.from_dict(json.loads(line)) for line in f if line.strip()]
+    convs.sort(key=lambda c: c.meta["regenerated"]["item"])
+    return convs[:limit] if limit is not None else convs
 
 
 # ---------------------------------------------------------------------------
@@ -626,6 +660,21 @@ def gsm8k_final_answer(text: str) -> str | None:
 def strip_gsm8k_calculator(text: str) -> str:
     """Remove GSM8K calculator annotations: '48/2 = <<48/2=24>>24' -> '48/2 = 24'."""
     return _GSM8K_CALC.sub("", text)
+
+
+def check_gsm8k(conv: Conversation) -> bool | None:
+    """True when the final number of the last assistant reply equals the reference; None when
+    there is no reference to check against."""
+    if conv.reference is None:
+        return None
+    replies = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+    if not replies:
+        return False
+    return gsm8k_final_answer(replies[-1]) == gsm8k_final_answer(conv.reference)
+
+
+# Conversation.source -> checker returning True (right), False (wrong) or None (cannot tell).
+CHECKERS: dict[str, Callable[[Conversation], bool | None]] = {"gsm8k": check_gsm8k}
 
 
 def _gsm8k_record(idx: int, split: str, question: str, answer: str, with_answer: bool) -> Conversation:

@@ -18,7 +18,7 @@ DEBUG_FLAG = "--debug"
 USAGE_EXIT = 2
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A bad request by the user; the message names the bad value and what is valid."""
 
 

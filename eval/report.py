@@ -117,7 +117,8 @@ def log_wandb(results: dict, config, files: list[Path] = ()) -> str:
     """One W&B run per bench run: config, a summary table, per-method metrics, plots as images and
     all files as an artifact. Offline mode when there is no network (an explicit WANDB_MODE wins);
     returns the run directory."""
-    from draftsmith.train.common import flatten_dict, prepare_wandb_env
+    from draftsmith.config import flatten_dict
+    from draftsmith.tracking import prepare_wandb_env
 
     import wandb
 

@@ -32,34 +32,27 @@ family's rotary embedding; block 0 has no input norm (EAGLE: the fused input is 
 in EAGLE. The target's embedding and LM head are referenced (`attach_target`), never registered
 as submodules, so they are neither trained nor saved.
 
-On disk (`save_dgf` / `load_dgf`): `dgf.safetensors` (fusion + blocks, float32), `config.json`
-(DGFConfig), `manifest.json` (format draftsmith.dgf/1: target name, model type, hidden size, vocab
-size and fingerprint, hidden layer ids, fusion, number of blocks). `export_eagle` / `load_eagle`
-write and read EAGLE's checkpoint layout (see their docstrings) for `fusion: linear`.
+On disk: `models.artifacts.save_dgf` / `load_dgf` (dgf.safetensors + config.json + manifest.json);
+EAGLE's checkpoint layout: `models.exports.export_eagle` / `load_eagle` (`fusion: linear`).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+from transformers import AutoConfig, DynamicCache
+from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-from draftsmith.models.target import additive_mask, resolve_device, vocab_fingerprint
+from draftsmith.models.target import additive_mask
 
-MANIFEST_FORMAT = "draftsmith.dgf/1"
-WEIGHTS_FILE = "dgf.safetensors"
-CONFIG_FILE = "config.json"
-MANIFEST_FILE = "manifest.json"
-EAGLE_WEIGHTS_FILE = "model.safetensors"
 FUSIONS = ("linear", "dgf")
 ACTIVATIONS = {"silu": nn.SiLU, "gelu": nn.GELU, "tanh": nn.Tanh, "relu": nn.ReLU, "identity": nn.Identity}
 # Keys of the target's HF config that describe that checkpoint, not a decoder block.
-_DROP_CONFIG_KEYS = ("architectures", "_name_or_path", "auto_map", "transformers_version", "torch_dtype", "dtype",
+DROP_CONFIG_KEYS = ("architectures", "_name_or_path", "auto_map", "transformers_version", "torch_dtype", "dtype",
                      "quantization_config", "_attn_implementation_autoset")
 
 
@@ -88,17 +81,20 @@ class DGFConfig:
     @classmethod
     def for_target(cls, target_config, **kwargs) -> "DGFConfig":
         """A config for a target (its HF `PretrainedConfig`); kwargs set the drafter's own fields."""
-        config = {k: v for k, v in target_config.to_dict().items() if k not in _DROP_CONFIG_KEYS}
+        config = {k: v for k, v in target_config.to_dict().items() if k not in DROP_CONFIG_KEYS}
         return cls(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
                    target_config=config, **kwargs)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def feature_layers(self) -> list[int]:
+        """The target hidden-state layers the drafter reads (output_hidden_states indices)."""
+        return [self.feature_layer]
+
     def block_config(self):
         """The target's HF config trimmed to `num_blocks` layers (what the blocks and cache are built from)."""
-        from transformers import AutoConfig
-
         data = dict(self.target_config)
         model_type = data.pop("model_type")
         data["num_hidden_layers"] = self.num_blocks
@@ -112,8 +108,6 @@ class DGFConfig:
 
 def family_classes(config) -> tuple[type, type]:
     """(DecoderLayer class, RotaryEmbedding class) of a HF config's model family, from transformers."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
     model_type = config.model_type
     base_name = MODEL_MAPPING_NAMES.get(model_type)
     if base_name is None:
@@ -239,165 +233,7 @@ class DGFModel(nn.Module):
         return hidden
 
     def new_cache(self):
-        from transformers import DynamicCache
-
         return DynamicCache()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-# ---------------------------------------------------------------------------------------------
-# Manifest helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def target_manifest(target, name: str, feature_layer: int, dtype: str | None = None) -> dict:
-    """The manifest's `target` block for a TargetModel (what load-time checks compare)."""
-    config = target.config
-    return {"name": name, "model_type": config.model_type, "hidden_size": config.hidden_size,
-            "vocab_size": config.vocab_size, "num_hidden_layers": config.num_hidden_layers,
-            "vocab_fingerprint": vocab_fingerprint(target.tokenizer), "hidden_layer": feature_layer,
-            "hidden_layers": [feature_layer], "dtype": dtype}
-
-
-def read_manifest(path: str | Path) -> dict:
-    from draftsmith.models.medusa import read_manifest as read_any
-
-    return read_any(path, expected_format=MANIFEST_FORMAT)
-
-
-def check_manifest_target(manifest: dict, target, where: str = "DGF checkpoint") -> None:
-    """Refuse a drafter trained for another target (hidden size, vocab size/fingerprint, layers)."""
-    from draftsmith.models.medusa import check_manifest_target as check_any
-
-    check_any(manifest, target, where=where, hidden_layer=manifest["target"].get("hidden_layer"))
-    num_layers = manifest["target"].get("num_hidden_layers")
-    if num_layers is not None and num_layers != target.config.num_hidden_layers:
-        raise ValueError(f"{where} was trained for target {manifest['target'].get('name')!r} with {num_layers} layers "
-                         f"(features of layer {manifest['target'].get('hidden_layer')}); the given target has "
-                         f"{target.config.num_hidden_layers}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Save / load
-# ---------------------------------------------------------------------------------------------
-
-
-def drafter_state(model: DGFModel) -> dict[str, torch.Tensor]:
-    return {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
-
-
-def save_dgf(model: DGFModel, out_dir: str | Path, target_block: dict, extra: dict | None = None) -> Path:
-    """Write weights + config + manifest into `out_dir` (created; files replaced)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(drafter_state(model), str(out / WEIGHTS_FILE), metadata={"format": MANIFEST_FORMAT})
-    (out / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2))
-    manifest = {"format": MANIFEST_FORMAT, "method": "dgf" if model.config.fusion == "dgf" else "eagle",
-                "target": target_block,
-                "drafter": {"file": WEIGHTS_FILE, "config": CONFIG_FILE, "dtype": "float32",
-                            "fusion": model.config.fusion, "num_blocks": model.config.num_blocks,
-                            "parameters": model.num_parameters()},
-                **(extra or {})}
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-    return out
-
-
-def _load_weights(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not file.is_file():
-        raise FileNotFoundError(f"checkpoint is incomplete: {file} is missing")
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{file} is corrupt or truncated ({err})") from err
-
-
-def load_dgf(path: str | Path, target=None, device: str | torch.device | None = None,
-             dtype: torch.dtype = torch.float32) -> tuple[DGFModel, dict]:
-    """(DGFModel, manifest) from a `save_dgf` directory. With `target` (a TargetModel): refuse a
-    manifest for another target, then attach its embedding and LM head and move to its device."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    if target is not None:
-        check_manifest_target(manifest, target, where=f"DGF checkpoint {path}")
-    config_file = path / manifest["drafter"]["config"]
-    if not config_file.is_file():
-        raise FileNotFoundError(f"DGF checkpoint {path} is incomplete: {config_file.name} is missing")
-    config = DGFConfig(**json.loads(config_file.read_text()))
-    model = DGFModel(config)
-    state = _load_weights(path / manifest["drafter"]["file"])
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"{path / manifest['drafter']['file']} does not match {config_file.name}: {err}") from err
-    if target is not None:
-        device = target.device if device is None else device
-        model.attach_target(target.model)
-    return model.to(device=resolve_device(device), dtype=dtype).eval(), manifest
-
-
-# ---------------------------------------------------------------------------------------------
-# EAGLE checkpoint layout
-# ---------------------------------------------------------------------------------------------
-
-
-def export_eagle(model: "DGFModel | DGFDrafter", out_dir: str | Path) -> Path:
-    """Write a `fusion: linear` drafter in EAGLE's checkpoint layout (SafeAILab/EAGLE `cnets.py`).
-
-    config.json: the target family's HF config with num_hidden_layers = M (as EAGLE's configs are),
-    plus `"bias"` (EAGLE reads it for `fc`). model.safetensors: `fc.weight`, `fc.bias`,
-    `layers.{i}.self_attn.{q,k,v,o}_proj.*`, `layers.{i}.mlp.{gate,up,down}_proj.weight`,
-    `layers.{i}.post_attention_layernorm.weight` and, for i > 0, `layers.{i}.input_layernorm.weight`
-    - the names of EAGLE's `Model`. Differences from EAGLE's own files: weights are safetensors
-    (EAGLE-1 ships pytorch_model.bin), float32, and `embed_tokens.weight` is not stored (EAGLE copies
-    it from the base model at load time too); the feature is the target's final normed state,
-    as in EAGLE's code.
-    """
-    from safetensors.torch import save_file
-
-    model = getattr(model, "model", model)  # a DGFDrafter works too
-    if model.config.fusion != "linear":
-        raise ValueError("EAGLE's layout has no gated fusion: only fusion='linear' drafters export to it "
-                         "(save DGF drafters with save_dgf and their manifest)")
-    if model.config.first_block_norm:
-        raise ValueError("EAGLE's layer 0 has no input norm; this drafter has one (first_block_norm=true)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {name.removeprefix("fusion."): t for name, t in drafter_state(model).items()}
-    save_file(state, str(out / EAGLE_WEIGHTS_FILE), metadata={"format": "pt"})
-    config = model.block_config.to_dict()
-    config.update(bias=model.config.fusion_bias, architectures=["LlamaForCausalLM"] if config["model_type"] == "llama"
-                  else config.get("architectures"))
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str))
-    return out
-
-
-def load_eagle(path: str | Path, target_model=None) -> DGFModel:
-    """A `fusion: linear` DGFModel from an EAGLE-layout directory (config.json + model.safetensors)."""
-    path = Path(path)
-    config_file = path / CONFIG_FILE
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no {CONFIG_FILE} (expected an EAGLE checkpoint directory)")
-    hf = json.loads(config_file.read_text())
-    num_blocks = int(hf["num_hidden_layers"])
-    bias = bool(hf.pop("bias", True))
-    target_config = {k: v for k, v in hf.items() if k not in _DROP_CONFIG_KEYS}
-    config = DGFConfig(hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"], target_config=target_config,
-                       num_blocks=num_blocks, fusion="linear", fusion_bias=bias)
-    model = DGFModel(config)
-    state = _load_weights(path / EAGLE_WEIGHTS_FILE)
-    state.pop("embed_tokens.weight", None)  # EAGLE's own files may carry the base model's embedding
-    state = {(f"fusion.{k}" if k.startswith("fc.") else k): v for k, v in state.items()}
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"{path / EAGLE_WEIGHTS_FILE} does not fit its {CONFIG_FILE}: {err}") from err
-    if target_model is not None:
-        model.attach_target(target_model)
-    return model.eval()

@@ -21,7 +21,11 @@ import json
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from draftsmith.errors import UserError
+from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm, parse_tiny_spec
+from draftsmith.models.zoo import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -32,7 +36,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(sorted(_DTYPES))}")
     return _DTYPES[dtype]
 
 
@@ -42,7 +46,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cpu")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise UserError(f"unknown device {device!r}: use cpu, cuda, cuda:<index> or auto") from err
 
 
 def vocab_fingerprint(tokenizer) -> str:
@@ -99,6 +106,22 @@ def commit_kv(cache: DynamicCache, keep: torch.Tensor) -> None:
         layer.values = layer.values.index_select(-2, index)
 
 
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a zoo name / dir / hub id, or the TinyTokenizer of a `tiny:` model."""
+    tiny = parse_tiny_spec(name_or_path)
+    if tiny is not None:
+        return TinyTokenizer(build_tiny_causal_lm(tiny.family, seed=tiny.seed).config.vocab_size)
+    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+
+
+def load_model_config(name_or_path: str):
+    """The HF config of a zoo name / dir / hub id (or of a `tiny:` model) without loading weights."""
+    tiny = parse_tiny_spec(name_or_path)
+    if tiny is not None:
+        return build_tiny_causal_lm(tiny.family, seed=tiny.seed).config
+    return AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # (B, n, V) float32
@@ -118,9 +141,12 @@ class TargetModel:
     def from_pretrained(cls, name_or_path: str, dtype: str | torch.dtype = "float32",
                         device: str | torch.device | None = None, gguf_file: str | None = None,
                         attn_implementation: str = "sdpa") -> "TargetModel":
-        """Load by zoo name, local dir or hub id (and optionally a GGUF file inside that dir)."""
-        from draftsmith.models.zoo import resolve_model_path  # local import: the zoo installs packages lazily
-
+        """Load by zoo name, local dir or hub id (and optionally a GGUF file inside that dir), or build a
+        tiny random model for `tiny:<family>[:<seed>]` (models.tiny)."""
+        tiny = parse_tiny_spec(name_or_path)
+        if tiny is not None:
+            model = build_tiny_causal_lm(tiny.family, seed=tiny.seed, dtype=resolve_dtype(dtype))
+            return cls(model.to(resolve_device(device)), TinyTokenizer(model.config.vocab_size), name=name_or_path)
         path = resolve_model_path(name_or_path)
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)

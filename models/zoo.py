@@ -15,6 +15,7 @@ Cache layout: `$DRAFTSMITH_CACHE/models/<name>/` (default `DRAFTSMITH_CACHE=~/.c
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.metadata
@@ -27,6 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from draftsmith.errors import UserError
 
 MARKER = "draftsmith_zoo.json"
 CACHE_ENV = "DRAFTSMITH_CACHE"
@@ -111,7 +114,7 @@ REGISTRY: dict[str, ZooModel] = {
 }
 
 
-class UnknownModelError(ValueError):
+class UnknownModelError(UserError):
     """A name that is not in the zoo registry."""
 
 
@@ -166,7 +169,19 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(path)
     if path.is_absolute() or name_or_path.startswith(("~", "./", "../")):
         raise FileNotFoundError(f"model directory {name_or_path!r} does not exist (zoo names: {', '.join(REGISTRY)})")
+    close = difflib.get_close_matches(name_or_path, list(REGISTRY), n=1, cutoff=0.75)
+    if close or not _plausible_hub_id(name_or_path):
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"unknown model {name_or_path!r}{hint}: not a zoo name, an existing directory or a hub id "
+                        f"([<org>/]<name>); zoo names: {', '.join(REGISTRY)}")
     return name_or_path
+
+
+def _plausible_hub_id(name: str) -> bool:
+    """`org/name` (or a legacy `name`) in the characters the hub allows."""
+    parts = name.split("/")
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+    return len(parts) <= 2 and all(part and set(part) <= allowed and not part.startswith(".") for part in parts)
 
 
 def fetch(name: str, progress: bool = True, keep_gguf: bool = False) -> Path:

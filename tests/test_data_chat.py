@@ -106,7 +106,7 @@ def smol(request, tmp_path_factory):
 def qwen():
     if not QWEN_ZOO_DIR.is_dir():
         pytest.skip(f"Qwen tokenizer not converted yet ({QWEN_ZOO_DIR} missing; models/zoo.py creates it)")
-    from draftsmith.data.chat import load_tokenizer
+    from draftsmith.models.target import load_tokenizer
 
     return load_tokenizer(str(QWEN_ZOO_DIR))
 

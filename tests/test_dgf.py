@@ -16,7 +16,7 @@ from draftsmith.eval.verify import logits_to_probs
 from draftsmith.models.dgf import (DGFConfig, DGFModel, export_eagle, family_classes, load_dgf, load_eagle, save_dgf,
                         target_manifest)
 from draftsmith.models.target import TargetModel
-from draftsmith.train.common import TinyTokenizer
+from draftsmith.models.tiny import TinyTokenizer
 from draftsmith.train.losses import feature_regression_loss, soft_cross_entropy
 
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from draftsmith.data.features import FeatureDataset, load_index
 from draftsmith.data.regenerate import load_regenerated
 from draftsmith.data.sources import Conversation, save_conversations
-from draftsmith.train.common import MetricsFile, load_config
+from draftsmith.train.runtime import MetricsFile
+from draftsmith.config import load_config
 from draftsmith.train.medusa import MedusaRecipeConfig, main
 
 from launch_utils import ACCELERATE_CONFIGS, REPO, TINY_YAML, accelerate_launch, run, save_tiny_model_dir, summaries
@@ -165,7 +166,7 @@ def test_every_recipe_two_processes_equal_one_process(tmp_path, recipe):
 def test_gather_trainable_state_keeps_only_trainable_weights():
     from accelerate import Accelerator
 
-    from draftsmith.train.common import gather_trainable_state
+    from draftsmith.train.distributed import gather_trainable_state
 
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     module[0].requires_grad_(False)  # "the frozen target"

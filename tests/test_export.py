@@ -14,7 +14,7 @@ from draftsmith.eval import export
 from draftsmith.models.medusa import ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel, vocab_fingerprint
 from draftsmith.scripts.export import main as export_cli
-from draftsmith.train.common import TinyTokenizer
+from draftsmith.models.tiny import TinyTokenizer
 
 
 # -- students --------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ import draftsmith.train.medusa as medusa_recipe
 from draftsmith.data.features import FeatureCacheConfig, build_feature_cache, load_index
 from draftsmith.data.regenerate import RegenerateConfig, regenerate
 from draftsmith.data.sources import Conversation, save_conversations
-from draftsmith.train.common import (CheckpointError, MetricsFile, NonFiniteLossError, check_finite, latest_checkpoint,
-                          list_checkpoints, load_checkpoint, load_config, load_latest_checkpoint, recover_checkpoints,
-                          save_checkpoint)
+from draftsmith.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_latest_checkpoint, recover_checkpoints, save_checkpoint
+from draftsmith.train.runtime import MetricsFile, NonFiniteLossError, check_finite
+from draftsmith.config import load_config
 from draftsmith.train.medusa import MedusaRecipeConfig, main
 
 from launch_utils import REPO, TINY_YAML, kill_when, ledger_shards, run, save_tiny_model_dir
@@ -236,9 +236,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
 def test_manifest_check_names_every_difference():
     from draftsmith.models.medusa import check_manifest_target
     from draftsmith.models.target import vocab_fingerprint
-    from draftsmith.train.common import load_target
+    from draftsmith.models.target import TargetModel
 
-    target = load_target("tiny:llama")
+    target = TargetModel.from_pretrained("tiny:llama")
     good = {"name": "tiny:llama", "hidden_size": 48, "vocab_size": 96, "hidden_layer": -1,
             "vocab_fingerprint": vocab_fingerprint(target.tokenizer)}
     check_manifest_target({"target": good}, target)

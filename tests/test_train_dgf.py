@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.drafters.dgf import load_dgf_drafter
-from draftsmith.train.common import ConfigError, MetricsFile, load_config, load_target
+from draftsmith.config import ConfigError, load_config
+from draftsmith.train.runtime import MetricsFile
+from draftsmith.models.target import TargetModel
 from draftsmith.train.dgf import DGFRecipeConfig, main, pair_targets, unrolled_mask
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                           topk_soft_cross_entropy, unrolled_step_weights)
@@ -71,7 +73,7 @@ def test_unknown_key_and_bad_values_rejected(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_train_resume_and_lossless_decode(tmp_path, family):
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
-    overrides = [f"model.target=tiny:{family}", "loss.input_noise=0.05"]
+    overrides = [f"target=tiny:{family}", "loss.input_noise=0.05"]
     summary = main(tiny_cfg(full_dir, *overrides))
     assert summary["final"] and (full_dir / "final" / "manifest.json").is_file()
     main(tiny_cfg(part_dir, *overrides, "train.stop_after_steps=2"))
@@ -86,7 +88,7 @@ def test_train_resume_and_lossless_decode(tmp_path, family):
     manifest = json.loads((full_dir / "final/manifest.json").read_text())
     assert manifest["target"]["name"] == f"tiny:{family}" and manifest["drafter"]["num_blocks"] == 2
 
-    target = load_target(f"tiny:{family}")
+    target = TargetModel.from_pretrained(f"tiny:{family}")
     drafter = load_dgf_drafter(full_dir / "final", target, depth=4, topk=3, budget=8)
     prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
     result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=20)).generate(prompt)
@@ -97,9 +99,9 @@ def test_train_resume_and_lossless_decode(tmp_path, family):
 
 def test_offline_mode_from_feature_cache(tmp_path):
     from draftsmith.data.features import FeatureCacheConfig, build_feature_cache
-    from draftsmith.train.common import load_records
+    from draftsmith.data.records import load_records
 
-    target = load_target("tiny:llama")
+    target = TargetModel.from_pretrained("tiny:llama")
     records = load_records("synthetic:24:0.3", max_length=20, model=target.model)
     cache = tmp_path / "cache"
     build_feature_cache(FeatureCacheConfig(model="tiny:llama", source=None, output_dir=str(cache), hidden_layers=(-1,),

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.train.common import ConfigError, MetricsFile, build_tiny_causal_lm, load_config, synthetic_records, TinyTokenizer
-from draftsmith.train.distill import DistillRecipeConfig, load_conversation_records, main, read_manifest
+from draftsmith.config import ConfigError, load_config
+from draftsmith.train.runtime import MetricsFile
+from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
+from draftsmith.data.records import load_records, synthetic_records
+from draftsmith.train.distill import DistillRecipeConfig, main, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "train" / "configs" / "distill_tiny.yaml"
@@ -138,9 +141,10 @@ def test_filter_wrong_gsm8k_answers(tmp_path, smol_tokenizer):
                                       {"role": "assistant", "content": f"6 * 7 = {answer}. #### {answer}"}])
 
     path = save_conversations(tmp_path / "c.jsonl", [conv(0, 42), conv(1, 41), conv(2, 42)])
-    records, stats = load_conversation_records(f"conversations:{path}", smol_tokenizer, 128, None, True)
+    stats = {}
+    records = load_records(f"conversations:{path}", smol_tokenizer, 128, None, filter_wrong=True, stats=stats)
     assert len(records) == 2 and stats == {"kept": 2, "wrong_answer": 1}
-    records, stats = load_conversation_records(f"conversations:{path}", smol_tokenizer, 128, None, False)
+    records = load_records(f"conversations:{path}", smol_tokenizer, 128, None, filter_wrong=False)
     assert len(records) == 3
 
 
@@ -165,7 +169,7 @@ def test_smollm2_layer_student_exports_as_draft(tmp_path):
 
     if not is_fetched("smollm2-135m-instruct"):
         pytest.skip("smollm2-135m-instruct not converted")
-    main(tiny_cfg(tmp_path, "model.target=smollm2-135m-instruct", "student.init=layers", "student.layer_stride=2",
+    main(tiny_cfg(tmp_path, "target=smollm2-135m-instruct", "student.init=layers", "student.layer_stride=2",
                   "data.source=gsm8k:train", "data.limit=12", "data.max_length=96", "train.max_steps=2",
                   "train.batch_size=2", "eval.every_steps=0", "optim.lr=1e-4", "export.dtype=float32"))
     target = TargetModel.from_pretrained("smollm2-135m-instruct")

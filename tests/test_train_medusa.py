@@ -16,10 +16,13 @@ import torch
 
 from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.models.target import TargetModel
-from draftsmith.train.common import (CheckpointError, ConfigError, MetricsFile, TinyTokenizer, batch_indices,
-                          build_tiny_causal_lm, latest_checkpoint, list_checkpoints, load_checkpoint, load_config,
-                          load_records, load_target, read_records, rng_state, save_checkpoint, set_rng_state, split_heldout,
-                          write_records)
+from draftsmith.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from draftsmith.config import ConfigError, load_config
+from draftsmith.train.runtime import MetricsFile
+from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
+from draftsmith.data.records import batch_indices, load_records, read_records, split_heldout, write_records
+from draftsmith.models.target import TargetModel
+from draftsmith.train.rng import rng_state, set_rng_state
 from draftsmith.eval.drafters.medusa import load_medusa_drafter
 from draftsmith.train.medusa import MedusaRecipeConfig, cli, main
 
@@ -159,10 +162,10 @@ def test_batch_order_is_a_function_of_samples_seen():
 def test_tiny_target_is_deterministic():
     a, b = build_tiny_causal_lm("qwen2"), build_tiny_causal_lm("qwen2")
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-    target = load_target("tiny:llama")
+    target = TargetModel.from_pretrained("tiny:llama")
     assert target.config.hidden_size == 48 and len(target.tokenizer.get_vocab()) == 96
     with pytest.raises(ValueError, match="unknown tiny model family"):
-        load_target("tiny:gpt9")
+        TargetModel.from_pretrained("tiny:gpt9")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +206,7 @@ def test_frozen_lm_heads_train_resblocks_only_and_resume(tmp_path):
 
     full = load_file(str(tmp_path / "full" / "final" / "medusa_heads.safetensors"))
     cut = load_file(str(tmp_path / "cut" / "final" / "medusa_heads.safetensors"))
-    lm_head = load_target("tiny:llama").model.get_output_embeddings().weight
+    lm_head = TargetModel.from_pretrained("tiny:llama").model.get_output_embeddings().weight
     for name, tensor in full.items():
         assert torch.allclose(tensor, cut[name], atol=1e-6), name
         if name.endswith(".1.weight"):  # medusa_head.{k}.{num_layers=1}.weight: the LM head
@@ -229,7 +232,7 @@ def test_medusa1_outputs_and_drafter(tmp_path):
     assert {p.name for p in final.iterdir()} >= {"medusa_heads.safetensors", "config.json", "manifest.json",
                                                 "head_accuracy.json", "train_config.yaml"}
     manifest = json.loads((final / "manifest.json").read_text())
-    target = load_target("tiny:llama")
+    target = TargetModel.from_pretrained("tiny:llama")
     from draftsmith.models.target import vocab_fingerprint
 
     assert manifest["method"] == "medusa-1" and manifest["target_adapter"] is None
@@ -281,7 +284,7 @@ def test_medusa2_smoke(tmp_path):
     assert logged[0]["train/lora_lr"] == 0.0 and logged[-1]["train/lora_lr"] > 0  # heads-only warm-up
     assert all("train/lm_loss" in r for r in logged)
 
-    target = load_target("tiny:llama")
+    target = TargetModel.from_pretrained("tiny:llama")
     with pytest.raises(ValueError, match="target_adapter='merge'"):
         load_medusa_drafter(tmp_path / "final", target)
     drafter = load_medusa_drafter(tmp_path / "final", target, target_adapter="merge")
@@ -311,7 +314,7 @@ def test_records_source_and_wandb_offline(tmp_path, monkeypatch):
 
 def test_cli_rejects_unknown_key(tmp_path):
     with pytest.raises(ConfigError, match="train.max_stepz"):
-        cli(["--config", str(TINY_YAML), f"output_dir={tmp_path}", "train.max_stepz=1"])
+        cli(["--config", str(TINY_YAML), f"output_dir={tmp_path}", "train.max_stepz=1", "--debug"])
 
 
 def test_script_runs_as_plain_python(tmp_path):

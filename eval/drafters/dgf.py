@@ -29,7 +29,8 @@ import torch
 
 from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
 from draftsmith.eval.tree import DraftTree, select_top_nodes, subtree
-from draftsmith.models.dgf import DGFModel, load_dgf
+from draftsmith.models.artifacts import load_dgf
+from draftsmith.models.dgf import DGFModel
 from draftsmith.models.target import crop_cache
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
-from draftsmith.eval.tree import DraftTree, tree_from_paths
 from pathlib import Path
 from typing import Literal
 
-from draftsmith.models.medusa import ACCURACY_FILE, MedusaHeads, check_manifest_target, load_medusa_heads, read_manifest
+from peft import PeftModel
+
+from draftsmith.eval.arca import arca_paths, load_rank_accuracy
+from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
+from draftsmith.eval.tree import DraftTree, tree_from_paths
+from draftsmith.models.artifacts import ACCURACY_FILE, ArtifactError, load_medusa_heads
+from draftsmith.models.medusa import MedusaHeads
 
 # A small default tree for CPU budgets: 2-3 candidates near the root, deeper along the top path.
 DEFAULT_MEDUSA_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
@@ -74,28 +78,22 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
     were trained on the LoRA-adapted target: `target_adapter="merge"` merges the saved adapter into
     `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises.
     """
-    from draftsmith.eval.arca import arca_paths, load_rank_accuracy
-
     path = Path(path)
-    manifest = read_manifest(path)
-    check_manifest_target(manifest, target, where=f"Medusa checkpoint {path}")
-    heads, manifest = load_medusa_heads(path, device=target.device)
+    heads, manifest = load_medusa_heads(path, device=target.device, target=target)
     adapter = manifest.get("target_adapter")
     if adapter:
         if target_adapter == "refuse":
-            raise ValueError(f"Medusa checkpoint {path} was trained jointly with a LoRA adapter on the target "
+            raise ArtifactError(f"Medusa checkpoint {path} was trained jointly with a LoRA adapter on the target "
                              f"({path / adapter}); pass target_adapter='merge' to decode with the adapted target, "
                              "or 'ignore' to use the base target (lower acceptance)")
         if target_adapter == "merge":
-            from peft import PeftModel
-
             target.model = PeftModel.from_pretrained(target.model, str(path / adapter)).merge_and_unload().eval()
     if paths is None:
         accuracy_file = path / ACCURACY_FILE
         if accuracy_file.is_file():
             paths = arca_paths(load_rank_accuracy(accuracy_file), width or len(DEFAULT_MEDUSA_PATHS))
         elif width is not None:
-            raise FileNotFoundError(f"{accuracy_file} is missing: pass explicit paths")
+            raise ArtifactError(f"{accuracy_file} is missing: pass explicit paths")
         else:
             paths = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
     return MedusaDrafter(heads, paths, name=name or f"medusa:{path}")

@@ -10,9 +10,9 @@
            head's LM head) - the file FasterDecoding's training script writes and TGI / TensorRT-LLM
            read; inside FasterDecoding's MedusaModel the same tensors are `medusa_head.{k}.{j}...`
            (the loader here accepts both spellings).
-  dgf      a train/dgf.py `final/` -> EAGLE's checkpoint layout (models.dgf.export_eagle:
-           config.json + model.safetensors) when fusion=linear, else a copy in draftsmith's own DGF
-           layout (models.dgf.save_dgf: weights + config + manifest).
+  dgf      a train/dgf.py `final/` -> EAGLE's checkpoint layout (`export_eagle`: config.json +
+           model.safetensors) when fusion=linear, else a copy in draftsmith's own DGF layout
+           (models.artifacts.save_dgf: weights + config + manifest).
 
 Every export is written to `<out>.tmp`, reloaded from disk and checked for parity (the same logits
 on a fixed seeded input as the source, within `tolerance`), and only then renamed to `<out>`, with
@@ -28,8 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftsmith.errors import UserError
+from draftsmith.models.artifacts import (ACCURACY_FILE, CONFIG_FILE, float_state, load_dgf, load_medusa_heads,
+                                         load_state, load_weights, manifest_layers, read_json, read_student_manifest,
+                                         save_dgf)
+from draftsmith.models.dgf import DROP_CONFIG_KEYS, DGFConfig, DGFModel
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
 
 EXPORT_MANIFEST = "export_manifest.json"
+EAGLE_WEIGHTS = "model.safetensors"
 EXPORT_FORMAT = "draftsmith.export/1"
 MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_FD_CONFIG = "config.json"
@@ -47,7 +59,11 @@ class ExportResult:
         return self.manifest["parity"]["max_abs_diff"]
 
 
-class ParityError(RuntimeError):
+class ExportExistsError(UserError, FileExistsError):
+    """The export directory exists and is not empty (an export never replaces another)."""
+
+
+class ParityError(UserError):
     """The reloaded export does not reproduce the source's logits."""
 
 
@@ -58,7 +74,7 @@ class ParityError(RuntimeError):
 
 def _fresh_tmp(out_dir: Path) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty: choose a new output directory or remove it")
+        raise ExportExistsError(f"{out_dir} exists and is not empty: choose a new output directory or remove it")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -92,9 +108,9 @@ def read_export_manifest(path: str | Path) -> dict:
     try:
         manifest = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is corrupt ({err})") from err
+        raise UserError(f"{file} is corrupt ({err})") from err
     if manifest.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{file}: format {manifest.get('format')!r} is not {EXPORT_FORMAT!r}")
+        raise UserError(f"{file}: format {manifest.get('format')!r} is not {EXPORT_FORMAT!r}")
     return manifest
 
 
@@ -108,40 +124,19 @@ def _parity_ids(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, PARITY_TOKENS), generator=generator)
 
 
-def _load_weights(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not file.is_file():
-        raise FileNotFoundError(f"{file.parent} is incomplete: {file.name} is missing")
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{file} is corrupt or truncated ({err})") from err
-
-
 # ---------------------------------------------------------------------------------------------
 # Distilled students (plain HF format)
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_json(file: Path, what: str) -> dict:
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} ({what}) is corrupt ({err})") from err
-
-
 def _load_hf_model(path: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     except OSError as err:
         raise FileNotFoundError(f"{path} is not a loadable HF causal LM directory ({err})") from err
     except Exception as err:  # safetensors header errors etc. surface as various types
         if "safetensors" in repr(err).lower() or "header" in str(err).lower() or "deserializ" in str(err).lower():
-            raise ValueError(f"{path}: weights are corrupt or truncated ({err})") from err
+            raise UserError(f"{path}: weights are corrupt or truncated ({err})") from err
         raise
 
 
@@ -151,35 +146,26 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
     train/distill.py `final/` (its manifest names the target). `target`: a TargetModel (or zoo name /
     dir) for the tokenizer check and the `generate(assistant_model=...)` check (greedy output of the
     target with the reloaded student as assistant == without it)."""
-    from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, vocab_fingerprint
-    from draftsmith.models.zoo import resolve_model_path
-
     source_path = Path(resolve_model_path(str(source))) if not Path(source).exists() else Path(source)
     if not (source_path / "config.json").is_file():
         raise FileNotFoundError(f"{source_path} has no config.json: expected a HF model directory or a "
                                 "train/distill.py final/ directory")
-    distilled = None
-    if (source_path / "manifest.json").is_file():
-        distilled = _read_json(source_path / "manifest.json", "distillation manifest")
-        if distilled.get("format") != "draftsmith.distilled/1":
-            distilled = None  # another project's manifest: not ours to interpret
+    distilled = read_student_manifest(source_path)  # None: a plain HF directory (or another project's manifest)
     if isinstance(target, (str, Path)):
         target = TargetModel.from_pretrained(str(target), dtype=dtype)
     torch_dtype = resolve_dtype(dtype)
     model = _load_hf_model(str(source_path), torch_dtype)
     tokenizer = None
     if (source_path / "tokenizer_config.json").is_file() or (source_path / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(str(source_path))
     elif target is not None:
         tokenizer = target.tokenizer
     if tokenizer is None:
-        raise ValueError(f"{source_path} has no tokenizer: pass --target (the student uses the target's tokenizer)")
+        raise UserError(f"{source_path} has no tokenizer: pass --target (the student uses the target's tokenizer)")
     if target is not None:
         check_same_tokenizer(target.tokenizer, tokenizer, what=f"student {source_path}")
     if distilled and distilled["target"].get("vocab_fingerprint") not in (None, vocab_fingerprint(tokenizer)):
-        raise ValueError(f"{source_path}: the tokenizer does not match the vocab fingerprint in its manifest")
+        raise UserError(f"{source_path}: the tokenizer does not match the vocab fingerprint in its manifest")
 
     out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
@@ -222,22 +208,20 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
 
 def load_fasterdecoding_medusa(path: str | Path):
     """MedusaHeads (float32) from a FasterDecoding-layout directory (config.json + medusa_lm_head.safetensors)."""
-    from draftsmith.models.medusa import MedusaConfig, MedusaHeads
-
     path = Path(path)
     config_file = path / MEDUSA_FD_CONFIG
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no {MEDUSA_FD_CONFIG} (expected a FasterDecoding Medusa directory)")
-    config = _read_json(config_file, "Medusa config")
+    config = read_json(config_file, "Medusa config")
     missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in config]
     if missing:
-        raise ValueError(f"{config_file} lacks {missing}: not a FasterDecoding Medusa config")
-    state = _load_weights(path / MEDUSA_FD_WEIGHTS)
+        raise UserError(f"{config_file} lacks {missing}: not a FasterDecoding Medusa config")
+    state = load_weights(path / MEDUSA_FD_WEIGHTS)
     state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
     num_heads, num_layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
     head_key = f"0.{num_layers}.weight"
     if head_key not in state:
-        raise ValueError(f"{path / MEDUSA_FD_WEIGHTS} has no {head_key!r}: it does not fit {MEDUSA_FD_CONFIG} "
+        raise UserError(f"{path / MEDUSA_FD_WEIGHTS} has no {head_key!r}: it does not fit {MEDUSA_FD_CONFIG} "
                          f"(medusa_num_layers={num_layers})")
     vocab_size, hidden_size = state[head_key].shape
     heads = MedusaHeads(MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads,
@@ -245,22 +229,19 @@ def load_fasterdecoding_medusa(path: str | Path):
     try:
         heads.medusa_head.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        raise ValueError(f"{path / MEDUSA_FD_WEIGHTS} does not fit {MEDUSA_FD_CONFIG}: {err}") from err
+        raise UserError(f"{path / MEDUSA_FD_WEIGHTS} does not fit {MEDUSA_FD_CONFIG}: {err}") from err
     return heads.eval(), config
 
 
 def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
-                  tolerance: float = 0.0) -> ExportResult:
+                  tolerance: float = 0.0, tree: list[list[int]] | None = None) -> ExportResult:
     """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
-    to write (default: the target name in the manifest)."""
-    from safetensors.torch import save_file
-
-    from draftsmith.models.medusa import ACCURACY_FILE, load_medusa_heads
-
+    to write (default: the target name in the manifest). `tree`: the Medusa choices to record
+    (scripts/export.py builds them from the saved head accuracies with eval.arca)."""
     source = Path(source)
     heads, source_manifest = load_medusa_heads(source)
     if source_manifest.get("target_adapter"):
-        raise ValueError(f"{source} holds Medusa-2 heads trained with a LoRA adapter on the target; the FasterDecoding "
+        raise UserError(f"{source} holds Medusa-2 heads trained with a LoRA adapter on the target; the FasterDecoding "
                          "head file cannot carry it: merge the adapter into the base model and export that model too")
     config = heads.config
     out_dir = Path(out_dir)
@@ -272,13 +253,8 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
                  "base_model_name_or_path": base_model or target.get("name"),
                  "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
     (tmp / MEDUSA_FD_CONFIG).write_text(json.dumps(fd_config, indent=2))
-    tree = None
     if (source / ACCURACY_FILE).is_file():
-        from draftsmith.eval.arca import arca_paths, load_rank_accuracy
-        from draftsmith.eval.drafters.medusa import DEFAULT_MEDUSA_PATHS
-
         shutil.copy(source / ACCURACY_FILE, tmp / ACCURACY_FILE)
-        tree = {"medusa_choices": arca_paths(load_rank_accuracy(source / ACCURACY_FILE), len(DEFAULT_MEDUSA_PATHS))}
 
     reloaded, _ = load_fasterdecoding_medusa(tmp)
     generator = torch.Generator().manual_seed(PARITY_SEED)
@@ -287,8 +263,9 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
         reference_logits, reloaded_logits = heads(hidden), reloaded(hidden)
     block = {key: target.get(key) for key in ("name", "model_type", "hidden_size", "vocab_size", "num_hidden_layers",
                                               "vocab_fingerprint")}
-    block["hidden_layers"] = [target.get("hidden_layer", -1)]
-    manifest = _base_manifest("medusa", "fasterdecoding-medusa", source, block, None, tree)
+    block["hidden_layers"] = manifest_layers(target) or [-1]
+    manifest = _base_manifest("medusa", "fasterdecoding-medusa", source, block, None,
+                              {"medusa_choices": tree} if tree else None)
     manifest["medusa"] = {"method": source_manifest.get("method"), **config.to_dict()}
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"Medusa heads {source}")
 
@@ -305,27 +282,21 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     target's embedding and LM head when `target` (TargetModel, or zoo name / dir) is given, else
     through a seeded stand-in embedding/head of the same shape (the drafter's own weights are what
     the export carries)."""
-    from draftsmith.models import dgf
-
     source = Path(source)
     if isinstance(target, (str, Path)):
-        from draftsmith.models.target import TargetModel
-
         target = TargetModel.from_pretrained(str(target))
-    model, source_manifest = dgf.load_dgf(source, target=target)
+    model, source_manifest = load_dgf(source, target=target)
     config = model.config
     eagle_ok = config.fusion == "linear" and not config.first_block_norm
     if layout == "auto":
         layout = "eagle" if eagle_ok else "dgf"
     if layout not in ("eagle", "dgf"):
-        raise ValueError(f"layout must be auto, eagle or dgf, got {layout!r}")
+        raise UserError(f"layout must be auto, eagle or dgf, got {layout!r}")
     if layout == "eagle" and not eagle_ok:
-        raise ValueError(f"{source}: fusion={config.fusion!r}, first_block_norm={config.first_block_norm}: EAGLE's "
+        raise UserError(f"{source}: fusion={config.fusion!r}, first_block_norm={config.first_block_norm}: EAGLE's "
                          "layout holds only linear fusion without a block-0 input norm; use layout='dgf'")
     stand_in = None
     if target is None:
-        from torch import nn
-
         torch.manual_seed(PARITY_SEED)
         stand_in = nn.Module()
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -335,12 +306,12 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
     if layout == "eagle":
-        dgf.export_eagle(model, tmp)
-        reloaded = dgf.load_eagle(tmp, target_model=target.model if target is not None else stand_in)
+        export_eagle(model, tmp)
+        reloaded = load_eagle(tmp, target_model=target.model if target is not None else stand_in)
     else:
-        dgf.save_dgf(model, tmp, source_manifest["target"],
-                     extra={k: v for k, v in source_manifest.items() if k not in ("format", "method", "target", "drafter")})
-        reloaded, _ = dgf.load_dgf(tmp)
+        save_dgf(model, tmp, source_manifest["target"],
+                 **{k: v for k, v in source_manifest.items() if k not in ("format", "method", "target", "drafter")})
+        reloaded, _ = load_dgf(tmp)
         reloaded.attach_target(target.model if target is not None else stand_in)
     reloaded = reloaded.to(device=model.device, dtype=model.dtype)
     generator = torch.Generator().manual_seed(PARITY_SEED)
@@ -352,7 +323,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     want = source_manifest["target"]
     block = {key: want.get(key) for key in ("name", "model_type", "hidden_size", "vocab_size", "num_hidden_layers",
                                             "vocab_fingerprint")}
-    block["hidden_layers"] = want.get("hidden_layers") or [want.get("hidden_layer", config.feature_layer)]
+    block["hidden_layers"] = manifest_layers(want) or config.feature_layers
     manifest = _base_manifest("dgf" if config.fusion == "dgf" else "eagle", "eagle" if layout == "eagle" else
                               "draftsmith.dgf", source, block, config.fusion,
                               tree or source_manifest.get("tree") or {"depth": 7, "topk": 10, "g": 16})
@@ -360,3 +331,62 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
                            "parameters": model.num_parameters()}
     manifest["parity"]["embedding_and_head"] = "target" if target is not None else f"seeded stand-in ({PARITY_SEED})"
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"DGF drafter {source}")
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE checkpoint layout
+# ---------------------------------------------------------------------------------------------
+
+
+def export_eagle(model: "DGFModel | DGFDrafter", out_dir: str | Path) -> Path:
+    """Write a `fusion: linear` drafter in EAGLE's checkpoint layout (SafeAILab/EAGLE `cnets.py`).
+
+    config.json: the target family's HF config with num_hidden_layers = M (as EAGLE's configs are),
+    plus `"bias"` (EAGLE reads it for `fc`). model.safetensors: `fc.weight`, `fc.bias`,
+    `layers.{i}.self_attn.{q,k,v,o}_proj.*`, `layers.{i}.mlp.{gate,up,down}_proj.weight`,
+    `layers.{i}.post_attention_layernorm.weight` and, for i > 0, `layers.{i}.input_layernorm.weight`
+    - the names of EAGLE's `Model`. Differences from EAGLE's own files: weights are safetensors
+    (EAGLE-1 ships pytorch_model.bin), float32, and `embed_tokens.weight` is not stored (EAGLE copies
+    it from the base model at load time too); the feature is the target's final normed state,
+    as in EAGLE's code.
+    """
+    model = getattr(model, "model", model)  # a DGFDrafter works too
+    if model.config.fusion != "linear":
+        raise UserError("EAGLE's layout has no gated fusion: only fusion='linear' drafters export to it "
+                         "(save DGF drafters with save_dgf and their manifest)")
+    if model.config.first_block_norm:
+        raise UserError("EAGLE's layer 0 has no input norm; this drafter has one (first_block_norm=true)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {name.removeprefix("fusion."): t for name, t in float_state(model).items()}
+    save_file(state, str(out / EAGLE_WEIGHTS), metadata={"format": "pt"})
+    config = model.block_config.to_dict()
+    config.update(bias=model.config.fusion_bias, architectures=["LlamaForCausalLM"] if config["model_type"] == "llama"
+                  else config.get("architectures"))
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str))
+    return out
+
+
+def load_eagle(path: str | Path, target_model=None) -> DGFModel:
+    """A `fusion: linear` DGFModel from an EAGLE-layout directory (config.json + model.safetensors)."""
+    path = Path(path)
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no {CONFIG_FILE} (expected an EAGLE checkpoint directory)")
+    hf = json.loads(config_file.read_text())
+    num_blocks = int(hf["num_hidden_layers"])
+    bias = bool(hf.pop("bias", True))
+    target_config = {k: v for k, v in hf.items() if k not in DROP_CONFIG_KEYS}
+    config = DGFConfig(hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"], target_config=target_config,
+                       num_blocks=num_blocks, fusion="linear", fusion_bias=bias)
+    model = DGFModel(config)
+    state = load_weights(path / EAGLE_WEIGHTS)
+    state.pop("embed_tokens.weight", None)  # EAGLE's own files may carry the base model's embedding
+    state = {(f"fusion.{k}" if k.startswith("fc.") else k): v for k, v in state.items()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise UserError(f"{path / EAGLE_WEIGHTS} does not fit its {CONFIG_FILE}: {err}") from err
+    if target_model is not None:
+        model.attach_target(target_model)
+    return model.eval()

@@ -1,0 +1,194 @@
+"""Training records: pre-tokenised sequences with a loss mask, a held-out split and a resumable batch order.
+
+A record is {"input_ids": [...], "loss_mask": [...]} (1 = a trained token). `load_records(spec)`
+turns a spec into records:
+
+    records:/path.jsonl    pre-tokenised records (no tokenizer needed)
+    synthetic:<n>[:<t>]    n sequences sampled from the target itself at temperature t (tiny smoke runs)
+    <data.sources spec>    conversations rendered with the target's chat template, assistant-only mask
+    a + b + ...            a mixture: the records of each spec, concatenated in order
+
+The batch order is addressed by `samples_seen` alone (`batch_indices`), so a resumed run draws
+exactly the batches an uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.chat import render_and_mask
+from draftsmith.data.sources import CHECKERS, load_source
+from draftsmith.errors import UserError
+
+log = logging.getLogger(__name__)
+
+RECORDS_PREFIX = "records:"
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """JSONL of {"input_ids": [...], "loss_mask": [...]} (loss_mask optional: all ones)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"records file not found: {path}")
+    records = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{line_no}: not valid JSON ({err})") from err
+            ids = row.get("input_ids")
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise UserError(f"{path}:{line_no}: 'input_ids' must be a list of ints")
+            mask = row.get("loss_mask", [1] * len(ids))
+            if len(mask) != len(ids):
+                raise UserError(f"{path}:{line_no}: 'loss_mask' has {len(mask)} entries, 'input_ids' {len(ids)}")
+            records.append({"input_ids": ids, "loss_mask": [int(m) for m in mask]})
+    return records
+
+
+def write_records(path: str | Path, records: Sequence[dict]) -> None:
+    with Path(path).open("w") as f:
+        for rec in records:
+            f.write(json.dumps({"input_ids": list(rec["input_ids"]), "loss_mask": list(rec["loss_mask"])}) + "\n")
+
+
+@torch.no_grad()
+def synthetic_records(model, count: int, length: int, seed: int = 0, prompt_length: int = 4,
+                      temperature: float = 1.0) -> list[dict]:
+    """`count` sequences sampled from `model` itself after a random prompt (loss on the samples).
+
+    Self-distilled data for smoke runs on tiny targets: heads can learn what the target predicts.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (count, prompt_length), generator=generator)
+    for _ in range(length - prompt_length):
+        logits = model(input_ids=ids.to(device)).logits[:, -1].float().cpu()  # (count, V)
+        probs = torch.softmax(logits / temperature, dim=-1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    mask = [0] * prompt_length + [1] * (length - prompt_length)
+    return [{"input_ids": row, "loss_mask": list(mask)} for row in ids.tolist()]
+
+
+def load_records(spec: str, tokenizer=None, max_length: int | None = None, limit: int | None = None,
+                 model=None, seed: int = 0, filter_wrong: bool = False, stats: dict | None = None) -> list[dict]:
+    """Training records from a spec.
+
+    `records:/path.jsonl`  pre-tokenised records (no tokenizer needed)
+    `synthetic:<n>[:<t>]`  n sequences of `max_length` tokens sampled from `model` at temperature t
+                           (default 1; tiny smoke runs)
+    anything else          `data.sources.load_source(spec)` conversations rendered with the target's
+                           chat template and assistant-only loss mask (`data.chat.render_and_mask`)
+    `a + b + ...`          a mixture: the records of each spec, concatenated in order (`limit`
+                           applies to each part; the recipes shuffle)
+    Records without any trainable token are dropped; with `filter_wrong`, conversations that a
+    checker of data.sources.CHECKERS marks wrong (GSM8K: final number != reference) are dropped too.
+    `stats` (a dict) receives the counts: kept, wrong_answer.
+    """
+    stats = {} if stats is None else stats
+    if " + " in spec:
+        parts = [part.strip() for part in spec.split(" + ")]
+        return [record for part in parts
+                for record in load_records(part, tokenizer, max_length, limit, model, seed, filter_wrong, stats)]
+    if spec.startswith(RECORDS_PREFIX):
+        records = read_records(spec[len(RECORDS_PREFIX):])
+        if limit is not None:
+            records = records[:limit]
+        if max_length is not None:
+            records = [{k: v[:max_length] for k, v in r.items()} for r in records]
+    elif spec.startswith(SYNTHETIC_PREFIX):
+        if model is None or max_length is None:
+            raise UserError(f"{spec!r} needs the target model and data.max_length")
+        count, _, temperature = spec[len(SYNTHETIC_PREFIX):].partition(":")
+        try:
+            count, temperature = int(count), float(temperature or 1.0)
+        except ValueError:
+            raise UserError(f"bad synthetic source {spec!r}: expected synthetic:<count>[:<temperature>]") from None
+        records = synthetic_records(model, count if limit is None else min(count, limit), max_length, seed=seed,
+                                    temperature=temperature)
+    else:
+        if tokenizer is None:
+            raise UserError(f"source {spec!r} needs the target's tokenizer")
+        records = []
+        for conv in load_source(spec, limit=limit):
+            if not conv.has_response:
+                continue
+            check = CHECKERS.get(conv.source) if filter_wrong else None
+            if check is not None and check(conv) is False:
+                stats["wrong_answer"] = stats.get("wrong_answer", 0) + 1
+                continue
+            records.append(render_and_mask(tokenizer, conv.messages, max_length=max_length))
+    kept = [r for r in records if sum(r["loss_mask"]) > 0]
+    if len(kept) < len(records):
+        log.info("dropped %d records without trainable tokens", len(records) - len(kept))
+    if not kept:
+        raise UserError(f"data source {spec!r} gave no record with trainable tokens"
+                        + (f" (after filtering: {stats})" if stats else ""))
+    stats["kept"] = stats.get("kept", 0) + len(kept)
+    return kept
+
+
+def spec_needs_model(spec: str) -> bool:
+    """True when a records spec samples from the target itself (`synthetic:` in any part of a mixture)."""
+    return any(part.strip().startswith(SYNTHETIC_PREFIX) for part in spec.split(" + "))
+
+
+def split_heldout(records: Sequence[dict], fraction: float, seed: int,
+                  max_heldout: int | None = None) -> tuple[list[dict], list[dict]]:
+    """Deterministic (train, held-out) split: a seeded permutation, the first part held out."""
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = int(round(fraction * len(records))) if fraction > 0 else 0
+    if fraction > 0:
+        n_held = max(1, n_held)
+    if max_heldout is not None:
+        n_held = min(n_held, max_heldout)
+    if n_held >= len(records):
+        raise UserError(f"held-out split of {n_held} leaves no training records (of {len(records)})")
+    held = [records[i] for i in order[:n_held]]
+    train = [records[i] for i in order[n_held:]]
+    return train, held
+
+
+def epoch_order(num_records: int, seed: int, epoch: int) -> list[int]:
+    """The shuffled record order of one epoch (a pure function of seed and epoch)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_records, generator=generator).tolist()
+
+
+def batch_indices(num_records: int, samples_seen: int, count: int, seed: int) -> list[int]:
+    """The next `count` record indices after `samples_seen` draws, crossing epochs as needed.
+
+    The whole data position is `samples_seen`: resuming from it replays the same stream.
+    """
+    out: list[int] = []
+    cache: dict[int, list[int]] = {}
+    for pos in range(samples_seen, samples_seen + count):
+        epoch, offset = divmod(pos, num_records)
+        if epoch not in cache:
+            cache[epoch] = epoch_order(num_records, seed, epoch)
+        out.append(cache[epoch][offset])
+    return out
+
+
+def collate(records: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest record: input_ids, attention_mask, loss_mask (B, T)."""
+    length = max(len(r["input_ids"]) for r in records)
+    ids = torch.full((len(records), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(records), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(records), length), dtype=torch.long)
+    for i, r in enumerate(records):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.tensor(r["input_ids"], dtype=torch.long)
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(r["loss_mask"], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}

@@ -1,0 +1,376 @@
+"""Typed configuration for every command: YAML + dotted `key=value` overrides -> nested dataclasses.
+
+One system for recipes, data jobs, the benchmark and the profiler:
+
+    python -m draftsmith.eval.bench --config bench.yaml target=qwen2.5-coder-1.5b-instruct num_prompts=8
+    python train/medusa.py --config train/configs/medusa_tiny.yaml train.max_steps=10 --print-config
+
+- A config is a dataclass tree; each field is declared once with `option(default, help, bounds)`.
+  Unknown keys are rejected with the valid keys listed (and a "did you mean"), values are checked
+  against the annotation (`depth: expected an integer, got 'abc'`) and against the declared bounds
+  (`optim.lr: must be > 0, got -0.01`), all before any work starts.
+- Values in overrides are YAML scalars (`train.max_steps=10`, `optim.lr=1e-3`, `wandb=true`); a
+  list field also takes a space-separated string (`methods="plain ngram lm-chain:budget=4"`).
+- `--help` lists every key with its type, default and meaning; `--print-config` prints the resolved
+  config as YAML and exits.
+- Types that parse themselves (method specs in `eval.methods`) subclass `Parsable`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from draftsmith.errors import UserError
+
+T = TypeVar("T")
+MISSING = dataclasses.MISSING
+
+
+class ConfigError(UserError):
+    """A config value or key is invalid; the message names the key path."""
+
+
+class ConfigFileNotFound(ConfigError, FileNotFoundError):
+    """The --config file does not exist."""
+
+
+class Parsable:
+    """A config value type that builds itself from a raw (YAML) value: `from_config(value, path)`."""
+
+    @classmethod
+    def from_config(cls, value: Any, path: str) -> "Parsable":
+        raise NotImplementedError
+
+
+def option(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+           ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None) -> Any:
+    """A dataclass field with its meaning (`help`, shown by --help) and bounds checked at load time.
+
+    Bounds apply to numbers (each item of a list of numbers); None values are not checked.
+    """
+    metadata = {"help": help, "bounds": {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt))
+                                          if v is not None}}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def section(cls: type, help: str = "", **overrides: Any) -> Any:
+    """A nested config section (a dataclass field built with `cls(**overrides)` by default)."""
+    return dataclasses.field(default_factory=lambda: cls(**overrides), metadata={"help": help, "bounds": {}})
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking values against annotations
+# ---------------------------------------------------------------------------------------------
+
+
+def join_path(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+def type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce_union(value: Any, tp: Any, path: str) -> Any:
+    args = typing.get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{path}: must not be null (expected {type_name(tp)})")
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return coerce(value, arg, path)
+        except ConfigError as err:
+            errors.append(str(err))
+    raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {type_name(tp)}")
+
+
+def _coerce_sequence(value: Any, tp: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(value, str):  # `methods="plain ngram"` on the command line
+        value = value.split()
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list, got {value!r}")
+    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(value) != len(args):
+            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+        return tuple(coerce(v, a, join_path(path, i)) for i, (v, a) in enumerate(zip(value, args)))
+    item = args[0] if args else Any
+    items = [coerce(v, item, join_path(path, i)) for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r} (quote it: {path}='{value}')")
+        return value
+    raise ConfigError(f"{path}: unsupported annotation {type_name(tp)}")
+
+
+def coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check (and lightly convert) `value` against the annotation `tp`; errors name `path`."""
+    if tp is Any:
+        return value
+    if isinstance(tp, type) and issubclass(tp, Parsable):
+        return value if isinstance(value, tp) else tp.from_config(value, path)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return value if isinstance(value, tp) else config_from_dict(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _coerce_union(value, tp, path)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if value is None:
+        raise ConfigError(f"{path}: must not be null (expected {type_name(tp)})")
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        return _coerce_sequence(value, tp, path)
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        value_type = typing.get_args(tp)[1] if typing.get_args(tp) else Any
+        return {str(k): coerce(v, value_type, join_path(path, str(k))) for k, v in value.items()}
+    return _coerce_scalar(value, tp, path)
+
+
+_BOUND_TEXT = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+               "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def check_bounds(value: Any, bounds: Mapping[str, float], path: str) -> None:
+    """Raise ConfigError when a number (or any number in a list) is outside `bounds`."""
+    if value is None or not bounds:
+        return
+    items = value if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if not isinstance(item, (int, float)) or isinstance(item, bool):
+            continue
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"{path}: must be a finite number, got {item}")
+        for kind, bound in bounds.items():
+            symbol, ok = _BOUND_TEXT[kind]
+            if not ok(item, bound):
+                raise ConfigError(f"{path}: must be {symbol} {bound:g}, got {item}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building configs
+# ---------------------------------------------------------------------------------------------
+
+
+def _reject_unknown(cls: type, data: Mapping, fields: Mapping, path: str) -> None:
+    where = path or "the top level"
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {join_path(path, close[0])!r}?)" if close else ""
+            raise ConfigError(f"unknown config key {join_path(path, str(key))!r}{hint}; valid keys at {where}: "
+                              f"{', '.join(sorted(fields))}")
+
+
+def config_from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build the dataclass `cls` from a (nested) mapping: unknown keys, wrong types and out-of-bounds
+    values are ConfigErrors naming the key path."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'the top level'}: expected a mapping of keys to values, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    _reject_unknown(cls, data, fields, path)
+    kwargs = {}
+    for name, f in fields.items():
+        key_path = join_path(path, name)
+        if name in data:
+            kwargs[name] = coerce(data[name], hints[name], key_path)
+            check_bounds(kwargs[name], f.metadata.get("bounds", {}), key_path)
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError(f"missing required config key {key_path!r}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{path or cls.__name__}: {err}") from err
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """Plain nested dict (lists for tuples) of a config dataclass, safe for YAML/JSON."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.max_steps=10` -> (["train", "max_steps"], 10); values are parsed as YAML scalars."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip() or key.strip().startswith("-"):
+        raise ConfigError(f"{text!r} is neither a known flag nor a key.path=value override")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # e.g. `methods=lm-tree:depth=4,topk=3`: not YAML, meant as a plain string
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
+    """Set `key.path=value` overrides in a raw config mapping (checked when the config is built)."""
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for i, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(keys[:i + 1])!r} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return raw
+
+
+def read_yaml_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigFileNotFound(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Read a YAML file (optional), apply overrides, and build the typed config `cls`."""
+    raw = read_yaml_config(path) if path is not None else {}
+    return config_from_dict(cls, apply_overrides(raw, overrides))
+
+
+def save_config(cfg: Any, path: str | Path, header: str | None = None) -> None:
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    Path(path).write_text((f"# {header}\n" if header else "") + text)
+
+
+def flatten_dict(d: Mapping, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; non-scalar leaves become strings."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(flatten_dict(v, key))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Help and the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not MISSING:
+        return repr(f.default) if isinstance(f.default, str) else json.dumps(f.default, default=str)
+    if f.default_factory is not MISSING:
+        value = f.default_factory()
+        return json.dumps(value if not dataclasses.is_dataclass(value) else "{...}", default=str)
+    return "(required)"
+
+
+def config_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, help) of every leaf key of a config dataclass, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key, tp = join_path(prefix, f.name), hints[f.name]
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            rows += config_keys(tp, key)
+            continue
+        bounds = f.metadata.get("bounds", {})
+        limits = ", ".join(f"{_BOUND_TEXT[k][0]} {v:g}" for k, v in bounds.items())
+        text = f.metadata.get("help", "") + (f" [{limits}]" if limits else "")
+        rows.append((key, type_name(tp), _default_text(f), text))
+    return rows
+
+
+def format_keys(cls: type) -> str:
+    rows = config_keys(cls)
+    width = max((len(key) for key, *_ in rows), default=10)
+    lines = ["config keys (set with key=value after the flags, or in --config YAML):"]
+    for key, tp, default, text in rows:
+        lines.append(f"  {key:<{width}}  {tp} = {default}" + (f"\n  {'':<{width}}    {text}" if text else ""))
+    return "\n".join(lines)
+
+
+def command_parser(prog: str, description: str, config_cls: type) -> argparse.ArgumentParser:
+    """An argparse parser with --config, --print-config, --debug and the `key=value` overrides; the
+    help lists every config key. Commands add their own flags (e.g. --resume) before parsing."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=format_keys(config_cls),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="YAML", default=None, help="YAML file with config keys")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.max_steps=10")
+    return parser
+
+
+class ArgumentError(UserError):
+    """A command-line flag was misused (argparse's message, without the usage text)."""
+
+
+class _QuietParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ArgumentError(f"{message} (see {self.prog} --help)")
+
+
+def parse_command(parser: argparse.ArgumentParser, config_cls: type[T],
+                  argv: Sequence[str]) -> tuple[T, argparse.Namespace]:
+    """(config, flags) from argv; --print-config prints the YAML and exits 0."""
+    parser.__class__ = _QuietParser  # flag misuse -> one `error:` line (run_main), not argparse's exit
+    args, unknown = parser.parse_known_args(list(argv))
+    overrides = list(args.overrides) + unknown
+    cfg = load_config(config_cls, args.config, overrides)
+    if args.print_config:
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        raise SystemExit(0)
+    return cfg, args

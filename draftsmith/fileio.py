@@ -1,0 +1,99 @@
+"""Files written so that nothing is ever half-written, and checked before they are trusted.
+
+- `atomic_write(path, write)`: `write(tmp)`, fsync, rename: readers see the old file or the new one.
+- `file_digest(path)`: (size, sha256) recorded when a file is written (checkpoints, shards) and
+  compared before the file is trusted again (`verify_digest`).
+- `dir_lock(directory)`: an exclusive flock on `<dir>/.lock` (short critical sections, e.g. index merges).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` then fsync + rename to ``path``: readers see the old file or the whole new one.
+
+    The temp name is unique per process, so concurrent writers never share a half-written file.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # some writers (safetensors) create files 0600
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def dir_lock(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<dir>/.lock`` (serialises index merges across ranks)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: merges may race, each one is still atomic
+        yield
+        return
+    with open(directory / ".lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+
+
+def file_digest(path: str | Path, chunk_bytes: int = 1 << 20) -> dict:
+    """{"size": bytes, "sha256": hex digest} of a file, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            digest.update(block)
+            size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def digest_mismatch(path: str | Path, expected: dict) -> str | None:
+    """None when `path` has the recorded size and sha256, else what differs (a missing file included)."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if "size" in expected and size != expected["size"]:
+        return f"{path} has {size} bytes, {expected['size']} were written"
+    if "sha256" in expected and file_digest(path)["sha256"] != expected["sha256"]:
+        return f"{path} does not match the sha256 recorded when it was written"
+    return None

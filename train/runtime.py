@@ -1,0 +1,688 @@
+"""What every training recipe shares, written once: config sections, the run's directory, resume,
+schedule, optimizer step, checkpoints, the train loop, logging and the command line.
+
+A recipe (train/medusa.py, train/dgf.py, train/distill.py) keeps only its behaviour: which modules
+train, its loss (`train_step`), its held-out metrics (`evaluate`), the drafter it would decode with
+(`drafter`, for tau) and what `final/` holds (`write_final`). It drives a `TrainingRun`:
+
+    run = TrainingRun(cfg, resume=..., overwrite=...)     # directory lock, accelerator, tracker env
+    recipe = MyRecipe(cfg, run)                           # builds data, modules; run.setup_optimizer(...)
+    run.train(recipe)                                     # resume, loop, checkpoints, final/
+    summary = run.finish(recipe.summary())
+
+Guarantees (README "Guarantees", tests/test_faults.py):
+- one run per output directory at a time: `output_dir/.lock` (flock) names the holder; a second run
+  refuses in one line;
+- nothing is replaced without `--overwrite`: a fresh run refuses a directory holding checkpoints,
+  `final/` or `metrics.jsonl` (with `--overwrite` they are removed first);
+- exact resume: `--resume` continues from the newest checkpoint that verifies (size + sha256 of its
+  tensors), with the optimizer, scheduler, data position and every process's RNG;
+- SIGINT / SIGTERM: the run saves a checkpoint at the next step boundary and exits with one line
+  saying how to resume;
+- a NaN / inf loss or gradient norm stops every process at the same step, naming the last good
+  checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, gather_object
+from tqdm.auto import tqdm
+
+from draftsmith.config import (ConfigError, command_parser, config_to_dict, flatten_dict, option, parse_command,
+                               save_config)
+from draftsmith.data.records import batch_indices
+from draftsmith.eval.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
+from draftsmith.errors import UserError, run_main
+from draftsmith.fileio import atomic_write
+from draftsmith.models.target import resolve_device
+from draftsmith.tracking import prepare_wandb_env
+from draftsmith.train.checkpoints import (CheckpointError, latest_verified_checkpoint, load_checkpoint,
+                                          load_latest_checkpoint, save_checkpoint)
+from draftsmith.train.distributed import gather_trainable_state, local_rank_zero
+from draftsmith.train.rng import rng_state, seed_everything, set_rng_state
+
+log = logging.getLogger("draftsmith.train")
+
+# Keys a resumed run may change without a warning (everything else is compared with the checkpoint's config).
+RESUME_MAY_CHANGE = {"train.stop_after_steps", "train.max_steps", "logging.run_name", "output_dir", "device",
+                     "train.progress"}
+LOCK_FILE = ".lock"
+METRICS_FILE = "metrics.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------
+# Config sections shared by the recipes (a recipe may change a default: `section(OptimConfig, lr=1e-4)`)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
+    dtype: str = option("float32", "the target's dtype (drafters train in float32)")
+    attn_implementation: str = option("sdpa", "the target's attention implementation (transformers)")
+
+
+@dataclass
+class DataConfig:
+    source: str = option("gsm8k:train", "data source spec (data.sources / data.records; `a + b` mixes sources)")
+    limit: int | None = option(None, "at most this many conversations / records per source", ge=1)
+    max_length: int = option(512, "tokens per record (longer ones are cut)", ge=2)
+    heldout_fraction: float = option(0.05, "share of records held out for evaluation", gt=0, lt=1)
+    max_heldout: int | None = option(256, "at most this many held-out records", ge=1)
+    seed: int = option(0, "seed of the held-out split and the shuffling")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = option(1e-3, "peak learning rate", gt=0)
+    weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
+    betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas", ge=0, lt=1)
+    eps: float = option(1e-8, "AdamW epsilon", gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = option("cosine", "learning-rate schedule after warm-up")
+    warmup_steps: int = option(0, "linear warm-up steps", ge=0)
+    min_lr_ratio: float = option(0.0, "final learning rate / peak (linear, cosine)", ge=0, le=1)
+    max_grad_norm: float | None = option(1.0, "gradient clipping norm (null: no clipping)", gt=0)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = option(1000, "optimizer steps", ge=1)
+    batch_size: int = option(4, "records per micro-batch and process", ge=1)
+    grad_accum_steps: int = option(1, "micro-batches per optimizer step", ge=1)
+    seed: int = option(0, "seed of initialisation, dropout and noise")
+    log_every: int = option(10, "steps between logged training metrics", ge=1)
+    checkpoint_every: int = option(500, "steps between checkpoints", ge=1)
+    keep_checkpoints: int = option(2, "newest checkpoints kept", ge=1)
+    stop_after_steps: int | None = option(None, "exit right after this step's checkpoint (interruption tests)", ge=1)
+    progress: bool = option(True, "progress bar (main process only; --no-progress turns it off)")
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = option(100, "steps between held-out evaluations (0: before and after training only)", ge=0)
+    batch_size: int = option(8, "held-out records per batch", ge=1)
+    tau_prompts: int = option(0, "held-out prompts decoded by the bundled decoder for tau (0: off)", ge=0)
+    tau_new_tokens: int = option(32, "new tokens per prompt for tau", ge=1)
+
+
+@dataclass
+class LoggingConfig:
+    tracker: Literal["wandb", "none"] = option("wandb", "experiment tracker (W&B runs offline without network)")
+    project: str = option("draftsmith", "W&B project")
+    run_name: str | None = option(None, "W&B run name")
+
+
+class Recipe(Protocol):
+    """What a recipe gives the run (see the module docstring)."""
+
+    train_records: list
+
+    def train_step(self) -> dict: ...
+
+    def evaluate(self) -> dict: ...
+
+    def write_final(self, directory: Path) -> None: ...
+
+
+def lr_factor(optim: OptimConfig, max_steps: int, hold_steps: int = 0) -> Callable[[int], float]:
+    """Multiplier of the base learning rate after `step` optimizer steps (hold, warm-up, schedule)."""
+
+    def factor(step: int) -> float:
+        if step < hold_steps:
+            return 0.0
+        if optim.warmup_steps and step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
+        return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
+
+    return factor
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pieces: metrics file, summary print, NaN stop, directory lock
+# ---------------------------------------------------------------------------------------------
+
+
+class NonFiniteLossError(UserError, FloatingPointError):
+    """A loss (or gradient norm) became NaN/inf; the message names the step."""
+
+
+def check_finite(value: Any, step: int, what: str = "loss", checkpoints_dir: str | Path | None = None) -> None:
+    """Stop the run when `value` (float or tensor) is NaN or inf, naming the step and the last good
+    checkpoint. Call it on a value that is identical on every process, so every rank stops together."""
+    tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    if bool(torch.isfinite(tensor).all()):
+        return
+    kind = "NaN" if bool(torch.isnan(tensor).any()) else "inf"
+    last = latest_verified_checkpoint(checkpoints_dir) if checkpoints_dir is not None else None
+    keep = (f"; the last good checkpoint is {last} (resume with --resume after fixing the cause, e.g. a lower "
+            f"learning rate)") if last is not None else "; no checkpoint was written before it"
+    raise NonFiniteLossError(f"{what} is {kind} at step {step}: stopping the run{keep}")
+
+
+def print_summary(summary: Mapping) -> None:
+    """The final JSON summary as one line in one write (ranks share the stdout pipe)."""
+    sys.stdout.write(json.dumps(dict(summary), default=str) + "\n")
+    sys.stdout.flush()
+
+
+class MetricsFile:
+    """Append-only JSONL of logged metrics (main process only), read back by tests and reports."""
+
+    def __init__(self, path: str | Path, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+
+    def write(self, record: Mapping) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(dict(record)) + "\n")
+
+    def drop_after(self, step: int) -> None:
+        """Forget rows logged after `step` (a resumed run redoes those steps and logs them again)."""
+        if not (self.enabled and self.path.is_file()):
+            return
+        kept = [row for row in self.read(self.path) if int(row.get("step", 0)) <= step]
+        atomic_write(self.path, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in kept)))
+
+    @staticmethod
+    def read(path: str | Path) -> list[dict]:
+        path = Path(path)
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class DirectoryLock:
+    """An exclusive flock on `<dir>/.lock` for the lifetime of a run; the file names the holder."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK_FILE
+        self.handle = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise UserError(f"{self.path.parent} is in use by another run ({holder}); wait for it to finish or "
+                            "choose another output_dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                     f"{shlex.join(sys.argv)}\n")
+        handle.flush()
+        self.handle = handle
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+class StopRequest:
+    """SIGINT / SIGTERM set a flag; the loop saves and stops at the next step boundary."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:  # a second signal: stop at once
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+
+class RunDirectoryError(UserError, RuntimeError):
+    """The output directory belongs to another run, or holds files this run would replace."""
+
+
+class Interrupted(UserError):
+    """The run stopped on SIGINT / SIGTERM after saving a checkpoint; the message says how to resume."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+class TrainingRun:
+    """The mechanics of one recipe run (see the module docstring); the recipe owns its behaviour."""
+
+    def __init__(self, cfg, resume: str | None = None, overwrite: bool = False, logger_name: str = "train"):
+        self.cfg, self.overwrite = cfg, overwrite
+        self.log = logging.getLogger(f"draftsmith.{logger_name}")
+        self.output_dir = Path(cfg.output_dir)
+        self.checkpoints_dir = self.output_dir / "checkpoints"
+        self.final_dir = self.output_dir / "final"
+        self.step, self.samples_seen = 0, 0
+        self.first_eval: dict | None = None  # held-out metrics before training
+        self.last_eval: dict | None = None
+        self.run_id = uuid.uuid4().hex[:8]
+        self.stop = StopRequest()
+        device = resolve_device(cfg.device)
+        self.lock = DirectoryLock(self.output_dir)
+        log_with = None
+        if cfg.logging.tracker == "wandb":
+            prepare_wandb_env(self.output_dir)
+            log_with = "wandb"
+        self.accelerator = Accelerator(cpu=device.type == "cpu", log_with=log_with, project_dir=str(self.output_dir))
+        self.world = self.accelerator.num_processes
+        self.is_main = self.accelerator.is_main_process
+        if not self.is_main:  # every line once under DDP: only the main process logs at INFO
+            logging.getLogger("draftsmith").setLevel(logging.WARNING)
+        self._claim_directory(resume)
+        self.metrics = MetricsFile(self.output_dir / METRICS_FILE, enabled=self.is_main)
+        self.resume_path, self.resume_state = self._find_resume(resume)
+        if self.resume_state is not None:
+            self.run_id = self.resume_state["run_id"]
+        seed_everything(cfg.train.seed)
+        self.optimizer = self.scheduler = self.module = None
+        self.base_lrs: list[float] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    # -- the directory ------------------------------------------------------------------------
+
+    def _claim_directory(self, resume: str | None) -> None:
+        """Lock the directory (main process; every rank learns the outcome) and refuse to replace a
+        finished or running run's files without --overwrite."""
+        problem = None
+        if self.is_main:
+            try:
+                self.lock.acquire()
+                self._check_existing(resume)
+            except UserError as err:
+                problem = str(err)
+        if self.world > 1:
+            shared = [problem]
+            broadcast_object_list(shared)
+            problem = shared[0]
+        if problem is not None:
+            self.lock.release()
+            raise RunDirectoryError(problem)
+
+    def _check_existing(self, resume: str | None) -> None:
+        existing = [p for p in (self.checkpoints_dir, self.final_dir, self.output_dir / METRICS_FILE) if p.exists()]
+        has_checkpoint = latest_verified_checkpoint(self.checkpoints_dir) is not None
+        if resume is not None and (has_checkpoint or resume != "auto"):
+            return
+        if existing and not self.overwrite:
+            names = ", ".join(p.name for p in existing)
+            if resume is not None:
+                raise UserError(f"--resume: {self.checkpoints_dir} holds no usable checkpoint, but {self.output_dir} "
+                                f"holds {names} of an earlier run; pass --overwrite to start again from scratch")
+            hint = "pass --resume to continue it, " if has_checkpoint else ""
+            raise UserError(f"{self.output_dir} already holds {names} of an earlier run: {hint}pass --overwrite to "
+                            "replace it, or choose another output_dir")
+        for path in existing:  # --overwrite: the earlier run's files go
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+    def _find_resume(self, resume: str | None) -> tuple[Path | None, dict | None]:
+        if resume is None:
+            return None, None
+        if resume == "auto":  # the newest checkpoint that verifies (a corrupt newest one is set aside)
+            found = load_latest_checkpoint(self.checkpoints_dir, quarantine=local_rank_zero())
+            if found is None:
+                self.log.warning("--resume: no checkpoint in %s, starting from scratch", self.checkpoints_dir)
+                return None, None
+            return found
+        return Path(resume), load_checkpoint(resume)
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def setup_optimizer(self, module: torch.nn.Module, param_groups: list[dict],
+                        hold_steps: Sequence[int] = ()) -> None:
+        """AdamW over `param_groups` (each with its "lr"), one schedule per group (`hold_steps[i]`: steps
+        at learning rate 0 first), then accelerate.prepare. Call once, after building the modules."""
+        cfg = self.cfg
+        optimizer = torch.optim.AdamW(param_groups, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                      weight_decay=cfg.optim.weight_decay)
+        holds = list(hold_steps) + [0] * (len(param_groups) - len(hold_steps))
+        self.base_lrs = [group["lr"] for group in param_groups]
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, [lr_factor(cfg.optim, cfg.train.max_steps, hold) for hold in holds])
+        self.module, self.optimizer = self.accelerator.prepare(module, optimizer)  # the scheduler is not prepared
+
+    def unwrapped(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.module)
+
+    def trainable(self) -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in self.unwrapped().named_parameters() if p.requires_grad}
+
+    def micro_batch_records(self, records: Sequence[Any]) -> list[tuple[int, list[Any]]]:
+        """This process's micro-batches of the next optimizer step as (offset in the global batch, records):
+        the global batch is fixed by samples_seen, so any number of processes sees the same data per step."""
+        cfg, rank = self.cfg.train, self.accelerator.process_index
+        total = cfg.batch_size * self.world * cfg.grad_accum_steps
+        indices = batch_indices(len(records), self.samples_seen, total, self.cfg.data.seed)
+        out = []
+        for micro in range(cfg.grad_accum_steps):
+            start = (micro * self.world + rank) * cfg.batch_size
+            out.append((start, [records[i] for i in indices[start:start + cfg.batch_size]]))
+        return out
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, "sum") if self.world > 1 else tensor
+
+    def accumulate(self, micro_batches: Sequence[Any], backward_one: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """Run `backward_one(batch) -> detached sums` on each micro-batch (gradients synchronised on the
+        last one only) and return the summed sums."""
+        total = None
+        self.module.train()
+        for i, batch in enumerate(micro_batches):
+            sync = i == len(micro_batches) - 1
+            with nullcontext() if sync else self.accelerator.no_sync(self.module):
+                sums = backward_one(batch)
+            total = sums if total is None else total + sums
+        return total
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def optimizer_step(self, loss_sum: torch.Tensor) -> dict:
+        """Clip, step, schedule, advance the data position; stop on a non-finite loss or gradient norm.
+        `loss_sum`: this process's loss (reduced and averaged over processes here). Returns the step's
+        learning rates and gradient norm as metrics."""
+        cfg = self.cfg
+        grad_norm = None
+        if cfg.optim.max_grad_norm is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            grad_norm = self.accelerator.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+        lrs = [group["lr"] for group in self.optimizer.param_groups]  # the rates this step used
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples_seen += cfg.train.batch_size * self.world * cfg.train.grad_accum_steps
+        self.step += 1
+        loss = self.reduce_sum(loss_sum.detach().clone()) / self.world
+        check_finite(loss, self.step, "training loss", self.checkpoints_dir)  # the same value on every process
+        metrics = {"train/loss": float(loss), "train/lr": lrs[0], "train/samples_seen": self.samples_seen}
+        metrics.update({f"train/lr_group{i}": lr for i, lr in enumerate(lrs[1:], start=1)})
+        if grad_norm is not None:
+            check_finite(grad_norm, self.step, "gradient norm", self.checkpoints_dir)
+            metrics["train/grad_norm"] = float(grad_norm)
+        return metrics
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, num_train_records: int, extra: Mapping | None = None) -> Path:
+        rng = gather_object([rng_state()]) if self.world > 1 else [rng_state()]
+        trainable = gather_trainable_state(self.accelerator, self.module)  # every rank: collective under FSDP
+        path = self.checkpoints_dir / f"step_{self.step}"
+        if self.is_main:
+            state = {"step": self.step, "samples_seen": self.samples_seen, "num_train_records": num_train_records,
+                     "run_id": self.run_id, "first_eval": self.first_eval, "trainable": trainable,
+                     "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "rng": rng, "config": config_to_dict(self.cfg), "extra": dict(extra or {})}
+            path = save_checkpoint(self.checkpoints_dir, self.step, state, keep_last=self.cfg.train.keep_checkpoints)
+            self.log.info("saved %s", path)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def restore(self, num_train_records: int) -> dict:
+        """Load the resume checkpoint into the prepared module/optimizer/scheduler; returns its `extra`."""
+        state, path = self.resume_state, self.resume_path
+        self._restore_weights(state, path, num_train_records)
+        self._warn_config_changes(state["config"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The config's optimizer settings win over the saved ones (identical when nothing changed).
+        self.scheduler.base_lrs = list(self.base_lrs)
+        optim = self.cfg.optim
+        for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.scheduler.lr_lambdas):
+            group.update(lr=base * factor(self.scheduler.last_epoch), initial_lr=base, betas=tuple(optim.betas),
+                         eps=optim.eps, weight_decay=optim.weight_decay)
+        self.step, self.samples_seen = state["step"], state["samples_seen"]
+        self.first_eval = state.get("first_eval")
+        rng, index = state["rng"], self.accelerator.process_index
+        if len(rng) != self.world:
+            self.log.warning("checkpoint has RNG states of %d processes, this run has %d: reusing process 0's",
+                             len(rng), self.world)
+            index = 0
+        set_rng_state(rng[index])
+        self.log.info("resumed from %s at step %d (%d samples seen)", path, self.step, self.samples_seen)
+        return state.get("extra") or {}
+
+    def _restore_weights(self, state: dict, path: Path, num_train_records: int) -> None:
+        trainable, saved = self.trainable(), state["trainable"]
+        missing, unexpected = sorted(set(trainable) - set(saved)), sorted(set(saved) - set(trainable))
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint {path} does not match this run's trainable weights: missing "
+                                  f"{missing[:5]}, unexpected {unexpected[:5]} (written with another model config?)")
+        if state["num_train_records"] != num_train_records:
+            raise CheckpointError(f"checkpoint {path} was trained on {state['num_train_records']} records, this run "
+                                  f"has {num_train_records}: the data (source, limit, split, filter) changed")
+        with torch.no_grad():
+            for name, p in trainable.items():
+                if saved[name].shape != p.shape:
+                    raise CheckpointError(f"checkpoint {path}: {name} has shape {tuple(saved[name].shape)}, "
+                                          f"expected {tuple(p.shape)}")
+                p.copy_(saved[name])
+
+    def _warn_config_changes(self, saved: dict) -> None:
+        before, now = flatten_dict(saved), flatten_dict(config_to_dict(self.cfg))
+        changed = [key for key in sorted(set(before) | set(now))
+                   if before.get(key) != now.get(key) and key not in RESUME_MAY_CHANGE]
+        if changed:
+            self.log.warning("resuming with a config that differs from the checkpoint's in %s", ", ".join(
+                f"{key} ({before.get(key)!r} -> {now.get(key)!r})" for key in changed))
+
+    def save_final(self, write: Callable[[Path], None]) -> Path:
+        """`write(tmp_dir)` on the main process, then tmp_dir is renamed to final/ (the run's own final/,
+        if an interrupted run had written one, is replaced; another run's never: see _check_existing)."""
+        if self.is_main:
+            tmp = self.output_dir / ".tmp_final"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            write(tmp)
+            save_config(self.cfg, tmp / "train_config.yaml")
+            if self.final_dir.exists():
+                shutil.rmtree(self.final_dir)
+            os.replace(tmp, self.final_dir)
+            self.log.info("saved %s", self.final_dir)
+        self.accelerator.wait_for_everyone()
+        return self.final_dir
+
+    # -- logging and the loop -------------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict) -> None:
+        scalars = {name: value for name, value in metrics.items() if not isinstance(value, (list, dict))}
+        self.metrics.write({"step": self.step, **scalars})
+        if self.cfg.logging.tracker != "none":
+            self.accelerator.log(scalars, step=self.step)
+
+    def _start(self, recipe: Recipe) -> None:
+        if self.resume_state is not None:
+            extra = self.restore(len(recipe.train_records))
+            if hasattr(recipe, "restore_extra"):
+                recipe.restore_extra(extra)
+            self.metrics.drop_after(self.step)  # the steps after the checkpoint are redone and logged again
+        else:
+            seed_everything(self.cfg.train.seed + self.accelerator.process_index)
+        if self.is_main:
+            save_config(self.cfg, self.output_dir / "train_config.yaml")
+        if self.cfg.logging.tracker == "wandb":
+            self.accelerator.init_trackers(
+                self.cfg.logging.project, config=flatten_dict(config_to_dict(self.cfg)),
+                init_kwargs={"wandb": {"name": self.cfg.logging.run_name, "id": self.run_id, "resume": "allow",
+                                       "dir": str(self.output_dir)}})
+        if self.resume_state is None:
+            self.first_eval = self.last_eval = self.evaluate(recipe)
+
+    def evaluate(self, recipe: Recipe) -> dict:
+        metrics = recipe.evaluate()
+        self.log_metrics(metrics)
+        return metrics
+
+    def train(self, recipe: Recipe) -> None:
+        """Resume or start, then step until train.max_steps (or train.stop_after_steps / a signal)."""
+        cfg = self.cfg.train
+        self._start(recipe)
+        stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
+        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (self.is_main and cfg.progress))
+        started = time.perf_counter()
+        self.stop.install()
+        try:
+            while self.step < stop_at:
+                metrics = recipe.train_step()
+                bar.update(1)
+                bar.set_postfix_str(f"loss {metrics['train/loss']:.4f}")
+                self._after_step(recipe, metrics, started, stop_at)
+                if self._stop_requested():
+                    self._interrupt(recipe)
+        finally:
+            self.stop.restore()
+            bar.close()
+        if self.step == cfg.max_steps:
+            if self.last_eval is None:
+                self.last_eval = self.evaluate(recipe)
+            self.save_final(recipe.write_final)
+
+    def _after_step(self, recipe: Recipe, metrics: dict, started: float, stop_at: int) -> None:
+        cfg = self.cfg
+        if self.step % cfg.train.log_every == 0 or self.step == stop_at:
+            metrics["train/elapsed_s"] = time.perf_counter() - started
+            self.log_metrics(metrics)
+            self.log.info("step %d loss %.4f", self.step, metrics["train/loss"])
+        at_end = self.step == cfg.train.max_steps
+        if (cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0) or at_end:
+            self.last_eval = self.evaluate(recipe)
+        if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.stop_after_steps:
+            self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
+
+    @staticmethod
+    def _extra(recipe: Recipe) -> dict:
+        return recipe.checkpoint_extra() if hasattr(recipe, "checkpoint_extra") else {}
+
+    def _stop_requested(self) -> bool:
+        flag = torch.tensor(float(self.stop.signal is not None), device=self.device)
+        return bool(self.reduce_sum(flag) > 0)  # every rank stops at the same step
+
+    def _interrupt(self, recipe: Recipe) -> None:
+        path = self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
+        name = signal.Signals(self.stop.signal).name if self.stop.signal else "a signal"
+        command = shlex.join([sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv)
+        raise Interrupted(f"{name} at step {self.step}: saved {path}; resume with: {command} --resume")
+
+    def finish(self, summary: dict) -> dict:
+        summary = {"step": self.step, "output_dir": str(self.output_dir),
+                   "final": str(self.final_dir) if self.step == self.cfg.train.max_steps else None, **summary}
+        if self.cfg.logging.tracker != "none":
+            self.accelerator.end_training()
+        self.accelerator.free_memory()
+        self.lock.release()
+        return {**summary, "is_main": self.is_main}
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line every recipe uses
+# ---------------------------------------------------------------------------------------------
+
+
+def recipe_cli(config_cls: type, main: Callable[..., dict], prog: str, description: str,
+               argv: Sequence[str] | None = None) -> int:
+    """`python train/<recipe>.py --config X.yaml [--resume | --resume-from DIR] [--overwrite]
+    [--no-progress] [key.path=value ...]`: one line and exit 2 on a user error (run_main)."""
+
+    def run(args: list[str]) -> int:
+        parser = command_parser(prog, description, config_cls)
+        parser.add_argument("--resume", action="store_true",
+                            help="continue from the newest checkpoint in output_dir/checkpoints")
+        parser.add_argument("--resume-from", metavar="CHECKPOINT_DIR", default=None,
+                            help="continue from this checkpoint directory (output_dir/checkpoints/step_<N>)")
+        parser.add_argument("--overwrite", action="store_true",
+                            help="replace an earlier run's checkpoints, final/ and metrics in output_dir")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+        cfg, flags = parse_command(parser, config_cls, args)
+        if flags.no_progress:
+            cfg.train.progress = False
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        resume = flags.resume_from or ("auto" if flags.resume else None)
+        summary = main(cfg, resume=resume, overwrite=flags.overwrite)
+        if summary.get("is_main", True):
+            print_summary({k: v for k, v in summary.items() if k != "is_main"})
+        return 0
+
+    return run_main(run, argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers the recipes share
+# ---------------------------------------------------------------------------------------------
+
+
+def pad_id_of(tokenizer) -> int:
+    """The tokenizer's pad id, else its EOS id, else 0 (padded positions are masked out anyway)."""
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def record_prompt(record: Mapping) -> list[int]:
+    """The tokens of a record before its first trained token (the prompt of a held-out answer)."""
+    mask = list(record["loss_mask"])
+    ids = [int(t) for t in record["input_ids"]]
+    return ids[: mask.index(1)] if 1 in mask else ids[:-1]
+
+
+@torch.no_grad()
+def measure_tau(recipe, eval_cfg: EvalConfig) -> dict:
+    """tau of the recipe's drafter on its first `eval_cfg.tau_prompts` held-out prompts, through the
+    bundled decoder (greedy; the bench's definition and code path). {} when tau_prompts is 0."""
+    if eval_cfg.tau_prompts == 0 or getattr(recipe, "target", None) is None:
+        return {}
+    drafter = recipe.drafter()
+    decoder = SpeculativeDecoder(recipe.target, drafter, DecodeConfig(max_new_tokens=eval_cfg.tau_new_tokens))
+    stats = DecodeStats()
+    for record in recipe.heldout_records[: eval_cfg.tau_prompts]:
+        prompt = record_prompt(record)
+        if prompt:
+            stats.merge(decoder.generate(torch.tensor([prompt], device=recipe.target.device)).stats)
+    out = {"eval/tau": stats.tau, "eval/tau_prompts": min(eval_cfg.tau_prompts, len(recipe.heldout_records))}
+    out.update({f"eval/tau_accept_depth{depth}": rate for depth, rate in stats.depth_acceptance.items()})
+    return out
