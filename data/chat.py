@@ -39,15 +39,16 @@ span is whatever the template author put inside the block). Otherwise a
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
 import sys
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
+from draftsmith.config import command_parser, option, parse_command
 from draftsmith.data.sources import load_source
+from draftsmith.errors import exit_with
 from draftsmith.models.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -309,26 +310,28 @@ def format_mask(tokenizer: Any, input_ids: list[int], loss_mask: list[int], colo
 
 
 # ---------------------------------------------------------------------------
-# CLI: python -m draftsmith.data.chat --model <name_or_path> --source gsm8k:train --n 2
+# CLI: python -m draftsmith.data.chat target=<name_or_path> source=gsm8k:train n=2
 # ---------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith.data.chat", description="Print samples with their loss masks highlighted."
-    )
-    ap.add_argument("--model", required=True, help="tokenizer: zoo name, model directory, hub id or tiny:<family>")
-    ap.add_argument("--source", default="gsm8k:train", help="source spec, e.g. gsm8k:train, sharegpt, mt-bench")
-    ap.add_argument("--n", type=int, default=2, help="number of samples")
-    ap.add_argument("--max-length", type=int, default=None)
-    ap.add_argument("--color", choices=["auto", "always", "never"], default="auto")
-    args = ap.parse_args(argv)
+@dataclass
+class MaskViewConfig:
+    target: str = option(help="whose chat template and tokenizer: zoo name, model directory, hub id or tiny:<family>")
+    source: str = option("gsm8k:train", "data.sources spec, e.g. gsm8k:train, sharegpt, mt-bench")
+    n: int = option(2, "conversations shown", ge=1)
+    max_length: int | None = option(None, "cut at this many tokens", ge=1)
+    color: Literal["auto", "always", "never"] = option("auto", "highlight trained tokens in green")
 
-    tok = load_tokenizer(args.model)
-    color = {"auto": None, "always": True, "never": False}[args.color]
+
+def main(argv: list[str]) -> int:
+    parser = command_parser("python -m draftsmith.data.chat", "Print samples with their loss masks highlighted.",
+                            MaskViewConfig)
+    cfg, _ = parse_command(parser, MaskViewConfig, argv)
+    tok = load_tokenizer(cfg.target)
+    color = {"auto": None, "always": True, "never": False}[cfg.color]
     legend = "trained tokens in green" if _use_color(color) else f"trained tokens inside {OPEN} {CLOSE}"
-    print(f"# {args.source} with the chat template of {args.model}; {legend}")
-    for conv in load_source(args.source, limit=args.n):
-        out = render_and_mask(tok, conv.messages, max_length=args.max_length)
+    print(f"# {cfg.source} with the chat template of {cfg.target}; {legend}")
+    for conv in load_source(cfg.source, limit=cfg.n):
+        out = render_and_mask(tok, conv.messages, max_length=cfg.max_length)
         n_on = sum(out["loss_mask"])
         print(f"\n=== {conv.id} ({conv.source}): {len(out['input_ids'])} tokens, {n_on} trained ===")
         print(format_mask(tok, out["input_ids"], out["loss_mask"], color=color))
@@ -336,4 +339,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -36,14 +36,12 @@ rows it yields), optionally shuffled with a seed, split across DataLoader worker
 
 CLI::
 
-    python -m draftsmith.data.features --model smollm2-135m-instruct --source gsm8k:train --limit 64 \\
-        --layers -1 --topk 0 --output-dir runs/features/gsm8k-smollm2
+    python -m draftsmith.data.features target=smollm2-135m-instruct source=gsm8k:train limit=64 \\
+        hidden_layers=[-1] topk_logits=0 output_dir=runs/features/gsm8k-smollm2
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import inspect
 import json
 import logging
@@ -55,14 +53,17 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
 from torch.utils.data import IterableDataset, get_worker_info
 
-from draftsmith.config import config_from_dict
+from draftsmith.config import check_config, option
 from draftsmith.data.chat import render_and_mask
-from draftsmith.data.regenerate import job_parser
-from draftsmith.data.shards import (PlanMismatch, ShardLedger, fingerprint, merged_index, rank_items,
+from draftsmith.data.shards import (IncompleteDataError, PlanMismatch, ShardLedger, fingerprint, incomplete_message,
+                                    parse_job_command, rank_items, read_job_index,
                                     resolve_rank_device, resolve_rank_world)
 from draftsmith.data.sources import Conversation, load_source
+from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
 from draftsmith.models.target import TargetModel, resolve_dtype, vocab_fingerprint
 
@@ -80,69 +81,42 @@ __all__ = ["FeatureCacheConfig", "build_feature_cache", "FeatureDataset", "load_
 
 @dataclass
 class FeatureCacheConfig:
-    """What ``build_feature_cache`` stores; every default is declared here once.
+    """What `build_feature_cache` stores; every default is declared here once."""
 
-    model:          zoo name, local dir or hub id (recorded as the cache's model id)
-    source:         source spec for ``data.sources.load_source`` (or None with ``records=``)
-    output_dir:     cache directory
-    hidden_layers:  output_hidden_states indices to store (-1 = final normed state)
-    topk_logits:    store the top-k logits per token (0 = none)
-    max_length:     sequences are cut at this many tokens (right)
-    shard_tokens:   tokens per shard (a shard closes once it holds at least this many)
-    storage_dtype:  dtype of stored hidden states / logit values ("bfloat16")
-    dtype, device:  target compute dtype / device
-    batch_size:     sequences per forward (right-padded; 1 = no padding)
-    limit:          keep the first N records of the source (before sharding across ranks)
-    rank, world_size: None = from RANK / WORLD_SIZE, else 0 / 1
-    skip_no_loss:   drop sequences without a single trained token (nothing to learn from)
-    disk_margin:    refuse to start unless free space >= estimate * (1 + disk_margin)
-    max_shards:     stop after writing this many shards in this call (rerun continues)
-    num_threads:    torch CPU threads (None = torch's default)
-    progress:       tqdm progress bar on stderr
-    """
-
-    model: str
-    source: str | dict | None
-    output_dir: str
-    hidden_layers: tuple[int, ...] = (-1,)
-    topk_logits: int = 0
-    max_length: int = 2048
-    shard_tokens: int = 262_144
-    storage_dtype: str = "bfloat16"
-    dtype: str = "float32"
-    device: str | None = None
-    batch_size: int = 1
-    limit: int | None = None
-    rank: int | None = None
-    world_size: int | None = None
-    skip_no_loss: bool = True
-    disk_margin: float = 0.05
-    max_shards: int | None = None
-    num_threads: int | None = None
-    progress: bool = True
+    target: str = option(help="the model whose features are cached: zoo name, model directory, hub id, tiny:<family>")
+    source: str | None = option(help="data.sources spec (conversations:<regenerated dir>, gsm8k:train, ...)")
+    output_dir: str = option(help="cache directory")
+    hidden_layers: tuple[int, ...] = option((-1,), "output_hidden_states indices to store (-1: final normed state)")
+    topk_logits: int = option(0, "store the top-k logits per token (0: none)", ge=0)
+    max_length: int = option(2048, "sequences are cut at this many tokens", ge=1)
+    shard_tokens: int = option(262_144, "tokens per shard (a shard closes once it holds at least this many)", ge=1)
+    storage_dtype: str = option("bfloat16", "dtype of the stored hidden states and logit values")
+    dtype: str = option("float32", "the target's compute dtype")
+    device: str | None = option(None, "null = cpu, auto = cuda when present")
+    batch_size: int = option(1, "sequences per forward (right-padded; 1 = no padding)", ge=1)
+    limit: int | None = option(None, "keep the first N records of the source (before sharding across ranks)", ge=1)
+    rank: int | None = option(None, "null: RANK from the environment, else 0", ge=0)
+    world_size: int | None = option(None, "null: WORLD_SIZE from the environment, else 1", ge=1)
+    skip_no_loss: bool = option(True, "drop sequences without a single trained token")
+    disk_margin: float = option(0.05, "refuse to start unless free space >= estimate * (1 + disk_margin)", ge=0)
+    max_shards: int | None = option(None, "stop after this many shards in this call (the rerun continues)", ge=1)
+    threads: int | None = option(None, "torch CPU threads (null: torch's default)", ge=1)
+    progress: bool = option(True, "progress bar on stderr")
 
     def __post_init__(self) -> None:
+        check_config(self)
         self.hidden_layers = tuple(int(x) for x in self.hidden_layers)
         if not self.hidden_layers:
-            raise ValueError("FeatureCacheConfig.hidden_layers must name at least one layer")
+            raise UserError("hidden_layers must name at least one layer")
         if len(set(self.hidden_layers)) != len(self.hidden_layers):
-            raise ValueError(f"FeatureCacheConfig.hidden_layers has duplicates: {self.hidden_layers}")
-        for name in ("max_length", "shard_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"FeatureCacheConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.topk_logits < 0:
-            raise ValueError(f"FeatureCacheConfig.topk_logits must be >= 0, got {self.topk_logits}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "FeatureCacheConfig":
-        return config_from_dict(cls, d)
+            raise UserError(f"hidden_layers has duplicates: {self.hidden_layers}")
 
 
-class InsufficientDiskSpace(OSError):
+class InsufficientDiskSpace(UserError, OSError):
     """Free disk space is below the feature cache's size estimate."""
 
 
-class FeatureCacheMismatch(ValueError):
+class FeatureCacheMismatch(UserError):
     """A feature cache was built for another target (vocab / hidden size / layers / top-k)."""
 
 
@@ -157,7 +131,7 @@ def absolute_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     for layer in layers:
         a = layer if layer >= 0 else num_layers + 1 + layer
         if not 0 <= a <= num_layers:
-            raise ValueError(f"hidden layer {layer} out of range for a model with {num_layers} layers "
+            raise UserError(f"hidden layer {layer} out of range for a model with {num_layers} layers "
                              f"(valid: {-(num_layers + 1)}..{num_layers})")
         out.append(a)
     return out
@@ -287,138 +261,140 @@ class FeatureCacheResult:
     stopped_early: bool = False
 
 
+def _feature_plan(cfg: FeatureCacheConfig, tokenizer, mcfg, recs: Sequence, given: bool) -> dict:
+    """What the cache holds (recorded in every rank's ledger; a rerun with another plan is refused)."""
+    num_layers, hidden_size = int(mcfg.num_hidden_layers), int(mcfg.hidden_size)
+    storage = resolve_dtype(cfg.storage_dtype)
+    layers_abs = absolute_layers(cfg.hidden_layers, num_layers)
+    return {
+        "format": FEATURES_FORMAT, "model": cfg.target, "vocab_fingerprint": vocab_fingerprint(tokenizer),
+        "vocab_size": len(tokenizer), "hidden_size": hidden_size, "num_layers": num_layers,
+        "hidden_layers": list(cfg.hidden_layers), "hidden_layers_abs": layers_abs, "topk_logits": cfg.topk_logits,
+        "dtype": str(storage).removeprefix("torch."), "compute_dtype": cfg.dtype,
+        "bytes_per_token": bytes_per_token(len(layers_abs), hidden_size, cfg.topk_logits, storage),
+        "max_length": cfg.max_length, "shard_tokens": cfg.shard_tokens, "skip_no_loss": cfg.skip_no_loss,
+        "source": cfg.source if not given else "<records>", "n_items": len(recs),
+        "items_sha256": fingerprint([r.to_dict() if isinstance(r, Conversation) else dict(r) for r in recs]),
+    }
+
+
+def _check_disk(cfg: FeatureCacheConfig, plan: dict, out: Path, rank: int, world: int, shards: list,
+                todo: list[int]) -> int:
+    """Print the size estimate of what this rank still writes and refuse to start when it does not fit."""
+    bpt, storage = plan["bytes_per_token"], resolve_dtype(cfg.storage_dtype)
+    todo_tokens = sum(len(s["input_ids"]) for k in todo for s in shards[k])
+    all_tokens = sum(len(s["input_ids"]) for shard in shards for s in shard)
+    estimate = todo_tokens * bpt + (sum(8 * (len(sh) * 2 + 1) for sh in shards) if todo else 0)
+    # Every rank writes into the same directory: ranks that have not finished need about as much.
+    others_busy = sum(not ((p := out / f"progress_rank{r}.json").exists()
+                           and json.loads(p.read_text(encoding="utf-8")).get("done"))
+                      for r in range(world) if r != rank)
+    required = int(estimate * (1 + others_busy) * (1 + cfg.disk_margin)) if todo else 0
+    where = _existing_parent(out)
+    free = shutil.disk_usage(where).free
+    layer_txt = f"{len(plan['hidden_layers_abs'])} layer(s) {list(cfg.hidden_layers)} x {plan['hidden_size']} x " \
+                f"{_itemsize(storage)} B"
+    topk_txt = (f" + top-{cfg.topk_logits} logits ({_itemsize(storage)} B values + 4 B ids) + 4 B logsumexp"
+                if cfg.topk_logits else "")
+    print(f"[features] {bpt} bytes/token = {layer_txt}{topk_txt} + 5 B ids/mask", flush=True)
+    print(f"[features] rank {rank}/{world}: {sum(len(sh) for sh in shards)} sequences, {all_tokens} tokens in "
+          f"{len(shards)} shard(s); {len(todo)} shard(s) / {todo_tokens} tokens to write -> estimate "
+          f"{human_bytes(estimate)}{f' (x{1 + others_busy} ranks still writing)' if others_busy and todo else ''}; "
+          f"free {human_bytes(free)} at {where}", flush=True)
+    if required > free:
+        raise InsufficientDiskSpace(
+            f"feature cache needs about {human_bytes(required)} (estimate {human_bytes(estimate)} for rank {rank}"
+            f"{f' x {1 + others_busy} ranks' if others_busy else ''} + {cfg.disk_margin:.0%} margin) but only "
+            f"{human_bytes(free)} is free at {where}. Free space, pick another output_dir, store fewer layers or "
+            "fewer top-k logits, or lower limit / max_length.")
+    return estimate
+
+
+def _shard_tensors(model, shard: list[dict], plan: dict, cfg: FeatureCacheConfig, pad_id: int, bar) -> dict:
+    """One shard's tensors: every layer's hidden states (+ top-k logits), ids, masks, offsets, items."""
+    storage, layers_abs = resolve_dtype(cfg.storage_dtype), plan["hidden_layers_abs"]
+    parts: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, len(shard), cfg.batch_size):
+        group = shard[start: start + cfg.batch_size]
+        feats = forward_features(model, [s["input_ids"] for s in group], layers_abs, cfg.topk_logits, pad_id)
+        for s, f in zip(group, feats):
+            for j, a in enumerate(layers_abs):
+                parts.setdefault(f"hidden.{a}", []).append(f["hidden"][j].to("cpu", storage))
+            if cfg.topk_logits:
+                parts.setdefault("topk_values", []).append(f["topk_values"].to("cpu", storage))
+                parts.setdefault("topk_indices", []).append(f["topk_indices"].to("cpu", torch.int32))
+                parts.setdefault("logsumexp", []).append(f["logsumexp"].to("cpu", torch.float32))
+            bar.update(len(s["input_ids"]))
+    lens = [len(s["input_ids"]) for s in shard]
+    tensors = {name: torch.cat(ts).contiguous() for name, ts in parts.items()}
+    tensors["input_ids"] = torch.tensor([t for s in shard for t in s["input_ids"]], dtype=torch.int32)
+    tensors["loss_mask"] = torch.tensor([t for s in shard for t in s["loss_mask"]], dtype=torch.uint8)
+    tensors["offsets"] = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    tensors["items"] = torch.tensor([s["item"] for s in shard], dtype=torch.int64)
+    return tensors
+
+
 def build_feature_cache(cfg: FeatureCacheConfig, target: Any = None,
                         records: Sequence[Conversation | Mapping[str, Any]] | None = None) -> FeatureCacheResult:
     """Run the target once over the data and write (or complete) the feature cache of this rank.
 
     ``target``: a loaded ``TargetModel`` (or anything with ``.model`` and ``.tokenizer``); None
-    loads ``cfg.model``. ``records``: Conversations or pre-tokenised ``{"input_ids",
+    loads ``cfg.target``. ``records``: Conversations or pre-tokenised ``{"input_ids",
     "loss_mask"[, "id"]}`` dicts instead of ``cfg.source``.
     Raises ``InsufficientDiskSpace`` before writing anything when the estimate does not fit.
     """
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
     rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
     recs = list(records) if records is not None else load_source(cfg.source, limit=cfg.limit)
-    if records is not None and cfg.limit is not None:
-        recs = recs[: cfg.limit]
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
+    recs = recs[: cfg.limit] if records is not None and cfg.limit is not None else recs
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     if target is None:
-        target = TargetModel.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype), device=resolve_rank_device(cfg.device))
-    model, tokenizer = target.model, target.tokenizer
-    mcfg = _model_config(target)
-    num_layers, hidden_size = int(mcfg.num_hidden_layers), int(mcfg.hidden_size)
-    layers_abs = absolute_layers(cfg.hidden_layers, num_layers)
-    storage = resolve_dtype(cfg.storage_dtype)
-    bpt = bytes_per_token(len(layers_abs), hidden_size, cfg.topk_logits, storage)
-
-    plan = {
-        "format": FEATURES_FORMAT,
-        "model": cfg.model,
-        "vocab_fingerprint": vocab_fingerprint(tokenizer),
-        "vocab_size": len(tokenizer),
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "hidden_layers": list(cfg.hidden_layers),
-        "hidden_layers_abs": layers_abs,
-        "topk_logits": cfg.topk_logits,
-        "dtype": str(storage).removeprefix("torch."),
-        "compute_dtype": cfg.dtype,
-        "bytes_per_token": bpt,
-        "max_length": cfg.max_length,
-        "shard_tokens": cfg.shard_tokens,
-        "skip_no_loss": cfg.skip_no_loss,
-        "source": cfg.source if records is None else "<records>",
-        "n_items": len(recs),
-        "items_sha256": fingerprint([r.to_dict() if isinstance(r, Conversation) else dict(r) for r in recs]),
-    }
+        target = TargetModel.from_pretrained(cfg.target, dtype=resolve_dtype(cfg.dtype),
+                                             device=resolve_rank_device(cfg.device))
+    plan = _feature_plan(cfg, target.tokenizer, _model_config(target), recs, records is not None)
     out = Path(cfg.output_dir)
     ledger = ShardLedger(out, rank, world, plan)  # refuses a differently planned directory
-
-    seqs, skipped = _tokenise(recs, rank_items(len(recs), rank, world), tokenizer, cfg.max_length, cfg.skip_no_loss)
+    seqs, skipped = _tokenise(recs, rank_items(len(recs), rank, world), target.tokenizer, cfg.max_length,
+                              cfg.skip_no_loss)
     shards = _pack(seqs, cfg.shard_tokens)
     todo = [k for k in range(len(shards)) if not ledger.is_complete(k)]
-    todo_tokens = sum(len(s["input_ids"]) for k in todo for s in shards[k])
-    all_tokens = sum(len(s["input_ids"]) for s in seqs)
-    n_seq_meta = sum(8 * (len(sh) * 2 + 1) for sh in shards)  # offsets + items
-    estimate = todo_tokens * bpt + (n_seq_meta if todo else 0)
-    # Every rank writes into the same directory: ranks that have not finished need about as much.
-    others_busy = 0
-    for r in range(world):
-        if r != rank:
-            p = out / f"progress_rank{r}.json"
-            others_busy += not (p.exists() and json.loads(p.read_text(encoding="utf-8")).get("done"))
-    required = int(estimate * (1 + others_busy) * (1 + cfg.disk_margin)) if todo else 0
-    free = shutil.disk_usage(_existing_parent(out)).free
-    layer_txt = f"{len(layers_abs)} layer(s) {list(cfg.hidden_layers)} x {hidden_size} x {_itemsize(storage)} B"
-    topk_txt = f" + top-{cfg.topk_logits} logits ({_itemsize(storage)} B values + 4 B ids) + 4 B logsumexp" if cfg.topk_logits else ""
-    print(f"[features] {bpt} bytes/token = {layer_txt}{topk_txt} + 5 B ids/mask", flush=True)
-    print(f"[features] rank {rank}/{world}: {len(seqs)} sequences, {all_tokens} tokens in {len(shards)} shard(s); "
-          f"{len(todo)} shard(s) / {todo_tokens} tokens to write -> estimate {human_bytes(estimate)}"
-          f"{f' (x{1 + others_busy} ranks still writing)' if others_busy and todo else ''}; "
-          f"free {human_bytes(free)} at {_existing_parent(out)}", flush=True)
+    estimate = _check_disk(cfg, plan, out, rank, world, shards, todo)
     if skipped:
         print(f"[features] rank {rank}: skipped {skipped}", flush=True)
-    if required > free:
-        raise InsufficientDiskSpace(
-            f"feature cache needs about {human_bytes(required)} (estimate {human_bytes(estimate)} for rank {rank}"
-            f"{f' x {1 + others_busy} ranks' if others_busy else ''} + {cfg.disk_margin:.0%} margin) but only "
-            f"{human_bytes(free)} is free at {_existing_parent(out)}. Free space, pick another --output-dir, "
-            "store fewer layers or fewer top-k logits, or lower --limit / --max-length.")
-
     ledger.start()
-    result = FeatureCacheResult(out, rank, world, 0, len(shards) - len(todo), 0, bpt, estimate, skipped)
-    if not todo:
+    result = FeatureCacheResult(out, rank, world, 0, len(shards) - len(todo), 0, plan["bytes_per_token"], estimate,
+                                skipped)
+    if todo:
+        _write_shards(cfg, target, plan, ledger, shards, todo, result)
+    if not result.stopped_early:
         ledger.finish()
-        return result
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    done_tokens = all_tokens - todo_tokens
-    bar = tqdm(total=all_tokens, initial=done_tokens, desc=f"features rank {rank}/{world}", unit="tok",
-               unit_scale=True, disable=not cfg.progress, file=sys.stderr)
-    try:
-        for k in todo:
-            if cfg.max_shards is not None and result.shards_written >= cfg.max_shards:
-                result.stopped_early = True
-                break
-            t0 = time.perf_counter()
-            shard = shards[k]
-            parts: dict[str, list[torch.Tensor]] = {}
-            for start in range(0, len(shard), cfg.batch_size):
-                group = shard[start : start + cfg.batch_size]
-                feats = forward_features(model, [s["input_ids"] for s in group], layers_abs, cfg.topk_logits, pad_id)
-                for s, f in zip(group, feats):
-                    for j, a in enumerate(layers_abs):
-                        parts.setdefault(f"hidden.{a}", []).append(f["hidden"][j].to("cpu", storage))
-                    if cfg.topk_logits:
-                        parts.setdefault("topk_values", []).append(f["topk_values"].to("cpu", storage))
-                        parts.setdefault("topk_indices", []).append(f["topk_indices"].to("cpu", torch.int32))
-                        parts.setdefault("logsumexp", []).append(f["logsumexp"].to("cpu", torch.float32))
-                    bar.update(len(s["input_ids"]))
-            lens = [len(s["input_ids"]) for s in shard]
-            tensors = {name: torch.cat(ts).contiguous() for name, ts in parts.items()}
-            tensors["input_ids"] = torch.tensor([t for s in shard for t in s["input_ids"]], dtype=torch.int32)
-            tensors["loss_mask"] = torch.tensor([t for s in shard for t in s["loss_mask"]], dtype=torch.uint8)
-            tensors["offsets"] = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
-            tensors["items"] = torch.tensor([s["item"] for s in shard], dtype=torch.int64)
-            meta = {"format": FEATURES_FORMAT, "ids": json.dumps([s["id"] for s in shard], ensure_ascii=False)}
-            name = f"shard_{rank}_{k:05d}.safetensors"
-            atomic_write(out / name, lambda p: save_file(tensors, str(p), metadata=meta))
-            ledger.commit({"file": name, "index": k, "n_sequences": len(shard), "n_tokens": sum(lens),
-                           "n_loss_tokens": int(tensors["loss_mask"].sum()), "bytes": (out / name).stat().st_size,
-                           "seconds": round(time.perf_counter() - t0, 3)})
-            result.shards_written += 1
-            result.tokens_written += sum(lens)
-        else:
-            ledger.finish()
-    finally:
-        bar.close()
     return result
 
 
-# ---------------------------------------------------------------------------
-# Reading the cache
-# ---------------------------------------------------------------------------
+def _write_shards(cfg: FeatureCacheConfig, target, plan: dict, ledger: ShardLedger, shards: list, todo: list[int],
+                  result: FeatureCacheResult) -> None:
+    tokenizer, out, rank = target.tokenizer, ledger.dir, ledger.rank
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    all_tokens = sum(len(s["input_ids"]) for shard in shards for s in shard)
+    done_tokens = all_tokens - sum(len(s["input_ids"]) for k in todo for s in shards[k])
+    with tqdm(total=all_tokens, initial=done_tokens, desc=f"features rank {rank}/{ledger.world_size}", unit="tok",
+              unit_scale=True, disable=not cfg.progress, file=sys.stderr) as bar:
+        for k in todo:
+            if cfg.max_shards is not None and result.shards_written >= cfg.max_shards:
+                result.stopped_early = True
+                return
+            t0 = time.perf_counter()
+            shard = shards[k]
+            tensors = _shard_tensors(target.model, shard, plan, cfg, pad_id, bar)
+            meta = {"format": FEATURES_FORMAT, "ids": json.dumps([s["id"] for s in shard], ensure_ascii=False)}
+            name = f"shard_{rank}_{k:05d}.safetensors"
+            atomic_write(out / name, lambda p: save_file(tensors, str(p), metadata=meta))
+            tokens = int(tensors["input_ids"].numel())
+            ledger.commit({"file": name, "index": k, "n_sequences": len(shard), "n_tokens": tokens,
+                           "n_loss_tokens": int(tensors["loss_mask"].sum()), "bytes": (out / name).stat().st_size,
+                           "seconds": round(time.perf_counter() - t0, 3)})
+            result.shards_written += 1
+            result.tokens_written += tokens
 
 
 def load_index(path: str | Path, target: Any = None, *, hidden_layers: Sequence[int] | None = None,
@@ -432,15 +408,10 @@ def load_index(path: str | Path, target: Any = None, *, hidden_layers: Sequence[
     Raises ``FeatureCacheMismatch`` naming every difference; ``RuntimeError`` for an unfinished
     cache when ``require_complete``.
     """
-    d = Path(path).expanduser()
-    if not d.is_dir():
-        raise FileNotFoundError(f"feature cache: {d} is not a directory")
-    index = merged_index(d)
-    if index.get("format") != FEATURES_FORMAT:
-        raise ValueError(f"{d}: format {index.get('format')!r} is not a feature cache ({FEATURES_FORMAT!r})")
-    if require_complete and not index["complete"]:
-        raise RuntimeError(f"{d}: feature cache incomplete (ranks done {index['ranks_done']} of world size "
-                           f"{index['world_size']}); rerun the build command to finish it")
+    d, index = read_job_index(path, FEATURES_FORMAT, "a feature cache")
+    msg = incomplete_message(d, index, "feature cache")
+    if require_complete and msg is not None:
+        raise IncompleteDataError(msg + "; rerun the build command to finish it")
     problems = []
     if target is not None:
         mcfg = _model_config(target)
@@ -548,32 +519,16 @@ class FeatureDataset(IterableDataset):
 # ---------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = job_parser("python -m draftsmith.data.features",
-                    "Cache target hidden states / top-k logits to bf16 safetensors shards.",
-                    FeatureCacheConfig, "source spec, e.g. gsm8k:train or conversations:<regenerated dir>",
-                    (("max_length", int), ("shard_tokens", int), ("storage_dtype", str), ("dtype", str),
-                     ("device", str), ("batch_size", int), ("limit", int), ("rank", int), ("world_size", int),
-                     ("disk_margin", float), ("max_shards", int), ("num_threads", int)))
-    defaults = {f.name: f.default for f in dataclasses.fields(FeatureCacheConfig)}
-    ap.add_argument("--layers", dest="hidden_layers", type=int, nargs="+", default=list(defaults["hidden_layers"]),
-                    help="output_hidden_states indices (-1 = final normed state)")
-    ap.add_argument("--topk", dest="topk_logits", type=int, default=defaults["topk_logits"])
-    ap.add_argument("--keep-no-loss", action="store_true", help="keep sequences without trained tokens")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    args["progress"] = not args.pop("no_progress")
-    args["skip_no_loss"] = not args.pop("keep_no_loss")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    res = build_feature_cache(FeatureCacheConfig.from_dict(args))
+def main(argv: list[str]) -> int:
+    cfg = parse_job_command("python -m draftsmith.data.features",
+                            "Cache target hidden states / top-k logits to bf16 safetensors shards.", FeatureCacheConfig,
+                            argv)
+    res = build_feature_cache(cfg)
     print(f"[features] rank {res.rank}/{res.world_size}: wrote {res.shards_written} shard(s) ({res.tokens_written} "
           f"tokens), skipped {res.shards_skipped} complete shard(s)"
-          f"{' (stopped at --max-shards)' if res.stopped_early else ''} -> {res.output_dir}")
+          f"{' (stopped at max_shards)' if res.stopped_early else ''} -> {res.output_dir}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

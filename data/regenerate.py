@@ -28,11 +28,12 @@ Sharding and resuming (shared with ``data/features.py``, see ``ShardLedger``):
 
 ``RANK``/``WORLD_SIZE`` come from the environment (``torchrun``, ``accelerate launch``) unless set
 in the config, so ``accelerate launch -m draftsmith.data.regenerate ...`` runs one rank per process.
+The ledger, the index and shard integrity (size + sha256 per shard) are `data.shards`.
 
 CLI::
 
-    python -m draftsmith.data.regenerate --model smollm2-135m-instruct --source gsm8k:train --limit 64 \\
-        --output-dir runs/regen/gsm8k-smollm2 [--temperature 0.7 --top-p 0.95] [--filter-wrong]
+    python -m draftsmith.data.regenerate target=smollm2-135m-instruct source=gsm8k:train limit=64 \\
+        output_dir=runs/regen/gsm8k-smollm2 [temperature=0.7 top_p=0.95] [filter_wrong=true]
 
 Reading the result back: ``load_regenerated(dir)`` (or, once ``data.sources`` accepts a directory,
 the source spec ``conversations:<dir>``).
@@ -40,27 +41,24 @@ the source spec ``conversations:<dir>``).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
-import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
-from draftsmith.config import config_from_dict
+from draftsmith.config import check_config, option
 from draftsmith.data.chat import end_of_turn_candidates, prompt_ids, render_text
-from draftsmith.data.shards import (PlanMismatch, ShardLedger, chunk, fingerprint, merged_index, rank_items,
+from draftsmith.data.shards import (ShardLedger, chunk, fingerprint, parse_job_command, rank_items,
                                     resolve_rank_device, resolve_rank_world)
-from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, check_gsm8k, load_regenerated, load_source
+from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, load_source
+from draftsmith.errors import exit_with
 from draftsmith.fileio import atomic_write
 from draftsmith.models.target import TargetModel, resolve_dtype
 
@@ -75,69 +73,34 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RegenerateConfig:
-    """What ``regenerate`` does; every default is declared here once.
+    """What `regenerate` does; every default is declared here once."""
 
-    model:            zoo name, local dir or hub id (used as the model id in the output)
-    source:           source spec for ``data.sources.load_source`` ("gsm8k:train", a dict, ...)
-    output_dir:       run directory (shards + ledgers + index.json)
-    max_new_tokens:   per assistant turn
-    temperature:      0 = greedy; > 0 samples at this temperature
-    top_p, top_k:     nucleus / top-k sampling (top_k=0: off); ignored when greedy
-    batch_size:       conversations generated together (left-padded)
-    shard_size:       conversations per shard (the unit of resuming)
-    limit:            keep the first N records of the source (before sharding across ranks)
-    seed:             sampling seed; every shard reseeds with (seed, rank, shard index)
-    dtype, device:    target compute dtype / device (None = cpu, "auto" = cuda when present)
-    rank, world_size: None = from RANK / WORLD_SIZE in the environment, else 0 / 1
-    filter_wrong:     drop replies that a checker (by ``Conversation.source``) marks wrong;
-                      without it they are kept and marked meta["regenerated"]["correct"]=False
-    max_prompt_tokens: a turn whose prompt is longer ends the replay there (a first turn that is
-                      too long drops the conversation); None = the model's context length minus
-                      max_new_tokens
-    max_turns:        regenerate at most this many assistant replies per conversation (the replay
-                      ends there); None = every turn
-    max_shards:       stop after writing this many shards in this call (time-boxed jobs; the
-                      rerun continues); None = all
-    num_threads:      torch CPU threads (None = torch's default; 1 is fastest on a busy shared CPU)
-    progress:         tqdm progress bar on stderr
-    """
-
-    model: str
-    source: str | dict | None
-    output_dir: str
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    batch_size: int = 8
-    shard_size: int = 256
-    limit: int | None = None
-    seed: int = 0
-    dtype: str = "float32"
-    device: str | None = None
-    rank: int | None = None
-    world_size: int | None = None
-    filter_wrong: bool = False
-    max_prompt_tokens: int | None = None
-    max_turns: int | None = None
-    max_shards: int | None = None
-    num_threads: int | None = None
-    progress: bool = True
+    target: str = option(help="the model that answers: zoo name, model directory, hub id or tiny:<family>")
+    source: str | None = option(help="data.sources spec of the conversations (gsm8k:train, sharegpt, ...)")
+    output_dir: str = option(help="run directory (shards + ledgers + index.json)")
+    max_new_tokens: int = option(512, "new tokens per assistant turn", ge=1)
+    temperature: float = option(0.0, "0 = greedy; > 0 samples at this temperature", ge=0)
+    top_p: float = option(1.0, "nucleus sampling mass (ignored when greedy)", gt=0, le=1)
+    top_k: int = option(0, "top-k sampling (0: off; ignored when greedy)", ge=0)
+    batch_size: int = option(8, "conversations generated together (left-padded)", ge=1)
+    shard_size: int = option(256, "conversations per shard (the unit of resuming)", ge=1)
+    limit: int | None = option(None, "keep the first N records of the source (before sharding across ranks)", ge=1)
+    seed: int = option(0, "sampling seed; every shard reseeds with (seed, rank, shard index)")
+    dtype: str = option("float32", "the target's compute dtype")
+    device: str | None = option(None, "null = cpu, auto = cuda when present")
+    rank: int | None = option(None, "null: RANK from the environment, else 0", ge=0)
+    world_size: int | None = option(None, "null: WORLD_SIZE from the environment, else 1", ge=1)
+    filter_wrong: bool = option(False, "drop replies a checker marks wrong (GSM8K); else keep them marked")
+    max_prompt_tokens: int | None = option(None, "a turn with a longer prompt ends the replay there (null: the "
+                                                 "context length minus max_new_tokens)", ge=1)
+    max_turns: int | None = option(None, "regenerate at most this many assistant replies per conversation", ge=1)
+    max_shards: int | None = option(None, "stop after this many shards in this call (the rerun continues)", ge=1)
+    threads: int | None = option(None, "torch CPU threads (null: torch's default)", ge=1)
+    progress: bool = option(True, "progress bar on stderr")
 
     def __post_init__(self) -> None:
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"RegenerateConfig.max_turns must be >= 1 (or None for every turn), got {self.max_turns}")
-        for name in ("max_new_tokens", "batch_size", "shard_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RegenerateConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"RegenerateConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"RegenerateConfig.top_p must be in (0, 1], got {self.top_p}")
+        check_config(self)
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RegenerateConfig":
-        return config_from_dict(cls, d)
 
 
 # ---------------------------------------------------------------------------
@@ -330,45 +293,72 @@ class RegenerateResult:
     stopped_early: bool = False  # max_shards reached before the rank's last shard
 
 
+def regen_plan(cfg: RegenerateConfig, convs: Sequence[Conversation], given: bool) -> dict:
+    """What the run does (recorded in every rank's ledger; a rerun with another plan is refused)."""
+    plan = {"format": REGEN_FORMAT, "model": cfg.target, "source": cfg.source if not given else "<records>",
+            "n_items": len(convs), "items_sha256": fingerprint([c.to_dict() for c in convs]),
+            "shard_size": cfg.shard_size, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "dtype": cfg.dtype,
+            "filter_wrong": cfg.filter_wrong, "max_prompt_tokens": cfg.max_prompt_tokens}
+    if cfg.max_turns is not None:  # absent from plans that replay every turn (as before the option)
+        plan["max_turns"] = cfg.max_turns
+    return plan
+
+
+def mark_conversation(cfg: RegenerateConfig, conv: Conversation, item: int, original: Conversation, info: dict,
+                      checkers: Mapping) -> bool:
+    """Record where a regenerated conversation came from; False when a checker drops it (filter_wrong)."""
+    mark = {"model": cfg.target, "item": item, "original_id": original.id, "turns": info["turns"],
+            "truncated": info["truncated"], "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    if info["context_cut"]:
+        mark["context_cut"] = True
+    check = checkers.get(conv.source)
+    verdict = check(conv) if check is not None else None
+    if verdict is not None:
+        mark["correct"] = bool(verdict)
+        if not verdict and cfg.filter_wrong:
+            return False
+    conv.meta["regenerated"] = mark
+    return True
+
+
+def regenerate_shard(cfg: RegenerateConfig, backend: GenerationBackend, convs: Sequence[Conversation],
+                     items: Sequence[int], max_prompt: int | None, checkers: Mapping, bar) -> tuple[list[str], Counter]:
+    """The JSONL lines of one shard and what was dropped (reason -> count)."""
+    lines: list[str] = []
+    dropped: Counter = Counter()
+    for start in range(0, len(items), cfg.batch_size):
+        batch_items = items[start: start + cfg.batch_size]
+        for item, (conv, info) in zip(batch_items, replay_batch(backend, [convs[i] for i in batch_items], cfg,
+                                                                max_prompt)):
+            bar.update(1)
+            if conv is None:
+                dropped[info["reason"]] += 1
+            elif mark_conversation(cfg, conv, item, convs[item], info, checkers):
+                lines.append(json.dumps(conv.to_dict(), ensure_ascii=False) + "\n")
+            else:
+                dropped["wrong_answer"] += 1
+    return lines, dropped
+
+
 def regenerate(
     cfg: RegenerateConfig,
     target: Any = None,
     records: Sequence[Conversation] | None = None,
     checkers: Mapping[str, Callable[[Conversation], bool | None]] | None = None,
 ) -> RegenerateResult:
-    """Regenerate the assistant turns of ``cfg.source`` (or ``records``) with ``cfg.model``.
+    """Regenerate the assistant turns of ``cfg.source`` (or ``records``) with ``cfg.target``.
 
     ``target``: an already loaded ``models.target.TargetModel`` (or anything with ``.model`` and
-    ``.tokenizer``); None loads ``cfg.model`` with ``cfg.dtype`` / ``cfg.device``. ``checkers``
+    ``.tokenizer``); None loads ``cfg.target`` with ``cfg.dtype`` / ``cfg.device``. ``checkers``
     maps ``Conversation.source`` to a checker (default ``CHECKERS``: GSM8K final answers).
     Resumable: complete shards of this rank are skipped (see the module docstring).
     """
-    from tqdm.auto import tqdm
-
     rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
     convs = list(records) if records is not None else load_source(cfg.source, limit=cfg.limit)
-    if records is not None and cfg.limit is not None:
-        convs = convs[: cfg.limit]
-    plan = {
-        "format": REGEN_FORMAT,
-        "model": cfg.model,
-        "source": cfg.source if records is None else "<records>",
-        "n_items": len(convs),
-        "items_sha256": fingerprint([c.to_dict() for c in convs]),
-        "shard_size": cfg.shard_size,
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "top_k": cfg.top_k,
-        "seed": cfg.seed,
-        "dtype": cfg.dtype,
-        "filter_wrong": cfg.filter_wrong,
-        "max_prompt_tokens": cfg.max_prompt_tokens,
-    }
-    if cfg.max_turns is not None:  # absent from plans that replay every turn (as before the option)
-        plan["max_turns"] = cfg.max_turns
+    convs = convs[: cfg.limit] if records is not None and cfg.limit is not None else convs
     out = Path(cfg.output_dir)
-    ledger = ShardLedger(out, rank, world, plan)
+    ledger = ShardLedger(out, rank, world, regen_plan(cfg, convs, records is not None))
     ledger.start()
     mine = rank_items(len(convs), rank, world)
     shards = chunk(mine, cfg.shard_size)
@@ -378,64 +368,34 @@ def regenerate(
         log.info("regenerate rank %d: all %d shard(s) complete in %s", rank, len(shards), out)
         ledger.finish()
         return result
-
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     if target is None:
-        target = TargetModel.from_pretrained(cfg.model, dtype=resolve_dtype(cfg.dtype), device=resolve_rank_device(cfg.device))
+        target = TargetModel.from_pretrained(cfg.target, dtype=resolve_dtype(cfg.dtype),
+                                             device=resolve_rank_device(cfg.device))
     backend = make_backend(target.model, target.tokenizer)
     max_prompt = cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else _default_max_prompt(
         target.model, cfg.max_new_tokens)
-    checkers = CHECKERS if checkers is None else checkers
     done_items = sum(len(shards[k]) for k in range(len(shards)) if k not in todo)
-    bar = tqdm(total=len(mine), initial=done_items, desc=f"regenerate rank {rank}/{world}", unit="conv",
-               disable=not cfg.progress, file=sys.stderr)
-    try:
+    with tqdm(total=len(mine), initial=done_items, desc=f"regenerate rank {rank}/{world}", unit="conv",
+              disable=not cfg.progress, file=sys.stderr) as bar:
         for k in todo:
             if cfg.max_shards is not None and result.shards_written >= cfg.max_shards:
                 result.stopped_early = True
-                break
+                return result
             t0 = time.perf_counter()
             torch.manual_seed(cfg.seed * 1_000_003 + rank * 100_003 + k)  # a redone shard is the same shard
-            lines: list[str] = []
-            dropped: Counter = Counter()
-            items = shards[k]
-            for start in range(0, len(items), cfg.batch_size):
-                batch_items = items[start : start + cfg.batch_size]
-                for item, (conv, info) in zip(batch_items, replay_batch(backend, [convs[i] for i in batch_items],
-                                                                         cfg, max_prompt)):
-                    bar.update(1)
-                    if conv is None:
-                        dropped[info["reason"]] += 1
-                        continue
-                    mark = {"model": cfg.model, "item": item, "original_id": convs[item].id,
-                            "turns": info["turns"], "truncated": info["truncated"],
-                            "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
-                    if info["context_cut"]:
-                        mark["context_cut"] = True
-                    check = checkers.get(conv.source)
-                    verdict = check(conv) if check is not None else None
-                    if verdict is not None:
-                        mark["correct"] = bool(verdict)
-                        if not verdict and cfg.filter_wrong:
-                            dropped["wrong_answer"] += 1
-                            continue
-                    conv.meta["regenerated"] = mark
-                    lines.append(json.dumps(conv.to_dict(), ensure_ascii=False) + "\n")
+            lines, dropped = regenerate_shard(cfg, backend, convs, shards[k], max_prompt,
+                                              CHECKERS if checkers is None else checkers, bar)
             name = _shard_name(rank, k, "jsonl")
             atomic_write(out / name, lambda p: p.write_text("".join(lines), encoding="utf-8"))
-            ledger.commit({"file": name, "index": k, "n_items": len(items), "n_written": len(lines),
-                           "first_item": items[0], "dropped": dict(dropped),
+            ledger.commit({"file": name, "index": k, "n_items": len(shards[k]), "n_written": len(lines),
+                           "first_item": shards[k][0], "dropped": dict(dropped),
                            "seconds": round(time.perf_counter() - t0, 3)})
             result.shards_written += 1
             result.items_written += len(lines)
             result.dropped.update(dropped)
-            if dropped:
-                log.info("regenerate rank %d shard %d: dropped %s", rank, k, dict(dropped))
-        else:
-            ledger.finish()
-    finally:
-        bar.close()
+    ledger.finish()
     return result
 
 
@@ -444,43 +404,16 @@ def regenerate(
 # ---------------------------------------------------------------------------
 
 
-def job_parser(prog: str, description: str, config_cls: type, source_help: str,
-               options: Sequence[tuple[str, type]]) -> argparse.ArgumentParser:
-    """The CLI shared by the sharded data jobs (regenerate, features): --model/--source/--output-dir,
-    one --flag per (config field, type) in `options` with the dataclass default, and --no-progress."""
-    ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("--model", required=True, help="zoo name, local dir or hub id")
-    ap.add_argument("--source", required=True, help=source_help)
-    ap.add_argument("--output-dir", required=True)
-    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
-    for name, typ in options:
-        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=defaults[name])
-    ap.add_argument("--no-progress", action="store_true")
-    return ap
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = job_parser("python -m draftsmith.data.regenerate",
-                    "Regenerate assistant turns with the target model (resumable, sharded).",
-                    RegenerateConfig, "source spec, e.g. gsm8k:train, sharegpt, mt-bench",
-                    (("max_new_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int),
-                     ("batch_size", int), ("shard_size", int), ("limit", int), ("seed", int), ("dtype", str),
-                     ("device", str), ("rank", int), ("world_size", int), ("max_prompt_tokens", int),
-                     ("max_turns", int), ("max_shards", int), ("num_threads", int)))
-    ap.add_argument("--filter-wrong", action="store_true", help="drop replies a checker marks wrong (GSM8K)")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
-    args["progress"] = not args.pop("no_progress")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    res = regenerate(RegenerateConfig.from_dict(args))
+def main(argv: list[str]) -> int:
+    cfg = parse_job_command("python -m draftsmith.data.regenerate",
+                            "Regenerate assistant turns with the target model (resumable, sharded).", RegenerateConfig,
+                            argv)
+    res = regenerate(cfg)
     print(f"rank {res.rank}/{res.world_size}: wrote {res.shards_written} shard(s) ({res.items_written} conversations), "
           f"skipped {res.shards_skipped} complete shard(s), dropped {dict(res.dropped)}"
-          f"{' (stopped at --max-shards)' if res.stopped_early else ''} -> {res.output_dir}")
+          f"{' (stopped at max_shards)' if res.stopped_early else ''} -> {res.output_dir}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.config import command_parser, parse_command
 from draftsmith.errors import UserError
 from draftsmith.fileio import atomic_write_json, digest_mismatch, dir_lock, file_digest
 from draftsmith.models.target import resolve_device
@@ -29,6 +30,10 @@ from draftsmith.models.target import resolve_device
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.json"
+
+
+class IncompleteDataError(UserError, RuntimeError):
+    """A data job's output is used before the job has finished."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -169,3 +174,32 @@ def write_merged_index(out_dir: str | Path) -> dict:
         index = merged_index(d)
         atomic_write_json(d / INDEX_NAME, index)
     return index
+
+
+def read_job_index(path: str | Path, expected_format: str, what: str) -> tuple[Path, dict]:
+    """(directory, merged index) of a data job's output, refusing a directory of another format."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise FileNotFoundError(f"{what}: {d} is not a directory")
+    index = merged_index(d)
+    if index.get("format") != expected_format:
+        raise UserError(f"{d}: format {index.get('format')!r} is not {what} ({expected_format!r})")
+    return d, index
+
+
+def incomplete_message(d: Path, index: dict, what: str) -> str | None:
+    """None when every rank of the job has finished, else a message saying what is done."""
+    if index["complete"]:
+        return None
+    return (f"{d}: {what} incomplete (ranks done {index['ranks_done']} of world size {index['world_size']}, "
+            f"{len(index['shards'])} shard(s) complete)")
+
+
+def parse_job_command(prog: str, description: str, config_cls: type, argv: list[str]):
+    """The data jobs' command line: the config system plus --no-progress; logging at INFO."""
+    parser = command_parser(prog, description, config_cls)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cfg, flags = parse_command(parser, config_cls, argv)
+    cfg.progress = cfg.progress and not flags.no_progress
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return cfg

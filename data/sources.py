@@ -39,8 +39,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from draftsmith.data.shards import merged_index
-from draftsmith.errors import UserError
+from draftsmith.data.shards import IncompleteDataError, incomplete_message, read_job_index
 from draftsmith.models.zoo import draftsmith_cache
 
 log = logging.getLogger(__name__)
@@ -421,8 +420,6 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
 REGEN_FORMAT = "draftsmith.regenerated/1"
 
 
-class IncompleteDataError(UserError, RuntimeError):
-    """A data job's output is used before the job has finished."""
 
 
 def load_regenerated(path: str | Path, limit: int | None = None, require_complete: bool = False) -> list[Conversation]:
@@ -432,15 +429,9 @@ def load_regenerated(path: str | Path, limit: int | None = None, require_complet
     ``require_complete`` raises when some rank has not finished; otherwise a partial run
     yields what is complete (with a warning).
     """
-    d = Path(path).expanduser()
-    if not d.is_dir():
-        raise FileNotFoundError(f"regenerated data: {d} is not a directory")
-    index = merged_index(d)
-    if index.get("format") != REGEN_FORMAT:
-        raise UserError(f"{d}: format {index.get('format')!r} is not {REGEN_FORMAT!r}")
-    if not index["complete"]:
-        msg = (f"{d}: regeneration incomplete (ranks done {index['ranks_done']} of world size "
-               f"{index['world_size']}, {len(index['shards'])} shard(s) complete)")
+    d, index = read_job_index(path, REGEN_FORMAT, "regenerated data")
+    msg = incomplete_message(d, index, "regeneration")
+    if msg is not None:
         if require_complete:
             raise IncompleteDataError(msg + "; rerun the regeneration command to finish it")
         log.warning("%s; loading the complete shards", msg)

@@ -196,26 +196,26 @@ def check_bounds(value: Any, bounds: Mapping[str, float], path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _reject_unknown(cls: type, data: Mapping, fields: Mapping, path: str) -> None:
-    where = path or "the top level"
+def _reject_unknown(cls: type, data: Mapping, fields: Mapping, path: str, noun: str) -> None:
+    where = f" at {path}" if path else ""
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {join_path(path, close[0])!r}?)" if close else ""
-            raise ConfigError(f"unknown config key {join_path(path, str(key))!r}{hint}; valid keys at {where}: "
+            raise ConfigError(f"unknown {noun} {join_path(path, str(key))!r}{hint}; valid {noun}s{where}: "
                               f"{', '.join(sorted(fields))}")
 
 
-def config_from_dict(cls: type[T], data: Any, path: str = "") -> T:
+def config_from_dict(cls: type[T], data: Any, path: str = "", noun: str = "config key") -> T:
     """Build the dataclass `cls` from a (nested) mapping: unknown keys, wrong types and out-of-bounds
-    values are ConfigErrors naming the key path."""
+    values are ConfigErrors naming the key path (`noun`: what a key is called in messages)."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or 'the top level'}: expected a mapping of keys to values, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    _reject_unknown(cls, data, fields, path)
+    _reject_unknown(cls, data, fields, path, noun)
     kwargs = {}
     for name, f in fields.items():
         key_path = join_path(path, name)
@@ -223,13 +223,22 @@ def config_from_dict(cls: type[T], data: Any, path: str = "") -> T:
             kwargs[name] = coerce(data[name], hints[name], key_path)
             check_bounds(kwargs[name], f.metadata.get("bounds", {}), key_path)
         elif f.default is MISSING and f.default_factory is MISSING:
-            raise ConfigError(f"missing required config key {key_path!r}")
+            raise ConfigError(f"missing required {noun} {key_path!r}" + (f" ({f.metadata['help']})"
+                                                                         if f.metadata.get("help") else ""))
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{path or cls.__name__}: {err}") from err
+
+
+def check_config(cfg: Any, path: str = "") -> None:
+    """Check the declared bounds of every field of a config instance (programmatic configs call it in
+    __post_init__, so a bad value is refused wherever the config is built)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        check_bounds(value, f.metadata.get("bounds", {}), join_path(path, f.name))
 
 
 def config_to_dict(cfg: Any) -> dict:

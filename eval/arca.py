@@ -1,107 +1,215 @@
-"""Static Medusa trees from measured head accuracies (Medusa's tree search / Ghidorah's ARCA step 1).
+"""ARCA (Ghidorah III-C): acceptance recorded per tree rank, trees refined against it, profile documents.
 
-`accuracy[d][r]` is the probability that head d + 1's rank-r candidate is the correct token at depth
-d + 1 (measured on held-out data: the recipe's `head_accuracy.json` "rank_accuracy"). Assuming
-independence, the tree node reached by child ranks (r_1, ..., r_d) is accepted with probability
-
-    value(r_1..r_d) = prod_i accuracy[i - 1][r_i]
-
-and the expected number of accepted draft tokens of a tree is the sum of its node values (a node
-counts when its whole path is accepted). `arca_paths` grows the tree greedily: starting from the
-root, it repeatedly adds the candidate node of largest value whose parent is already in the tree,
-until `width` nodes are placed. Candidates are only ever the *next* rank of a node's children, so
-every node's children use ranks 0..k-1 (what `MedusaDrafter` and sampling verification need); when
-accuracies decrease with rank this is no restriction and the greedy tree is the optimal one of its
-size for this objective (the top-`width` values form an ancestor- and rank-closed set).
-
-`width` counts draft nodes; the verification forward processes width + 1 tokens (the root too).
-Ghidorah refines this estimate by brute-force search over leaves and same-level nodes against real
-acceptance; that step needs the decoder and is not done here.
+The greedy expected-acceptance tree of a budget from per-rank accuracies (`arca_paths`) is a Medusa
+artifact function and lives in `models.medusa` (exports record it as medusa_choices); it is
+re-exported here. `RankRecorder` wraps any drafter and records which rank the target took at each
+depth; `replay_tau` / `refine_paths` score and improve static trees against those recorded rounds
+(Ghidorah's neighbour search over leaves and same-level nodes); profile documents are written by
+`eval.profile` and read by the bench's `arca:` method.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
+from draftsmith.errors import UserError
+from draftsmith.eval.drafters.base import Drafter
+from draftsmith.eval.tree import DraftTree
+from draftsmith.fileio import atomic_write
+from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, arca_paths, expected_accepted, load_rank_accuracy,
+                                      path_value, rank_accuracy_from_topk)
 
-def _check_accuracy(accuracy: Sequence[Sequence[float]]) -> list[list[float]]:
-    table = [[float(a) for a in row] for row in accuracy]
-    if not table:
-        raise ValueError("accuracy table is empty (one row per head expected)")
-    for d, row in enumerate(table):
-        for r, a in enumerate(row):
-            if not 0.0 <= a <= 1.0:
-                raise ValueError(f"accuracy[{d}][{r}] = {a} is not a probability")
-        if sum(row) > 1.0 + 1e-6:
-            raise ValueError(f"accuracy[{d}] sums to {sum(row):.4f} > 1: pass per-rank accuracies, not cumulative "
-                             "top-k ones (see rank_accuracy_from_topk)")
-    return table
+__all__ = ["DEFAULT_MEDUSA_PATHS", "arca_paths", "expected_accepted", "load_rank_accuracy", "path_value",
+           "rank_accuracy_from_topk", "RankRecorder", "replay_tau", "refine_paths", "save_profile", "load_profile",
+           "profile_paths", "interpolate_latency"]
 
 
-def rank_accuracy_from_topk(topk: Sequence[Sequence[float]]) -> list[list[float]]:
-    """Cumulative top-1..top-R accuracies per head -> per-rank accuracies (differences)."""
-    return [[row[0]] + [row[r] - row[r - 1] for r in range(1, len(row))] for row in topk]
+# --------------------------------------------------------------------------------------------
+# Acceptance recording and tree refinement (ARCA step 2)
+# --------------------------------------------------------------------------------------------
 
 
-def path_value(path: Sequence[int], accuracy: Sequence[Sequence[float]]) -> float:
-    """Estimated acceptance probability of the node reached by child ranks `path`."""
-    value = 1.0
-    for depth, rank in enumerate(path):
-        row = accuracy[depth]
-        value *= row[rank] if rank < len(row) else 0.0
-    return value
+class RankRecorder(Drafter):
+    """Wraps a drafter; per round, the rank path the target took through the proposed tree.
 
-
-def expected_accepted(paths: Sequence[Sequence[int]], accuracy: Sequence[Sequence[float]]) -> float:
-    """Expected accepted draft tokens per step (add 1 for the bonus token to estimate tau)."""
-    return sum(path_value(p, accuracy) for p in {tuple(p) for p in paths})
-
-
-def arca_paths(accuracy: Sequence[Sequence[float]], width: int, max_depth: int | None = None) -> list[list[int]]:
-    """Greedy expected-acceptance tree of `width` nodes as Medusa "choices" (child-rank paths).
-
-    accuracy: (num_heads, num_ranks) per-rank accuracies; max_depth: at most this many heads
-    (default: all). Returns the paths in the order they were added (a prefix of the result is
-    the greedy tree of that smaller width); fewer than `width` when the table runs out of nodes
-    (depth x ranks) or of nodes with a nonzero value. Ties go to the shallower, then
-    lexicographically smaller path.
+    A node's rank is its position among its siblings in the tree (drafters list children best
+    first). After a round, the tokens appended to the context (accepted + bonus) are walked down
+    the tree: at depth k the target's token is found among the children of the depth k-1 path
+    node (rank r, counted in hits[k][r]) or not (a miss, the round's end). Depths whose path node
+    has no children in the tree are not attempts. The last round of each request, whose bonus
+    token is never seen, is dropped.
     """
-    table = _check_accuracy(accuracy)
-    if width < 0:
-        raise ValueError(f"width must be >= 0, got {width}")
-    depth_limit = len(table) if max_depth is None else min(max_depth, len(table))
-    paths: list[list[int]] = []
-    frontier: list[tuple[float, int, tuple[int, ...], float, float]] = []  # (-value, depth, path, value, parent value)
 
-    def offer(parent: tuple[int, ...], parent_value: float, rank: int) -> None:
-        depth = len(parent)  # 0-based head index of the child
-        if depth >= depth_limit or rank >= len(table[depth]):
-            return
-        value = parent_value * table[depth][rank]
-        if value > 0.0:
-            child = parent + (rank,)
-            heapq.heappush(frontier, (-value, len(child), child, value, parent_value))
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.name, self.hidden_layers, self.tokenizer = inner.name, inner.hidden_layers, inner.tokenizer
+        self.hits: dict[int, dict[int, int]] = {}  # depth -> rank -> rounds where the target took it
+        self.attempts: dict[int, int] = {}  # depth -> rounds whose path node at depth - 1 had children
+        self.rank_paths: list[list[int]] = []  # per round: ranks taken, then -1 if it ended on a miss
+        self._pending: tuple[DraftTree, int] | None = None  # (tree, context length when proposed)
 
-    offer((), 1.0, 0)
-    while frontier and len(paths) < width:
-        _, _, path, value, parent_value = heapq.heappop(frontier)
-        paths.append(list(path))
-        offer(path[:-1], parent_value, path[-1] + 1)  # the next sibling rank becomes available
-        offer(path, value, 0)  # and the node's own first child
-    return paths
+    def begin(self, prompt_ids):
+        self._pending = None
+        self.inner.begin(prompt_ids)
+
+    def observe(self, tokens, hidden):
+        self.inner.observe(tokens, hidden)
+
+    def propose(self, root, context, sampling, generator):
+        if self._pending is not None:
+            tree, known = self._pending
+            self._record(tree, context[known:].tolist())
+        tree = self.inner.propose(root, context, sampling, generator)
+        self._pending = (tree, context.numel())
+        return tree
+
+    def _record(self, tree: DraftTree, appended: list[int]) -> None:
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents):
+            children.setdefault(parent, []).append(node)
+        node, path = -1, []
+        for depth, token in enumerate(appended, start=1):
+            kids = children.get(node, [])
+            if not kids:
+                break
+            self.attempts[depth] = self.attempts.get(depth, 0) + 1
+            ranks = [i for i, kid in enumerate(kids) if tokens[kid] == token]
+            if not ranks:
+                path.append(-1)
+                break
+            rank = ranks[0]
+            self.hits.setdefault(depth, {})
+            self.hits[depth][rank] = self.hits[depth].get(rank, 0) + 1
+            path.append(rank)
+            node = kids[rank]
+        self.rank_paths.append(path)
+
+    def rank_accuracy(self, max_rank: int | None = None) -> list[list[float]]:
+        """(depth, rank) conditional acceptance: hits / attempts at that depth."""
+        table = []
+        for depth in sorted(self.attempts):
+            attempts = self.attempts[depth]
+            hits = self.hits.get(depth, {})
+            ranks = (max(hits) + 1) if hits else 1
+            if max_rank is not None:
+                ranks = min(ranks, max_rank)
+            table.append([hits.get(r, 0) / attempts for r in range(ranks)])
+        return table
 
 
-def load_rank_accuracy(path: str | Path) -> list[list[float]]:
-    """Per-rank accuracies from a recipe's `head_accuracy.json` (or the directory holding it)."""
+def replay_tau(paths: list[list[int]], rank_paths: list[list[int]]) -> float:
+    """Mean accepted length (bonus included) of the static rank tree `paths` over recorded rounds."""
+    if not rank_paths:
+        return float("nan")
+    tree = {tuple(p) for p in paths}
+    total = 0
+    for ranks in rank_paths:
+        accepted = 0
+        for depth in range(1, len(ranks) + 1):
+            if ranks[depth - 1] < 0 or tuple(ranks[:depth]) not in tree:
+                break
+            accepted = depth
+        total += accepted + 1
+    return total / len(rank_paths)
+
+
+def _closed(tree: set[tuple[int, ...]]) -> bool:
+    for path in tree:
+        if len(path) > 1 and path[:-1] not in tree:
+            return False
+        if path[-1] > 0 and path[:-1] + (path[-1] - 1,) not in tree:
+            return False
+    return True
+
+
+def refine_paths(paths: list[list[int]], rank_paths: list[list[int]], allowed: set[tuple[int, ...]] | None,
+                 iterations: int = 8) -> tuple[list[list[int]], float]:
+    """Neighbour search (Ghidorah: leaves and same-level nodes): swap one removable leaf for one
+    free slot (the next rank under a tree node, or a first child) while the replayed tau improves.
+    `allowed`: the nodes the replay can score exactly (the calibration tree); None = any."""
+    tree = {tuple(p) for p in paths}
+    best = replay_tau([list(p) for p in tree], rank_paths)
+    for _ in range(iterations):
+        leaves = [p for p in tree if not any(q[:-1] == p for q in tree if len(q) == len(p) + 1)
+                  and p[:-1] + (p[-1] + 1,) not in tree]
+        slots = set()
+        for p in list(tree) + [()]:
+            count = sum(1 for q in tree if len(q) == len(p) + 1 and q[:-1] == p)
+            slots.add(p + (count,))
+        slots -= tree
+        if allowed is not None:
+            slots &= allowed
+        improved, candidate_best = False, None
+        for leaf in leaves:
+            for slot in slots:
+                if slot[:-1] == leaf:
+                    continue
+                candidate = (tree - {leaf}) | {slot}
+                if not _closed(candidate):
+                    continue
+                score = replay_tau([list(p) for p in candidate], rank_paths)
+                if score > best + 1e-12:
+                    best, candidate_best, improved = score, candidate, True
+        if not improved:
+            break
+        tree = candidate_best
+    return sorted([list(p) for p in tree], key=lambda p: (len(p), p)), best
+
+
+
+# --------------------------------------------------------------------------------------------
+# Profile documents (written by eval.profile, read by the bench's `arca:` method)
+# --------------------------------------------------------------------------------------------
+
+PROFILE_VERSION = 2  # version 1 called the budget "width"; it is read too
+
+
+def save_profile(profile: dict, path: str | Path) -> Path:
     path = Path(path)
-    if path.is_dir():
-        path = path / "head_accuracy.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(profile, indent=2, default=str)))
+    return path
+
+
+def load_profile(path: str | Path) -> dict:
+    path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"head accuracy file not found: {path}")
-    doc = json.loads(path.read_text())
-    if "rank_accuracy" not in doc:
-        raise ValueError(f"{path}: no 'rank_accuracy' table")
-    return doc["rank_accuracy"]
+        raise FileNotFoundError(f"ARCA profile not found: {path}")
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: not a JSON ARCA profile ({err})") from err
+    if doc.get("version") == 1 and "widths" in doc and "best" in doc:  # the budget was called width
+        doc["budgets"] = doc.pop("widths")
+        doc["best"]["budget"] = doc["best"].pop("width", None)
+        doc["version"] = PROFILE_VERSION
+    for key in ("version", "drafter", "best", "trees", "budgets"):
+        if key not in doc:
+            raise UserError(f"{path}: not an ARCA profile (missing {key!r})")
+    if doc["version"] != PROFILE_VERSION:
+        raise UserError(f"{path}: profile version {doc['version']}, this code reads {PROFILE_VERSION}")
+    doc["trees"] = {int(w): paths for w, paths in doc["trees"].items()}
+    return doc
+
+
+def profile_paths(profile: dict, budget: int | None = None) -> list[list[int]]:
+    """The tree ARCA chose for `budget` (default: the picked budget)."""
+    budget = profile["best"]["budget"] if budget is None else budget
+    if budget not in profile["trees"]:
+        raise UserError(f"the profile has no tree for budget {budget}; budgets: {sorted(profile['trees'])}")
+    return profile["trees"][budget]
+
+
+
+def interpolate_latency(curve: dict[int, float], nodes: int) -> float:
+    """T at `nodes` draft nodes, linear between the measured budgets (clamped at the ends)."""
+    budgets = sorted(int(w) for w in curve)
+    values = {int(w): t for w, t in curve.items()}
+    if nodes <= budgets[0]:
+        return values[budgets[0]]
+    for low, high in zip(budgets, budgets[1:]):
+        if nodes <= high:
+            return values[low] + (values[high] - values[low]) * (nodes - low) / (high - low)
+    return values[budgets[-1]]

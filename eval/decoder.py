@@ -1,7 +1,18 @@
 """The speculative decoding loop: prefill, then {propose, verify in one target forward, commit}.
 
 Batch size 1. The loop is thin: trees, masks and verification are pure functions in
-`eval.tree` / `eval.verify`; drafters plug in through `eval.drafters.base.Drafter`.
+`eval.tree` / `eval.verify`; drafters plug in through `eval.drafters.base.Drafter`. The pieces of
+the loop are public so that policies which change the loop itself (`eval.pipeline`,
+`eval.selfdraft`) and the profiler reuse them instead of copying it:
+
+    gen = Generation(target, config, input_ids, hidden_layers)   # prefill, first token
+    while not gen.done:
+        with gen.drafting():
+            tree = drafter.propose(gen.root, gen.context, gen.sampling, gen.generator)
+        round = gen.verify(tree, hidden_layers)                   # one forward, verification, KV commit
+        drafter.observe(round.committed, round.hidden)
+        gen.advance(round)                                        # stats, emission with EOS/max stops
+    result = gen.result()
 
 Metrics (one definition everywhere, see README):
   tau          = tokens produced by verification forwards / verification forwards (the bonus token
@@ -12,27 +23,35 @@ Metrics (one definition everywhere, see README):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from draftsmith.config import check_config, option
+from draftsmith.errors import UserError
 from draftsmith.eval.drafters.base import Drafter, NoDrafter, Sampling
 from draftsmith.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
 from draftsmith.eval.verify import verify_greedy, verify_sampling
-from draftsmith.models.target import TargetModel, check_same_tokenizer, commit_kv
+from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 
 @dataclass
 class DecodeConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    max_tree_tokens: int = 64  # refuse larger proposals (verification cost grows with tree size)
-    stop_on_eos: bool = True
-    seed: int = 0
+    max_new_tokens: int = option(128, "new tokens per request (the prefill's first token included)", ge=1)
+    temperature: float = option(0.0, "0 = greedy; > 0 = speculative sampling at this temperature", ge=0)
+    top_k: int = option(0, "sampling: keep the k most likely tokens (0: off)", ge=0)
+    top_p: float = option(1.0, "sampling: nucleus mass", gt=0, le=1)
+    budget_limit: int = option(64, "the largest tree a drafter may propose (verification cost grows with it)",
+                               ge=0)
+    stop_on_eos: bool = option(True, "stop after an end-of-sequence token")
+    seed: int = option(0, "sampling seed")
+
+    def __post_init__(self):
+        check_config(self)
 
     @property
     def sampling(self) -> Sampling | None:
@@ -71,9 +90,24 @@ class DecodeStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    @property
+    def draft_ms_per_round(self) -> float:
+        return 1000 * self.draft_s / self.verify_forwards if self.verify_forwards else 0.0
+
     def merge(self, other: "DecodeStats") -> None:
         for name, value in vars(other).items():
             setattr(self, name, getattr(self, name) + value)
+
+    def record(self, tree: DraftTree, accepted: int) -> None:
+        """One verification round that accepted `accepted` draft tokens of `tree`."""
+        self.verify_forwards += 1
+        self.round_tokens += accepted + 1
+        self.tree_tokens += tree.size
+        self.accepted_hist[accepted] += 1
+        for depth in range(1, tree.max_depth + 1):
+            if accepted >= depth - 1:
+                self.depth_attempts[depth] += 1
+                self.depth_accepts[depth] += int(accepted >= depth)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -87,10 +121,134 @@ class DecodeStats:
 @dataclass
 class DecodeResult:
     tokens: list[int]  # the new tokens (prompt excluded)
-    stats: DecodeStats
+    stats: DecodeStats | None  # None for decoders that are not ours (HF generate baselines)
+
+
+@dataclass
+class Round:
+    """One verification round: the tree, what the target accepted, and the forward's outputs."""
+
+    root: int
+    tree: DraftTree
+    accepted: list[int]  # accepted node ids, root's child first
+    next_token: int  # the target's token after the accepted path (bonus / correction)
+    hidden: dict[int, torch.Tensor]  # layer -> (m, H) hidden states of the committed slots
+    logits: torch.Tensor  # (slots, V) float32 logits of the whole forward (extra slots included)
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tree.tokens[self.accepted].tolist() + [self.next_token]
+
+    @property
+    def committed(self) -> torch.Tensor:
+        """The tokens now in the target's cache for this round: the root and the accepted nodes."""
+        return torch.tensor([self.root] + self.new_tokens[:-1], device=self.tree.tokens.device)
+
+
+class Generation:
+    """One request: prefill, then verification rounds, token emission with the EOS / max-token stop,
+    stats. The loops of SpeculativeDecoder, the pipeline and Self-Draft are built from it."""
+
+    def __init__(self, target: TargetModel, config: DecodeConfig, input_ids: torch.Tensor,
+                 hidden_layers: tuple[int, ...] = ()):
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise UserError(f"decoding takes input_ids of shape (1, T), got {tuple(input_ids.shape)}")
+        self.target, self.config = target, config
+        self.sampling = config.sampling
+        device = target.device
+        self.generator = torch.Generator(device=device).manual_seed(config.seed) if self.sampling else None
+        self.eos = target.eos_token_ids if config.stop_on_eos else set()
+        self.stats = DecodeStats()
+        self.start = time.perf_counter()
+        self.prompt = input_ids.to(device)[0]
+        self.cache = target.new_cache(self.prompt.numel() + config.max_new_tokens + config.budget_limit + 1)
+        out = target.forward(self.prompt[None], self.cache, hidden_layers=tuple(hidden_layers))
+        self.prefill_hidden = {k: v[0] for k, v in out.hidden.items()}
+        self.root = self.pick(out.logits[0, -1])
+        self.generated = [self.root]
+        self.context = torch.cat([self.prompt, torch.tensor([self.root], device=device)])
+        self.stats.prefill_s = time.perf_counter() - self.start
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """A token from the target's logits (V,): argmax, or a draw from the warped target."""
+        if self.sampling is None:
+            return int(logits.argmax())
+        return int(torch.multinomial(self.sampling.probs(logits), 1, generator=self.generator))
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.config.max_new_tokens or self.root in self.eos
+
+    @contextlib.contextmanager
+    def drafting(self) -> Iterator[None]:
+        """Time spent inside the block counts as drafting time."""
+        tick = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.draft_s += time.perf_counter() - tick
+
+    def check_budget(self, tree: DraftTree, name: str, slots: int | None = None) -> None:
+        used = tree.size if slots is None else slots
+        if used > self.config.budget_limit:
+            raise UserError(f"{name} proposed {used} tree tokens; the limit is budget_limit="
+                            f"{self.config.budget_limit}")
+
+    def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = (), extra_tokens: list[int] | None = None,
+               allowed: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Round:
+        """One target forward over [root, tree (, extra slots)], verification of the tree, KV commit of the
+        accepted path. `extra_tokens` with their full `allowed` mask and `positions` (Self-Draft's
+        branches) ride along in the same forward; their logits come back in Round.logits."""
+        tick = time.perf_counter()
+        target, device = self.target, self.target.device
+        past = target.cache_length(self.cache)
+        ids = [self.root] + tree.tokens.tolist() + list(extra_tokens or [])
+        input_ids = torch.tensor([ids], device=device)
+        is_chain = bool((tree.parents == torch.arange(tree.size, device=tree.parents.device) - 1).all())
+        if allowed is None and is_chain and not extra_tokens:  # a chain is plain causal attention
+            out = target.forward(input_ids, self.cache, hidden_layers=hidden_layers)
+        else:
+            if allowed is None:
+                allowed = tree_attention_mask(tree.parents.to(device), past)
+                positions = tree_position_ids(tree.depths.to(device), past)
+            out = target.forward(input_ids, self.cache, positions, allowed, hidden_layers=hidden_layers)
+        logits = out.logits[0]  # (slots, V)
+        tree_logits = logits[: tree.size + 1]
+        if self.sampling is None:
+            accepted, next_token = verify_greedy(tree, tree_logits)
+        else:
+            accepted, next_token = verify_sampling(tree, self.sampling.probs(tree_logits), self.generator)
+        slots = torch.tensor([0] + [node + 1 for node in accepted], device=device)
+        target.commit(self.cache, torch.cat([torch.arange(past, device=device), past + slots]))
+        hidden = {k: v[0, slots] for k, v in out.hidden.items()}  # (m, H) per layer
+        self.stats.verify_s += time.perf_counter() - tick
+        return Round(self.root, tree, accepted, next_token, hidden, logits)
+
+    def advance(self, round: Round) -> list[int]:
+        """Record the round and emit its tokens, stopping at max_new_tokens or just after an EOS;
+        returns the emitted tokens."""
+        self.stats.record(round.tree, len(round.accepted))
+        emitted = []
+        for token in round.new_tokens:
+            if len(self.generated) >= self.config.max_new_tokens:
+                break
+            self.generated.append(token)
+            emitted.append(token)
+            if token in self.eos:
+                break
+        self.root = self.generated[-1]
+        self.context = torch.cat([self.context, torch.tensor(round.new_tokens, device=self.context.device)])
+        return emitted
+
+    def result(self) -> DecodeResult:
+        self.stats.total_s = time.perf_counter() - self.start
+        self.stats.new_tokens = len(self.generated)
+        return DecodeResult(tokens=list(self.generated), stats=self.stats)
 
 
 class SpeculativeDecoder:
+    """Speculative decoding of one target with one drafter (NoDrafter: plain decoding in our loop)."""
+
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, config: DecodeConfig | None = None):
         self.target = target
         self.drafter = drafter or NoDrafter()
@@ -98,96 +256,45 @@ class SpeculativeDecoder:
         if self.drafter.tokenizer is not None:
             check_same_tokenizer(target.tokenizer, self.drafter.tokenizer, what=f"{self.drafter.name} drafter")
 
-    def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        """First token after the prompt: target argmax, or a sample from the warped target."""
-        sampling = self.config.sampling
-        if sampling is None:
-            return int(logits.argmax())
-        return int(torch.multinomial(sampling.probs(logits), 1, generator=generator))
-
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor) -> DecodeResult:
         """input_ids (1, T) -> up to max_new_tokens new tokens (stops after an EOS)."""
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError("SpeculativeDecoder.generate takes input_ids of shape (1, T)")
-        config, target, drafter = self.config, self.target, self.drafter
-        sampling = config.sampling
-        device = target.device
-        generator = torch.Generator(device=device).manual_seed(config.seed) if sampling else None
-        eos = target.eos_token_ids if config.stop_on_eos else set()
-        layers = tuple(drafter.hidden_layers)
-        stats = DecodeStats()
-        start = time.perf_counter()
+        drafter, layers = self.drafter, tuple(self.drafter.hidden_layers)
+        gen = Generation(self.target, self.config, input_ids, layers)
+        drafter.begin(gen.prompt)
+        drafter.observe(gen.prompt, gen.prefill_hidden)
+        while not gen.done:
+            with gen.drafting():
+                tree = drafter.propose(gen.root, gen.context, gen.sampling, gen.generator)
+            gen.check_budget(tree, drafter.name)
+            round = gen.verify(tree, layers)
+            drafter.observe(round.committed, round.hidden)
+            gen.advance(round)
+        return gen.result()
 
-        prompt = input_ids.to(device)
-        cache = target.new_cache()
-        out = target.forward(prompt, cache, hidden_layers=layers)
-        root = self._pick(out.logits[0, -1], generator)
-        drafter.begin(prompt[0])
-        drafter.observe(prompt[0], {k: v[0] for k, v in out.hidden.items()})
-        generated = [root]
-        context = torch.cat([prompt[0], torch.tensor([root], device=device)])
-        stats.prefill_s = time.perf_counter() - start
 
-        while len(generated) < config.max_new_tokens and root not in eos:
-            tick = time.perf_counter()
-            tree = drafter.propose(root, context, sampling, generator)
-            if tree.size > config.max_tree_tokens:
-                raise ValueError(f"{drafter.name} proposed {tree.size} tree tokens; the budget is "
-                                 f"max_tree_tokens={config.max_tree_tokens}")
-            tock = time.perf_counter()
-            accepted, next_token, hidden = self._verify(tree, root, cache, layers, generator)
-            stats.verify_s += time.perf_counter() - tock
-            stats.draft_s += tock - tick
+class Method:
+    """What a method spec builds (eval.methods): a way to decode one request at a time.
 
-            new_tokens = tree.tokens[accepted].tolist() + [next_token]
-            drafter.observe(torch.tensor([root] + new_tokens[:-1], device=device), hidden)
-            self._record(stats, tree, len(accepted))
-            for token in new_tokens:  # stop at max_new_tokens or just after an EOS
-                if len(generated) >= config.max_new_tokens:
-                    break
-                generated.append(token)
-                if token in eos:
-                    break
-            root = generated[-1]
-            context = torch.cat([context, torch.tensor(new_tokens, device=device)])
-        stats.total_s = time.perf_counter() - start
-        stats.new_tokens = len(generated)
-        return DecodeResult(tokens=generated, stats=stats)
+    `make_decoder(target, config)` returns an object with `generate(input_ids (1, T)) -> DecodeResult`;
+    `summary()` reports a policy's internal state (weights, thresholds, hit counts) for the bench.
+    """
 
-    def _verify(self, tree: DraftTree, root: int, cache, layers, generator):
-        """One target forward over [root, tree]; commit the accepted path's KV.
+    name = "method"
+    drafter: Drafter | None = None
 
-        Returns (accepted node ids, next token, hidden states of the committed slots).
-        """
-        target, device = self.target, self.target.device
-        past = cache.get_seq_length()
-        input_ids = torch.cat([torch.tensor([root], device=device), tree.tokens.to(device)])[None]
-        is_chain = bool((tree.parents == torch.arange(tree.size, device=tree.parents.device) - 1).all())
-        if is_chain:  # a chain is ordinary causal attention at consecutive positions
-            out = target.forward(input_ids, cache, hidden_layers=layers)
-        else:
-            allowed = tree_attention_mask(tree.parents.to(device), past)
-            positions = tree_position_ids(tree.depths.to(device), past)
-            out = target.forward(input_ids, cache, positions, allowed, hidden_layers=layers)
-        logits = out.logits[0]  # (n+1, V)
-        sampling = self.config.sampling
-        if sampling is None:
-            accepted, next_token = verify_greedy(tree, logits)
-        else:
-            accepted, next_token = verify_sampling(tree, sampling.probs(logits), generator)
-        slots = torch.tensor([0] + [node + 1 for node in accepted], device=device)
-        commit_kv(cache, torch.cat([torch.arange(past, device=device), past + slots]))
-        hidden = {k: v[0, slots] for k, v in out.hidden.items()}  # (m, H) per layer
-        return accepted, next_token, hidden
+    def make_decoder(self, target: TargetModel, config: DecodeConfig):
+        raise NotImplementedError
 
-    @staticmethod
-    def _record(stats: DecodeStats, tree: DraftTree, accepted: int) -> None:
-        stats.verify_forwards += 1
-        stats.round_tokens += accepted + 1
-        stats.tree_tokens += tree.size
-        stats.accepted_hist[accepted] += 1
-        for depth in range(1, tree.max_depth + 1):
-            if accepted >= depth - 1:
-                stats.depth_attempts[depth] += 1
-                stats.depth_accepts[depth] += int(accepted >= depth)
+    def summary(self) -> dict | None:
+        return self.drafter.summary() if self.drafter is not None else None
+
+
+class DrafterMethod(Method):
+    """A drafter run by the SpeculativeDecoder (None: our loop without a drafter)."""
+
+    def __init__(self, drafter: Drafter | None, name: str):
+        self.drafter, self.name = drafter, name
+
+    def make_decoder(self, target: TargetModel, config: DecodeConfig) -> SpeculativeDecoder:
+        return SpeculativeDecoder(target, self.drafter, config)

@@ -38,6 +38,9 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+from draftsmith.errors import UserError
+from draftsmith.eval.decoder import DecodeResult, Method, SpeculativeDecoder
+from draftsmith.eval.drafters.base import Drafter
 from draftsmith.models.target import resolve_device
 
 LAYER_TYPES = ("qkv", "o", "mlp", "attention")
@@ -58,12 +61,12 @@ class HcmpConfig:
     def __post_init__(self):
         unknown = set(self.ratios) - set(LAYER_TYPES)
         if unknown:
-            raise ValueError(f"unknown HCMP layer type(s) {sorted(unknown)}; known: {', '.join(LAYER_TYPES)}")
+            raise UserError(f"unknown HCMP layer type(s) {sorted(unknown)}; known: {', '.join(LAYER_TYPES)}")
         merged = {"qkv": 0.5, "o": 0.5, "mlp": 0.5, "attention": 1.0}
         merged.update({k: float(v) for k, v in self.ratios.items()})
         for name, ratio in merged.items():
             if not 0.0 <= ratio <= 1.0:
-                raise ValueError(f"HCMP ratio for {name} must be in [0, 1], got {ratio}")
+                raise UserError(f"HCMP ratio for {name} must be in [0, 1], got {ratio}")
         self.ratios = merged
 
     @classmethod
@@ -315,47 +318,19 @@ def hcmp_mode(model: nn.Module, config: HcmpConfig | None = None, plan: HcmpPlan
 class HcmpDecoder:
     """A SpeculativeDecoder whose target verification forwards run in HCMP mode."""
 
-    def __init__(self, target, drafter, decode_config, config: HcmpConfig):
-        from draftsmith.eval.decoder import SpeculativeDecoder
+    def __init__(self, inner: SpeculativeDecoder, plan: HcmpPlan):
+        self.inner, self.plan = inner, plan
 
-        self.inner = SpeculativeDecoder(target, drafter, decode_config)
-        self.plan = HcmpPlan(target.model, config)
-
-    def generate(self, input_ids: torch.Tensor):
+    def generate(self, input_ids: torch.Tensor) -> DecodeResult:
         with hcmp_mode(self.inner.target.model, plan=self.plan):
             return self.inner.generate(input_ids)
 
 
-class HcmpPolicy:
-    """Bench policy: any drafter (or none), the target split across two units."""
+class HcmpPolicy(Method):
+    """A decoding method: any drafter (or none: plain decoding), the target split across two units."""
 
-    def __init__(self, drafter, config: HcmpConfig, name: str = "hcmp"):
+    def __init__(self, drafter: Drafter | None, config: HcmpConfig, name: str = "hcmp"):
         self.drafter, self.config, self.name = drafter, config, name
 
-    def make_decoder(self, target, decode_config):
-        return HcmpDecoder(target, self.drafter, decode_config, self.config)
-
-
-def parse_ratios(options: dict) -> dict[str, float]:
-    """Pop `ratio=` (all linear types) and per-type `qkv=`, `o=`, `mlp=`, `attention=` options."""
-    ratios = {}
-    if "ratio" in options:
-        value = float(options.pop("ratio"))
-        ratios.update(qkv=value, o=value, mlp=value)
-    for name in LAYER_TYPES:
-        if name in options:
-            ratios[name] = float(options.pop(name))
-    return ratios
-
-
-def build_from_spec(options: dict, target, draft, name: str):
-    """Bench method `hcmp:[inner=<method>,<its options>,]ratio=0.5,attention=1,device0=cpu,device1=cpu,threads=1`.
-
-    Without `inner` it is plain decoding (one token per forward) with the split target.
-    """
-    from draftsmith.eval.placement import build_inner
-
-    config = HcmpConfig(device0=options.pop("device0", "cpu"), device1=options.pop("device1", "cpu"),
-                        ratios=parse_ratios(options), threads=options.pop("threads", "0") not in ("0", "false", ""))
-    inner = build_inner(options, target, draft) if "inner" in options else None
-    return HcmpPolicy(inner, config, name=name)
+    def make_decoder(self, target, config) -> HcmpDecoder:
+        return HcmpDecoder(SpeculativeDecoder(target, self.drafter, config), HcmpPlan(target.model, self.config))

@@ -25,20 +25,20 @@ verification's random numbers.
 Whether it helps depends on spare compute: on a GPU the draft can overlap the target's kernels;
 on a 2-core CPU both forwards compete for the same cores and the GIL. `stats.draft_s` counts
 main-thread drafting plus the time spent waiting for the background draft; `hits` / `rounds`
-on the decoder say how often the pre-drafted tree was used.
+(the policy's summary) say how often the pre-drafted tree was used.
 """
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from draftsmith.eval.decoder import DecodeConfig, DecodeResult, DecodeStats, SpeculativeDecoder
+from draftsmith.errors import UserError
+from draftsmith.eval.decoder import DecodeConfig, DecodeResult, Generation, Method, Round
 from draftsmith.eval.drafters.base import Drafter
 from draftsmith.eval.tree import DraftTree
-from draftsmith.models.target import TargetModel
+from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 
 def first_child_nodes(parents: torch.Tensor) -> list[int]:
@@ -70,124 +70,80 @@ def reroot(tree: DraftTree, node: int) -> DraftTree:
                      depths=tree.depths[index] - int(tree.depths[node]), draft_probs=probs)
 
 
-class PipelineDecoder(SpeculativeDecoder):
-    """SpeculativeDecoder whose drafter pre-drafts the next tree during verification."""
+class PipelineDecoder:
+    """The decoder loop (eval.decoder.Generation) with the next tree pre-drafted during verification."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter, config: DecodeConfig, executor: ThreadPoolExecutor):
-        if drafter is None or drafter.hidden_layers:
-            raise ValueError("the pipeline needs a drafter that does not read the target's hidden states")
-        super().__init__(target, drafter, config)
-        self.executor = executor
-        self.hits = 0
-        self.rounds = 0
+    def __init__(self, target: TargetModel, drafter: Drafter, config: DecodeConfig, policy: "PipelinePolicy"):
+        self.target, self.drafter, self.config, self.policy = target, drafter, config, policy
+        if drafter.tokenizer is not None:
+            check_same_tokenizer(target.tokenizer, drafter.tokenizer, what=f"{drafter.name} drafter")
 
     def _predraft(self, root: int, context: torch.Tensor, sampling, generator) -> DraftTree:
         with torch.inference_mode():
             return self.drafter.propose(root, context, sampling, generator)
 
+    def _submit(self, gen: Generation, tree: DraftTree, generator) -> tuple[list[int], Future | None]:
+        """Start drafting the tree after the tree's most likely path (assumed accepted)."""
+        assumed = first_child_nodes(tree.parents)
+        if not assumed:
+            return assumed, None
+        tokens = tree.tokens[assumed].to(gen.context.device)
+        future = self.policy.executor.submit(self._predraft, int(tokens[-1]), torch.cat([gen.context, tokens]),
+                                             gen.sampling, generator)
+        return assumed, future
+
+    def _collect(self, round: Round, assumed: list[int], future: Future | None) -> DraftTree | None:
+        """The pre-drafted subtree under the target's next token when the assumption held, else None."""
+        if future is None:
+            return None
+        speculative = future.result()
+        if round.accepted != assumed:
+            return None
+        children = [i for i, p in enumerate(speculative.parents.tolist())
+                    if p == -1 and int(speculative.tokens[i]) == round.next_token]
+        if not children:
+            return None
+        self.policy.hits += 1
+        return reroot(speculative, children[0])
+
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor) -> DecodeResult:
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError("PipelineDecoder.generate takes input_ids of shape (1, T)")
-        config, target, drafter = self.config, self.target, self.drafter
-        sampling = config.sampling
-        device = target.device
-        generator = torch.Generator(device=device).manual_seed(config.seed) if sampling else None
-        draft_generator = torch.Generator(device=device).manual_seed(config.seed + 1) if sampling else None
-        eos = target.eos_token_ids if config.stop_on_eos else set()
-        stats = DecodeStats()
-        start = time.perf_counter()
-
-        prompt = input_ids.to(device)
-        cache = target.new_cache()
-        out = target.forward(prompt, cache)
-        root = self._pick(out.logits[0, -1], generator)
-        drafter.begin(prompt[0])
-        drafter.observe(prompt[0], {})
-        generated = [root]
-        context = torch.cat([prompt[0], torch.tensor([root], device=device)])
-        stats.prefill_s = time.perf_counter() - start
+        gen = Generation(self.target, self.config, input_ids)
+        draft_generator = (torch.Generator(device=self.target.device).manual_seed(self.config.seed + 1)
+                           if gen.sampling else None)
+        self.drafter.begin(gen.prompt)
+        self.drafter.observe(gen.prompt, {})
         ready: DraftTree | None = None  # a pre-drafted tree for the current root
-
-        while len(generated) < config.max_new_tokens and root not in eos:
-            tick = time.perf_counter()
-            tree = ready if ready is not None else drafter.propose(root, context, sampling, draft_generator)
-            if tree.size > config.max_tree_tokens:
-                raise ValueError(f"{drafter.name} proposed {tree.size} tree tokens; the budget is "
-                                 f"max_tree_tokens={config.max_tree_tokens}")
-            assumed = first_child_nodes(tree.parents)
-            future = None
-            if assumed:
-                assumed_tokens = tree.tokens[assumed].to(device)
-                future = self.executor.submit(self._predraft, int(assumed_tokens[-1]),
-                                              torch.cat([context, assumed_tokens]), sampling, draft_generator)
-            tock = time.perf_counter()
-            accepted, next_token, _ = self._verify(tree, root, cache, (), generator)
-            verified = time.perf_counter()
-            stats.verify_s += verified - tock
-            ready = None
-            if future is not None:
-                speculative = future.result()
-                if accepted == assumed:
-                    children = [i for i, p in enumerate(speculative.parents.tolist())
-                                if p == -1 and int(speculative.tokens[i]) == next_token]
-                    if children:
-                        ready = reroot(speculative, children[0])
-                        self.hits += 1
-            self.rounds += 1
-            stats.draft_s += (tock - tick) + (time.perf_counter() - verified)
-
-            new_tokens = tree.tokens[accepted].tolist() + [next_token]
-            drafter.observe(torch.tensor([root] + new_tokens[:-1], device=device), {})
-            self._record(stats, tree, len(accepted))
-            for token in new_tokens:
-                if len(generated) >= config.max_new_tokens:
-                    break
-                generated.append(token)
-                if token in eos:
-                    break
-            root = generated[-1]
-            context = torch.cat([context, torch.tensor(new_tokens, device=device)])
-        stats.total_s = time.perf_counter() - start
-        stats.new_tokens = len(generated)
-        return DecodeResult(tokens=generated, stats=stats)
+        while not gen.done:
+            with gen.drafting():
+                tree = ready if ready is not None else self.drafter.propose(gen.root, gen.context, gen.sampling,
+                                                                           draft_generator)
+                gen.check_budget(tree, self.drafter.name)
+                assumed, future = self._submit(gen, tree, draft_generator)
+            round = gen.verify(tree)
+            with gen.drafting():  # waiting for the background draft
+                ready = self._collect(round, assumed, future)
+            self.policy.rounds += 1
+            self.drafter.observe(round.committed, {})
+            gen.advance(round)
+        return gen.result()
 
 
-class PipelinePolicy:
-    """A decoding policy (see eval.bench) wrapping one drafter; one background thread."""
+class PipelinePolicy(Method):
+    """A decoding method wrapping one drafter; one background thread for the pre-drafts."""
 
     def __init__(self, drafter: Drafter, name: str = "pipeline"):
-        self.drafter = drafter
-        self.name = name
+        if drafter.hidden_layers:
+            raise UserError(f"pipeline: {drafter.name} reads the target's hidden states, which the pre-draft "
+                            "cannot have yet; use a drafter without them (lm-chain, lm-tree, ngram, minions)")
+        self.drafter, self.name = drafter, name
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predraft")
         self.hits = 0
         self.rounds = 0
 
-    def make_decoder(self, target: TargetModel, decode_config: DecodeConfig) -> PipelineDecoder:
-        policy = self
+    def make_decoder(self, target: TargetModel, config: DecodeConfig) -> PipelineDecoder:
+        return PipelineDecoder(target, self.drafter, config, self)
 
-        class _Counting(PipelineDecoder):  # report hit counts back to the policy
-            def generate(self, input_ids):
-                result = super().generate(input_ids)
-                policy.hits += self.hits
-                policy.rounds += self.rounds
-                return result
-
-        return _Counting(target, self.drafter, decode_config, self.executor)
-
-
-def build_from_spec(options: dict, target, draft, name: str):
-    """Bench method `pipeline:<base method>[,<its options>]`, e.g. `pipeline:lm-chain,k=4`,
-    `pipeline:lm-tree,depth=4,topk=3,budget=16,student=every3`, `pipeline:ngram,k=5`: every
-    option after the base kind is the base method's own (eval.bench method syntax)."""
-    from draftsmith.eval.bench import build_drafter
-
-    base = options.pop("path", None) or options.pop("base", None)
-    if not base:
-        raise ValueError("pipeline needs a base method: pipeline:lm-chain,k=4")
-    rest = ",".join(f"{k}={v}" for k, v in options.items())
-    options.clear()
-    drafter = build_drafter(f"{base}:{rest}" if rest else base, target, draft)
-    if drafter is None or hasattr(drafter, "make_decoder"):
-        raise ValueError(f"pipeline base {base!r} must be a drafter (not a policy or the plain loop)")
-    return PipelinePolicy(drafter, name=name)
+    def summary(self) -> dict:
+        return {"predraft_hits": self.hits, "rounds": self.rounds,
+                "hit_rate": self.hits / self.rounds if self.rounds else None}

@@ -23,6 +23,7 @@ import copy
 import torch
 from torch import nn
 
+from draftsmith.eval.decoder import DecodeResult, Method, SpeculativeDecoder
 from draftsmith.eval.drafters.base import Drafter, Sampling
 from draftsmith.eval.tree import DraftTree
 from draftsmith.models.target import resolve_device
@@ -84,56 +85,28 @@ class PlacedDrafter(Drafter):
         return DraftTree(tree.tokens.to(device), tree.parents.to(device), tree.depths.to(device), probs)
 
 
+class DovetailPolicy(Method):
+    """A decoding method: the target where it was loaded, the drafter on `device`; the decoder's stats
+    carry the bytes that crossed between them."""
+
+    def __init__(self, inner: Drafter, device: str | torch.device, name: str = "dovetail"):
+        self.inner, self.device, self.name = inner, device, name
+        self.drafter: PlacedDrafter | None = None
+
+    def make_decoder(self, target, config) -> "DovetailDecoder":
+        if self.drafter is None or self.drafter.target_device != target.device:
+            self.drafter = PlacedDrafter(self.inner, self.device, target.device)
+        return DovetailDecoder(SpeculativeDecoder(target, self.drafter, config), self.drafter)
+
+
 class DovetailDecoder:
-    """SpeculativeDecoder with the drafter placed on another device; stats carry transfer_bytes."""
+    """A SpeculativeDecoder over a PlacedDrafter; each request's stats get its transfer bytes."""
 
-    def __init__(self, target, drafter: PlacedDrafter, decode_config):
-        from draftsmith.eval.decoder import SpeculativeDecoder
+    def __init__(self, inner: SpeculativeDecoder, drafter: PlacedDrafter):
+        self.inner, self.drafter = inner, drafter
 
-        self.drafter = drafter
-        self.inner = SpeculativeDecoder(target, drafter, decode_config)
-
-    def generate(self, input_ids: torch.Tensor):
+    def generate(self, input_ids: torch.Tensor) -> DecodeResult:
         self.drafter.transfer_bytes = 0
         result = self.inner.generate(input_ids)
         result.stats.transfer_bytes += self.drafter.transfer_bytes
         return result
-
-
-class DovetailPolicy:
-    """Bench policy: target where it was loaded, drafter on `device`."""
-
-    def __init__(self, inner: Drafter, device: str | torch.device, name: str = "dovetail"):
-        self.inner, self.device, self.name = inner, device, name
-        self._placed: PlacedDrafter | None = None
-
-    def make_decoder(self, target, decode_config) -> DovetailDecoder:
-        if self._placed is None or self._placed.target_device != target.device:
-            self._placed = PlacedDrafter(self.inner, self.device, target.device)
-        return DovetailDecoder(target, self._placed, decode_config)
-
-
-def build_inner(options: dict, target, draft) -> Drafter:
-    """The drafter named by `inner=<method>` plus every remaining option (popped from `options`).
-
-    `inner=lm-tree,depth=4,topk=3` -> method spec `lm-tree:depth=4,topk=3`;
-    `inner=medusa:/dir,width=8` -> `medusa:/dir,width=8`.
-    """
-    from draftsmith.eval.bench import build_drafter
-
-    inner = options.pop("inner")
-    rest = [f"{key}={value}" for key, value in options.items()]
-    options.clear()
-    spec = inner + (("," if ":" in inner else ":") + ",".join(rest) if rest else "")
-    drafter = build_drafter(spec, target, draft)
-    if drafter is None or hasattr(drafter, "make_decoder"):
-        raise ValueError(f"inner method {spec!r} must be a drafter (not loop-plain or another policy)")
-    return drafter
-
-
-def build_from_spec(options: dict, target, draft, name: str) -> DovetailPolicy:
-    """Bench method `dovetail:device=cuda:0,inner=<method>,<its options>` (device default: auto)."""
-    if "inner" not in options:
-        raise ValueError(f"{name}: dovetail needs inner=<drafter method>, e.g. dovetail:device=cuda:0,inner=lm-chain,k=4")
-    device = options.pop("device", "auto")
-    return DovetailPolicy(build_inner(options, target, draft), device, name=name)

@@ -3,9 +3,9 @@
 Plots, written beside the run's JSON (`x.json` -> `x_<name>.png`):
   acceptance     per-depth acceptance a_k of every method with a drafter (one line per method)
   category_tps   tokens/s per category (MT-Bench categories, GSM8K, ...), one bar per method
-  speedup_width  speedup vs tree width (mean draft tokens verified per round), one line per method
-                 kind, drawn only when some kind (e.g. lm-tree, medusa, dgf) appears with several
-                 tree sizes in the run
+  speedup_budget speedup vs tree size (mean draft tokens verified per round), one line per method
+                 family, drawn only when some family (e.g. lm-tree, medusa, dgf) appears with several
+                 budgets in the run
 """
 
 from __future__ import annotations
@@ -14,37 +14,28 @@ import math
 import os
 from pathlib import Path
 
+from draftsmith.config import flatten_dict
+from draftsmith.tracking import prepare_wandb_env
+
 
 def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")  # no display: files only
+    matplotlib.use("Agg")  # no display: files only (pyplot is imported after choosing the backend)
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def method_family(spec: str) -> str:
-    """The part of a method spec that names the drafter, without its size options:
-    'lm-tree:depth=4,topk=2,budget=8' -> 'lm-tree'; 'medusa:/d,width=8' -> 'medusa:/d';
-    'lm-chain:k=4,draft=/s' -> 'lm-chain:draft=/s'."""
-    from draftsmith.eval.bench import parse_method
-
-    kind, options = parse_method(spec)
-    keep = [f"{key}={value}" for key, value in options.items()
-            if key in ("draft", "student", "model", "models", "fusion")]
-    path = options.get("path")
-    return kind + (":" + ",".join(([path] if path else []) + keep) if path or keep else "")
-
-
-def width_series(summary: dict) -> dict[str, list[tuple[float, float, str]]]:
-    """{family: [(tree tokens per round, speedup, spec), ...]} for families with >= 2 sizes."""
+def budget_series(summary: dict) -> dict[str, list[tuple[float, float, str]]]:
+    """{family: [(tree tokens per round, speedup, spec), ...]} for families with >= 2 sizes (the bench
+    records each method's family: its spec without size options)."""
     series: dict[str, list] = {}
     for spec, entry in summary.items():
         width, speedup = entry.get("tree_tokens_per_round"), entry.get("speedup")
         if width is None or speedup is None or spec in ("plain", "loop-plain"):
             continue
-        series.setdefault(method_family(spec), []).append((width, speedup, spec))
+        series.setdefault(entry.get("family", spec), []).append((width, speedup, spec))
     return {family: sorted(points) for family, points in series.items()
             if len({round(p[0], 6) for p in points}) >= 2}
 
@@ -56,8 +47,8 @@ def write_plots(results: dict, out: str | Path) -> list[Path]:
     stem = out.with_suffix("")
     summary = results["summary"]
     config = results["config"]
-    target = (results.get("models") or {}).get("target") or config["target"]
-    title = f"{target} | {config['suite']} | T={config.get('temperature', 0.0)}"
+    target = results["models"]["target"]
+    title = f"{target} | {' '.join(results['suites'])} | T={config.get('temperature', 0.0)}"
     written = []
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
@@ -92,17 +83,17 @@ def write_plots(results: dict, out: str | Path) -> list[Path]:
     axes.legend(fontsize=7)
     written.append(_save(figure, plt, f"{stem}_category_tps.png"))
 
-    series = width_series(summary)
+    series = budget_series(summary)
     if series:
         figure, axes = plt.subplots(figsize=(7, 4.5))
         for family, points in series.items():
             axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=family)
         axes.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
-        axes.set_xlabel("tree width (mean draft tokens verified per round)")
+        axes.set_xlabel("tree size (mean draft tokens verified per round)")
         axes.set_ylabel("speedup vs plain")
-        axes.set_title(f"Speedup vs tree width\n{title}", fontsize=9)
+        axes.set_title(f"Speedup vs budget\n{title}", fontsize=9)
         axes.legend(fontsize=7)
-        written.append(_save(figure, plt, f"{stem}_speedup_width.png"))
+        written.append(_save(figure, plt, f"{stem}_speedup_budget.png"))
     return written
 
 
@@ -113,20 +104,17 @@ def _save(figure, plt, path: str) -> Path:
     return Path(path)
 
 
-def log_wandb(results: dict, config, files: list[Path] = ()) -> str:
+def log_wandb(results: dict, project: str, output_dir: str | None, files: list[Path] = ()) -> str:
     """One W&B run per bench run: config, a summary table, per-method metrics, plots as images and
     all files as an artifact. Offline mode when there is no network (an explicit WANDB_MODE wins);
     returns the run directory."""
-    from draftsmith.config import flatten_dict
-    from draftsmith.tracking import prepare_wandb_env
-
     import wandb
 
     out_dir = Path(os.environ.get("WANDB_DIR") or "outputs")  # W&B's files stay out of results/
     out_dir.mkdir(parents=True, exist_ok=True)
     mode = prepare_wandb_env(out_dir)
-    name = Path(config.out).stem if config.out else None
-    run = wandb.init(project=config.wandb_project, name=name, dir=str(out_dir), mode=mode, job_type="bench",
+    name = Path(output_dir).name if output_dir else None
+    run = wandb.init(project=project, name=name, dir=str(out_dir), mode=mode, job_type="bench",
                      config=flatten_dict({"bench": results["config"], "machine": results["machine"]}))
     try:
         columns = ["method", "tokens_per_s", "tau", "speedup", "speedup_ci95", "tree_tokens_per_round", "mismatches"]
@@ -156,3 +144,65 @@ def log_wandb(results: dict, config, files: list[Path] = ()) -> str:
         return str(Path(run.dir).parent)
     finally:
         run.finish()
+
+
+def _speed_text(entry: dict) -> str:
+    if "speedup" not in entry:
+        return "-"
+    ci = entry["speedup_ci95"]
+    return f"{entry['speedup']:.2f}x" + ("" if math.isnan(ci) else f" (±{ci:.2f})")
+
+
+def format_table(results: dict) -> str:
+    """Markdown: the summary table, then (for several suites / turns / categories) breakdowns."""
+    sampled = results["config"].get("temperature", 0.0) > 0
+    last = "lossless" if not sampled else "output check"
+    lines = [f"| method | tokens/s | tau | speedup (95% CI) | per-depth acceptance | draft ms/round (x target step) "
+             f"| {last} |", "|---|---|---|---|---|---|---|"]
+    for method, entry in results["summary"].items():
+        tau = "-" if entry["tau"] is None else f"{entry['tau']:.2f}"
+        depths = " ".join(f"{v:.2f}" for v in entry["depth_acceptance"].values()) or "-"
+        if sampled:
+            lossless = "sampled (not compared)"
+        else:
+            lossless = "yes" if not entry["mismatches"] else f"NO ({len(entry['mismatches'])} prompts)"
+        draft = "-" if not entry.get("draft_ms_per_round") else \
+            f"{entry['draft_ms_per_round']:.1f} ({entry.get('draft_step_ratio', float('nan')):.2f}x)"
+        lines.append(f"| {method} | {entry['tokens_per_s']:.2f} | {tau} | {_speed_text(entry)} | {depths} | {draft} "
+                     f"| {lossless} |")
+    summary = results["summary"]
+    first = next(iter(summary.values()), {})
+    for group, title in (("by_suite", "suite"), ("by_turn", "turn")):
+        keys = list(first.get(group, {}))
+        if len(keys) > 1:
+            lines += ["", f"Per {title} (tau / speedup):", "",
+                      "| method | " + " | ".join(f"{title} {k}" for k in keys) + " |",
+                      "|---|" + "---|" * len(keys)]
+            for method, entry in summary.items():
+                cells = []
+                for key in keys:
+                    sub = entry[group].get(key)
+                    tau = "-" if sub is None or sub["tau"] is None else f"{sub['tau']:.2f}"
+                    cells.append(f"{tau} / {_speed_text(sub) if sub else '-'}")
+                lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    keys = list(first.get("by_category", {}))
+    if len(keys) > 1:
+        lines += ["", "Tokens/s per category:", "", "| category | " + " | ".join(summary) + " |",
+                  "|---|" + "---|" * len(summary)]
+        for key in keys:
+            lines.append(f"| {key} | " + " | ".join(
+                f"{entry['by_category'][key]['tokens_per_s']:.2f}" if key in entry["by_category"] else "-"
+                for entry in summary.values()) + " |")
+    machine = results["machine"]
+    config = results["config"]
+    load = machine.get("load_average_at_start")
+    mode = f"temperature {config.get('temperature', 0.0)}" if sampled else "greedy"
+    lines.append("")
+    models = results["models"]
+    lines.append(f"target {models['target']}, draft {models['draft']}, suites {' '.join(results['suites'])} "
+                 f"({config['num_prompts']} prompts per suite, up to {config.get('turns', 1)} turns, "
+                 f"{config['max_new_tokens']} new tokens, {mode}), "
+                 f"{machine['device']} {machine['dtype']}, {machine['cpu_count']} cores, "
+                 f"{machine['torch_threads']} torch threads, {machine['platform']}"
+                 + (f", load average at start {load[0]:.2f}" if load else ""))
+    return "\n".join(lines)

@@ -1,10 +1,10 @@
 """Regenerate the RESULTS page: one eval.bench run per target with every drafter found on this machine.
 
-    python -m draftsmith.eval.results --quick     # SmolLM2-135M only, 3 prompts per suite, 64 new tokens: ~10-15 min on 2 cores
-    python -m draftsmith.eval.results             # + the Qwen2.5-Coder 1.5B/0.5B pair (if fetched): ~1.5-2 h on 2 cores
+    python -m draftsmith.eval.results quick=true   # SmolLM2-135M only, 3 prompts per suite, 64 new tokens: ~10-15 min
+    python -m draftsmith.eval.results              # + the Qwen2.5-Coder 1.5B/0.5B pair (if fetched): ~1.5-2 h on 2 cores
 
 On a shared machine wrap it in the CPU lock:
-`flock /tmp/draftsmith_cpu.lock env OMP_NUM_THREADS=2 python -m draftsmith.eval.results --quick`.
+`flock /tmp/draftsmith_cpu.lock env OMP_NUM_THREADS=2 python -m draftsmith.eval.results quick=true`.
 
 Per target it runs `eval.bench` once over MT-Bench (both turns) and GSM8K test (seeded sample),
 greedy, with: plain HF greedy (the reference every other method must reproduce token by token),
@@ -13,22 +13,27 @@ student of the target), the decoder policies (LLMCad, Minions; full mode only), 
 generation and the draft LM (for targets with a draft model), and every trained drafter under
 `outputs/` whose manifest names that target: Medusa heads (`draftsmith.medusa/1`, at two tree
 widths), DGF/EAGLE drafters (`draftsmith.dgf/1`) and distilled students (`draftsmith.distilled/1`).
-Untrained baselines (directory names containing "untrained") are skipped with --quick.
+Untrained baselines (manifests whose training ran 0 optimizer updates, e.g. lr 0) are skipped with --quick.
 
-Writes `<out-dir>/<run>.json/.md/*.png` (eval.bench's outputs) and `<out-dir>/summary.json`, then
+Writes `<out_dir>/<run>/bench.json/.md/*.png` (eval.bench's outputs) and `<out_dir>/summary.json`, then
 replaces the block between the `<!-- eval.results:begin -->` / `<!-- eval.results:end -->` markers
 of the page (RESULTS.md; appended when the markers are missing) with the generated tables.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from draftsmith.config import command_parser, option, parse_command
+from draftsmith.errors import exit_with
+from draftsmith.eval.bench import BenchConfig, run_benchmark, write_outputs
+from draftsmith.eval.methods import parse_method
+from draftsmith.eval.report import format_table
+from draftsmith.models.zoo import is_fetched
 
 BEGIN = "<!-- eval.results:begin -->"
 END = "<!-- eval.results:end -->"
@@ -51,13 +56,13 @@ class RunPlan:
 PLANS = [
     RunPlan(name="smollm2", target="smollm2-135m-instruct", title="SmolLM2-135M-Instruct (float32)",
             methods=["plain", "loop-plain", "ngram", "ngram:branches=3", "self-draft:branches=3,length=4",
-                     "lm-chain:k=4,student=every3"],
-            full_only_methods=["llmcad:model=every3", "minions:models=every2+every3+ngram"]),
+                     "lm-chain:budget=4,every=3"],
+            full_only_methods=["llmcad:every=3", "minions:drafters=[(lm-chain:every=2),(lm-chain:every=3),ngram]"]),
     RunPlan(name="qwen1.5b", target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
             title="Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft (bfloat16)", dtype="bfloat16",
-            methods=["plain", "hf-assisted", "lm-chain:k=4", "lm-tree:depth=4,topk=2,budget=8",
+            methods=["plain", "hf-assisted", "lm-chain:budget=4", "lm-tree:depth=4,topk=2,budget=8",
                      "lm-tree:depth=5,topk=3,budget=16", "ngram"],
-            full_only_methods=["minions:models=draft+every4+ngram"], num_prompts=3),
+            full_only_methods=["minions:drafters=[lm-chain,(lm-chain:every=4),ngram]"], num_prompts=3),
 ]
 
 
@@ -72,10 +77,16 @@ def discover_drafters(root: Path, target: str, quick: bool) -> list[tuple[str, P
         kind = MANIFEST_KINDS.get(manifest.get("format"))
         if kind is None or (manifest.get("target") or {}).get("name") != target:
             continue
-        if quick and "untrained" in str(manifest_file):
+        if quick and untrained(manifest):
             continue
         found.append((manifest_file.stat().st_mtime, kind, manifest_file.parent))
     return [(kind, path) for _, kind, path in sorted(found, key=lambda item: -item[0])]
+
+
+def untrained(manifest: dict) -> bool:
+    """A baseline that never learned: trained with learning rate 0 (the recipes' untrained reference)."""
+    optim = ((manifest.get("training") or {}).get("optim") or {})
+    return optim.get("lr") == 0 or (manifest.get("training") or {}).get("untrained") is True
 
 
 def drafter_methods(found: list[tuple[str, Path]], quick: bool, per_kind: int) -> list[str]:
@@ -85,17 +96,15 @@ def drafter_methods(found: list[tuple[str, Path]], quick: bool, per_kind: int) -
             continue
         seen[kind] = seen.get(kind, 0) + 1
         if kind == "medusa":
-            methods += [f"medusa:{path},width=4", f"medusa:{path},width=12"]
+            methods += [f"medusa:{path},budget=4", f"medusa:{path},budget=12"]
         elif kind == "dgf":
-            methods += [f"dgf:{path},depth=5,topk=4,g=8"] + ([] if quick else [f"dgf:{path},depth=7,topk=10,g=16"])
+            methods += [f"dgf:{path},depth=5,topk=4,budget=8"] + ([] if quick else [f"dgf:{path},depth=7,topk=10,budget=16"])
         else:
-            methods.append(f"lm-chain:k=4,draft={path}")
+            methods.append(f"lm-chain:budget=4,model={path}")
     return methods
 
 
 def plan_runs(args) -> list[tuple[RunPlan, list[str]]]:
-    from draftsmith.models.zoo import is_fetched
-
     runs = []
     for plan in PLANS:
         if args.only and plan.name not in args.only:
@@ -115,8 +124,6 @@ def plan_runs(args) -> list[tuple[RunPlan, list[str]]]:
 
 
 def render_page_block(entries: list[dict], command: str, elapsed_s: float) -> str:
-    from draftsmith.eval.bench import format_table
-
     lines = [BEGIN, "## Current numbers for every drafter (generated by `python -m draftsmith.eval.results`)", "",
              f"Command: `{command}` (wall time {elapsed_s / 60:.1f} min, finished "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Everything between the `eval.results` "
@@ -153,21 +160,23 @@ def update_page(page: Path, block: str) -> None:
     page.write_text(text)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="SmolLM2 only, 3 prompts per suite, 64 new tokens")
-    parser.add_argument("--only", nargs="+", choices=[plan.name for plan in PLANS])
-    parser.add_argument("--out-dir", default="results/current")
-    parser.add_argument("--page", default="RESULTS.md")
-    parser.add_argument("--drafters-root", default="outputs", help="where trained drafters' final/ dirs are searched")
-    parser.add_argument("--per-kind", type=int, default=3, help="trained drafters per kind (newest first)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--suite", default="mt-bench,gsm8k")
-    parser.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
-    parser.add_argument("--wandb", action="store_true")
-    args = parser.parse_args(argv)
-    from draftsmith.eval import bench
+@dataclass
+class ResultsConfig:
+    quick: bool = option(False, "SmolLM2 only, 3 prompts per suite, 64 new tokens")
+    only: list[str] | None = option(None, f"run only these plans: {', '.join(plan.name for plan in PLANS)}")
+    out_dir: str = option("results/current", "where each run's bench output and summary.json go")
+    page: str = option("RESULTS.md", "the page whose generated block is replaced")
+    drafters_root: str = option("outputs", "where trained drafters' final/ directories are searched")
+    per_kind: int = option(3, "trained drafters per kind (newest first)", ge=1)
+    threads: int = option(2, "torch CPU threads", ge=0)
+    suite: str = option("mt-bench,gsm8k", "comma-separated suites")
+    dry_run: bool = option(False, "print the planned runs and exit")
+    wandb: bool = option(False, "log each run to W&B (offline without network)")
 
+
+def main(argv: list[str]) -> list[dict]:
+    parser = command_parser("python -m draftsmith.eval.results", __doc__.split("\n\n")[0], ResultsConfig)
+    args, _ = parse_command(parser, ResultsConfig, argv)
     runs = plan_runs(args)
     for plan, methods in runs:
         print(f"{plan.name}: {plan.target} draft={plan.draft} {plan.num_prompts} prompts x {args.suite} "
@@ -176,17 +185,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python -m draftsmith.eval.results", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m draftsmith.eval.results", *argv])
     start = time.perf_counter()
     entries = []
     for plan, methods in runs:
-        config = bench.BenchConfig(target=plan.target, draft=plan.draft, methods=methods, suite=args.suite,
-                                   num_prompts=plan.num_prompts, max_new_tokens=plan.max_new_tokens, dtype=plan.dtype,
-                                   threads=args.threads, out=str(out_dir / f"{plan.name}.json"), wandb=args.wandb)
-        results = bench.run_benchmark(config)
+        config = BenchConfig(target=plan.target, draft=plan.draft, methods=[parse_method(m) for m in methods],
+                             suites=args.suite.split(","), num_prompts=plan.num_prompts,
+                             max_new_tokens=plan.max_new_tokens, dtype=plan.dtype, threads=args.threads,
+                             output_dir=str(out_dir / plan.name), wandb=args.wandb)
+        results = run_benchmark(config)
         results["command"] = command
-        written = bench.write_outputs(results, config)
-        print(bench.format_table(results), flush=True)
+        written = write_outputs(results, config)
+        print(format_table(results), flush=True)
         entries.append({"name": plan.name, "title": plan.title, "results": results,
                         "json": written["json"], "markdown": written["markdown"], "plots": written.get("plots", []),
                         "skipped": [] if plan.draft or plan.name != "smollm2" else
@@ -202,4 +212,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

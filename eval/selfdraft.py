@@ -35,39 +35,37 @@ speculative slot (candidates + branch tokens), since all of them cost verificati
 
 from __future__ import annotations
 
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from draftsmith.eval.decoder import DecodeConfig, DecodeResult, DecodeStats, SpeculativeDecoder
-from draftsmith.eval.tree import DraftTree, ancestor_matrix
-from draftsmith.eval.verify import verify_greedy, verify_sampling
-from draftsmith.models.target import TargetModel, commit_kv
+from draftsmith.config import ConfigError, check_config, option
+from draftsmith.data.sources import load_source
+from draftsmith.eval.decoder import DecodeConfig, DecodeResult, Generation, Method
+from draftsmith.eval.tree import DraftTree, ancestor_matrix, trie
+from draftsmith.models.target import TargetModel
 
 
 @dataclass
 class SelfDraftConfig:
-    branches: int = 3  # N draft branches (the paper uses 6 on a GPU; CPU verification cost grows fast)
-    length: int = 4  # L, maximum branch length
-    gram: int = 4  # G, global gram length (key token + G - 1 continuation tokens)
-    cache_size: int = 8  # LRU entries per key token
-    max_candidates: int = 4  # candidates verified per forward
-    init_length: int = 1  # random padding tokens per branch at the start
-    pad: str = "prompt"  # where random padding tokens come from: prompt | vocab
-    corpus: str | None = None  # optional data.sources spec for the corpus cache, e.g. gsm8k:train
-    corpus_limit: int = 1000  # conversations read for the corpus cache
-    corpus_top: int = 4  # continuations kept per corpus prefix
-    seed: int = 0
+    branches: int = option(3, "N draft branches (the paper uses 6 on a GPU; CPU verification grows fast)", ge=0)
+    length: int = option(4, "L, maximum branch length", ge=1)
+    gram: int = option(4, "G, global gram length (key token + G - 1 continuation tokens)", ge=2)
+    cache_size: int = option(8, "LRU entries per key token", ge=1)
+    candidates: int = option(4, "candidates verified per forward", ge=0)
+    init_length: int = option(1, "random padding tokens per branch at the start", ge=1)
+    pad: Literal["prompt", "vocab"] = option("prompt", "where random padding tokens come from")
+    corpus: str | None = option(None, "data.sources spec for the corpus cache, e.g. gsm8k:train (optional)")
+    corpus_limit: int = option(1000, "conversations read for the corpus cache", ge=1)
+    corpus_top: int = option(4, "continuations kept per corpus prefix", ge=1)
+    seed: int = option(0, "seed of the random padding tokens")
 
     def __post_init__(self):
-        if self.branches < 0 or self.length < 1 or self.gram < 2 or self.max_candidates < 0:
-            raise ValueError("need branches >= 0, length >= 1, gram >= 2, max_candidates >= 0")
-        if not 1 <= self.init_length <= self.length:
-            raise ValueError("need 1 <= init_length <= length")
-        if self.pad not in ("prompt", "vocab"):
-            raise ValueError(f"pad must be 'prompt' or 'vocab', got {self.pad!r}")
+        check_config(self)
+        if self.init_length > self.length:
+            raise ConfigError("self-draft: need init_length <= length")
 
 
 class NgramCache:
@@ -118,17 +116,7 @@ class CorpusCache:
 
 def candidate_trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
     """(tokens, parents) of the trie of candidate sequences, in first-seen (topological) order."""
-    tokens, parents, index = [], [], {}
-    for candidate in candidates:
-        parent = -1
-        for token in candidate:
-            key = (parent, token)
-            if key not in index:
-                index[key] = len(tokens)
-                tokens.append(token)
-                parents.append(parent)
-            parent = index[key]
-    return tokens, parents
+    return trie(candidates)
 
 
 def selfdraft_mask(tree_parents: torch.Tensor, branch_lengths: list[int], past_len: int) -> torch.Tensor:
@@ -166,7 +154,7 @@ def branch_grams(branch: list[int], drafts: list[int], gram: int) -> list[list[i
 
 
 class SelfDraftDecoder:
-    """The Self-Draft loop (Algorithm 1); `.generate((1, T)) -> DecodeResult`."""
+    """The Self-Draft loop (Algorithm 1) on the decoder's Generation; `.generate((1, T)) -> DecodeResult`."""
 
     def __init__(self, target: TargetModel, config: DecodeConfig, policy: "SelfDraftPolicy"):
         self.target, self.config, self.policy = target, config, policy
@@ -181,90 +169,56 @@ class SelfDraftDecoder:
         vocab = self.target.model.config.vocab_size
         return torch.randint(0, vocab, (sd.branches, sd.init_length), generator=generator).tolist()
 
+    def _candidates(self, root: int, context: list[int], context_cache: NgramCache) -> DraftTree:
+        """The candidate trie for the root: LRU context-cache entries, then corpus-cache entries."""
+        sd, device = self.sd, self.target.device
+        candidates = list(dict.fromkeys(context_cache.lookup(root, sd.candidates)))
+        if self.policy.corpus is not None and len(candidates) < sd.candidates:
+            for candidate in self.policy.corpus.lookup(context, sd.candidates):
+                if candidate not in candidates and len(candidates) < sd.candidates:
+                    candidates.append(candidate)
+        tokens, parents = candidate_trie(candidates)
+        return DraftTree.from_parents(torch.tensor(tokens, dtype=torch.long, device=device),
+                                      torch.tensor(parents, dtype=torch.long, device=device))
+
+    def _update_branches(self, branches: list[list[int]], branch_logits: torch.Tensor,
+                         context_cache: NgramCache) -> None:
+        """Branch drafts (argmax: deterministic) -> context-cache grams, then each branch grows by one."""
+        predicted = branch_logits.argmax(-1).tolist()
+        offset = 0
+        for i, branch in enumerate(branches):
+            drafts = predicted[offset: offset + len(branch)]
+            offset += len(branch)
+            for gram in branch_grams(branch, drafts, self.sd.gram):
+                context_cache.insert(gram)
+            branches[i] = (branch + [drafts[-1]])[-self.sd.length:]
+
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor) -> DecodeResult:
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError("SelfDraftDecoder.generate takes input_ids of shape (1, T)")
-        config, target, sd = self.config, self.target, self.sd
-        sampling = config.sampling
-        device = target.device
-        generator = torch.Generator(device=device).manual_seed(config.seed) if sampling else None
-        pad_generator = torch.Generator().manual_seed(sd.seed)
-        eos = target.eos_token_ids if config.stop_on_eos else set()
-        stats = DecodeStats()
-        start = time.perf_counter()
-
-        prompt = input_ids.to(device)
-        cache = target.new_cache()
-        out = target.forward(prompt, cache)
-        last = out.logits[0, -1]  # (V,) the first new token: argmax, or a draw from the warped target
-        root = int(last.argmax()) if sampling is None else int(
-            torch.multinomial(sampling.probs(last), 1, generator=generator))
-        context = prompt[0].tolist() + [root]
-        generated = [root]
-        branches = self._initial_branches(prompt[0].tolist(), pad_generator)
-        context_cache = NgramCache(sd.cache_size)
-        stats.prefill_s = time.perf_counter() - start
-
-        while len(generated) < config.max_new_tokens and root not in eos:
-            tick = time.perf_counter()
-            candidates = list(dict.fromkeys(context_cache.lookup(root, sd.max_candidates)))
-            if self.policy.corpus is not None and len(candidates) < sd.max_candidates:
-                for candidate in self.policy.corpus.lookup(context, sd.max_candidates):
-                    if candidate not in candidates and len(candidates) < sd.max_candidates:
-                        candidates.append(candidate)
-            trie_tokens, trie_parents = candidate_trie(candidates)
-            tree = DraftTree.from_parents(torch.tensor(trie_tokens, dtype=torch.long, device=device),
-                                          torch.tensor(trie_parents, dtype=torch.long, device=device))
-            lengths = [len(b) for b in branches]
-            slots = tree.size + sum(lengths)
-            if slots > config.max_tree_tokens:
-                raise ValueError(f"self-draft uses {slots} speculative slots per forward; the budget is "
-                                 f"max_tree_tokens={config.max_tree_tokens}")
-            past = cache.get_seq_length()
-            inputs = torch.tensor([root] + trie_tokens + [t for b in branches for t in b], device=device)[None]
-            allowed = selfdraft_mask(tree.parents, lengths, past)
-            positions = selfdraft_positions(tree.depths, lengths, past)
-            tock = time.perf_counter()
-            out = target.forward(inputs, cache, positions, allowed)
-            logits = out.logits[0]  # (S, V)
-            n = tree.size
-            if sampling is None:
-                accepted, next_token = verify_greedy(tree, logits[: n + 1])
-            else:
-                accepted, next_token = verify_sampling(tree, sampling.probs(logits[: n + 1]), generator)
-            keep = torch.tensor([0] + [node + 1 for node in accepted], device=device)
-            commit_kv(cache, torch.cat([torch.arange(past, device=device), past + keep]))
-            stats.verify_s += time.perf_counter() - tock
-            # Branch drafts, context-cache update, branch update (argmax: deterministic).
-            predicted = logits[n + 1:].argmax(-1).tolist()
-            offset = 0
-            for i, branch in enumerate(branches):
-                drafts = predicted[offset: offset + len(branch)]
-                offset += len(branch)
-                for gram in branch_grams(branch, drafts, sd.gram):
-                    context_cache.insert(gram)
-                branches[i] = (branch + [drafts[-1]])[-sd.length:]
-            stats.draft_s += tock - tick
-
-            new_tokens = tree.tokens[accepted].tolist() + [next_token]
-            SpeculativeDecoder._record(stats, tree, len(accepted))
-            stats.tree_tokens += sum(lengths)
-            for token in new_tokens:
-                if len(generated) >= config.max_new_tokens:
-                    break
-                generated.append(token)
-                if token in eos:
-                    break
-            root = generated[-1]
-            context.extend(new_tokens)
-        stats.total_s = time.perf_counter() - start
-        stats.new_tokens = len(generated)
-        return DecodeResult(tokens=generated, stats=stats)
+        gen = Generation(self.target, self.config, input_ids)
+        branches = self._initial_branches(gen.prompt.tolist(), torch.Generator().manual_seed(self.sd.seed))
+        context_cache = NgramCache(self.sd.cache_size)
+        context = gen.context.tolist()
+        while not gen.done:
+            with gen.drafting():
+                tree = self._candidates(gen.root, context, context_cache)
+                lengths = [len(b) for b in branches]
+                gen.check_budget(tree, "self-draft", slots=tree.size + sum(lengths))
+                past = self.target.cache_length(gen.cache)
+                allowed = selfdraft_mask(tree.parents, lengths, past)
+                positions = selfdraft_positions(tree.depths, lengths, past)
+            round = gen.verify(tree, extra_tokens=[t for b in branches for t in b], allowed=allowed,
+                               positions=positions)
+            with gen.drafting():
+                self._update_branches(branches, round.logits[tree.size + 1:], context_cache)
+            gen.stats.tree_tokens += sum(lengths)  # branch slots cost verification compute too
+            gen.advance(round)
+            context.extend(round.new_tokens)
+        return gen.result()
 
 
-class SelfDraftPolicy:
-    """A decoding policy (see eval.bench): holds the config and the shared corpus cache."""
+class SelfDraftPolicy(Method):
+    """A decoding method: holds the config and the shared corpus cache."""
 
     def __init__(self, config: SelfDraftConfig | None = None, tokenizer=None, name: str = "self-draft"):
         self.config = config or SelfDraftConfig()
@@ -272,34 +226,16 @@ class SelfDraftPolicy:
         self.corpus = None
         if self.config.corpus:
             if tokenizer is None:
-                raise ValueError("a corpus cache needs the target's tokenizer")
+                raise ConfigError("self-draft: a corpus cache needs the target's tokenizer")
             self.corpus = CorpusCache(corpus_sequences(self.config.corpus, tokenizer, self.config.corpus_limit),
                                       self.config.gram, self.config.corpus_top)
 
-    def make_decoder(self, target: TargetModel, decode_config: DecodeConfig) -> SelfDraftDecoder:
-        return SelfDraftDecoder(target, decode_config, self)
+    def make_decoder(self, target: TargetModel, config: DecodeConfig) -> SelfDraftDecoder:
+        return SelfDraftDecoder(target, config, self)
 
 
 def corpus_sequences(spec: str, tokenizer, limit: int) -> list[list[int]]:
     """Token ids of every message text of a data.sources spec (no chat template: plain text)."""
-    from draftsmith.data.sources import load_source
-
     conversations = load_source(spec, limit=limit)
     return [tokenizer(message["content"], add_special_tokens=False)["input_ids"]
             for conv in conversations for message in conv.messages if message.get("content")]
-
-
-SELFDRAFT_ALIASES = {"n": "branches", "l": "length", "g": "gram", "candidates": "max_candidates"}
-
-
-def build_from_spec(options: dict, target, draft, name: str):
-    """Bench method `self-draft[:branches=3,length=4,gram=4,candidates=4,cache_size=8,corpus=gsm8k:train]`.
-
-    Every SelfDraftConfig field is an option (aliases: n = branches, l = length, g = gram,
-    candidates = max_candidates). `corpus` is a data.sources spec whose message texts build the
-    corpus cache (optional); `pad=prompt|vocab` picks the random padding tokens' pool.
-    """
-    from draftsmith.eval.drafters.minions import config_from_options
-
-    config = config_from_options(SelfDraftConfig, options, SELFDRAFT_ALIASES)
-    return SelfDraftPolicy(config, tokenizer=target.tokenizer, name=name)

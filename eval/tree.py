@@ -131,6 +131,22 @@ def tree_from_paths(paths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor,
     return parents_t, node_depths(parents_t), torch.tensor(ranks, dtype=torch.long)
 
 
+def trie(sequences) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of the trie of token sequences, nodes in first-seen (topological) order;
+    shared prefixes become one path (prompt lookup's branches, Self-Draft's candidates)."""
+    tokens, parents, index = [], [], {}  # (parent node, token) -> node
+    for sequence in sequences:
+        parent = -1
+        for token in sequence:
+            key = (parent, int(token))
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(int(token))
+                parents.append(parent)
+            parent = index[key]
+    return tokens, parents
+
+
 def chain_paths(length: int) -> list[list[int]]:
     """The paths of a k-token chain: [[0], [0, 0], ...]."""
     return [[0] * d for d in range(1, length + 1)]

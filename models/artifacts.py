@@ -44,6 +44,10 @@ class ArtifactError(UserError):
     """A drafter directory is incomplete, corrupt, or for another target; the message names the file."""
 
 
+class ArtifactMissing(ArtifactError, FileNotFoundError):
+    """A file a drafter directory needs is not there."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Manifest
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +73,7 @@ def read_manifest(path: str | Path, expected_format: str) -> dict:
     """manifest.json of a drafter directory, refusing another format."""
     file = Path(path) / MANIFEST_FILE
     if not file.is_file():
-        raise ArtifactError(f"no {MANIFEST_FILE} in {path} (expected a recipe's final/ directory of format "
+        raise ArtifactMissing(f"no {MANIFEST_FILE} in {path} (expected a recipe's final/ directory of format "
                             f"{expected_format})")
     manifest = read_json(file, "manifest")
     if manifest.get("format") != expected_format:
@@ -105,7 +109,7 @@ def check_target(manifest: dict, target, where: str, hidden_layers: list[int] | 
     problems = [f"{key}: {want.get(key)!r} in the manifest vs {value!r} for the given target"
                 for key, value in have.items() if want.get(key) != value]
     if hidden_layers is not None and manifest_layers(want) != list(hidden_layers):
-        problems.append(f"hidden layers: the checkpoint reads {manifest_layers(want)}, the drafter feeds "
+        problems.append(f"hidden_layers: the checkpoint reads {manifest_layers(want)}, the drafter feeds "
                         f"{list(hidden_layers)}")
     if problems:
         raise ArtifactError(f"{where} was trained for target {want.get('name')!r} and does not fit the given target "
@@ -116,7 +120,7 @@ def load_weights(file: Path) -> dict[str, torch.Tensor]:
     """A safetensors file; a missing, corrupt or truncated one is an ArtifactError naming it."""
     file = Path(file)
     if not file.is_file():
-        raise ArtifactError(f"{file.parent} is incomplete: {file.name} is missing")
+        raise ArtifactMissing(f"{file.parent} is incomplete: {file.name} is missing")
     try:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
@@ -162,7 +166,7 @@ def load_medusa_heads(path: str | Path, device: str | torch.device | None = None
         check_target(manifest, target, f"Medusa checkpoint {path}", [HIDDEN_LAYER])
     config_file, heads_file = path / manifest["heads"]["config"], path / manifest["heads"]["file"]
     if not config_file.is_file():
-        raise ArtifactError(f"Medusa checkpoint {path} is incomplete: {config_file.name} is missing")
+        raise ArtifactMissing(f"Medusa checkpoint {path} is incomplete: {config_file.name} is missing")
     heads = MedusaHeads(MedusaConfig(**read_json(config_file, "Medusa config")))
     load_state(heads, load_weights(heads_file), heads_file, config_file)
     return heads.to(resolve_device(device)).eval(), manifest
@@ -193,7 +197,7 @@ def load_dgf(path: str | Path, target=None, device: str | torch.device | None = 
     manifest = read_manifest(path, DGF_FORMAT)
     config_file = path / manifest["drafter"]["config"]
     if not config_file.is_file():
-        raise ArtifactError(f"DGF checkpoint {path} is incomplete: {config_file.name} is missing")
+        raise ArtifactMissing(f"DGF checkpoint {path} is incomplete: {config_file.name} is missing")
     config = DGFConfig(**read_json(config_file, "DGF config"))
     if target is not None:
         check_target(manifest, target, f"DGF checkpoint {path}", config.feature_layers)

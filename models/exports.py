@@ -34,10 +34,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.errors import UserError
 from draftsmith.models.artifacts import (ACCURACY_FILE, CONFIG_FILE, float_state, load_dgf, load_medusa_heads,
-                                         load_state, load_weights, manifest_layers, read_json, read_student_manifest,
+                                         load_weights, manifest_layers, read_json, read_student_manifest,
                                          save_dgf)
 from draftsmith.models.dgf import DROP_CONFIG_KEYS, DGFConfig, DGFModel
-from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths, load_rank_accuracy
 from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
 
 EXPORT_MANIFEST = "export_manifest.json"
@@ -234,10 +234,10 @@ def load_fasterdecoding_medusa(path: str | Path):
 
 
 def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
-                  tolerance: float = 0.0, tree: list[list[int]] | None = None) -> ExportResult:
+                  tolerance: float = 0.0) -> ExportResult:
     """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
-    to write (default: the target name in the manifest). `tree`: the Medusa choices to record
-    (scripts/export.py builds them from the saved head accuracies with eval.arca)."""
+    to write (default: the target name in the manifest). The manifest records the Medusa choices
+    built from the saved head accuracies (models.medusa.arca_paths) when they are there."""
     source = Path(source)
     heads, source_manifest = load_medusa_heads(source)
     if source_manifest.get("target_adapter"):
@@ -253,8 +253,10 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
                  "base_model_name_or_path": base_model or target.get("name"),
                  "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
     (tmp / MEDUSA_FD_CONFIG).write_text(json.dumps(fd_config, indent=2))
+    tree = None
     if (source / ACCURACY_FILE).is_file():
         shutil.copy(source / ACCURACY_FILE, tmp / ACCURACY_FILE)
+        tree = arca_paths(load_rank_accuracy(source / ACCURACY_FILE), len(DEFAULT_MEDUSA_PATHS))
 
     reloaded, _ = load_fasterdecoding_medusa(tmp)
     generator = torch.Generator().manual_seed(PARITY_SEED)
@@ -338,7 +340,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
 # ---------------------------------------------------------------------------------------------
 
 
-def export_eagle(model: "DGFModel | DGFDrafter", out_dir: str | Path) -> Path:
+def export_eagle(model, out_dir: str | Path) -> Path:
     """Write a `fusion: linear` drafter in EAGLE's checkpoint layout (SafeAILab/EAGLE `cnets.py`).
 
     config.json: the target family's HF config with num_hidden_layers = M (as EAGLE's configs are),

@@ -174,8 +174,21 @@ class TargetModel:
         ids = [ids] if isinstance(ids, int) else list(ids or [])
         return set(ids)
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, max_length: int | None = None) -> DynamicCache:
+        """An empty KV cache (a growing DynamicCache; `max_length` is what static backends preallocate)."""
         return DynamicCache(config=self.config)
+
+    def cache_length(self, cache: DynamicCache) -> int:
+        """Committed slots in the cache."""
+        return cache.get_seq_length()
+
+    def commit(self, cache: DynamicCache, keep: torch.Tensor) -> None:
+        """Keep only the cache slots `keep` (1D, increasing): the prefix plus the accepted path."""
+        commit_kv(cache, keep)
+
+    def truncate(self, cache: DynamicCache, length: int) -> None:
+        """Drop every slot from `length` on."""
+        crop_cache(cache, length)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,

@@ -1,4 +1,4 @@
-"""Export trained drafters into other projects' layouts (thin CLI over eval/export.py).
+"""Export trained drafters into other projects' layouts (thin CLI over models/exports.py).
 
     python scripts/export.py student outputs/distill_qwen/run/final exports/qwen-student \
         --target qwen2.5-coder-1.5b-instruct          # plain HF dir; checks generate(assistant_model=...)
@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from draftsmith.eval import export
+from draftsmith.models import exports as export
 
 
 def main(argv: list[str] | None = None) -> int:

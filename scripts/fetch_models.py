@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.data.sources import gsm8k_dir
 from draftsmith.models import zoo
 
 DEFAULT_MODELS = ["smollm2-135m-instruct"]
@@ -25,8 +26,6 @@ DEFAULT_MODELS = ["smollm2-135m-instruct"]
 
 def copy_gsm8k(source: Path) -> Path:
     """Copy {train,test}.jsonl into data.sources.gsm8k_dir() (each file written whole, then renamed)."""
-    from draftsmith.data.sources import gsm8k_dir
-
     out = gsm8k_dir()
     out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):

@@ -64,3 +64,12 @@ def tiny_target_for(tokenizer, seed: int):
     model = tiny_model("llama", seed=seed, vocab_size=len(tokenizer), hidden_size=32,
                        eos_token_id=tokenizer.eos_token_id)
     return SimpleNamespace(model=model, tokenizer=tokenizer)
+
+
+def build_spec(spec: str, target, draft=None):
+    """The drafter a bench method spec builds (DrafterMethod), else the method (a policy)."""
+    from draftsmith.eval.decoder import DrafterMethod
+    from draftsmith.eval.methods import BuildContext, build_method
+
+    method = build_method(spec, BuildContext(target, draft))
+    return method.drafter if isinstance(method, DrafterMethod) and method.drafter is not None else method

@@ -77,7 +77,7 @@ def test_validation():
         arca_paths([[0.6, 0.8]], 2)
     with pytest.raises(ValueError, match="probability"):
         arca_paths([[1.5]], 1)
-    with pytest.raises(ValueError, match="width"):
+    with pytest.raises(ValueError, match="budget"):
         arca_paths(ACC, -1)
     assert rank_accuracy_from_topk([[0.6, 0.8, 0.9]])[0] == pytest.approx([0.6, 0.2, 0.1])
 

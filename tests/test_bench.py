@@ -11,6 +11,7 @@ import torch
 
 from draftsmith.eval import bench, report
 from draftsmith.eval.bench import BenchConfig, run_benchmark, turn_input_ids, write_outputs
+from draftsmith.eval.methods import parse_method
 from draftsmith.models.target import TargetModel
 from tests.conftest import tiny_target_for
 
@@ -53,20 +54,20 @@ def test_two_turn_prompt_is_chat_template_over_q1_answer_q2(smol_tokenizer):
 def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "run" / "bench.json"
-    config = BenchConfig(methods=["plain", "hf-assisted", "lm-chain:k=3", "lm-tree:depth=2,topk=2,budget=4",
-                                  "lm-tree:depth=3,topk=2,budget=8", "ngram"],
-                         suite=f"jsonl:{prompts_file},mt-bench", num_prompts=2, turns=2, max_new_tokens=8,
-                         out=str(out))
+    specs = ["plain", "hf-assisted", "lm-chain:budget=3", "lm-tree:depth=2,topk=2,budget=4",
+             "lm-tree:depth=3,topk=2,budget=8", "ngram"]
+    config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}", "mt-bench"],
+                         num_prompts=2, turns=2, max_new_tokens=8, output_dir=str(out.parent))
     results = run_benchmark(config, target=target, draft=draft, progress=False)
     written = write_outputs(results, config)
 
     summary = results["summary"]
     assert results["suites"] == [f"jsonl:{prompts_file}", "mt-bench"]
-    for method in config.methods:
+    for method in map(str, config.methods):
         assert summary[method]["mismatches"] == [], method  # greedy: every method == plain on every prompt/turn
         assert set(summary[method]["by_suite"]) == set(results["suites"])
         assert set(summary[method]["by_turn"]) == {"1", "2"}
-    assert summary["lm-chain:k=3"]["tau"] >= 1.0 and summary["lm-chain:k=3"]["depth_acceptance"]
+    assert summary["lm-chain:budget=3"]["tau"] >= 1.0 and summary["lm-chain:budget=3"]["depth_acceptance"]
     # 2 jsonl prompts (1 turn) + 2 MT-Bench questions x 2 turns
     rows = results["per_prompt"]
     assert [(r["suite"] == "mt-bench", r["turn"]) for r in rows] == [(False, 1), (False, 1), (True, 1), (True, 2),
@@ -88,56 +89,61 @@ def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["summary"]["plain"]["speedup"] == pytest.approx(1.0)
     markdown = out.with_suffix(".md").read_text()
-    assert "| lm-chain:k=3 |" in markdown and "Per suite" in markdown and "Per turn" in markdown
+    assert "| lm-chain:budget=3 |" in markdown and "Per suite" in markdown and "Per turn" in markdown
     assert "Tokens/s per category" in markdown
     names = {p.split("/")[-1] for p in written["plots"]}
-    assert names == {"bench_acceptance.png", "bench_category_tps.png", "bench_speedup_width.png"}
+    assert names == {"bench_acceptance.png", "bench_category_tps.png", "bench_speedup_budget.png"}
     for path in written["plots"]:
         assert open(path, "rb").read(8) == PNG_MAGIC
 
 
 def test_bench_temperature_one_records_tau_without_token_comparison(tiny_pair, prompts_file, tmp_path):
     target, draft = tiny_pair
-    config = BenchConfig(methods=["plain", "lm-chain:k=3", "ngram"], suite=f"jsonl:{prompts_file}", num_prompts=2,
-                         max_new_tokens=8, temperature=1.0, out=str(tmp_path / "t1.json"))
+    config = BenchConfig(methods=[parse_method(m) for m in ("plain", "lm-chain:budget=3", "ngram")],
+                         suites=[f"jsonl:{prompts_file}"], num_prompts=2, max_new_tokens=8, temperature=1.0,
+                         output_dir=str(tmp_path / "t1"))
     results = run_benchmark(config, target=target, draft=draft, progress=False)
     write_outputs(results, config)
-    chain = results["summary"]["lm-chain:k=3"]
+    chain = results["summary"]["lm-chain:budget=3"]
     assert chain["tau"] is not None and chain["tau"] >= 1.0 and chain["tokens_per_s"] > 0
     assert chain["mismatches"] == []  # never compared at T > 0
     assert "speedup" in chain and chain["speedup"] > 0
-    assert "sampled (not compared)" in (tmp_path / "t1.md").read_text()
+    assert "sampled (not compared)" in (tmp_path / "t1" / "bench.md").read_text()
 
 
 def test_suite_errors(tiny_pair, tmp_path):
     target, _ = tiny_pair
     with pytest.raises(ValueError, match="names a suite twice"):
-        bench.split_suites("gsm8k,gsm8k")
-    with pytest.raises(ValueError, match="comma-separated"):
-        bench.split_suites("mt-bench,")
+        bench.check_suites(["gsm8k", "gsm8k"])
+    with pytest.raises(ValueError, match="space-separated"):
+        bench.check_suites(["mt-bench", ""])
     with pytest.raises(FileNotFoundError):
-        run_benchmark(BenchConfig(methods=["plain"], suite=f"jsonl:{tmp_path}/missing.jsonl"), target=target,
-                      progress=False)
+        run_benchmark(BenchConfig(methods=[parse_method("plain")], suites=[f"jsonl:{tmp_path}/missing.jsonl"]),
+                      target=target, progress=False)
     with pytest.raises(ValueError, match="temperature"):
-        run_benchmark(BenchConfig(methods=["plain"], temperature=-1), target=target, progress=False)
+        run_benchmark(BenchConfig(methods=[parse_method("plain")], temperature=-1), target=target, progress=False)
 
 
 def test_cli_parses_new_flags():
-    config = bench.parse_args(["--suite", "mt-bench,gsm8k", "--temperature", "1", "--turns", "1", "--wandb",
-                               "--no-plots"])
-    assert config.suite == "mt-bench,gsm8k" and config.temperature == 1.0 and config.turns == 1
+    config, _ = bench.parse_config(["suites=mt-bench gsm8k", "temperature=1", "turns=1", "wandb=true",
+                                    "plots=false"])
+    assert config.suites == ["mt-bench", "gsm8k"] and config.temperature == 1.0 and config.turns == 1
     assert config.wandb and not config.plots
 
 
-def test_width_series_groups_sizes_of_one_kind():
+def test_budget_series_groups_sizes_of_one_kind():
+    family = {spec: parse_method(spec).family() for spec in ("lm-tree:depth=2,budget=4", "lm-tree:depth=3,budget=8",
+                                                              "ngram")}
     summary = {"plain": {"tree_tokens_per_round": None, "speedup": 1.0},
-               "lm-tree:depth=2,budget=4": {"tree_tokens_per_round": 4.0, "speedup": 0.9},
-               "lm-tree:depth=3,budget=8": {"tree_tokens_per_round": 8.0, "speedup": 0.8},
-               "ngram": {"tree_tokens_per_round": 3.0, "speedup": 1.0}}
-    assert report.width_series(summary) == {"lm-tree": [(4.0, 0.9, "lm-tree:depth=2,budget=4"),
-                                                        (8.0, 0.8, "lm-tree:depth=3,budget=8")]}
-    assert report.method_family("lm-chain:k=4,draft=/s") == "lm-chain:draft=/s"
-    assert report.method_family("medusa:/d,width=8") == "medusa:/d"
+               "lm-tree:depth=2,budget=4": {"tree_tokens_per_round": 4.0, "speedup": 0.9,
+                                            "family": family["lm-tree:depth=2,budget=4"]},
+               "lm-tree:depth=3,budget=8": {"tree_tokens_per_round": 8.0, "speedup": 0.8,
+                                            "family": family["lm-tree:depth=3,budget=8"]},
+               "ngram": {"tree_tokens_per_round": 3.0, "speedup": 1.0, "family": family["ngram"]}}
+    assert report.budget_series(summary) == {"lm-tree": [(4.0, 0.9, "lm-tree:depth=2,budget=4"),
+                                                         (8.0, 0.8, "lm-tree:depth=3,budget=8")]}
+    assert parse_method("lm-chain:budget=4,model=/s").family() == "lm-chain:model=/s"
+    assert parse_method("medusa:/d,budget=8").family() == "medusa:/d"
 
 
 def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
@@ -145,8 +151,9 @@ def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     target, draft = tiny_pair
-    config = BenchConfig(methods=["plain", "lm-chain:k=2"], suite=f"jsonl:{prompts_file}", num_prompts=1,
-                         max_new_tokens=4, out=str(tmp_path / "w.json"), wandb=True)
+    config = BenchConfig(methods=[parse_method("plain"), parse_method("lm-chain:budget=2")],
+                         suites=[f"jsonl:{prompts_file}"], num_prompts=1, max_new_tokens=4,
+                         output_dir=str(tmp_path / "w"), wandb=True)
     results = run_benchmark(config, target=target, draft=draft, progress=False)
     written = write_outputs(results, config)
     run_dirs = list((tmp_path / "wandb").glob("offline-run-*"))
@@ -163,13 +170,15 @@ def test_results_page_discovery_and_markers(tmp_path):
                               ("dgf_x", "draftsmith.dgf/1", "t"), ("other", "draftsmith.dgf/1", "u"),
                               ("stud", "draftsmith.distilled/1", "t"), ("junk", "nope/1", "t")]:
         (root / name / "final").mkdir(parents=True)
-        (root / name / "final" / "manifest.json").write_text(json.dumps({"format": fmt, "target": {"name": target}}))
+        training = {"untrained": True} if "untrained" in name else {}  # what the manifest says, not the path
+        (root / name / "final" / "manifest.json").write_text(json.dumps({"format": fmt, "target": {"name": target},
+                                                                        "training": training}))
     found = results_page.discover_drafters(root, "t", quick=True)
     assert sorted(kind for kind, _ in found) == ["dgf", "medusa", "student"]
     assert len(results_page.discover_drafters(root, "t", quick=False)) == 4
     methods = results_page.drafter_methods(found, quick=True, per_kind=1)
-    assert any(m.startswith("medusa:") and m.endswith("width=12") for m in methods)
-    assert any(m.startswith("lm-chain:k=4,draft=") for m in methods) and any(m.startswith("dgf:") for m in methods)
+    assert any(m.startswith("medusa:") and m.endswith("budget=12") for m in methods)
+    assert any(m.startswith("lm-chain:budget=4,model=") for m in methods) and any(m.startswith("dgf:") for m in methods)
     page = tmp_path / "RESULTS.md"
     page.write_text("# Results\n\nintro\n")
     results_page.update_page(page, f"{results_page.BEGIN}\nfirst\n{results_page.END}")

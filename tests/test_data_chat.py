@@ -268,10 +268,10 @@ def test_cli_prints_samples(smol, tmp_path, capsys):
     src.write_text(
         json.dumps({"id": "c1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}) + "\n"
     )
-    assert main(["--model", str(tmp_path / "tok"), "--source", f"sharegpt:{src}", "--n", "2", "--color", "never"]) == 0
+    assert main([f"target={tmp_path / 'tok'}", f"source=sharegpt:{src}", "n=2", "color=never"]) == 0
     printed = capsys.readouterr().out
     assert "=== c1 (sharegpt)" in printed and "[[hello<|im_end|>]]" in printed
     if gsm8k_dir().is_dir():
-        main(["--model", str(tmp_path / "tok"), "--source", "gsm8k:train", "--n", "2", "--color", "never"])
+        main([f"target={tmp_path / 'tok'}", "source=gsm8k:train", "n=2", "color=never"])
         printed = capsys.readouterr().out
         assert printed.count("=== gsm8k-train-") == 2 and "#### 72<|im_end|>]]" in printed

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 import draftsmith.data.features as features
+from draftsmith.config import config_from_dict, load_config
 from draftsmith.data.chat import render_and_mask
 from draftsmith.data.features import (
     FeatureCacheConfig,
@@ -55,7 +56,7 @@ KEPT_ITEMS = [0, 1, 3, 4, 5, 6, 7]
 
 
 def cfg_for(out, **kw) -> FeatureCacheConfig:
-    base = dict(model="tiny-llama", source=None, output_dir=str(out), hidden_layers=(-1, 0), topk_logits=TOPK,
+    base = dict(target="tiny-llama", source=None, output_dir=str(out), hidden_layers=(-1, 0), topk_logits=TOPK,
                 shard_tokens=100, batch_size=2, rank=0, world_size=1, progress=False)
     base.update(kw)
     return FeatureCacheConfig(**base)
@@ -242,9 +243,9 @@ def test_refuses_when_disk_is_too_small(tmp_path, target, monkeypatch, capsys):
 
 def test_config_validation():
     with pytest.raises(ValueError, match="hidden_layerz"):
-        FeatureCacheConfig.from_dict({"model": "m", "source": "s", "output_dir": "o", "hidden_layerz": [1]})
+        config_from_dict(FeatureCacheConfig, {"target": "m", "source": "s", "output_dir": "o", "hidden_layerz": [1]})
     with pytest.raises(ValueError, match="duplicates"):
-        FeatureCacheConfig(model="m", source="s", output_dir="o", hidden_layers=(-1, -1))
-    args = features.build_parser().parse_args(["--model", "m", "--source", "gsm8k:train", "--output-dir", "o",
-                                               "--layers", "-1", "-3", "--topk", "8"])
-    assert args.hidden_layers == [-1, -3] and args.topk_logits == 8
+        FeatureCacheConfig(target="m", source="s", output_dir="o", hidden_layers=(-1, -1))
+    args = load_config(FeatureCacheConfig, None, ["target=m", "source=gsm8k:train", "output_dir=o",
+                                                  "hidden_layers=[-1, -3]", "topk_logits=8"])
+    assert list(args.hidden_layers) == [-1, -3] and args.topk_logits == 8

@@ -12,16 +12,11 @@ import pytest
 import torch
 
 import draftsmith.data.regenerate as regen
+from draftsmith.config import config_from_dict, load_config
 from draftsmith.data.chat import prompt_ids
-from draftsmith.data.regenerate import (
-    PlanMismatch,
-    RegenerateConfig,
-    check_gsm8k,
-    context_chunks,
-    load_regenerated,
-    regenerate,
-)
-from draftsmith.data.sources import Conversation
+from draftsmith.data.regenerate import RegenerateConfig, context_chunks, regenerate
+from draftsmith.data.shards import PlanMismatch
+from draftsmith.data.sources import Conversation, check_gsm8k, load_regenerated
 
 from conftest import tiny_target_for
 
@@ -47,7 +42,7 @@ def single_turn(n: int, source: str = "test") -> list[Conversation]:
 
 
 def cfg_for(tmp_path, **kw) -> RegenerateConfig:
-    base = dict(model="tiny-llama", source=None, output_dir=str(tmp_path), max_new_tokens=MAX_NEW,
+    base = dict(target="tiny-llama", source=None, output_dir=str(tmp_path), max_new_tokens=MAX_NEW,
                 batch_size=2, shard_size=2, rank=0, world_size=1, progress=False)
     base.update(kw)
     return RegenerateConfig(**base)
@@ -231,11 +226,11 @@ def test_check_gsm8k():
 
 def test_config_rejects_unknown_keys_and_bad_values():
     with pytest.raises(ValueError, match="max_new_tokenz"):
-        RegenerateConfig.from_dict({"model": "m", "source": "gsm8k", "output_dir": "x", "max_new_tokenz": 3})
+        config_from_dict(RegenerateConfig, {"target": "m", "source": "gsm8k", "output_dir": "x", "max_new_tokenz": 3})
     with pytest.raises(ValueError, match="temperature"):
-        RegenerateConfig(model="m", source="gsm8k", output_dir="x", temperature=-1)
-    args = regen.build_parser().parse_args(["--model", "m", "--source", "gsm8k:train", "--limit", "64",
-                                            "--output-dir", "o", "--filter-wrong"])
+        RegenerateConfig(target="m", source="gsm8k", output_dir="x", temperature=-1)
+    args = load_config(RegenerateConfig, None, ["target=m", "source=gsm8k:train", "limit=64", "output_dir=o",
+                                                "filter_wrong=true"])
     assert args.limit == 64 and args.filter_wrong and args.temperature == 0.0
 
 

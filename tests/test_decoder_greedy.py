@@ -26,16 +26,16 @@ def make_drafter(kind, model, seed):
     if kind == "none":
         return None
     if kind == "chain-shallow":
-        return LMDrafter(layer_subset_student(model, [0]), mode="chain", num_tokens=3 + seed % 3)
+        return LMDrafter(layer_subset_student(model, [0]), mode="chain", budget=3 + seed % 3)
     if kind == "chain-other":  # an unrelated random model: mostly rejected drafts
-        return LMDrafter(tiny_model(model.config.model_type, seed=seed + 50), mode="chain", num_tokens=4)
+        return LMDrafter(tiny_model(model.config.model_type, seed=seed + 50), mode="chain", budget=4)
     if kind == "tree-shallow":
         return LMDrafter(layer_subset_student(model, [1]), mode="tree", depth=3 + seed % 2, topk=2 + seed % 3,
                          budget=6 + 4 * seed)
     if kind == "tree-self":  # the target drafting for itself: long acceptances, exercises deep commits
         return LMDrafter(model, mode="tree", depth=4, topk=3, budget=24)
     if kind == "ngram":
-        return NgramDrafter(max_ngram=2 + seed % 2, num_tokens=4, num_branches=1 + seed % 3)
+        return NgramDrafter(max_ngram=2 + seed % 2, budget=4, num_branches=1 + seed % 3)
     if kind == "medusa":
         torch.manual_seed(seed)
         heads = MedusaHeads(MedusaConfig(hidden, vocab, num_heads=5))
@@ -78,15 +78,15 @@ def test_eos_stops_like_generate(family):
     expected = reference_greedy(model, prompt, 30)
     assert expected[-1] == eos and len(expected) <= 11
     target = TargetModel(model, tokenizer=None)
-    for drafter in (None, LMDrafter(model, mode="chain", num_tokens=5), NgramDrafter()):
+    for drafter in (None, LMDrafter(model, mode="chain", budget=5), NgramDrafter()):
         assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=30)).generate(prompt).tokens == expected
 
 
 def test_tree_budget_is_enforced():
     model = tiny_model(seed=0)
     drafter = LMDrafter(model, mode="tree", depth=3, topk=4, budget=20)
-    decoder = SpeculativeDecoder(TargetModel(model, None), drafter, DecodeConfig(max_tree_tokens=8))
-    with pytest.raises(ValueError, match="max_tree_tokens=8"):
+    decoder = SpeculativeDecoder(TargetModel(model, None), drafter, DecodeConfig(budget_limit=8))
+    with pytest.raises(ValueError, match="budget_limit=8"):
         decoder.generate(torch.tensor([[1, 2, 3]]))
 
 

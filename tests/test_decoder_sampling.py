@@ -38,7 +38,7 @@ def exact_joint(model) -> dict[tuple, float]:
 
 def make_drafter(kind, model):
     if kind == "chain":  # an unrelated model: q far from p, exercises rejection + residuals
-        return LMDrafter(tiny_model("llama", seed=11, vocab_size=VOCAB, num_layers=1), mode="chain", num_tokens=2)
+        return LMDrafter(tiny_model("llama", seed=11, vocab_size=VOCAB, num_layers=1), mode="chain", budget=2)
     if kind == "tree":  # several children drawn without replacement per node
         return LMDrafter(tiny_model("llama", seed=12, vocab_size=VOCAB, num_layers=1), mode="tree",
                          depth=2, topk=3, beam=2)
@@ -47,7 +47,7 @@ def make_drafter(kind, model):
         heads = MedusaHeads(MedusaConfig(model.config.hidden_size, VOCAB, num_heads=2))
         return MedusaDrafter(heads, paths=[[0], [1], [0, 0], [0, 1], [1, 0]])
     if kind == "ngram":  # point-mass proposals, two branches
-        return NgramDrafter(max_ngram=2, num_tokens=2, num_branches=2)
+        return NgramDrafter(max_ngram=2, budget=2, num_branches=2)
     raise ValueError(kind)
 
 

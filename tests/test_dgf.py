@@ -8,13 +8,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import tiny_model
+from conftest import build_spec, tiny_model
 from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.drafters.dgf import DGFDrafter, build_from_spec
+from draftsmith.eval.drafters.dgf import DGFDrafter
 from draftsmith.eval.tree import ancestor_matrix
 from draftsmith.eval.verify import logits_to_probs
-from draftsmith.models.dgf import (DGFConfig, DGFModel, export_eagle, family_classes, load_dgf, load_eagle, save_dgf,
-                        target_manifest)
+from draftsmith.models.artifacts import load_dgf, save_dgf, target_block
+from draftsmith.models.dgf import DGFConfig, DGFModel, family_classes
+from draftsmith.models.exports import export_eagle, load_eagle
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import TinyTokenizer
 from draftsmith.train.losses import feature_regression_loss, soft_cross_entropy
@@ -125,7 +126,7 @@ def test_save_load_and_manifest_refuses_other_target(tmp_path, family):
     model = tiny_model(family)
     target = TargetModel(model, TinyTokenizer(96), name=f"tiny-{family}")
     drafter = make_drafter(model, num_blocks=2)
-    save_dgf(drafter, tmp_path / "d", target_manifest(target, target.name, -1))
+    save_dgf(drafter, tmp_path / "d", target_block(target, target.name, [-1]))
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert manifest["drafter"]["fusion"] == "dgf" and manifest["drafter"]["num_blocks"] == 2
     assert manifest["target"]["hidden_layers"] == [-1] and manifest["target"]["vocab_fingerprint"]
@@ -199,11 +200,12 @@ def test_capping_depth_and_topk_at_g_keeps_the_tree(trained, budget):
 def test_build_from_spec_and_option_errors(tmp_path):
     model = tiny_model("llama")
     target = TargetModel(model, TinyTokenizer(96))
-    save_dgf(make_drafter(model), tmp_path / "d", target_manifest(target, "t", -1))
-    options = {"path": str(tmp_path / "d"), "depth": "3", "topk": "2", "g": "4"}
-    drafter = build_from_spec(options, target, None, "dgf")
-    assert options == {} and (drafter.depth, drafter.topk, drafter.budget) == (3, 2, 4)
+    save_dgf(make_drafter(model), tmp_path / "d", target_block(target, "t", [-1]))
+    drafter = build_spec(f"dgf:path={tmp_path / 'd'},depth=3,topk=2,budget=4", target)
+    assert (drafter.depth, drafter.topk, drafter.budget) == (3, 2, 4)
     assert drafter.hidden_layers == (-1,)
+    with pytest.raises(ValueError, match="unknown option 'g'"):
+        build_spec(f"dgf:{tmp_path / 'd'},g=4", target)
 
 
 VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1200

@@ -1,4 +1,4 @@
-"""scripts/export.py / eval.export round trips: HF students (assistant_model generate parity), Medusa
+"""scripts/export.py / models.exports round trips: HF students (assistant_model generate parity), Medusa
 heads in the FasterDecoding layout (names + parity), DGF/EAGLE drafters, manifests, bad input."""
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_model, tiny_target_for
-from draftsmith.eval import export
-from draftsmith.models.medusa import ACCURACY_FILE, CONFIG_FILE, HEADS_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MedusaConfig, MedusaHeads
+from draftsmith.models import exports as export
+from draftsmith.models.artifacts import ACCURACY_FILE, CONFIG_FILE, MANIFEST_FILE
+from draftsmith.models.artifacts import MEDUSA_FORMAT as MANIFEST_FORMAT
+from draftsmith.models.artifacts import MEDUSA_WEIGHTS as HEADS_FILE
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel, vocab_fingerprint
 from draftsmith.scripts.export import main as export_cli
 from draftsmith.models.tiny import TinyTokenizer
@@ -188,13 +191,14 @@ def test_cli_medusa_and_failure_exit_code(tmp_path, capsys):
 
 @pytest.mark.parametrize("fusion,layout", [("linear", "eagle"), ("dgf", "draftsmith.dgf")])
 def test_dgf_export_round_trip(tmp_path, fusion, layout):
-    from draftsmith.models.dgf import DGFConfig, DGFModel, save_dgf, target_manifest
+    from draftsmith.models.artifacts import save_dgf, target_block
+    from draftsmith.models.dgf import DGFConfig, DGFModel
 
     model = tiny_model("llama")
     target = TargetModel(model, TinyTokenizer(96), name="tiny-llama")
     torch.manual_seed(0)
     drafter = DGFModel(DGFConfig.for_target(model.config, fusion=fusion, num_blocks=2)).attach_target(model).eval()
-    save_dgf(drafter, tmp_path / "final", target_manifest(target, target.name, -1))
+    save_dgf(drafter, tmp_path / "final", target_block(target, target.name, [-1]))
     result = export.export_dgf(tmp_path / "final", tmp_path / "out", target=target)
     manifest = result.manifest
     assert manifest["layout"] == layout and manifest["fusion"] == fusion and result.max_abs_diff == 0.0

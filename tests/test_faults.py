@@ -3,7 +3,6 @@ drafters for the wrong target, no pickle anywhere."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -96,9 +95,9 @@ def shard_files(d: Path, pattern: str) -> dict[str, bytes]:
 def test_kill9_regeneration_then_rerun_loses_at_most_one_shard(tmp_path, model_dir):
     source = save_conversations(tmp_path / "convs.jsonl", conversations(40))
     out = tmp_path / "killed"
-    args = dict(max_new_tokens=6, shard_size=1, batch_size=1, num_threads=1)
-    cmd = [sys.executable, "-m", "data.regenerate", "--model", str(model_dir), "--source", f"conversations:{source}",
-           "--output-dir", str(out), "--no-progress", *[f"--{k.replace('_', '-')}={v}" for k, v in args.items()]]
+    args = dict(max_new_tokens=6, shard_size=1, batch_size=1, threads=1)
+    cmd = [sys.executable, "-m", "draftsmith.data.regenerate", f"target={model_dir}", f"source=conversations:{source}",
+           f"output_dir={out}", "--no-progress", *[f"{k}={v}" for k, v in args.items()]]
     kill_when(cmd, lambda: ledger_shards(out) >= 3, tmp_path / "killed.log")
     recorded = ledger_shards(out)
     assert 3 <= recorded < 40
@@ -106,7 +105,7 @@ def test_kill9_regeneration_then_rerun_loses_at_most_one_shard(tmp_path, model_d
     skipped = int(re.search(r"skipped (\d+) complete shard", done.stdout).group(1))
     assert skipped >= recorded  # everything the ledger recorded before the kill is kept
     reference = tmp_path / "straight"
-    regenerate(RegenerateConfig(model=str(model_dir), source=f"conversations:{source}", output_dir=str(reference),
+    regenerate(RegenerateConfig(target=str(model_dir), source=f"conversations:{source}", output_dir=str(reference),
                                 progress=False, rank=0, world_size=1, **args))
     assert shard_files(out, "shard_*.jsonl") == shard_files(reference, "shard_*.jsonl")
     assert not list(out.glob("*.tmp"))
@@ -116,10 +115,10 @@ def test_kill9_regeneration_then_rerun_loses_at_most_one_shard(tmp_path, model_d
 def test_kill9_feature_caching_then_rerun_loses_at_most_one_shard(tmp_path, model_dir):
     source = save_conversations(tmp_path / "convs.jsonl", conversations(60))
     out = tmp_path / "killed"
-    args = dict(shard_tokens=40, batch_size=1, num_threads=1)
-    cmd = [sys.executable, "-m", "data.features", "--model", str(model_dir), "--source", f"conversations:{source}",
-           "--output-dir", str(out), "--layers", "-1", "0", "--topk", "4", "--no-progress",
-           *[f"--{k.replace('_', '-')}={v}" for k, v in args.items()]]
+    args = dict(shard_tokens=40, batch_size=1, threads=1)
+    cmd = [sys.executable, "-m", "draftsmith.data.features", f"target={model_dir}", f"source=conversations:{source}",
+           f"output_dir={out}", "hidden_layers=[-1, 0]", "topk_logits=4", "--no-progress",
+           *[f"{k}={v}" for k, v in args.items()]]
     kill_when(cmd, lambda: ledger_shards(out) >= 2, tmp_path / "killed.log")
     recorded = ledger_shards(out)
     done = run(cmd)
@@ -127,7 +126,7 @@ def test_kill9_feature_caching_then_rerun_loses_at_most_one_shard(tmp_path, mode
     skipped = int(re.search(r"skipped (\d+) complete shard", done.stdout).group(1))
     assert 2 <= recorded <= skipped
     reference = tmp_path / "straight"
-    build_feature_cache(FeatureCacheConfig(model=str(model_dir), source=f"conversations:{source}",
+    build_feature_cache(FeatureCacheConfig(target=str(model_dir), source=f"conversations:{source}",
                                            output_dir=str(reference), hidden_layers=(-1, 0), topk_logits=4,
                                            progress=False, rank=0, world_size=1, **args))
     resumed, straight = shard_files(out, "shard_*.safetensors"), shard_files(reference, "shard_*.safetensors")
@@ -234,9 +233,11 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_pat
 
 
 def test_manifest_check_names_every_difference():
-    from draftsmith.models.medusa import check_manifest_target
-    from draftsmith.models.target import vocab_fingerprint
-    from draftsmith.models.target import TargetModel
+    from draftsmith.models.artifacts import check_target
+    from draftsmith.models.target import TargetModel, vocab_fingerprint
+
+    def check_manifest_target(manifest, target, where="checkpoint"):  # a Medusa drafter feeds the final state
+        check_target(manifest, target, where, hidden_layers=[-1])
 
     target = TargetModel.from_pretrained("tiny:llama")
     good = {"name": "tiny:llama", "hidden_size": 48, "vocab_size": 96, "hidden_layer": -1,

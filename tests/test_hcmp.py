@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_model
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from conftest import build_spec, tiny_model
+from draftsmith.eval.decoder import DecodeConfig
 from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.hcmp import (HcmpConfig, HcmpPlan, HcmpPolicy, SplitLinear, _Units, build_from_spec, hcmp_mode,
+from draftsmith.eval.hcmp import (HcmpConfig, HcmpPlan, HcmpPolicy, SplitLinear, _Units, hcmp_mode,
                        merge_attention_partials, partial_attention)
 from draftsmith.eval.tree import node_depths, tree_attention_mask, tree_position_ids
 from draftsmith.models.student import layer_subset_student
@@ -113,7 +113,7 @@ def test_hcmp_decoding_is_lossless(family, ratio):
     prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
     reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
     drafter = LMDrafter(layer_subset_student(model, [1]), mode="tree", depth=3, topk=2, budget=8)
-    policy = build_from_spec({"ratio": str(ratio), "attention": "0.5"}, target, None, "hcmp")
+    policy = build_spec(f"hcmp:ratio={ratio},attention=0.5", target, None)
     policy.drafter = drafter
     result = policy.make_decoder(target, DecodeConfig(max_new_tokens=20)).generate(prompt)
     assert result.tokens == reference[0, prompt.shape[1]:].tolist()

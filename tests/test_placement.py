@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_model
-from draftsmith.eval.bench import build_drafter
+from conftest import build_spec, tiny_model
 from draftsmith.eval.decoder import DecodeConfig, DecodeStats
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.drafters.medusa import MedusaDrafter
@@ -70,15 +69,15 @@ def test_move_drafter_copies_only_across_devices():
 def test_bench_specs_build_policies():
     model, target, prompt, reference = _setup("llama", seed=1)
     draft = TargetModel(tiny_model("llama", seed=1, num_layers=1), tokenizer=None)
-    policy = build_drafter("dovetail:device=cpu,inner=lm-tree,depth=3,topk=2,budget=6", target, draft)
+    policy = build_spec("dovetail:device=cpu,inner=(lm-tree:depth=3,topk=2,budget=6)", target, draft)
     assert isinstance(policy, DovetailPolicy) and isinstance(policy.inner, LMDrafter)
     assert policy.inner.budget == 6
-    hcmp = build_drafter("hcmp:inner=lm-chain,k=3,ratio=0.4,threads=1", target, draft)
+    hcmp = build_spec("hcmp:inner=(lm-chain:budget=3),ratio=0.4,threads=true", target, draft)
     assert isinstance(hcmp, HcmpPolicy) and hcmp.config.ratios["mlp"] == 0.4 and hcmp.config.threads
     for method in (policy, hcmp):
         tokens = method.make_decoder(target, DecodeConfig(max_new_tokens=NEW_TOKENS)).generate(prompt).tokens
         assert tokens == reference
-    with pytest.raises(ValueError, match="needs inner"):
-        build_drafter("dovetail:device=cpu", target, draft)
-    with pytest.raises(ValueError, match="must be a drafter"):
-        build_drafter("dovetail:inner=loop-plain", target, draft)
+    with pytest.raises(ValueError, match="inner"):
+        build_spec("dovetail:device=cpu", target, draft)
+    with pytest.raises(ValueError, match="not a drafter"):
+        build_spec("dovetail:inner=(loop-plain)", target, draft)

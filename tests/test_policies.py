@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from draftsmith.eval.bench import build_drafter
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decoder import DecodeConfig, DrafterMethod, Method, SpeculativeDecoder
 from draftsmith.eval.drafters.base import Drafter
 from draftsmith.eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter, pacer_pick, update_alpha
 from draftsmith.eval.drafters.lm import LMDrafter
@@ -18,6 +17,7 @@ from draftsmith.eval.drafters.medusa import MedusaDrafter
 from draftsmith.eval.drafters.minions import (LengthSelector, MinionsConfig, MinionsDrafter, acceptance_rate, fit_slope,
                                    majority_path, merge_proposals, update_weights, voted_drafters)
 from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.eval.methods import BuildContext, build_method
 from draftsmith.eval.pipeline import PipelinePolicy, first_child_nodes, reroot
 from draftsmith.eval.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
                             selfdraft_mask, selfdraft_positions)
@@ -47,11 +47,11 @@ def make_policy(kind, model, seed):
         drafters = [LMDrafter(shallow, mode="chain", name="shallow"), MedusaDrafter(heads),
                     LMDrafter(tiny_model(model.config.model_type, seed=seed + 40), mode="chain", name="other"),
                     NgramDrafter(name="ngram")]
-        return MinionsDrafter(drafters, MinionsConfig(verify="tree", feedback="voted", speculation_length=3 + seed))
+        return MinionsDrafter(drafters, MinionsConfig(verify="tree", feedback="voted", budget=3 + seed))
     if kind == "llmcad":
-        return LLMCadDrafter(shallow, config=LLMCadConfig(alpha=0.001, branch_threshold=0.1, max_tokens=10))
+        return LLMCadDrafter(shallow, config=LLMCadConfig(alpha=0.001, threshold=0.1, budget=10))
     if kind == "llmcad-nofallback":
-        return LLMCadDrafter(model, config=LLMCadConfig(fallback=False, branch_threshold=0.05, max_tokens=12))
+        return LLMCadDrafter(model, config=LLMCadConfig(fallback=False, threshold=0.05, budget=12))
     if kind == "self-draft":
         return SelfDraftPolicy(SelfDraftConfig(branches=2 + seed % 2, length=3 + seed, gram=3 + seed % 2, seed=seed))
     if kind == "self-draft-corpus":
@@ -61,12 +61,12 @@ def make_policy(kind, model, seed):
     if kind == "pipeline-tree":  # the target drafting for itself: pre-drafts get used
         return PipelinePolicy(LMDrafter(model, mode="tree", depth=3, topk=2, budget=8))
     if kind == "pipeline-chain":
-        return PipelinePolicy(LMDrafter(shallow, mode="chain", num_tokens=3))
+        return PipelinePolicy(LMDrafter(shallow, mode="chain", budget=3))
     raise ValueError(kind)
 
 
 def decoder_for(policy, target, config):
-    if hasattr(policy, "make_decoder"):
+    if isinstance(policy, Method):
         return policy.make_decoder(target, config)
     return SpeculativeDecoder(target, policy, config)
 
@@ -111,10 +111,10 @@ def test_sampling_matches_target_distribution(kind):
     target = TargetModel(model, tokenizer=None)
     other = tiny_model("llama", seed=12, vocab_size=VOCAB, num_layers=1)
     if kind == "minions-tree":
-        policy = MinionsDrafter([LMDrafter(other, mode="chain", num_tokens=2), LMDrafter(model, mode="chain"),
-                                 NgramDrafter(max_ngram=2)], MinionsConfig(verify="tree", speculation_length=2))
+        policy = MinionsDrafter([LMDrafter(other, mode="chain", budget=2), LMDrafter(model, mode="chain"),
+                                 NgramDrafter(max_ngram=2)], MinionsConfig(verify="tree", budget=2))
     elif kind == "llmcad":
-        policy = LLMCadDrafter(other, config=LLMCadConfig(branch_threshold=0.2, max_tokens=6, max_depth=2))
+        policy = LLMCadDrafter(other, config=LLMCadConfig(threshold=0.2, budget=6, depth=2))
     elif kind == "self-draft":
         policy = SelfDraftPolicy(SelfDraftConfig(branches=2, length=3, gram=2))
     else:  # q rows (sampled tree) + pre-drafted trees
@@ -178,14 +178,14 @@ def test_acceptance_rate_and_weight_thresholds():
 
 
 def test_length_selector_follows_the_slope():
-    config = MinionsConfig(speculation_length=4, decision_threshold=2, window=4, s_reward=1, s_punish=1)
+    config = MinionsConfig(budget=4, decision_threshold=2, window=4, s_reward=1, s_punish=1)
     selector = LengthSelector(config)
     selector.record(1.0, 2)
     assert selector.record(1.0, 2) == 5  # a single s seen: explore upward
     selector.record(3.0, 2)  # s = 5 costs more per verified token: slope > 0 -> back down
     assert selector.record(3.0, 2) == 4
     assert selector.decisions[-1][1] > 0
-    config = MinionsConfig(speculation_length=4, decision_threshold=2, window=4)
+    config = MinionsConfig(budget=4, decision_threshold=2, window=4)
     selector = LengthSelector(config)
     selector.record(2.0, 1), selector.record(2.0, 1)
     selector.record(1.0, 1)
@@ -205,7 +205,7 @@ class FixedDrafter(Drafter):
 
 def test_minions_feedback_rewards_the_drafter_the_target_agrees_with():
     good, bad = FixedDrafter([7], "good"), FixedDrafter([5, 5, 5], "bad")
-    minions = MinionsDrafter([bad, good], MinionsConfig(adaptive=False, speculation_length=3), weights=[1.0, 0.9])
+    minions = MinionsDrafter([bad, good], MinionsConfig(adaptive=False, budget=3), weights=[1.0, 0.9])
     context = torch.tensor([1, 2])
     tree = minions.propose(2, context, None, None)
     assert tree.tokens.tolist() == [5, 5, 5]  # the heavier (bad) drafter wins the first vote
@@ -239,7 +239,7 @@ def test_llmcad_fallback_threshold_controls_tree_size():
     context = torch.tensor([3, 4, 5, 6])
     sizes = []
     for alpha in (0.4, 1e-30):
-        drafter = LLMCadDrafter(model, config=LLMCadConfig(alpha=alpha, alpha_min=1e-30, max_tokens=12, max_depth=12))
+        drafter = LLMCadDrafter(model, config=LLMCadConfig(alpha=alpha, alpha_min=1e-30, budget=12, depth=12))
         drafter.begin(context)
         tree = drafter.propose(6, context, None, None)
         tree.validate()
@@ -334,21 +334,30 @@ def test_reroot_and_first_child_path():
 def test_bench_specs_build_each_policy():
     model = tiny_model("llama", seed=0, num_layers=4)
     target = TargetModel(model, tokenizer=None)
-    minions = build_drafter("minions:models=every2+every3+ngram,s=3,verify=tree,adaptive=0", target, None)
+    context = BuildContext(target)
+
+    def build_drafter(spec, target, draft):  # the built drafter (or policy) of a bench method spec
+        method = build_method(spec, context)
+        return method.drafter if isinstance(method, DrafterMethod) else method
+
+    minions = build_drafter("minions:drafters=[(lm-chain:every=2),(lm-chain:every=3),ngram],budget=3,verify=tree,"
+                            "adaptive=false", target, None)
     assert isinstance(minions, MinionsDrafter) and len(minions.drafters) == 3
-    assert minions.config.speculation_length == 3 and minions.config.adaptive is False
-    assert build_drafter("minions:drafters=every2+ngram,weights=2+1", target, None).weights == [2.0, 1.0]
-    llmcad = build_drafter("llmcad:model=every2,threshold=0.2,budget=8,alpha=0.05,fallback=0", target, None)
-    assert llmcad.config.branch_threshold == 0.2 and llmcad.config.max_tokens == 8 and not llmcad.config.fallback
+    assert minions.config.budget == 3 and minions.config.adaptive is False
+    assert build_drafter("minions:drafters=[(lm-chain:every=2),ngram],weights=[2,1]", target, None).weights == [2.0, 1.0]
+    llmcad = build_drafter("llmcad:every=2,threshold=0.2,budget=8,alpha=0.05,fallback=false", target, None)
+    assert llmcad.config.threshold == 0.2 and llmcad.config.budget == 8 and not llmcad.config.fallback
     selfdraft = build_drafter("self-draft:branches=2,length=5,candidates=3", target, None)
-    assert (selfdraft.config.branches, selfdraft.config.length, selfdraft.config.max_candidates) == (2, 5, 3)
-    pipeline = build_drafter("pipeline:lm-chain,k=3,student=every2", target, None)
-    assert isinstance(pipeline, PipelinePolicy) and pipeline.drafter.num_tokens == 3
+    assert (selfdraft.config.branches, selfdraft.config.length, selfdraft.config.candidates) == (2, 5, 3)
+    pipeline = build_drafter("pipeline:inner=(lm-chain:budget=3,every=2)", target, None)
+    assert isinstance(pipeline, PipelinePolicy) and pipeline.drafter.budget == 3
     with pytest.raises(ValueError, match="unknown option"):
-        build_drafter("minions:models=ngram,colour=red", target, None)
-    with pytest.raises(ValueError, match="needs the bench's --draft"):
+        build_drafter("minions:drafters=[ngram],colour=red", target, None)
+    with pytest.raises(ValueError, match="needs the bench's draft"):
         build_drafter("llmcad:model=draft", target, None)
     with pytest.raises(ValueError, match="verify"):
-        build_drafter("minions:models=ngram,verify=forest", target, None)
-    with pytest.raises(ValueError, match="base method"):
+        build_drafter("minions:drafters=[ngram],verify=forest", target, None)
+    with pytest.raises(ValueError, match="inner"):
         build_drafter("pipeline", target, None)
+    with pytest.raises(ValueError, match="depth: expected an integer"):
+        build_drafter("lm-tree:depth=abc,every=2", target, None)

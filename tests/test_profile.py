@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_target_for
-from draftsmith.eval.bench import build_drafter
+from conftest import build_spec, tiny_model, tiny_target_for
+from draftsmith.eval.arca import RankRecorder, load_profile, refine_paths, replay_tau, save_profile
 from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.drafters.base import Drafter
 from draftsmith.eval.hcmp import HcmpPolicy
-from draftsmith.eval.profile import (ProfileConfig, RankRecorder, build_drafter_from_profile, load_profile,
-                          measure_verify_latency, random_tree, refine_paths, replay_tau, run_profile, save_profile)
+from draftsmith.eval.methods import parse_method
+from draftsmith.eval.profile import ProfileConfig, measure_verify_latency, random_tree, run_profile
 from draftsmith.eval.tree import DraftTree
 from draftsmith.models.target import TargetModel
 
@@ -70,18 +70,18 @@ def test_replay_and_refine():
 def test_profile_round_trip_and_decoding(tmp_path, smol_tokenizer, placement):
     tiny = tiny_target_for(smol_tokenizer, seed=0)
     target = TargetModel(tiny.model, smol_tokenizer)
-    config = ProfileConfig(drafter="lm-tree:student=every2,depth=3,topk=2", widths=[1, 2, 4], repeats=1,
+    config = ProfileConfig(drafter=parse_method("lm-tree:every=2,depth=3,topk=2"), budgets=[1, 2, 4], repeats=1,
                            context_tokens=16, calibration_offset=0, calibration_prompts=2,
-                           calibration_width=8, calibration_new_tokens=12, placement=placement,
+                           calibration_budget=8, calibration_new_tokens=12, placement=placement,
                            hcmp_ratios=[0.5], refine_iterations=2)
     profile = run_profile(config, target, progress=False)
-    assert profile["widths"] == [0, 1, 2, 4]
-    assert profile["best"]["width"] in (1, 2, 4)
+    assert profile["budgets"] == [0, 1, 2, 4]
+    assert profile["best"]["budget"] in (1, 2, 4)
     path = save_profile(profile, tmp_path / "profile.json")
     loaded = load_profile(path)
     assert loaded["trees"] == {w: p for w, p in profile["trees"].items()}
     assert loaded["best"] == json.loads(json.dumps(profile["best"]))
-    method = build_drafter(f"arca:{path},width=4", target, None)
+    method = build_spec(f"arca:{path},budget=4", target, None)
     if loaded["best"]["placement"] == "hcmp":
         assert isinstance(method, HcmpPolicy)
         decoder = method.make_decoder(target, DecodeConfig(max_new_tokens=12))
@@ -92,8 +92,8 @@ def test_profile_round_trip_and_decoding(tmp_path, smol_tokenizer, placement):
     reference = tiny.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                                     do_sample=False)[0, prompt.shape[1]:].tolist()
     assert decoder.generate(prompt).tokens == reference
-    with pytest.raises(ValueError, match="no tree for width"):
-        build_drafter_from_profile(loaded, target, None, width=3)
+    with pytest.raises(ValueError, match="no tree for budget"):
+        build_spec(f"arca:{path},budget=3", target, None)
 
 
 def test_load_profile_refuses_other_files(tmp_path):

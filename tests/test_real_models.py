@@ -49,7 +49,7 @@ def smol_drafters(target):
     heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=4))
     heads.init_lm_heads(model.lm_head.weight)
     return {
-        "chain-truncated": LMDrafter(student, tokenizer=target.tokenizer, mode="chain", num_tokens=4),
+        "chain-truncated": LMDrafter(student, tokenizer=target.tokenizer, mode="chain", budget=4),
         "tree-truncated": LMDrafter(student, tokenizer=target.tokenizer, mode="tree", depth=3, topk=3, budget=12),
         "tree-self": LMDrafter(model, tokenizer=target.tokenizer, mode="tree", depth=3, topk=2, budget=8),
         "ngram": NgramDrafter(num_branches=2),
@@ -130,7 +130,7 @@ def test_qwen_coder_pair_greedy_equivalence():
     for prompt in prompts:
         ids = chat_ids(target.tokenizer, prompt)
         expected = greedy_reference(target.model, ids, 24)
-        for drafter in (LMDrafter(draft.model, draft.tokenizer, mode="chain", num_tokens=4),
+        for drafter in (LMDrafter(draft.model, draft.tokenizer, mode="chain", budget=4),
                         LMDrafter(draft.model, draft.tokenizer, mode="tree", depth=4, topk=2, budget=10)):
             result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(ids)
             assert result.tokens == expected

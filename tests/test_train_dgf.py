@@ -104,7 +104,7 @@ def test_offline_mode_from_feature_cache(tmp_path):
     target = TargetModel.from_pretrained("tiny:llama")
     records = load_records("synthetic:24:0.3", max_length=20, model=target.model)
     cache = tmp_path / "cache"
-    build_feature_cache(FeatureCacheConfig(model="tiny:llama", source=None, output_dir=str(cache), hidden_layers=(-1,),
+    build_feature_cache(FeatureCacheConfig(target="tiny:llama", source=None, output_dir=str(cache), hidden_layers=(-1,),
                                            topk_logits=0, progress=False), target=target, records=records)
     summary = main(tiny_cfg(tmp_path / "run", "data.mode=offline", f"data.feature_cache={cache}",
                             "loss.unroll_steps=1", "eval.unroll_steps=2"))

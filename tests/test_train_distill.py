@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from draftsmith.config import ConfigError, load_config
 from draftsmith.train.runtime import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import load_records, synthetic_records
+from draftsmith.eval.methods import parse_method
 from draftsmith.train.distill import DistillRecipeConfig, main, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_topk_feature_cache_mode(tmp_path):
 
     target = build_tiny_causal_lm("llama", seed=0)
     records = synthetic_records(target, 40, 24, seed=0, temperature=0.3)
-    build_feature_cache(FeatureCacheConfig(model="tiny:llama", source=None, output_dir=str(tmp_path / "cache"),
+    build_feature_cache(FeatureCacheConfig(target="tiny:llama", source=None, output_dir=str(tmp_path / "cache"),
                                            topk_logits=8, progress=False, rank=0, world_size=1),
                         target=SimpleNamespace(model=target, tokenizer=TinyTokenizer(96)), records=records)
     summary = main(tiny_cfg(tmp_path / "run", f"data.feature_cache={tmp_path / 'cache'}", "train.max_steps=4",
@@ -178,14 +178,15 @@ def test_smollm2_layer_student_exports_as_draft(tmp_path):
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}],
                                                add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     plain = target.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
-    drafter = LMDrafter(draft.model, draft.tokenizer, mode="chain", num_tokens=3)
+    drafter = LMDrafter(draft.model, draft.tokenizer, mode="chain", budget=3)
     result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24, temperature=0.0)).generate(ids)
     assert result.tokens[:len(plain)] == plain[:len(result.tokens)]
     assisted = target.model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft.model)
     assert assisted[0, ids.shape[1]:].tolist() == plain
     from draftsmith.eval.bench import BenchConfig, run_benchmark  # a second draft named in the method spec
 
-    report = run_benchmark(BenchConfig(target="smollm2-135m-instruct", methods=["plain", f"lm-chain:draft={tmp_path / 'final'}"],
+    spec = f"lm-chain:model={tmp_path / 'final'}"
+    report = run_benchmark(BenchConfig(target="smollm2-135m-instruct", methods=[parse_method("plain"), parse_method(spec)],
                                        num_prompts=1, max_new_tokens=8), target=target, progress=False)
-    entry = report["summary"][f"lm-chain:draft={tmp_path / 'final'}"]
+    entry = report["summary"][spec]
     assert entry["mismatches"] == [] and entry["tau"] >= 1.0

@@ -21,7 +21,6 @@ from draftsmith.config import ConfigError, load_config
 from draftsmith.train.runtime import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import batch_indices, load_records, read_records, split_heldout, write_records
-from draftsmith.models.target import TargetModel
 from draftsmith.train.rng import rng_state, set_rng_state
 from draftsmith.eval.drafters.medusa import load_medusa_drafter
 from draftsmith.train.medusa import MedusaRecipeConfig, cli, main
@@ -248,7 +247,7 @@ def test_medusa1_outputs_and_drafter(tmp_path):
     assert len(accuracy["rank_accuracy"]) == 3 and len(accuracy["rank_accuracy"][0]) == 5
 
     # The loaded drafter decodes exactly like plain greedy decoding.
-    drafter = load_medusa_drafter(final, target, width=6)
+    drafter = load_medusa_drafter(final, target, budget=6)
     assert drafter.parents.numel() == 6
     prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(0))
     config = DecodeConfig(max_new_tokens=16, stop_on_eos=False)

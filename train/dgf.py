@@ -19,7 +19,7 @@ across steps, diagonal masks).
 Data modes:
   online   `data.source` records; the frozen target runs in the loop (features + LM-head targets)
   offline  `data.feature_cache` built once by `python -m draftsmith.data.features` with the feature layer
-           (and optionally --topk logits): no target forward per step. The soft target is
+           (and optionally top-k logits, topk_logits=K): no target forward per step. The soft target is
            lm_head(final normed state) when the feature layer is -1 (exact), else the cached top-k.
 
 Layout of `output_dir` (train/runtime.py): checkpoints/step_<N>/ (exact `--resume`), final/
@@ -48,7 +48,7 @@ from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                                      topk_soft_cross_entropy, unrolled_step_weights)
-from draftsmith.train.runtime import (DataConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
+from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, recipe_cli)
 
 
@@ -84,12 +84,8 @@ class DGFEvalConfig(EvalConfig):
 
 
 @dataclass
-class DGFRecipeConfig:
+class DGFRecipeConfig(RunConfig):
     output_dir: str = option("outputs/dgf", "run directory (checkpoints/, final/, metrics.jsonl)")
-    device: str = option("auto", "auto | cpu | cuda")
-    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
-    dtype: str = option("float32", "the target's dtype (the drafter trains in float32)")
-    attn_implementation: str = option("sdpa", "the target's attention implementation")
     drafter: DrafterConfig = section(DrafterConfig)
     loss: LossConfig = section(LossConfig)
     data: DGFDataConfig = section(DGFDataConfig)

@@ -59,7 +59,7 @@ from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_mo
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import KD_KINDS, kd_loss, kd_mask
-from draftsmith.train.runtime import (DataConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
+from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, record_prompt, recipe_cli)
 
 TOPK_FIELDS = ("topk_values", "topk_indices", "logsumexp")
@@ -118,13 +118,10 @@ class ExportConfig:
 
 
 @dataclass
-class DistillRecipeConfig:
+class DistillRecipeConfig(RunConfig):
     output_dir: str = option("outputs/distill", "run directory (checkpoints/, final/, metrics.jsonl)")
-    device: str = option("auto", "auto | cpu | cuda")
     target: str = option("qwen2.5-coder-1.5b-instruct", "the teacher: zoo name, model directory, hub id or "
                                                          "tiny:<family>")
-    dtype: str = option("float32", "the target's compute dtype (teacher forwards)")
-    attn_implementation: str = option("sdpa", "the target's attention implementation")
     student: StudentConfig = section(StudentConfig)
     lora: LoraConfig = section(LoraConfig)
     loss: LossConfig = section(LossConfig)
@@ -203,14 +200,6 @@ def teacher_logits_at(model, input_ids, attention_mask, rows, cols) -> torch.Ten
     return model.get_output_embeddings()(hidden[rows, cols]).float()
 
 
-def teacher_logits_at(model, input_ids, attention_mask, rows, cols) -> torch.Tensor:
-    """The target's logits (N, V) float32 at the selected positions."""
-    with torch.no_grad():
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     use_cache=False).last_hidden_state
-        return model.get_output_embeddings()(hidden[rows, cols]).float()
-
-
 def add_lora(cfg: LoraConfig, student):
     try:
         return get_peft_model(student, PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -250,20 +239,6 @@ def build_student(cfg: DistillRecipeConfig, target: TargetModel | None, tokenize
     return student, info
 
 
-class DistillTrainModule(nn.Module):
-    """The student; returns its logits only at the selected positions (no (B, T, V) tensor)."""
-
-    def __init__(self, student: nn.Module):
-        super().__init__()
-        self.student = student
-
-    def forward(self, input_ids, attention_mask, rows, cols):
-        """input_ids/attention_mask (B, T); rows/cols (N,) -> logits (N, V) float32."""
-        hidden = self.student.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                            use_cache=False).last_hidden_state  # (B, T, H)
-        return self.student.get_output_embeddings()(hidden[rows, cols]).float()
-
-
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +249,7 @@ def load_cache_records(path: str, target_fingerprint: str | None, limit: int | N
     dataset = FeatureDataset(path)
     index = dataset.index
     if not index["topk_logits"]:
-        raise FeatureCacheMismatch(f"feature cache {path} stores no top-k logits (build it with --topk K)")
+        raise FeatureCacheMismatch(f"feature cache {path} stores no top-k logits (build it with topk_logits=K)")
     if target_fingerprint is not None and index["vocab_fingerprint"] != target_fingerprint:
         raise FeatureCacheMismatch(f"feature cache {path} was built with {index['model']!r}, whose vocabulary differs "
                                    "from the target's")

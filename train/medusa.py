@@ -38,7 +38,7 @@ from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss,
                                      rank_hits, teacher_positions)
-from draftsmith.train.runtime import (DataConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
+from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, recipe_cli)
 
 LORA_DIR = "target_lora"
@@ -80,12 +80,8 @@ class MedusaEvalConfig(EvalConfig):
 
 
 @dataclass
-class MedusaRecipeConfig:
+class MedusaRecipeConfig(RunConfig):
     output_dir: str = option("outputs/medusa", "run directory (checkpoints/, final/, metrics.jsonl)")
-    device: str = option("auto", "auto | cpu | cuda")
-    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
-    dtype: str = option("float32", "the target's dtype (heads train in float32)")
-    attn_implementation: str = option("sdpa", "the target's attention implementation")
     heads: HeadsConfig = section(HeadsConfig)
     loss: LossConfig = section(LossConfig)
     medusa2: Medusa2Config = section(Medusa2Config)

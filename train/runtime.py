@@ -47,7 +47,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
-from draftsmith.config import (ConfigError, command_parser, config_to_dict, flatten_dict, option, parse_command,
+from draftsmith.config import (command_parser, config_to_dict, flatten_dict, option, parse_command,
                                save_config)
 from draftsmith.data.records import batch_indices
 from draftsmith.eval.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
@@ -75,7 +75,11 @@ METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
-class ModelConfig:
+class RunConfig:
+    """The keys every recipe's config starts with (a recipe redeclares a key to change its default)."""
+
+    output_dir: str = option("outputs/run", "run directory (checkpoints/, final/, metrics.jsonl)")
+    device: str = option("auto", "auto | cpu | cuda")
     target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
     dtype: str = option("float32", "the target's dtype (drafters train in float32)")
     attn_implementation: str = option("sdpa", "the target's attention implementation (transformers)")
@@ -609,7 +613,7 @@ class TrainingRun:
         raise Interrupted(f"{name} at step {self.step}: saved {path}; resume with: {command} --resume")
 
     def finish(self, summary: dict) -> dict:
-        summary = {"step": self.step, "output_dir": str(self.output_dir),
+        summary = {"step": self.step, "output_dir": str(self.output_dir), "processes": self.world,
                    "final": str(self.final_dir) if self.step == self.cfg.train.max_steps else None, **summary}
         if self.cfg.logging.tracker != "none":
             self.accelerator.end_training()

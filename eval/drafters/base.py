@@ -22,8 +22,15 @@ class Sampling:
         return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
 
 
+TREE_BUDGET = 16  # draft nodes per round, the default of every tree drafter (Dovetail's g = 16)
+CHAIN_BUDGET = 4  # draft tokens per round of chain drafters
+
+
 class Drafter:
     """Proposes a token tree after the root; learns what the target committed.
+
+    `budget` is the most draft nodes a proposal holds (a chain's length, a tree's node count): one
+    name on every drafter; policies (Minions' adaptive length, ARCA) change it between rounds.
 
     The decoder calls, per request:
       begin(prompt_ids)                      - reset per-request state
@@ -38,6 +45,7 @@ class Drafter:
     """
 
     name = "drafter"
+    budget: int = TREE_BUDGET
     hidden_layers: tuple[int, ...] = ()
     tokenizer = None  # set by drafters that carry their own tokenizer (checked against the target's)
 
@@ -50,6 +58,10 @@ class Drafter:
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None,
                 generator: torch.Generator | None) -> DraftTree:
         raise NotImplementedError
+
+    def summary(self) -> dict | None:
+        """Internal state worth reporting (adaptive weights, thresholds); None for stateless drafters."""
+        return None
 
 
 class NoDrafter(Drafter):

@@ -27,17 +27,22 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
+from draftsmith.errors import UserError
+from draftsmith.eval.drafters.base import TREE_BUDGET, Drafter, Sampling, draw_children
 from draftsmith.eval.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.target import crop_cache
 
 
+DGF_DEPTH, DGF_TOPK = 7, 10  # Dovetail's dynamic tree: depth 7, top-k 10 (and g = TREE_BUDGET = 16)
+
+
 class DGFDrafter(Drafter):
-    def __init__(self, model: DGFModel, depth: int = 7, topk: int = 10, budget: int = 16, name: str | None = None):
+    def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
+                 name: str | None = None):
         if depth < 1 or topk < 1 or budget < 1:
-            raise ValueError(f"depth, topk and g must be >= 1 (got {depth}, {topk}, {budget})")
+            raise UserError(f"dgf: depth, topk and budget must be >= 1 (got {depth}, {topk}, {budget})")
         model._need_target()
         self.model = model.eval()
         self.depth, self.topk, self.budget = depth, topk, budget
@@ -92,111 +97,130 @@ class DGFDrafter(Drafter):
         return tree
 
     def _tree(self, root_feature, root_logits, length, sampling, generator) -> DraftTree:
-        model, device, k, depth = self.model, self.device, self.topk, self.depth
+        k, depth = self.topk, self.depth
         if sampling is None and self.cap_at_budget:
             # Exact shortcut: the final g nodes are ancestor-closed and scores fall along paths, so a
             # kept node has depth <= g, lies in the top g of its level and among its parent's top g
             # children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper.
             k, depth = min(k, self.budget), min(depth, self.budget)
-        committed = length - 1  # cache entries that every tree node may attend to
-        tokens: list[torch.Tensor] = []  # per level: (n_level,) tokens
-        parents: list[torch.Tensor] = []  # per level: (n_level,) global parent ids (-1 = root)
-        scores: list[torch.Tensor] = []  # per level: (n_level,) cumulative log-probs
-        rows: list[torch.Tensor] = []  # sampling: q rows
-        total = 0
-        budget_left = self.budget
-        # Level 1 children of the root.
+        growth = Growth(self.device, root_feature, self.budget)
         if sampling is None:
-            logp = torch.log_softmax(root_logits, -1)
-            top = torch.topk(logp, min(k, logp.numel()))
-            level_tokens, level_scores = top.indices, top.values
+            growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], torch.zeros(1, device=self.device), k)
         else:
-            probs = sampling.probs(root_logits)
-            count = min(k, budget_left)
-            level_tokens, q = draw_children(probs, count, sampling, generator)
-            level_scores = torch.log(probs[level_tokens].clamp(min=1e-30))
-            rows.append(q)
-            budget_left -= level_tokens.numel()
-        tokens.append(level_tokens)
-        parents.append(torch.full_like(level_tokens, -1))
-        scores.append(level_scores)
-        level_start, total = 0, level_tokens.numel()
-        fed_ids: list[int] = []  # global ids of tree nodes in the cache, in order
-        fed_reach = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (fed, fed) ancestor-or-self
-        fed_features: dict[int, torch.Tensor] = {-1: root_feature}  # node -> its predicted feature
+            growth.sampled_children([-1], root_logits[None], torch.zeros(1, device=self.device), k, sampling, generator)
         for level in range(1, depth):
-            if sampling is not None and budget_left <= 0:
+            if sampling is not None and growth.budget_left <= 0:
                 break
-            # Expand the best k nodes of the newest level in one forward.
-            best_local = torch.topk(level_scores, min(k, level_scores.numel())).indices.sort().values
-            best = (best_local + level_start).tolist()
-            level_parents = parents[-1][best_local].tolist()
-            n_new = len(best)
-            # Ancestor rows of the new entries over the fed tree entries, then themselves.
-            fed_index = {node: i for i, node in enumerate(fed_ids)}
-            reach = torch.zeros(n_new, len(fed_ids) + n_new, dtype=torch.bool, device=device)
-            for i, parent in enumerate(level_parents):
-                if parent >= 0:
-                    reach[i, : len(fed_ids)] = fed_reach[fed_index[parent]]
-                reach[i, len(fed_ids) + i] = True
-            allowed = torch.cat([torch.ones(n_new, committed, dtype=torch.bool, device=device), reach], 1)
-            in_features = torch.stack([fed_features[p] for p in level_parents])  # (n_new, H)
-            in_tokens = tokens[-1][best_local]
-            positions = torch.full((1, n_new), committed - 1 + level, dtype=torch.long, device=device)
-            out = model(in_features[None], in_tokens[None], positions, self.cache, allowed[None, None])[0]  # (n_new, H)
-            logits = model.logits(out)  # (n_new, V)
-            grown = torch.zeros(len(fed_ids) + n_new, len(fed_ids) + n_new, dtype=torch.bool, device=device)
-            grown[: len(fed_ids), : len(fed_ids)] = fed_reach
-            grown[len(fed_ids):] = reach
-            fed_reach = grown
-            fed_ids.extend(best)
-            for i, node in enumerate(best):
-                fed_features[node] = out[i]
-            # Children of the expanded nodes.
-            base = torch.cat(scores)[best]  # (n_new,)
+            best, logits = self._expand(growth, level, k, length - 1)
+            base = growth.all_scores()[best]  # (n_new,)
             if sampling is None:
-                logp = torch.log_softmax(logits, -1)
-                top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # (n_new, k)
-                level_tokens = top.indices.reshape(-1)
-                level_scores = (base[:, None] + top.values).reshape(-1)
-                level_parents_t = torch.tensor(best, device=device).repeat_interleave(top.indices.shape[1])
+                growth.greedy_children(best, torch.log_softmax(logits, -1), base, k)
             else:
-                order = torch.argsort(base, descending=True).tolist()  # budget handed out in score order
-                new_tokens, new_scores, new_parents = [], [], []
-                for i in order:
-                    if budget_left <= 0:
-                        break
-                    probs = sampling.probs(logits[i])
-                    children, q = draw_children(probs, min(k, budget_left), sampling, generator)
-                    budget_left -= children.numel()
-                    new_tokens.append(children)
-                    new_scores.append(base[i] + torch.log(probs[children].clamp(min=1e-30)))
-                    new_parents.append(torch.full_like(children, best[i]))
-                    rows.append(q)
-                level_tokens, level_scores = torch.cat(new_tokens), torch.cat(new_scores)
-                level_parents_t = torch.cat(new_parents)
-            tokens.append(level_tokens)
-            parents.append(level_parents_t)
-            scores.append(level_scores)
-            level_start, total = total, total + level_tokens.numel()
-        all_parents = torch.cat(parents).long()
-        tree = DraftTree.from_parents(torch.cat(tokens), all_parents.cpu(),
-                                      torch.cat(rows) if rows else None)
-        tree = DraftTree(tree.tokens, tree.parents.to(device), tree.depths.to(device), tree.draft_probs)
-        if sampling is None:
-            tree = subtree(tree, select_top_nodes(torch.cat(scores), tree.parents, self.budget))
+                growth.sampled_children(best, logits, base, k, sampling, generator)
+        return growth.tree(sampling is None)
+
+    def _expand(self, growth: "Growth", level: int, k: int, committed: int) -> tuple[list[int], torch.Tensor]:
+        """One drafter forward over the best k nodes of the newest level (tree mask over the cache and
+        their expanded ancestors); returns (their node ids, their next-token logits (n_new, V))."""
+        device = self.device
+        best_local = torch.topk(growth.level_scores, min(k, growth.level_scores.numel())).indices.sort().values
+        best = (best_local + growth.level_start).tolist()
+        level_parents = growth.parents[-1][best_local].tolist()
+        reach = growth.reach_rows(level_parents)  # (n_new, fed + n_new)
+        allowed = torch.cat([torch.ones(len(best), committed, dtype=torch.bool, device=device), reach], 1)
+        in_features = torch.stack([growth.fed_features[p] for p in level_parents])  # (n_new, H)
+        positions = torch.full((1, len(best)), committed - 1 + level, dtype=torch.long, device=device)
+        out = self.model(in_features[None], growth.tokens[-1][best_local][None], positions, self.cache,
+                         allowed[None, None])[0]  # (n_new, H)
+        growth.add_fed(best, reach, out)
+        return best, self.model.logits(out)
+
+
+class Growth:
+    """A dynamic draft tree under construction: its levels of nodes and the expanded nodes' cache entries."""
+
+    def __init__(self, device: torch.device, root_feature: torch.Tensor, budget: int):
+        self.device = device
+        self.tokens: list[torch.Tensor] = []  # per level: (n_level,) tokens
+        self.parents: list[torch.Tensor] = []  # per level: (n_level,) global parent ids (-1 = root)
+        self.scores: list[torch.Tensor] = []  # per level: (n_level,) cumulative log-probs
+        self.rows: list[torch.Tensor] = []  # sampling: q rows
+        self.level_start, self.total = 0, 0
+        self.budget, self.budget_left = budget, budget
+        self.fed_ids: list[int] = []  # global ids of tree nodes in the cache, in order
+        self.fed_reach = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (fed, fed) ancestor-or-self
+        self.fed_features: dict[int, torch.Tensor] = {-1: root_feature}  # node -> its predicted feature
+
+    @property
+    def level_scores(self) -> torch.Tensor:
+        return self.scores[-1]
+
+    def all_scores(self) -> torch.Tensor:
+        return torch.cat(self.scores)
+
+    def add_level(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> None:
+        self.tokens.append(tokens)
+        self.parents.append(parents)
+        self.scores.append(scores)
+        self.level_start, self.total = self.total, self.total + tokens.numel()
+
+    def greedy_children(self, nodes: list[int], logp: torch.Tensor, base: torch.Tensor, k: int) -> None:
+        """The top-k children of each node (logp (n, V) its next-token log-probs, base (n,) its score)."""
+        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # (n, k)
+        parents = torch.tensor(nodes, device=self.device).repeat_interleave(top.indices.shape[1])
+        self.add_level(top.indices.reshape(-1), parents, (base[:, None] + top.values).reshape(-1))
+
+    def sampled_children(self, nodes: list[int], logits: torch.Tensor, base: torch.Tensor, k: int,
+                         sampling: Sampling, generator) -> None:
+        """Children drawn without replacement; the budget is handed out in score order and every drawn
+        node is kept (the q rows stay honest for verify_sampling)."""
+        tokens, scores, parents = [], [], []
+        for i in torch.argsort(base, descending=True).tolist():
+            if self.budget_left <= 0:
+                break
+            probs = sampling.probs(logits[i])
+            children, q = draw_children(probs, min(k, self.budget_left), sampling, generator)
+            self.budget_left -= children.numel()
+            tokens.append(children)
+            scores.append(base[i] + torch.log(probs[children].clamp(min=1e-30)))
+            parents.append(torch.full_like(children, nodes[i]))
+            self.rows.append(q)
+        self.add_level(torch.cat(tokens), torch.cat(parents), torch.cat(scores))
+
+    def reach_rows(self, level_parents: list[int]) -> torch.Tensor:
+        """Ancestor rows of new entries over the fed tree entries, then themselves: (n_new, fed + n_new)."""
+        n_new, fed = len(level_parents), len(self.fed_ids)
+        index = {node: i for i, node in enumerate(self.fed_ids)}
+        reach = torch.zeros(n_new, fed + n_new, dtype=torch.bool, device=self.device)
+        for i, parent in enumerate(level_parents):
+            if parent >= 0:
+                reach[i, :fed] = self.fed_reach[index[parent]]
+            reach[i, fed + i] = True
+        return reach
+
+    def add_fed(self, nodes: list[int], reach: torch.Tensor, features: torch.Tensor) -> None:
+        fed = len(self.fed_ids)
+        grown = torch.zeros(fed + len(nodes), fed + len(nodes), dtype=torch.bool, device=self.device)
+        grown[:fed, :fed] = self.fed_reach
+        grown[fed:] = reach
+        self.fed_reach = grown
+        self.fed_ids.extend(nodes)
+        for i, node in enumerate(nodes):
+            self.fed_features[node] = features[i]
+
+    def tree(self, greedy: bool) -> DraftTree:
+        """The grown tree; greedy trees keep the `budget` best nodes (EAGLE-2's re-ranking)."""
+        tree = DraftTree.from_parents(torch.cat(self.tokens), torch.cat(self.parents).long().cpu(),
+                                      torch.cat(self.rows) if self.rows else None)
+        tree = DraftTree(tree.tokens, tree.parents.to(self.device), tree.depths.to(self.device), tree.draft_probs)
+        if greedy:
+            tree = subtree(tree, select_top_nodes(self.all_scores(), tree.parents, self.budget))
         return tree
 
 
-def load_dgf_drafter(path: str | Path, target, depth: int = 7, topk: int = 10, budget: int = 16,
-                     name: str | None = None) -> DGFDrafter:
+def load_dgf_drafter(path: str | Path, target, depth: int = DGF_DEPTH, topk: int = DGF_TOPK,
+                     budget: int = TREE_BUDGET, name: str | None = None) -> DGFDrafter:
     """A DGFDrafter for `target` from a recipe's final/ directory (refuses another target's drafter).
     The drafter runs in the target's dtype on the target's device."""
     model, _ = load_dgf(path, target, dtype=target.dtype)
     return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}")
-
-
-def build_from_spec(options: dict, target, draft, name: str):
-    """Bench method `dgf:<dir>[,depth=7,topk=10,g=16]` (see eval.bench.EXTERNAL_METHODS)."""
-    return load_dgf_drafter(options.pop("path"), target, depth=int(options.pop("depth", 7)),
-                            topk=int(options.pop("topk", 10)), budget=int(options.pop("g", 16)), name=name)

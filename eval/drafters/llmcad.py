@@ -7,8 +7,8 @@ one token per forward, over its own KV cache with a tree mask (the paper's "tree
 new token attends to the context and its own branch only). A branch is a root-to-leaf path; its
 cumulative confidence C_i is the product of the small LM's probabilities of its tokens. When a
 node is expanded, its top-1 token extends the branch and every other candidate with probability
->= `branch_threshold` (the paper: "any candidate token with a confidence higher than a threshold
-(e.g., 30%) generates a branch") opens a new branch. Confidence-based branch pacer, equations
+>= `threshold` (the paper: "any candidate token with a confidence higher than a threshold
+(e.g., 30%) generates a branch", `threshold`) opens a new branch. Confidence-based branch pacer, equations
 1-2: with M tokens in the tree and T^B_x the tokens generated for branch x since it forked,
 f(x) = M * C_x / sum_i C_i - T^B_x is how far branch x is below its confidence-proportional
 share; under max-min fairness the next token goes to the most under-served branch,
@@ -24,7 +24,7 @@ token). After verification alpha is updated by equation 3:
 where N_all / N_correct are the tokens / verified tokens of the most matching branch (the
 branch sharing the longest prefix with the accepted path; ties: the shorter branch). Initial
 alpha 0.01 is the paper's default; we clamp alpha to [alpha_min, alpha_max]. Drafting also stops
-at `max_tokens` tree nodes or `max_depth` (the verification budget on a CPU, see DESIGN.md).
+at `budget` tree nodes or `depth` (the verification budget on a CPU, see DESIGN.md).
 `fallback=False` disables the threshold (a fixed-budget paced tree).
 
 Sampling (temperature > 0): confidences come from the warped draft distribution, tokens are
@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.eval.drafters.base import Sampling
+from draftsmith.config import ConfigError, check_config, option
+from draftsmith.eval.drafters.base import TREE_BUDGET, Sampling
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.tree import DraftTree, ancestor_matrix
 from draftsmith.models.target import additive_mask, crop_cache
@@ -47,22 +48,20 @@ from draftsmith.models.target import additive_mask, crop_cache
 
 @dataclass
 class LLMCadConfig:
-    branch_threshold: float = 0.3  # candidates above this confidence open a branch (paper: 30%)
-    alpha: float = 0.01  # initial fallback threshold (paper default)
-    alpha_min: float = 1e-6
-    alpha_max: float = 0.5  # our cap (the paper gives none): errors cannot shrink trees to nothing
-    fallback: bool = True
-    max_tokens: int = 16  # tree nodes per verification
-    max_depth: int = 8
-    max_children: int = 3  # candidates per expanded node (top-1 + alternatives above threshold)
+    threshold: float = option(0.3, "candidates above this confidence open a branch (the paper: 30%)", gt=0, le=1)
+    alpha: float = option(0.01, "initial fallback threshold (the paper's default)", gt=0, lt=1)
+    alpha_min: float = option(1e-6, "alpha is clamped to [alpha_min, alpha_max]", gt=0, lt=1)
+    alpha_max: float = option(0.5, "our cap (the paper gives none): errors cannot shrink trees to nothing", gt=0,
+                              lt=1)
+    fallback: bool = option(True, "stop drafting when the tree confidence falls below alpha")
+    budget: int = option(TREE_BUDGET, "tree nodes per verification", ge=1)
+    depth: int = option(8, "deepest tree node", ge=1)
+    children: int = option(3, "candidates per expanded node (top-1 + alternatives above the threshold)", ge=1)
 
     def __post_init__(self):
-        if not 0 < self.branch_threshold <= 1:
-            raise ValueError("branch_threshold must be in (0, 1]")
-        if not 0 < self.alpha_min <= self.alpha <= self.alpha_max < 1:
-            raise ValueError("need 0 < alpha_min <= alpha <= alpha_max < 1")
-        if self.max_tokens < 1 or self.max_depth < 1 or self.max_children < 1:
-            raise ValueError("max_tokens, max_depth and max_children must be >= 1")
+        check_config(self)
+        if not self.alpha_min <= self.alpha <= self.alpha_max:
+            raise ConfigError("llmcad: need alpha_min <= alpha <= alpha_max")
 
 
 def update_alpha(alpha: float, tree_confidence: float, n_correct: int, n_all: int,
@@ -96,8 +95,8 @@ class LLMCadDrafter(LMDrafter):
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: LLMCadConfig | None = None,
                  name: str = "llmcad"):
-        super().__init__(model, tokenizer, mode="tree", name=name)
         self.config = config or LLMCadConfig()
+        super().__init__(model, tokenizer, mode="tree", budget=self.config.budget, name=name)
         self.alpha = self.config.alpha  # persists across requests (history of the task)
         self.alpha_history: list[float] = []
         self._last = None  # (tokens, parents, branch leaves, T_c) of the last proposal
@@ -117,10 +116,10 @@ class LLMCadDrafter(LMDrafter):
     def _candidates(self, logits: torch.Tensor, sampling: Sampling | None) -> tuple[list[int], list[float]]:
         """Top-1 plus alternatives above the branch threshold, with their confidences."""
         probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
-        top = torch.topk(probs, self.config.max_children)
+        top = torch.topk(probs, self.config.children)
         tokens, confs = [], []
         for rank, (p, t) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-            if rank == 0 or p >= self.config.branch_threshold:
+            if rank == 0 or p >= self.config.threshold:
                 if p > 0:
                     tokens.append(t)
                     confs.append(p)
@@ -136,7 +135,7 @@ class LLMCadDrafter(LMDrafter):
             cand_tokens, cand_confs = self._candidates(logits, sampling)
             base = 1.0 if parent < 0 else cum[parent]
             for rank, (token, conf) in enumerate(zip(cand_tokens, cand_confs)):
-                if len(tokens) >= config.max_tokens:
+                if len(tokens) >= self.budget:
                     return
                 node = len(tokens)
                 tokens.append(token)
@@ -150,11 +149,11 @@ class LLMCadDrafter(LMDrafter):
 
         add_children(-1, root_logits, None)
         tree_conf = max((cum[b["leaf"]] for b in branches), default=0.0)
-        while len(tokens) < config.max_tokens:
+        while len(tokens) < self.budget:
             tree_conf = max(cum[b["leaf"]] for b in branches)
             if config.fallback and tree_conf < self.alpha:
                 break  # fallback: verify now
-            eligible = [depth[b["leaf"]] < config.max_depth for b in branches]
+            eligible = [depth[b["leaf"]] < config.depth for b in branches]
             pick = pacer_pick([cum[b["leaf"]] for b in branches], [b["own"] for b in branches],
                               len(tokens) + 1, eligible)
             if pick is None:
@@ -205,23 +204,3 @@ class LLMCadDrafter(LMDrafter):
         self.alpha = update_alpha(self.alpha, tree_conf, best[0], -best[1], self.config.alpha_min,
                                   self.config.alpha_max)
         self.alpha_history.append(self.alpha)
-
-
-LLMCAD_ALIASES = {"threshold": "branch_threshold", "budget": "max_tokens", "depth": "max_depth",
-                  "children": "max_children"}
-
-
-def build_from_spec(options: dict, target, draft, name: str):
-    """Bench method `llmcad[:model=M,threshold=0.3,alpha=0.01,budget=16,depth=8,children=3,fallback=1]`.
-
-    model: `draft` (default when --draft is given), `everyN` (layer-subset student of the
-    target; default every3 without --draft) or a zoo name / model dir. threshold =
-    branch_threshold, budget = max_tokens, depth = max_depth, children = max_children; every
-    LLMCadConfig field is also accepted by name.
-    """
-    from draftsmith.eval.drafters.minions import config_from_options, small_model
-
-    model_name = options.pop("model", None) or ("draft" if draft is not None else "every3")
-    config = config_from_options(LLMCadConfig, options, LLMCAD_ALIASES)
-    model, tokenizer = small_model(model_name, target, draft)
-    return LLMCadDrafter(model, tokenizer, config, name=name)

@@ -3,7 +3,7 @@
 The drafter keeps its own DynamicCache over the committed tokens. `propose` first feeds the
 committed tokens it has not seen (reusing the longest common prefix with what it cached last
 time), then drafts:
-  chain: k tokens, one forward each (greedy argmax, or one draw from q when sampling);
+  chain: `budget` tokens, one forward each (greedy argmax, or one draw from q when sampling);
   tree:  EAGLE-2 style dynamic tree: every expanded node gets `topk` children (greedy: top-k;
          sampling: k draws without replacement); the `beam` best nodes of each new level by
          cumulative log-probability are expanded next, for `depth` levels. Greedy then keeps
@@ -16,21 +16,20 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
+from draftsmith.eval.drafters.base import CHAIN_BUDGET, Drafter, Sampling, draw_children
 from draftsmith.eval.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
 from draftsmith.models.target import additive_mask, crop_cache
 
 
 class LMDrafter(Drafter):
-    def __init__(self, model: PreTrainedModel, tokenizer=None, mode: str = "chain", num_tokens: int = 4,
-                 depth: int = 4, topk: int = 4, beam: int | None = None, budget: int = 16,
-                 name: str | None = None):
+    def __init__(self, model: PreTrainedModel, tokenizer=None, mode: str = "chain", budget: int = CHAIN_BUDGET,
+                 depth: int = 4, topk: int = 4, beam: int | None = None, name: str | None = None):
         if mode not in ("chain", "tree"):
             raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.mode, self.num_tokens = mode, num_tokens
-        self.depth, self.topk, self.beam, self.budget = depth, topk, beam or topk, budget
+        self.mode, self.budget = mode, budget
+        self.depth, self.topk, self.beam = depth, topk, beam or topk
         self.name = name or f"lm-{mode}"
         self.cache: DynamicCache | None = None
         self.cached: list[int] = []  # tokens whose KV sits in self.cache, in order
@@ -70,13 +69,13 @@ class LMDrafter(Drafter):
 
     def _chain(self, logits, sampling, generator) -> DraftTree:
         tokens, rows = [], []
-        for step in range(self.num_tokens):
+        for step in range(self.budget):
             probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
             token, q = draw_children(probs, 1, sampling, generator)
             tokens.append(int(token[0]))
             if q is not None:
                 rows.append(q[0])
-            if step + 1 < self.num_tokens:
+            if step + 1 < self.budget:
                 logits = self._forward(token.view(1, 1))[-1]
                 self.cached.append(tokens[-1])
         probs = torch.stack(rows) if rows else None

@@ -15,15 +15,11 @@ from typing import Literal
 
 from peft import PeftModel
 
-from draftsmith.eval.arca import arca_paths, load_rank_accuracy
 from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
 from draftsmith.eval.tree import DraftTree, tree_from_paths
 from draftsmith.models.artifacts import ACCURACY_FILE, ArtifactError, load_medusa_heads
-from draftsmith.models.medusa import MedusaHeads
+from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaHeads, arca_paths, load_rank_accuracy
 
-# A small default tree for CPU budgets: 2-3 candidates near the root, deeper along the top path.
-DEFAULT_MEDUSA_PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
-                        [0, 0, 0, 0], [0, 0, 0, 0, 0]]
 
 
 class MedusaDrafter(Drafter):
@@ -35,6 +31,7 @@ class MedusaDrafter(Drafter):
         if paths is None:  # the default tree, cut to the depth these heads can fill
             paths = [path for path in DEFAULT_MEDUSA_PATHS if len(path) <= heads.config.num_heads]
         self.parents, self.depths, self.ranks = tree_from_paths(paths)
+        self.budget = self.parents.numel()  # a static tree: its size
         if int(self.depths.max()) > heads.config.num_heads:
             raise ValueError(f"tree depth {int(self.depths.max())} exceeds num_heads={heads.config.num_heads}")
         for parent in [-1] + list(range(self.parents.numel())):  # siblings must be ranks 0..k-1
@@ -68,12 +65,12 @@ class MedusaDrafter(Drafter):
         return DraftTree(tokens.to(device), self.parents.to(device), self.depths.to(device), probs)
 
 
-def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None = None, width: int | None = None,
+def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None = None, budget: int | None = None,
                         target_adapter: Literal["refuse", "merge", "ignore"] = "refuse", name: str | None = None):
     """A MedusaDrafter for `target` from a recipe's final/ directory.
 
     Refuses a manifest whose target hidden size, vocab size or vocab fingerprint differs from the
-    given target's. Tree: `paths` if given; else an ARCA tree of `width` nodes (default: as many as
+    given target's. Tree: `paths` if given; else an ARCA tree of `budget` nodes (default: as many as
     the default tree) from the held-out per-rank accuracies saved with the heads. Medusa-2 heads
     were trained on the LoRA-adapted target: `target_adapter="merge"` merges the saved adapter into
     `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises.
@@ -91,16 +88,9 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
     if paths is None:
         accuracy_file = path / ACCURACY_FILE
         if accuracy_file.is_file():
-            paths = arca_paths(load_rank_accuracy(accuracy_file), width or len(DEFAULT_MEDUSA_PATHS))
-        elif width is not None:
+            paths = arca_paths(load_rank_accuracy(accuracy_file), budget or len(DEFAULT_MEDUSA_PATHS))
+        elif budget is not None:
             raise ArtifactError(f"{accuracy_file} is missing: pass explicit paths")
         else:
             paths = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
     return MedusaDrafter(heads, paths, name=name or f"medusa:{path}")
-
-
-def build_from_spec(options: dict, target, draft, name: str):
-    """Bench method `medusa:<dir>[,width=N,adapter=merge]` (see eval.bench.EXTERNAL_METHODS)."""
-    width = options.pop("width", None)
-    return load_medusa_drafter(options.pop("path"), target, width=int(width) if width else None,
-                               target_adapter=options.pop("adapter", "refuse"), name=name)

@@ -46,45 +46,43 @@ deterministic function of the history; the tree carries no q rows (point masses)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from draftsmith.eval.drafters.base import Drafter, Sampling
+from draftsmith.config import ConfigError, check_config, option
+from draftsmith.eval.drafters.base import CHAIN_BUDGET, Drafter, Sampling
 from draftsmith.eval.tree import DraftTree
 from draftsmith.models.target import check_same_tokenizer
 
 
 @dataclass
 class MinionsConfig:
-    speculation_length: int = 4  # s at the start (the paper's default baseline uses 4)
-    min_length: int = 1
-    max_length: int = 12  # the paper sweeps s in 2..12
-    adaptive: bool = True
-    decision_threshold: int = 8  # records since the last change of s before deciding again
-    window: int = 24  # records used by the linear fit (spans the previous and the current s)
-    s_reward: int = 1
-    s_punish: int = 1
-    cost: str = "verify"  # verify: t_verify / vl (the paper, pipelined); round: (t_draft + t_verify) / vl
-    reward_threshold: float = 0.6
-    punish_threshold: float = 0.3
-    reward_factor: float = 1.25
-    punish_factor: float = 0.8
-    min_weight: float = 1e-3
-    max_weight: float = 1e3
-    update_interval: int = 1  # rounds between weight updates (the paper: one verified batch)
-    feedback: str = "all"  # all | voted
-    verify: str = "path"  # path (the paper) | tree
+    budget: int = option(CHAIN_BUDGET, "speculation length s at the start (the paper's baseline uses 4)", ge=1)
+    min_budget: int = option(1, "smallest s the selector may pick", ge=1)
+    max_budget: int = option(12, "largest s the selector may pick (the paper sweeps 2..12)", ge=1)
+    adaptive: bool = option(True, "adapt s online (section 3.3)")
+    decision_threshold: int = option(8, "records since the last change of s before deciding again", ge=1)
+    window: int = option(24, "records used by the linear fit (spans the previous and the current s)", ge=2)
+    s_reward: int = option(1, "s += s_reward when longer speculation is cheaper per token", ge=0)
+    s_punish: int = option(1, "s -= s_punish when it is dearer", ge=0)
+    cost: Literal["verify", "round"] = option("verify", "verify: t_verify / vl (the paper, pipelined); "
+                                                        "round: (t_draft + t_verify) / vl")
+    reward_threshold: float = option(0.6, "ACR above it multiplies a drafter's weight by reward_factor", ge=0, le=1)
+    punish_threshold: float = option(0.3, "ACR below it multiplies a drafter's weight by punish_factor", ge=0, le=1)
+    reward_factor: float = option(1.25, "weight reward", gt=0)
+    punish_factor: float = option(0.8, "weight punishment", gt=0)
+    min_weight: float = option(1e-3, "weights are clamped to [min_weight, max_weight]", gt=0)
+    max_weight: float = option(1e3, "weights are clamped to [min_weight, max_weight]", gt=0)
+    update_interval: int = option(1, "rounds between weight updates (the paper: one verified batch)", ge=1)
+    feedback: Literal["all", "voted"] = option("all", "credit every drafter each round, or only the voted ones")
+    verify: Literal["path", "tree"] = option("path", "verify the majority path (the paper) or the merged tree")
 
     def __post_init__(self):
-        if self.feedback not in ("all", "voted"):
-            raise ValueError(f"feedback must be 'all' or 'voted', got {self.feedback!r}")
-        if self.verify not in ("path", "tree"):
-            raise ValueError(f"verify must be 'path' or 'tree', got {self.verify!r}")
-        if self.cost not in ("verify", "round"):
-            raise ValueError(f"cost must be 'verify' or 'round', got {self.cost!r}")
-        if not 1 <= self.min_length <= self.speculation_length <= self.max_length:
-            raise ValueError("need 1 <= min_length <= speculation_length <= max_length")
+        check_config(self)
+        if not self.min_budget <= self.budget <= self.max_budget:
+            raise ConfigError("minions: need min_budget <= budget <= max_budget")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +189,7 @@ class LengthSelector:
 
     def __init__(self, config: MinionsConfig):
         self.config = config
-        self.length = config.speculation_length
+        self.length = config.budget
         self.records: list[tuple[int, float]] = []  # (s, y = cost / vl), most recent last
         self.since_change = 0
         self.decisions: list[tuple[int, float | None, int]] = []  # (old s, slope, new s)
@@ -214,7 +212,7 @@ class LengthSelector:
             new = old - config.s_punish
         else:
             new = old
-        self.length = min(max(new, config.min_length), config.max_length)
+        self.length = min(max(new, config.min_budget), config.max_budget)
         self.decisions.append((old, slope, self.length))
         self.since_change = 0
         return self.length
@@ -263,6 +261,7 @@ class MinionsDrafter(Drafter):
 
     @property
     def speculation_length(self) -> int:
+        """s, the current speculation length (what the sub-drafters are asked for)."""
         return self.selector.length
 
     def begin(self, prompt_ids):
@@ -301,8 +300,7 @@ class MinionsDrafter(Drafter):
         length = self.selector.length
         proposals = []
         for drafter in self.drafters:
-            if hasattr(drafter, "num_tokens"):
-                drafter.num_tokens = length
+            drafter.budget = length
             tree = drafter.propose(root, context, None, None)  # greedy proposals: deterministic nodes
             proposals.append(first_child_path(tree)[:length])
         merged = merge_proposals(proposals, self.weights)
@@ -325,96 +323,3 @@ class MinionsDrafter(Drafter):
         return {"weights": dict(zip([d.name for d in self.drafters], self.weights)),
                 "voted": dict(zip([d.name for d in self.drafters], self.voted_counts)),
                 "speculation_length": self.selector.length, "decisions": self.selector.decisions[-10:]}
-
-
-# ---------------------------------------------------------------------------------------------
-# Building sub-drafters from names (shared with eval.drafters.llmcad)
-# ---------------------------------------------------------------------------------------------
-
-_MODEL_CACHE: dict[tuple, tuple] = {}
-
-
-def small_model(name: str, target, draft):
-    """(model, tokenizer) for a drafter name: `draft` (the bench's --draft model), `everyN` (a
-    copy of the target keeping every N-th decoder layer, models.student), or a zoo name / model
-    dir (loaded in the target's dtype and device, e.g. outputs/distill_x/final)."""
-    from draftsmith.models.student import every_nth_layer, layer_subset_student
-    from draftsmith.models.target import TargetModel
-
-    if name == "draft":
-        if draft is None:
-            raise ValueError("drafter 'draft' needs the bench's --draft model")
-        return draft.model, draft.tokenizer
-    key = (id(target.model), name)
-    if key not in _MODEL_CACHE:
-        if name.startswith("every") and name[len("every"):].isdigit():
-            layers = every_nth_layer(target.num_layers, int(name[len("every"):]))
-            _MODEL_CACHE[key] = (layer_subset_student(target.model, layers), target.tokenizer)
-        else:
-            loaded = TargetModel.from_pretrained(name, dtype=target.dtype, device=target.device)
-            _MODEL_CACHE[key] = (loaded.model, loaded.tokenizer)
-    return _MODEL_CACHE[key]
-
-
-def sub_drafter(name: str, target, draft, ngram_n: int = 3) -> Drafter:
-    """A drafter for one entry of `models=`: `ngram`, `medusa@<dir>` (trained Medusa heads; their
-    first-child path is the proposal) or a small model (see small_model) drafting a chain."""
-    from draftsmith.eval.drafters.lm import LMDrafter
-    from draftsmith.eval.drafters.ngram import NgramDrafter
-
-    if name == "ngram":
-        return NgramDrafter(max_ngram=ngram_n, num_tokens=4, name="ngram")
-    if name.startswith("medusa@"):
-        from draftsmith.eval.drafters.medusa import load_medusa_drafter
-
-        return load_medusa_drafter(name[len("medusa@"):], target, name=name)
-    model, tokenizer = small_model(name, target, draft)
-    return LMDrafter(model, tokenizer, mode="chain", num_tokens=4, name=name)
-
-
-def _cast(field_type, value: str):
-    if field_type in (bool, "bool"):
-        if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise ValueError(f"expected a boolean, got {value!r}")
-        return value.lower() in ("1", "true", "yes")
-    if field_type in (int, "int"):
-        return int(value)
-    if field_type in (float, "float"):
-        return float(value)
-    return value
-
-
-def config_from_options(cls, options: dict, aliases: dict[str, str] | None = None):
-    """Pop the dataclass's fields (or their aliases) from bench options; cast by field type."""
-    aliases = aliases or {}
-    kwargs = {}
-    for spec_key, field_name in list(aliases.items()) + [(f.name, f.name) for f in fields(cls)]:
-        if spec_key in options:
-            field_type = next(f.type for f in fields(cls) if f.name == field_name)
-            kwargs[field_name] = _cast(field_type, options.pop(spec_key))
-    return cls(**kwargs)
-
-
-MINIONS_ALIASES = {"s": "speculation_length", "k": "speculation_length", "min_s": "min_length",
-                   "max_s": "max_length", "decision": "decision_threshold"}
-
-
-def build_from_spec(options: dict, target, draft, name: str):
-    """Bench method `minions:models=A+B+C[,key=value...]`.
-
-    models (alias drafters): '+'-separated sub-drafters, each `draft` (the --draft model),
-    `everyN` (layer-subset student of the target), `ngram` (prompt lookup), `medusa@<dir>`
-    (trained Medusa heads), or a zoo name / model dir (e.g. qwen2.5-coder-0.5b-instruct,
-    outputs/distill_x/final). Default
-    `every2+every3+ngram`. weights: optional '+'-separated initial weights. ngram_n: n-gram
-    length for `ngram` (3). Every MinionsConfig field is an option (aliases: s/k =
-    speculation_length, min_s, max_s, decision = decision_threshold), e.g.
-    `minions:models=draft+every4+ngram,s=4,verify=tree,adaptive=0,cost=round`.
-    """
-    names = (options.pop("models", None) or options.pop("drafters", None) or "every2+every3+ngram").split("+")
-    weights = options.pop("weights", None)
-    ngram_n = int(options.pop("ngram_n", 3))
-    config = config_from_options(MinionsConfig, options, MINIONS_ALIASES)
-    drafters = [sub_drafter(n.strip(), target, draft, ngram_n) for n in names]
-    return MinionsDrafter(drafters, config, weights=[float(w) for w in weights.split("+")] if weights else None,
-                          name=name)

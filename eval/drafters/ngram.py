@@ -1,7 +1,7 @@
 """Prompt-lookup (n-gram) drafter: training-free, proposes continuations of earlier matches.
 
 The last n tokens of the context (n from `max_ngram` down to `min_ngram`) are searched for in
-the context itself, most recent match first; the `num_tokens` tokens that followed a match are
+the context itself, most recent match first; the `budget` tokens that followed a match are
 proposed. With `num_branches` > 1 several distinct continuations are merged into a trie, giving
 a token tree. Proposals are deterministic, so for sampling each node is a point mass.
 """
@@ -11,16 +11,19 @@ from __future__ import annotations
 import torch
 
 from draftsmith.eval.drafters.base import Drafter
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.tree import DraftTree, trie
+
+
+NGRAM_BUDGET = 5  # tokens proposed after a match
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 5, num_branches: int = 1,
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, budget: int = NGRAM_BUDGET, num_branches: int = 1,
                  name: str = "ngram"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.num_tokens, self.num_branches = num_tokens, num_branches
+        self.budget, self.num_branches = budget, num_branches
         self.name = name
 
     def continuations(self, context: torch.Tensor) -> list[list[int]]:
@@ -32,7 +35,7 @@ class NgramDrafter(Drafter):
             windows = context[: length - 1].unfold(0, n, 1)  # (length - n, n): windows ending before the last token
             starts = torch.nonzero((windows == pattern).all(-1)).flatten().tolist()
             for start in reversed(starts):
-                follow = context[start + n: start + n + self.num_tokens].tolist()
+                follow = context[start + n: start + n + self.budget].tolist()
                 if follow and follow not in found:
                     found.append(follow)
                     if len(found) == self.num_branches:
@@ -40,16 +43,7 @@ class NgramDrafter(Drafter):
         return found
 
     def propose(self, root, context, sampling, generator) -> DraftTree:
-        tokens, parents, index = [], [], {}  # trie: (parent node, token) -> node
-        for continuation in self.continuations(context):
-            parent = -1
-            for token in continuation:
-                key = (parent, token)
-                if key not in index:
-                    index[key] = len(tokens)
-                    tokens.append(token)
-                    parents.append(parent)
-                parent = index[key]
+        tokens, parents = trie(self.continuations(context))
         if not tokens:
             return DraftTree.empty(context.device)
         return DraftTree.from_parents(torch.tensor(tokens, device=context.device),

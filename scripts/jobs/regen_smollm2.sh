@@ -4,7 +4,7 @@
 # resumable per shard: rerun the same command to continue after an interruption.
 set -euo pipefail
 OUT=${OUT:-outputs/regen/smollm2}
-COMMON="--model smollm2-135m-instruct --max-new-tokens 256 --max-turns 1 --batch-size 64 --shard-size 128 --num-threads 2 --no-progress"
-python -m draftsmith.data.regenerate $COMMON --source gsm8k:train --limit 2000 --output-dir $OUT/gsm8k
-python -m draftsmith.data.regenerate $COMMON --source python-docstrings --output-dir $OUT/code
-python -m draftsmith.data.regenerate $COMMON --source sharegpt --limit 2500 --output-dir $OUT/sharegpt
+COMMON="target=smollm2-135m-instruct max_new_tokens=256 max_turns=1 batch_size=64 shard_size=128 threads=2"
+python -m draftsmith.data.regenerate $COMMON source=gsm8k:train limit=2000 output_dir=$OUT/gsm8k --no-progress
+python -m draftsmith.data.regenerate $COMMON source=python-docstrings output_dir=$OUT/code --no-progress
+python -m draftsmith.data.regenerate $COMMON source=sharegpt limit=2500 output_dir=$OUT/sharegpt --no-progress

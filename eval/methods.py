@@ -1,0 +1,486 @@
+"""The methods a benchmark compares: one explicit table, name -> (typed options, builder).
+
+A method spec names a table entry and sets its options, parsed once by the strict config loader
+(unknown options are refused with the valid ones listed, bad values are named):
+
+    lm-tree:depth=4,topk=3,budget=16        compact form (command line)
+    {lm-tree: {depth: 4, topk: 3}}          mapping form (YAML)
+    medusa:outputs/run/final,budget=8       a first item without `=` is the entry's `path`
+    pipeline:inner=(lm-chain:budget=4)      a nested method in parentheses
+    minions:drafters=[(lm-chain:every=2),ngram]   a list of methods in brackets
+
+Composite methods (pipeline, dovetail, hcmp, minions) receive the drafters the table built for
+their nested specs; ARCA profiles rebuild the profiled drafter at the chosen budget from its parsed
+spec. Every drafter's node budget is called `budget` (`eval.drafters.base.TREE_BUDGET`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import yaml
+
+from draftsmith.config import ConfigError, Parsable, config_from_dict, option
+from draftsmith.eval.arca import load_profile, profile_paths
+from draftsmith.eval.decoder import (DecodeConfig, DecodeResult, DrafterMethod, Method)
+from draftsmith.eval.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
+from draftsmith.eval.drafters.dgf import DGF_DEPTH, DGF_TOPK, load_dgf_drafter
+from draftsmith.eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.drafters.medusa import load_medusa_drafter
+from draftsmith.eval.drafters.minions import MinionsConfig, MinionsDrafter
+from draftsmith.eval.drafters.ngram import NGRAM_BUDGET, NgramDrafter
+from draftsmith.eval.hcmp import LAYER_TYPES, HcmpConfig, HcmpPolicy
+from draftsmith.eval.pipeline import PipelinePolicy
+from draftsmith.eval.placement import DovetailPolicy
+from draftsmith.eval.selfdraft import SelfDraftConfig, SelfDraftPolicy
+from draftsmith.models.student import every_nth_layer, layer_subset_student
+from draftsmith.models.target import TargetModel
+
+# ---------------------------------------------------------------------------------------------
+# Method specs
+# ---------------------------------------------------------------------------------------------
+
+
+def split_top(text: str, sep: str = ",") -> list[str]:
+    """Split at `sep` outside () and [] (`a,b=(c,d),e=[f,g]` -> 3 items)."""
+    items, depth, current = [], 0, []
+    for char in text:
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(char, 0)
+        if depth < 0:
+            raise ConfigError(f"unbalanced brackets in {text!r}")
+        if char == sep and depth == 0:
+            items.append("".join(current).strip())
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise ConfigError(f"unbalanced brackets in {text!r}")
+    items.append("".join(current).strip())
+    return [item for item in items if item]
+
+
+def unwrap(text: str) -> str:
+    """`(lm-chain:budget=4)` -> `lm-chain:budget=4` (a nested method spec)."""
+    return text[1:-1].strip() if text.startswith("(") and text.endswith(")") else text
+
+
+def raw_value(text: str, annotation: Any) -> Any:
+    """A compact-form value for a field: lists in brackets, strings kept as written, others as YAML."""
+    if text.startswith("[") and text.endswith("]"):
+        return [unwrap(item) for item in split_top(text[1:-1])]
+    text = unwrap(text)
+    if annotation is str or annotation == (str | None) or annotation is MethodSpec or annotation == (MethodSpec | None):
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_compact(text: str, options_cls: type) -> dict:
+    """`depth=4,topk=3` (the part after `name:`) -> raw option values for `options_cls`."""
+    hints = typing.get_type_hints(options_cls)
+    names = [f.name for f in dataclasses.fields(options_cls)]
+    raw: dict[str, Any] = {}
+    for index, item in enumerate(split_top(text)):
+        key, eq, value = item.partition("=")
+        if not eq or any(c in key for c in "([:"):
+            if index == 0 and "path" in names:
+                raw["path"] = item
+                continue
+            raise ConfigError(f"option {item!r}: use key=value (options: {', '.join(names)})")
+        key = key.strip()
+        raw[key] = raw_value(value.strip(), hints.get(key, str))
+    return raw
+
+
+@dataclass(frozen=True)
+class MethodSpec(Parsable):
+    """A parsed method spec: the table entry's name, its typed options, and the label it is shown as."""
+
+    name: str
+    options: Any
+    label: str
+
+    @classmethod
+    def from_config(cls, value: Any, path: str = "method") -> "MethodSpec":
+        if isinstance(value, str):
+            name, _, rest = value.strip().partition(":")
+            entry = lookup(name, path)
+            try:
+                raw = parse_compact(rest, entry.options)
+            except ConfigError as err:
+                raise ConfigError(f"{path}: method {value!r}: {err}") from None
+            return cls._build(name, entry, raw, value.strip(), path)
+        if isinstance(value, Mapping) and len(value) == 1:
+            (name, raw), = value.items()
+            entry = lookup(str(name), path)
+            label = str(name) + (":" + ",".join(f"{k}={v}" for k, v in (raw or {}).items()) if raw else "")
+            return cls._build(str(name), entry, raw or {}, label, path)
+        raise ConfigError(f"{path}: a method is `name[:key=value,...]` or a one-key mapping, got {value!r}")
+
+    @classmethod
+    def _build(cls, name: str, entry: "MethodEntry", raw: Any, label: str, path: str) -> "MethodSpec":
+        try:
+            options = config_from_dict(entry.options, raw, "", noun="option")
+        except ConfigError as err:
+            raise ConfigError(f"{path}: method {label!r}: {err}") from None
+        return cls(name, options, label)
+
+    def replace(self, **changes: Any) -> "MethodSpec":
+        """The same method with some options changed (e.g. another budget); the label says so."""
+        options = dataclasses.replace(self.options, **changes)
+        extra = ",".join(f"{key}={value}" for key, value in changes.items())
+        label = self.label + ("," if ":" in self.label else ":") + extra
+        return MethodSpec(self.name, options, label)
+
+    def __str__(self) -> str:
+        return self.label
+
+    def family(self) -> str:
+        """The spec without its size options (budget, depth, topk, beam): what a budget sweep varies over."""
+        sizes = {"budget", "depth", "topk", "beam", "branches"}
+        kept = [(f.name, getattr(self.options, f.name)) for f in dataclasses.fields(self.options)
+                if f.name not in sizes and getattr(self.options, f.name) != f.default
+                and not isinstance(getattr(self.options, f.name), (list, MethodSpec))]
+        text = ",".join(str(value) if name == "path" else f"{name}={value}" for name, value in kept)
+        return self.name + (":" + text if text else "")
+
+
+def parse_method(value: Any, path: str = "method") -> MethodSpec:
+    return MethodSpec.from_config(value, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# What builders get
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BuildContext:
+    """The run's loaded models; extra models named in specs are loaded once per run, here."""
+
+    target: TargetModel
+    draft: TargetModel | None = None
+    models: dict = field(default_factory=dict)
+
+    def small_model(self, model: str | None, every: int | None, what: str):
+        """(model, tokenizer) of an LM drafter: `every` N-th target layer, a named model, or the run's draft."""
+        if every is not None and model is not None:
+            raise ConfigError(f"{what}: give model= or every=, not both")
+        if every is not None:
+            key = ("every", every)
+            if key not in self.models:
+                layers = every_nth_layer(self.target.num_layers, every)
+                self.models[key] = (layer_subset_student(self.target.model, layers), self.target.tokenizer)
+            return self.models[key]
+        if model in (None, "draft"):
+            if self.draft is None:
+                raise ConfigError(f"{what} needs the bench's draft model: set draft=<name> (or give the method "
+                                  "model=<name> or every=<N>)")
+            return self.draft.model, self.draft.tokenizer
+        if model not in self.models:
+            loaded = TargetModel.from_pretrained(model, dtype=self.target.dtype, device=self.target.device)
+            self.models[model] = (loaded.model, loaded.tokenizer)
+        return self.models[model]
+
+
+class HFGenerate(Method):
+    """HF `generate` of the target (greedy, or sampling with top_k=0, top_p=1), optionally assisted."""
+
+    def __init__(self, name: str, assistant=None):
+        self.name, self.assistant = name, assistant
+
+    def make_decoder(self, target: TargetModel, config: DecodeConfig) -> "HFDecoder":
+        return HFDecoder(target, config, self.assistant)
+
+
+class HFDecoder:
+    def __init__(self, target: TargetModel, config: DecodeConfig, assistant=None):
+        self.target, self.config, self.assistant = target, config, assistant
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor) -> DecodeResult:
+        config, extra = self.config, {}
+        if config.temperature > 0:
+            torch.manual_seed(config.seed)
+            extra.update(do_sample=True, temperature=config.temperature, top_k=0, top_p=1.0)
+        else:
+            extra["do_sample"] = False
+        if self.assistant is not None:
+            extra["assistant_model"] = self.assistant
+        input_ids = input_ids.to(self.target.device)
+        out = self.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                         max_new_tokens=config.max_new_tokens, **extra)
+        return DecodeResult(tokens=out[0, input_ids.shape[1]:].tolist(), stats=None)
+
+
+def inner_drafter(method: Method, what: str) -> Drafter:
+    """The drafter of a built nested method (composites take drafters, not policies)."""
+    if not isinstance(method, DrafterMethod) or method.drafter is None:
+        raise ConfigError(f"{what}: {method.name!r} is not a drafter method (lm-chain, lm-tree, ngram, medusa, "
+                          "dgf, llmcad, minions)")
+    return method.drafter
+
+
+# ---------------------------------------------------------------------------------------------
+# Options and builders, one per method
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NoOptions:
+    pass
+
+
+@dataclass
+class AssistedOptions:
+    model: str | None = option(None, "assistant model (zoo name / dir); null: the run's draft")
+
+
+@dataclass
+class LMChainOptions:
+    budget: int = option(CHAIN_BUDGET, "draft tokens per round", ge=1)
+    model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
+    every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
+
+
+@dataclass
+class LMTreeOptions:
+    budget: int = option(TREE_BUDGET, "draft nodes per round (the best by cumulative log-probability)", ge=1)
+    depth: int = option(4, "tree depth", ge=1)
+    topk: int = option(3, "children per expanded node", ge=1)
+    beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)
+    model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
+    every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
+
+
+@dataclass
+class NgramOptions:
+    n: int = option(3, "longest n-gram matched", ge=1)
+    budget: int = option(NGRAM_BUDGET, "tokens proposed per continuation", ge=1)
+    branches: int = option(1, "distinct continuations merged into a trie", ge=1)
+
+
+@dataclass
+class MedusaOptions:
+    path: str = option(help="a train/medusa.py final/ directory")
+    budget: int | None = option(None, "ARCA tree size from the saved head accuracies (null: the default tree)",
+                                ge=1)
+    adapter: Literal["refuse", "merge", "ignore"] = option("refuse", "Medusa-2 heads: merge the LoRA adapter "
+                                                                     "into the target, or ignore it")
+
+
+@dataclass
+class DGFOptions:
+    path: str = option(help="a train/dgf.py final/ directory")
+    depth: int = option(DGF_DEPTH, "dynamic-tree depth", ge=1)
+    topk: int = option(DGF_TOPK, "children per expanded node", ge=1)
+    budget: int = option(TREE_BUDGET, "draft nodes per round (Dovetail's g)", ge=1)
+
+
+@dataclass
+class LLMCadOptions(LLMCadConfig):
+    model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft, else every=3")
+    every: int | None = option(None, "use every N-th layer of the target as the draft LM", ge=1)
+
+
+def default_minions_drafters() -> list:
+    return [MethodSpec.from_config("lm-chain:every=2"), MethodSpec.from_config("lm-chain:every=3"),
+            MethodSpec.from_config("ngram")]
+
+
+@dataclass
+class MinionsOptions(MinionsConfig):
+    drafters: list[MethodSpec] = option(factory=default_minions_drafters, help="sub-drafters (methods)")
+    weights: list[float] | None = option(None, "initial weights, one per sub-drafter", gt=0)
+
+
+@dataclass
+class InnerOptions:
+    inner: MethodSpec = option(help="the drafter method to wrap, e.g. (lm-chain:budget=4)")
+
+
+@dataclass
+class DovetailOptions(InnerOptions):
+    device: str = option("auto", "the drafter's device (the target stays where it was loaded)")
+
+
+@dataclass
+class HcmpOptions:
+    inner: MethodSpec | None = option(None, "a drafter method (null: plain decoding with the split target)")
+    ratio: float | None = option(None, "share of every linear layer's columns on unit 0", ge=0, le=1)
+    qkv: float | None = option(None, "q/k/v projections on unit 0", ge=0, le=1)
+    o: float | None = option(None, "output projection on unit 0", ge=0, le=1)
+    mlp: float | None = option(None, "MLP on unit 0", ge=0, le=1)
+    attention: float | None = option(None, "share of the KV cache on unit 0", ge=0, le=1)
+    device0: str = option("cpu", "unit 0 (the high-parallelism unit)")
+    device1: str = option("cpu", "unit 1")
+    threads: bool = option(False, "run the two units' shares in two threads")
+
+
+@dataclass
+class ArcaOptions:
+    path: str = option(help="an eval.profile profile JSON")
+    budget: int | None = option(None, "another profiled budget than the ARCA pick", ge=0)
+
+
+def build_plain(spec: MethodSpec, ctx: BuildContext) -> Method:
+    return HFGenerate(spec.label)
+
+
+def build_assisted(spec: MethodSpec, ctx: BuildContext) -> Method:
+    model, _ = ctx.small_model(spec.options.model, None, spec.label)
+    return HFGenerate(spec.label, assistant=model)
+
+
+def build_loop_plain(spec: MethodSpec, ctx: BuildContext) -> Method:
+    return DrafterMethod(None, spec.label)
+
+
+def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    model, tokenizer = ctx.small_model(o.model, o.every, spec.label)
+    return DrafterMethod(LMDrafter(model, tokenizer, mode="chain", budget=o.budget, name=spec.label), spec.label)
+
+
+def build_lm_tree(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    model, tokenizer = ctx.small_model(o.model, o.every, spec.label)
+    drafter = LMDrafter(model, tokenizer, mode="tree", budget=o.budget, depth=o.depth, topk=o.topk, beam=o.beam,
+                        name=spec.label)
+    return DrafterMethod(drafter, spec.label)
+
+
+def build_ngram(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    return DrafterMethod(NgramDrafter(max_ngram=o.n, budget=o.budget, num_branches=o.branches, name=spec.label),
+                         spec.label)
+
+
+def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    drafter = load_medusa_drafter(o.path, ctx.target, budget=o.budget, target_adapter=o.adapter, name=spec.label)
+    return DrafterMethod(drafter, spec.label)
+
+
+def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    drafter = load_dgf_drafter(o.path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget, name=spec.label)
+    return DrafterMethod(drafter, spec.label)
+
+
+def build_llmcad(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    every = o.every if (o.every is not None or o.model is not None or ctx.draft is not None) else 3
+    model, tokenizer = ctx.small_model(o.model, every, spec.label)
+    config = LLMCadConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(LLMCadConfig)})
+    return DrafterMethod(LLMCadDrafter(model, tokenizer, config, name=spec.label), spec.label)
+
+
+def build_minions(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    if o.weights is not None and len(o.weights) != len(o.drafters):
+        raise ConfigError(f"{spec.label}: {len(o.weights)} weights for {len(o.drafters)} drafters")
+    drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in o.drafters]
+    config = MinionsConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(MinionsConfig)})
+    return DrafterMethod(MinionsDrafter(drafters, config, weights=o.weights, name=spec.label), spec.label)
+
+
+def build_self_draft(spec: MethodSpec, ctx: BuildContext) -> Method:
+    return SelfDraftPolicy(spec.options, tokenizer=ctx.target.tokenizer, name=spec.label)
+
+
+def build_pipeline(spec: MethodSpec, ctx: BuildContext) -> Method:
+    return PipelinePolicy(inner_drafter(build_method(spec.options.inner, ctx), spec.label), name=spec.label)
+
+
+def build_dovetail(spec: MethodSpec, ctx: BuildContext) -> Method:
+    drafter = inner_drafter(build_method(spec.options.inner, ctx), spec.label)
+    return DovetailPolicy(drafter, spec.options.device, name=spec.label)
+
+
+def build_hcmp(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    ratios = {name: o.ratio for name in ("qkv", "o", "mlp")} if o.ratio is not None else {}
+    ratios.update({name: getattr(o, name) for name in LAYER_TYPES if getattr(o, name) is not None})
+    drafter = inner_drafter(build_method(o.inner, ctx), spec.label) if o.inner is not None else None
+    config = HcmpConfig(device0=o.device0, device1=o.device1, ratios=ratios, threads=o.threads)
+    return HcmpPolicy(drafter, config, name=spec.label)
+
+
+def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
+    """The profile's drafter at the ARCA pick (or the given budget), with its placement."""
+    profile = load_profile(spec.options.path)
+    budget = profile["best"]["budget"] if spec.options.budget is None else spec.options.budget
+    paths = profile_paths(profile, budget)  # refuses a budget the profile did not measure
+    if budget == 0:
+        raise ConfigError(f"{spec.label}: budget 0 is plain decoding: use the plain or loop-plain method")
+    drafter_spec = parse_method(profile["drafter"], f"{spec.options.path}: drafter")
+    if drafter_spec.name == "medusa":
+        o = drafter_spec.options
+        drafter = load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=spec.label)
+    else:
+        drafter = inner_drafter(build_method(drafter_spec.replace(budget=max(budget, 1)), ctx), spec.label)
+    ratio = profile["best"].get("hcmp_ratio")
+    if ratio is not None:
+        config = HcmpConfig.uniform(ratio, threads=bool(profile["config"].get("hcmp_threads")))
+        return HcmpPolicy(drafter, config, name=spec.label)
+    return DrafterMethod(drafter, spec.label)
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    options: type
+    build: Callable[[MethodSpec, BuildContext], Method]
+    help: str
+
+
+METHODS: dict[str, MethodEntry] = {
+    "plain": MethodEntry(NoOptions, build_plain, "HF generate of the target (the reference and baseline)"),
+    "hf-assisted": MethodEntry(AssistedOptions, build_assisted, "HF assisted generation with a draft LM (the peer)"),
+    "loop-plain": MethodEntry(NoOptions, build_loop_plain, "our decoder loop without a drafter (loop overhead)"),
+    "lm-chain": MethodEntry(LMChainOptions, build_lm_chain, "a small LM drafts a chain"),
+    "lm-tree": MethodEntry(LMTreeOptions, build_lm_tree, "a small LM drafts an EAGLE-2-style dynamic tree"),
+    "ngram": MethodEntry(NgramOptions, build_ngram, "prompt lookup (training-free)"),
+    "medusa": MethodEntry(MedusaOptions, build_medusa, "trained Medusa heads, static tree"),
+    "dgf": MethodEntry(DGFOptions, build_dgf, "trained feature drafter (EAGLE / DGF), dynamic tree"),
+    "llmcad": MethodEntry(LLMCadOptions, build_llmcad, "LLMCad: confidence-paced tree with fallback"),
+    "minions": MethodEntry(MinionsOptions, build_minions, "Minions: weighted majority of several drafters"),
+    "self-draft": MethodEntry(SelfDraftConfig, build_self_draft, "Self-Draft: branches in the target's own forward"),
+    "pipeline": MethodEntry(InnerOptions, build_pipeline, "pre-draft the next tree during verification"),
+    "dovetail": MethodEntry(DovetailOptions, build_dovetail, "Dovetail placement: the drafter on another device"),
+    "hcmp": MethodEntry(HcmpOptions, build_hcmp, "Ghidorah HCMP: the target split across two units"),
+    "arca": MethodEntry(ArcaOptions, build_arca, "the drafter and budget an ARCA profile picked"),
+}
+
+
+def lookup(name: str, path: str = "method") -> MethodEntry:
+    if name not in METHODS:
+        close = difflib.get_close_matches(name, list(METHODS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{path}: unknown method {name!r}{hint}; methods: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def build_method(spec: MethodSpec | str, ctx: BuildContext) -> Method:
+    """Build a parsed spec (or parse a string first) with the run's models."""
+    spec = spec if isinstance(spec, MethodSpec) else parse_method(spec)
+    return METHODS[spec.name].build(spec, ctx)
+
+
+def methods_help() -> str:
+    """The table, for --help: each method with its options and their defaults."""
+    lines = ["methods (name[:key=value,...]):"]
+    for name, entry in METHODS.items():
+        options = ", ".join(f"{f.name}={f.default}" if f.default is not dataclasses.MISSING else f.name
+                            for f in dataclasses.fields(entry.options))
+        lines.append(f"  {name:<12} {entry.help}" + (f"\n  {'':<12} options: {options}" if options else ""))
+    return "\n".join(lines)
