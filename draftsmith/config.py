@@ -52,6 +52,10 @@ class Parsable:
     def from_config(cls, value: Any, path: str) -> "Parsable":
         raise NotImplementedError
 
+    def to_config(self) -> Any:
+        """The raw value `from_config` reads back (default: the text it was written as)."""
+        return str(self)
+
 
 def option(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None,
@@ -106,8 +110,9 @@ def _coerce_union(value: Any, tp: Any, path: str) -> Any:
 
 def _coerce_sequence(value: Any, tp: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if isinstance(value, str):  # `methods="plain ngram"` on the command line
-        value = value.split()
+    if isinstance(value, str):  # `methods="plain ngram"`, `widths="1 2 4"` on the command line
+        numeric = bool(args) and args[0] in (int, float, bool)
+        value = [_scalar_word(word) if numeric else word for word in value.split()]
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"{path}: expected a list, got {value!r}")
     if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
@@ -117,6 +122,13 @@ def _coerce_sequence(value: Any, tp: Any, path: str) -> Any:
     item = args[0] if args else Any
     items = [coerce(v, item, join_path(path, i)) for i, v in enumerate(value)]
     return tuple(items) if origin is tuple else items
+
+
+def _scalar_word(word: str) -> Any:
+    try:
+        return yaml.safe_load(word)
+    except yaml.YAMLError:
+        return word
 
 
 def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
@@ -242,8 +254,21 @@ def check_config(cfg: Any, path: str = "") -> None:
 
 
 def config_to_dict(cfg: Any) -> dict:
-    """Plain nested dict (lists for tuples) of a config dataclass, safe for YAML/JSON."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    """Plain nested dict (lists for tuples) of a config dataclass, safe for YAML/JSON; read back by the
+    same loader (`Parsable` values as they are written, e.g. method specs as text)."""
+    return json.loads(json.dumps(_raw_value(cfg), default=str))
+
+
+def _raw_value(value: Any) -> Any:
+    if isinstance(value, Parsable):
+        return value.to_config()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _raw_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_raw_value(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _raw_value(item) for key, item in value.items()}
+    return value
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -372,12 +397,32 @@ class _QuietParser(argparse.ArgumentParser):
         raise ArgumentError(f"{message} (see {self.prog} --help)")
 
 
+def flag_overrides(words: Sequence[str], config_cls: type) -> list[str]:
+    """Config keys written as flags: `--backend compiled`, `--compile.autotune=false`, `--strict` (true)
+    -> `key=value` overrides; anything else is passed on (and refused by the loader)."""
+    keys = {f.name for f in dataclasses.fields(config_cls)}
+    out, words = [], list(words)
+    while words:
+        word = words.pop(0)
+        name, sep, value = word[2:].partition("=")
+        key = name.replace("-", "_")
+        if not word.startswith("--") or key.split(".")[0] not in keys:
+            out.append(word)
+        elif sep:
+            out.append(f"{key}={value}")
+        elif words and not words[0].startswith("--"):
+            out.append(f"{key}={words.pop(0)}")
+        else:
+            out.append(f"{key}=true")
+    return out
+
+
 def parse_command(parser: argparse.ArgumentParser, config_cls: type[T],
                   argv: Sequence[str]) -> tuple[T, argparse.Namespace]:
     """(config, flags) from argv; --print-config prints the YAML and exits 0."""
     parser.__class__ = _QuietParser  # flag misuse -> one `error:` line (run_main), not argparse's exit
-    args, unknown = parser.parse_known_args(list(argv))
-    overrides = list(args.overrides) + unknown
+    args, unknown = parser.parse_known_args(flag_overrides(argv, config_cls))
+    overrides = unknown + list(args.overrides)  # an unknown --flag is reported before stray values
     cfg = load_config(config_cls, args.config, overrides)
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")

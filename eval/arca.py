@@ -163,7 +163,7 @@ def refine_paths(paths: list[list[int]], rank_paths: list[list[int]], allowed: s
 # Profile documents (written by eval.profile, read by the bench's `arca:` method)
 # --------------------------------------------------------------------------------------------
 
-PROFILE_VERSION = 2  # version 1 called the budget "width"; it is read too
+PROFILE_VERSION = 3  # 1 called the budget "width"; 2 had no backend/dtype in its pick (eager, its dtype); both read
 
 
 def save_profile(profile: dict, path: str | Path) -> Path:
@@ -184,6 +184,10 @@ def load_profile(path: str | Path) -> dict:
     if doc.get("version") == 1 and "widths" in doc and "best" in doc:  # the budget was called width
         doc["budgets"] = doc.pop("widths")
         doc["best"]["budget"] = doc["best"].pop("width", None)
+        doc["version"] = 2
+    if doc.get("version") == 2 and "best" in doc:  # measured on the eager engine in one dtype
+        doc["best"].setdefault("backend", "eager")
+        doc["best"].setdefault("dtype", doc.get("config", {}).get("dtype", "float32"))
         doc["version"] = PROFILE_VERSION
     for key in ("version", "drafter", "best", "trees", "budgets"):
         if key not in doc:
@@ -201,12 +205,14 @@ def profile_paths(profile: dict, budget: int | None = None) -> list[list[int]]:
         raise UserError(f"the profile has no tree for budget {budget}; budgets: {sorted(profile['trees'])}")
     return profile["trees"][budget]
 
-
-
-def interpolate_latency(curve: dict[int, float], nodes: int) -> float:
-    """T at `nodes` draft nodes, linear between the measured budgets (clamped at the ends)."""
+def interpolate_latency(curve: dict[int, float], nodes: int, step: bool = False) -> float:
+    """T at `nodes` draft nodes from the measured budgets: linear between them (eager), or, with `step`,
+    the next measured budget's (a compiled engine pads to its bucket, measured at the bucket's top);
+    clamped at the ends."""
     budgets = sorted(int(w) for w in curve)
     values = {int(w): t for w, t in curve.items()}
+    if step:
+        return values[next((b for b in budgets if b >= nodes), budgets[-1])]
     if nodes <= budgets[0]:
         return values[budgets[0]]
     for low, high in zip(budgets, budgets[1:]):

@@ -38,18 +38,21 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
+from draftsmith.config import ConfigError, check_config, command_parser, config_to_dict, option, parse_command, section
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.decoder import DecodeConfig, DecodeStats, Method
+from draftsmith.eval.latency import cpu_model
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
+from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
 SUITES = {"mt-bench": "mt-bench", "gsm8k": "gsm8k:test", "humaneval": "humaneval"}
@@ -76,7 +79,10 @@ class BenchConfig:
     device: str = option("cpu", "cpu | cuda | cuda:<i> | auto")
     threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
     seed: int = option(0, "sampling seed and GSM8K sample seed")
-    budget_limit: int = option(64, "the largest tree a drafter may propose", ge=0)
+    budget_limit: int = option(63, "the largest tree a drafter may propose (+ the root: the largest bucket)", ge=0)
+    backend: Literal["eager", "compiled"] = option("compiled", "engine of our methods: compiled (static shapes, "
+                                                               "AOT-compiled graphs, cached on disk) or eager")
+    compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
     strict: bool = option(False, "stop at the first output that differs from plain greedy")
     output_dir: str | None = option(None, "where bench.json, bench.md and the plots go (null: print only)")
     plots: bool = option(True, "PNG plots in output_dir")
@@ -86,8 +92,14 @@ class BenchConfig:
     def __post_init__(self):
         check_config(self)
         check_suites(self.suites)
-        if not any(spec.name == "plain" for spec in self.methods):
+        names = [spec.name for spec in self.methods]
+        if "plain" not in names:
             self.methods.insert(0, parse_method("plain"))  # the reference for losslessness and speedup
+        if self.backend == "compiled" and "plain-compiled" not in names:
+            self.methods.insert(1, parse_method("plain-compiled"))  # the compiled methods' reference
+        if self.backend == "compiled" and self.budget_limit + 1 > max(self.compile.buckets):
+            raise ConfigError(f"budget_limit: {self.budget_limit} plus the root must fit the largest compiled bucket "
+                              f"({max(self.compile.buckets)}); lower budget_limit or add a bucket")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +159,7 @@ def category_of(suite: str, conversation) -> str:
 
 
 def machine_info(target: TargetModel) -> dict:
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    info = {"platform": platform.platform(), "processor": cpu_model(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(target.device), "dtype": str(target.dtype)}
     if hasattr(os, "getloadavg"):
@@ -177,46 +189,86 @@ class BenchState:
     """Everything a run carries from prompt to prompt."""
 
     config: BenchConfig
-    target: TargetModel
+    context: BuildContext
     methods: dict[str, Method]
     decode: DecodeConfig
     runs: dict
     rows: list
 
+    def backend_of(self, method: Method) -> str:
+        return method.backend or self.config.backend
+
+
+# The plain baseline each backend's methods must reproduce token for token at temperature 0.
+REFERENCE = {"eager": "plain", "compiled": "plain-compiled"}
+
+
+def build_methods(config: BenchConfig, context: BuildContext) -> dict[str, Method]:
+    """The config's methods, plus the plain reference of every backend a method runs on (an `arca:` profile
+    can pick the compiled engine in an eager run), references first."""
+    methods = {str(spec): build_method(spec, context) for spec in config.methods}
+    backends = {method.backend or config.backend for method in methods.values()}
+    missing = [REFERENCE[b] for b in sorted(backends) if REFERENCE[b] not in methods]
+    added = {label: build_method(parse_method(label), context) for label in missing}
+    first = {label: methods.pop(label) for label in REFERENCE.values() if label in methods}
+    return {**first, **added, **methods}
+
+
+def check_lossless(state: BenchState, label: str, tokens: list[int], references: dict, where: str) -> None:
+    """Compare a method's greedy tokens with the plain run of its own backend; a mismatch is loud."""
+    backend = state.backend_of(state.methods[label])
+    reference = references.get(backend)
+    if state.config.temperature > 0 or reference is None or tokens == reference:
+        return
+    state.runs[label]["mismatches"].append(where)
+    tqdm.write(f"!!! MISMATCH: {label} output differs from {REFERENCE[backend]} greedy on {where} !!!")
+    if state.config.strict:
+        raise UserError(f"{label} is not lossless on {where} (strict=true)")
+
 
 def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], input_ids: torch.Tensor):
     """Every method on one prompt (turn len(answers) + 1), back to back; returns plain's tokens."""
-    config, sampled = state.config, state.config.temperature > 0
     category, turn = category_of(suite, conv), len(answers) + 1
     row = {"id": conv.id, "suite": suite, "category": category, "turn": turn, "prompt_tokens": input_ids.shape[1]}
     if answers:
         row["history"] = list(answers)
-    reference = None
+    references: dict[str, list[int]] = {}
     for label, method in state.methods.items():
-        tokens, seconds, stats = timed_run(method, state.target, state.decode, input_ids)
-        if label == "plain":
-            reference = tokens
-        record = state.runs[label]
-        record["runs"].append({"suite": suite, "category": category, "turn": turn, "seconds": seconds,
-                               "tokens": len(tokens), "stats": stats})
-        if not sampled and reference is not None and tokens != reference:
-            where = f"{conv.id} turn {turn}"
-            record["mismatches"].append(where)
-            tqdm.write(f"!!! MISMATCH: {label} output differs from plain greedy on {where} !!!")
-            if config.strict:
-                raise UserError(f"{label} is not lossless on {where} (strict=true)")
+        target = state.context.target_for(method)
+        tokens, seconds, stats = timed_run(method, target, state.decode, input_ids)
+        for backend, reference in REFERENCE.items():
+            if label == reference:
+                references[backend] = tokens
+        state.runs[label]["runs"].append({"suite": suite, "category": category, "turn": turn, "seconds": seconds,
+                                          "tokens": len(tokens), "stats": stats})
+        check_lossless(state, label, tokens, references, f"{conv.id} turn {turn}")
         row[label] = {"seconds": seconds, "new_tokens": len(tokens), "tokens": tokens,
                       "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
                       "tau": stats.tau if stats else 1.0}
+    if state.config.temperature == 0 and len(references) == 2 and references["eager"] != references["compiled"]:
+        row["compiled_vs_hf"] = first_difference(state.context.target, input_ids, references["eager"],
+                                                 references["compiled"])
     state.rows.append(row)
-    return reference
+    return references.get("eager")
+
+
+@torch.inference_mode()
+def first_difference(target: TargetModel, input_ids: torch.Tensor, hf: list[int], compiled: list[int]) -> dict:
+    """Where compiled greedy first leaves HF eager greedy, and the eager logit margin between the two
+    tokens there (a near-tie rounded differently by another kernel has a tiny margin)."""
+    position = next(i for i, (a, b) in enumerate(zip(hf + [-1], compiled + [-1])) if a != b)
+    prefix = torch.cat([input_ids[0], torch.tensor(hf[:position], dtype=torch.long)])[None].to(target.device)
+    logits = target.model(input_ids=prefix).logits[0, -1].float()
+    hf_token, compiled_token = hf[position], compiled[position] if position < len(compiled) else None
+    margin = float(logits[hf_token] - logits[compiled_token]) if compiled_token is not None else None
+    return {"position": position, "hf_token": hf_token, "compiled_token": compiled_token, "eager_logit_margin": margin}
 
 
 def run_conversation(state: BenchState, suite: str, conv, bar) -> None:
     """Every turn of one conversation; turn k + 1 continues from plain greedy's answer to turn k."""
     answers: list[str] = []
     turns = num_turns(conv, state.config.turns)
-    tokenizer = state.target.tokenizer
+    tokenizer = state.context.target.tokenizer
     for turn in range(1, turns + 1):
         input_ids = turn_input_ids(tokenizer, conv, answers)
         reference = run_prompt_turn(state, suite, conv, answers, input_ids)
@@ -227,7 +279,7 @@ def run_conversation(state: BenchState, suite: str, conv, bar) -> None:
         if turn < turns:
             if state.config.temperature > 0 or reference is None:
                 greedy = DecodeConfig(max_new_tokens=state.config.max_new_tokens)
-                reference, _, _ = timed_run(state.methods["plain"], state.target, greedy, input_ids)
+                reference, _, _ = timed_run(state.methods["plain"], state.context.target, greedy, input_ids)
             answers.append(tokenizer.decode(reference, skip_special_tokens=True).strip())
 
 
@@ -263,8 +315,10 @@ def speedup_entry(runs: list[dict], baseline: list[dict], sampled: bool, total_s
     return {"speedup": speedup, "speedup_mean": mean, "speedup_ci95": half}
 
 
-def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool) -> dict:
-    """Totals of one method over some prompt runs, with its speedup against plain."""
+def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool,
+              compiled_runs: list[dict] | None = None) -> dict:
+    """Totals of one method over some prompt runs, with its speedup against plain (HF eager), against
+    plain-compiled when the run has it, and the headline speedup against the faster of the two."""
     total_s = sum(run["seconds"] for run in runs)
     total_tokens = sum(run["tokens"] for run in runs)
     stats = DecodeStats()
@@ -285,7 +339,22 @@ def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool) ->
         entry["target_step_ms"] = step_ms  # one plain decoding step of the target
         if entry["draft_ms_per_round"] is not None:
             entry["draft_step_ratio"] = entry["draft_ms_per_round"] / step_ms
+    add_headline(entry, runs, plain_runs, compiled_runs, sampled, total_s)
     return entry
+
+
+def add_headline(entry: dict, runs: list[dict], plain_runs, compiled_runs, sampled: bool, total_s: float) -> None:
+    """speedup_compiled (vs plain-compiled) and the headline: the speedup against the faster baseline."""
+    if not plain_runs:
+        return
+    entry.update(headline_baseline="plain", headline_speedup=entry["speedup"])
+    if not compiled_runs:
+        return
+    versus = speedup_entry(runs, compiled_runs, sampled, total_s, entry["tokens_per_s"])
+    entry.update(speedup_compiled=versus["speedup"], speedup_compiled_ci95=versus["speedup_ci95"])
+    rate = lambda rs: sum(r["tokens"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-12)  # noqa: E731
+    if rate(compiled_runs) > rate(plain_runs):
+        entry.update(headline_baseline="plain-compiled", headline_speedup=versus["speedup"])
 
 
 GROUPS = {"by_suite": "suite", "by_category": "category", "by_turn": "turn"}
@@ -294,19 +363,26 @@ GROUPS = {"by_suite": "suite", "by_category": "category", "by_turn": "turn"}
 def summarize(state: BenchState) -> dict:
     sampled = state.config.temperature > 0
     plain_runs = state.runs["plain"]["runs"]
+    compiled = state.runs.get("plain-compiled", {}).get("runs")
     specs = {str(spec): spec for spec in state.config.methods}
     summary = {}
     for label, record in state.runs.items():
         runs = record["runs"]
-        entry = aggregate(runs, plain_runs, sampled)
+        entry = aggregate(runs, plain_runs, sampled, compiled)
+        backend = state.backend_of(state.methods[label])
         entry.update(mismatches=record["mismatches"], family=specs[label].family(),
-                     budget=getattr(specs[label].options, "budget", None))
+                     budget=getattr(specs[label].options, "budget", None), backend=backend)
+        step_runs = state.runs.get(REFERENCE[backend], {}).get("runs")  # one plain step of the same backend
+        if step_runs and entry["draft_ms_per_round"] is not None:
+            entry["target_step_ms"] = 1000 * sum(r["seconds"] for r in step_runs) / max(
+                sum(r["tokens"] for r in step_runs), 1)
+            entry["draft_step_ratio"] = entry["draft_ms_per_round"] / entry["target_step_ms"]
         for group, key in GROUPS.items():
             entry[group] = {}
             for value in dict.fromkeys(run[key] for run in runs):
                 index = [i for i, run in enumerate(runs) if run[key] == value]
                 entry[group][str(value)] = aggregate([runs[i] for i in index], [plain_runs[i] for i in index],
-                                                     sampled)
+                                                     sampled, [compiled[i] for i in index] if compiled else None)
         if label == "plain":
             for sub in [entry, *(sub for group in GROUPS for sub in entry[group].values())]:
                 sub["tau"] = 1.0
@@ -328,6 +404,22 @@ def load_models(config: BenchConfig, target: TargetModel | None, draft: TargetMo
     return target, draft
 
 
+def prepare_engines(context: BuildContext, progress: bool) -> dict:
+    """Compile (first run) or load every compiled engine's graphs before anything is timed; returns the
+    seconds spent per model (reported on their own, never inside tokens/s)."""
+    report = {}
+    for engine in context.compiled_engines():
+        if progress:
+            print(f"[bench] compiled engine for {engine.what} "
+                  f"({sum(p.numel() for p in engine.step.parameters()) / 1e6:.0f}M parameters): buckets "
+                  f"{list(engine.buckets)}, cache {engine.directory}", flush=True)
+        engine.prepare()
+        report[str(engine.directory.name)] = {"model_type": engine.what, "buckets": list(engine.buckets),
+                                              "capacity": engine.capacity, **engine.build_seconds(),
+                                              "compiled_buckets": sorted(engine.compile_s)}
+    return report
+
+
 def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft: TargetModel | None = None,
                   progress: bool = True) -> dict:
     """Run every method on every prompt (and turn) of every suite, interleaved per prompt.
@@ -337,16 +429,19 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     target, draft = load_models(config, target, draft)
     records = [(suite, conv) for suite in config.suites
                for conv in select_conversations(suite, config.num_prompts, config.seed)]
-    context = BuildContext(target, draft)
-    methods = {str(spec): build_method(spec, context) for spec in config.methods}
+    context = BuildContext(target, draft, config.backend, config.compile)
+    methods = build_methods(config, context)
+    for method in methods.values():
+        context.target_for(method)  # every engine exists before compiling
+    compile_report = prepare_engines(context, progress)
     decode = DecodeConfig(max_new_tokens=config.max_new_tokens, budget_limit=config.budget_limit,
                           temperature=config.temperature, seed=config.seed)
     machine = machine_info(target)
-    state = BenchState(config, target, methods, decode, {label: {"runs": [], "mismatches": []} for label in methods},
+    state = BenchState(config, context, methods, decode, {label: {"runs": [], "mismatches": []} for label in methods},
                        [])
     warmup_ids = torch.tensor([prompt_ids(target.tokenizer, WARMUP_MESSAGES)])
     for method in methods.values():  # warm-up: allocator, kernels, lazy imports
-        timed_run(method, target, decode, warmup_ids)
+        timed_run(method, context.target_for(method), decode, warmup_ids)
     total = sum(num_turns(conv, config.turns) for _, conv in records)
     with tqdm(total=total, desc="bench", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
         for suite, conv in records:
@@ -354,9 +449,12 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     if hasattr(os, "getloadavg"):
         machine["load_average_at_end"] = os.getloadavg()
     policies = {label: info for label, method in methods.items() if (info := method.summary())}
-    return {"config": config_to_dict(config), "machine": machine,
+    return {"config": config_to_dict(config), "machine": machine, "compile": compile_report,
             "models": {"target": target.name or config.target, "draft": (draft.name or config.draft) if draft else None},
-            "suites": list(config.suites), "summary": summarize(state), "policies": policies, "per_prompt": state.rows}
+            "suites": list(config.suites), "summary": summarize(state), "policies": policies,
+            "compiled_vs_hf": [dict(row["compiled_vs_hf"], id=row["id"], turn=row["turn"]) for row in state.rows
+                               if "compiled_vs_hf" in row],
+            "per_prompt": state.rows}
 
 
 def check_output_dir(config: BenchConfig, overwrite: bool) -> None:

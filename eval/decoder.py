@@ -282,6 +282,7 @@ class Method:
 
     name = "method"
     drafter: Drafter | None = None
+    backend: str | None = None  # the engine this method's target needs (None: the run's backend)
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig):
         raise NotImplementedError
@@ -293,8 +294,8 @@ class Method:
 class DrafterMethod(Method):
     """A drafter run by the SpeculativeDecoder (None: our loop without a drafter)."""
 
-    def __init__(self, drafter: Drafter | None, name: str):
-        self.drafter, self.name = drafter, name
+    def __init__(self, drafter: Drafter | None, name: str, backend: str | None = None):
+        self.drafter, self.name, self.backend = drafter, name, backend
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig) -> SpeculativeDecoder:
         return SpeculativeDecoder(target, self.drafter, config)

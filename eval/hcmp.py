@@ -329,6 +329,8 @@ class HcmpDecoder:
 class HcmpPolicy(Method):
     """A decoding method: any drafter (or none: plain decoding), the target split across two units."""
 
+    backend = "eager"  # the split replaces the eager module's layers; a compiled graph would not see it
+
     def __init__(self, drafter: Drafter | None, config: HcmpConfig, name: str = "hcmp"):
         self.drafter, self.config, self.name = drafter, config, name
 

@@ -20,7 +20,7 @@ import dataclasses
 import difflib
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -41,6 +41,7 @@ from draftsmith.eval.pipeline import PipelinePolicy
 from draftsmith.eval.placement import DovetailPolicy
 from draftsmith.eval.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.student import every_nth_layer, layer_subset_student
+from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
 # ---------------------------------------------------------------------------------------------
@@ -165,35 +166,58 @@ def parse_method(value: Any, path: str = "method") -> MethodSpec:
 
 @dataclass
 class BuildContext:
-    """The run's loaded models; extra models named in specs are loaded once per run, here."""
+    """The run's loaded models and the engine our methods run on (`backend`); extra models named in
+    specs are loaded once per run, here, and every model gets one engine per backend."""
 
     target: TargetModel
     draft: TargetModel | None = None
+    backend: str = "eager"
+    settings: CompileSettings = field(default_factory=CompileSettings)
     models: dict = field(default_factory=dict)
+    engines: dict = field(default_factory=dict)  # (id(module), backend) -> TargetModel
+    drafter_engines: list = field(default_factory=list)  # feature drafters' own engines (built with them)
 
-    def small_model(self, model: str | None, every: int | None, what: str):
-        """(model, tokenizer) of an LM drafter: `every` N-th target layer, a named model, or the run's draft."""
+    def engine(self, lm: TargetModel, backend: str | None = None) -> TargetModel:
+        """`lm` driven by `backend` (default: the run's), built once per model and backend."""
+        backend = backend or self.backend
+        key = (id(lm.model), backend)
+        if key not in self.engines:
+            self.engines[key] = lm.with_backend(backend, self.settings)
+        return self.engines[key]
+
+    def target_for(self, method: Method) -> TargetModel:
+        return self.engine(self.target, method.backend)
+
+    def small_model(self, model: str | None, every: int | None, what: str) -> TargetModel:
+        """The LM of an LM drafter under the run's backend: every N-th target layer, a named model, or the
+        run's draft."""
         if every is not None and model is not None:
             raise ConfigError(f"{what}: give model= or every=, not both")
         if every is not None:
             key = ("every", every)
             if key not in self.models:
                 layers = every_nth_layer(self.target.num_layers, every)
-                self.models[key] = (layer_subset_student(self.target.model, layers), self.target.tokenizer)
-            return self.models[key]
+                self.models[key] = TargetModel(layer_subset_student(self.target.model, layers), self.target.tokenizer)
+            return self.engine(self.models[key])
         if model in (None, "draft"):
             if self.draft is None:
                 raise ConfigError(f"{what} needs the bench's draft model: set draft=<name> (or give the method "
                                   "model=<name> or every=<N>)")
-            return self.draft.model, self.draft.tokenizer
+            return self.engine(self.draft)
         if model not in self.models:
-            loaded = TargetModel.from_pretrained(model, dtype=self.target.dtype, device=self.target.device)
-            self.models[model] = (loaded.model, loaded.tokenizer)
-        return self.models[model]
+            self.models[model] = TargetModel.from_pretrained(model, dtype=self.target.dtype, device=self.target.device)
+        return self.engine(self.models[model])
+
+    def compiled_engines(self) -> list:
+        """Every compiled engine of the run (targets, LM drafters, feature drafters), to build before timing."""
+        engines = [lm.engine for lm in self.engines.values()] + self.drafter_engines
+        return [engine for engine in engines if engine.name == "compiled"]
 
 
 class HFGenerate(Method):
     """HF `generate` of the target (greedy, or sampling with top_k=0, top_p=1), optionally assisted."""
+
+    backend = "eager"
 
     def __init__(self, name: str, assistant=None):
         self.name, self.assistant = name, assistant
@@ -337,25 +361,27 @@ def build_plain(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 
 def build_assisted(spec: MethodSpec, ctx: BuildContext) -> Method:
-    model, _ = ctx.small_model(spec.options.model, None, spec.label)
-    return HFGenerate(spec.label, assistant=model)
+    return HFGenerate(spec.label, assistant=ctx.small_model(spec.options.model, None, spec.label).model)
 
 
 def build_loop_plain(spec: MethodSpec, ctx: BuildContext) -> Method:
     return DrafterMethod(None, spec.label)
 
 
+def build_plain_compiled(spec: MethodSpec, ctx: BuildContext) -> Method:
+    return DrafterMethod(None, spec.label, backend="compiled")
+
+
 def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    model, tokenizer = ctx.small_model(o.model, o.every, spec.label)
-    return DrafterMethod(LMDrafter(model, tokenizer, mode="chain", budget=o.budget, name=spec.label), spec.label)
+    lm = ctx.small_model(o.model, o.every, spec.label)
+    return DrafterMethod(LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label), spec.label)
 
 
 def build_lm_tree(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    model, tokenizer = ctx.small_model(o.model, o.every, spec.label)
-    drafter = LMDrafter(model, tokenizer, mode="tree", budget=o.budget, depth=o.depth, topk=o.topk, beam=o.beam,
-                        name=spec.label)
+    lm = ctx.small_model(o.model, o.every, spec.label)
+    drafter = LMDrafter(lm, mode="tree", budget=o.budget, depth=o.depth, topk=o.topk, beam=o.beam, name=spec.label)
     return DrafterMethod(drafter, spec.label)
 
 
@@ -373,16 +399,18 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    drafter = load_dgf_drafter(o.path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget, name=spec.label)
+    drafter = load_dgf_drafter(o.path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget, name=spec.label,
+                               backend=ctx.backend, settings=ctx.settings)
+    ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)
 
 
 def build_llmcad(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     every = o.every if (o.every is not None or o.model is not None or ctx.draft is not None) else 3
-    model, tokenizer = ctx.small_model(o.model, every, spec.label)
+    lm = ctx.small_model(o.model, every, spec.label)
     config = LLMCadConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(LLMCadConfig)})
-    return DrafterMethod(LLMCadDrafter(model, tokenizer, config, name=spec.label), spec.label)
+    return DrafterMethod(LLMCadDrafter(lm, config=config, name=spec.label), spec.label)
 
 
 def build_minions(spec: MethodSpec, ctx: BuildContext) -> Method:
@@ -413,7 +441,7 @@ def build_hcmp(spec: MethodSpec, ctx: BuildContext) -> Method:
     ratios.update({name: getattr(o, name) for name in LAYER_TYPES if getattr(o, name) is not None})
     drafter = inner_drafter(build_method(o.inner, ctx), spec.label) if o.inner is not None else None
     config = HcmpConfig(device0=o.device0, device1=o.device1, ratios=ratios, threads=o.threads)
-    return HcmpPolicy(drafter, config, name=spec.label)
+    return HcmpPolicy(drafter, config, name=spec.label)  # HCMP splits the eager module: backend eager
 
 
 def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
@@ -424,6 +452,8 @@ def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
     if budget == 0:
         raise ConfigError(f"{spec.label}: budget 0 is plain decoding: use the plain or loop-plain method")
     drafter_spec = parse_method(profile["drafter"], f"{spec.options.path}: drafter")
+    backend = profile["best"]["backend"]
+    ctx = replace(ctx, backend=backend)  # an LM drafter runs on the engine the profile picked (models shared)
     if drafter_spec.name == "medusa":
         o = drafter_spec.options
         drafter = load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=spec.label)
@@ -433,7 +463,7 @@ def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
     if ratio is not None:
         config = HcmpConfig.uniform(ratio, threads=bool(profile["config"].get("hcmp_threads")))
         return HcmpPolicy(drafter, config, name=spec.label)
-    return DrafterMethod(drafter, spec.label)
+    return DrafterMethod(drafter, spec.label, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -446,7 +476,9 @@ class MethodEntry:
 METHODS: dict[str, MethodEntry] = {
     "plain": MethodEntry(NoOptions, build_plain, "HF generate of the target (the reference and baseline)"),
     "hf-assisted": MethodEntry(AssistedOptions, build_assisted, "HF assisted generation with a draft LM (the peer)"),
-    "loop-plain": MethodEntry(NoOptions, build_loop_plain, "our decoder loop without a drafter (loop overhead)"),
+    "loop-plain": MethodEntry(NoOptions, build_loop_plain, "our decoder loop without a drafter, the run's backend"),
+    "plain-compiled": MethodEntry(NoOptions, build_plain_compiled, "our loop without a drafter on the compiled "
+                                                                   "backend (the compiled plain baseline)"),
     "lm-chain": MethodEntry(LMChainOptions, build_lm_chain, "a small LM drafts a chain"),
     "lm-tree": MethodEntry(LMTreeOptions, build_lm_tree, "a small LM drafts an EAGLE-2-style dynamic tree"),
     "ngram": MethodEntry(NgramOptions, build_ngram, "prompt lookup (training-free)"),

@@ -40,17 +40,19 @@ from typing import Literal
 
 import torch
 
-from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
+from draftsmith.config import ConfigError, check_config, command_parser, config_to_dict, option, parse_command, section
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.arca import (RankRecorder, arca_paths, expected_accepted, interpolate_latency,
                                   load_rank_accuracy, refine_paths, replay_tau, save_profile, PROFILE_VERSION)
-from draftsmith.eval.bench import BenchConfig, format_table, load_prompts, machine_info, run_benchmark
+from draftsmith.eval.bench import BenchConfig, format_table, load_prompts, machine_info, run_benchmark, sync
+from draftsmith.eval.latency import context_ids
 from draftsmith.eval.decoder import DecodeConfig, Generation, SpeculativeDecoder
 from draftsmith.eval.drafters.medusa import MedusaDrafter
 from draftsmith.eval.hcmp import HcmpConfig, hcmp_mode
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, inner_drafter, parse_method
 from draftsmith.eval.placement import PlacedDrafter
 from draftsmith.eval.tree import DraftTree
+from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
 DEFAULT_BUDGETS = [0, 1, 2, 4, 8, 16, 32, 64]
@@ -62,19 +64,24 @@ class ProfileConfig:
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree use by default")
     drafter: MethodSpec = option(parse_method("lm-tree:every=2,depth=5,topk=4"),
                                  "the drafter method (its budget is what the profile varies)")
-    dtype: str = option("float32", "dtype of the target and the draft")
+    backends: list[Literal["eager", "compiled"]] = option(factory=lambda: ["eager", "compiled"],
+                                                           help="engines measured (the pick is one of them)")
+    dtypes: list[str] = option(factory=lambda: ["float32"], help="dtypes measured (the first calibrates)")
+    compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
     device: str = option("cpu", "cpu | cuda | auto")
     drafter_device: str | None = option(None, "Dovetail placement: put the drafter on this device")
-    placement: Literal["plain", "hcmp"] = option("plain", "hcmp: also measure HCMP split ratios")
+    placement: Literal["plain", "hcmp"] = option("plain", "hcmp: also measure HCMP split ratios (eager)")
     hcmp_ratios: list[float] = option(factory=lambda: [0.5], help="HCMP ratios measured", ge=0, le=1)
     hcmp_threads: bool = option(False, "HCMP: two threads")
-    budgets: list[int] = option(factory=lambda: list(DEFAULT_BUDGETS), help="budgets measured (0 is added)", ge=0)
+    budgets: list[int] = option(factory=lambda: list(DEFAULT_BUDGETS), help="budgets where T(b) is measured "
+                                "(0 is added; compiled: its buckets' tops); the pick ranges over every budget "
+                                "up to the largest", ge=0)
     repeats: int = option(15, "verification forwards measured per budget", ge=1)
     context_tokens: int = option(128, "KV-cache length the latency is measured over", ge=1)
     suite: str = option("mt-bench", "calibration (and benchmark) prompts")
     calibration_offset: int = option(40, "skip this many prompts (the ones a benchmark uses)", ge=0)
     calibration_prompts: int = option(8, "calibration prompts", ge=1)
-    calibration_budget: int = option(64, "tree size while calibrating", ge=1)
+    calibration_budget: int = option(63, "tree size while calibrating", ge=1)
     calibration_new_tokens: int = option(64, "new tokens per calibration prompt", ge=1)
     acceptance: Literal["auto", "saved", "measured"] = option("auto", "acceptance table: saved (Medusa's head "
                                                                       "accuracies) or measured; auto picks")
@@ -84,13 +91,50 @@ class ProfileConfig:
     bench_prompts: int = option(0, "> 0: benchmark the pick against compare_budgets right after", ge=0)
     bench_new_tokens: int = option(64, "new tokens per benchmark prompt", ge=1)
     bench_turns: int = option(1, "MT-Bench turns per prompt in the benchmark", ge=1)
-    compare_budgets: list[int] = option(factory=lambda: [4, 64], help="fixed budgets benchmarked beside the pick",
+    compare_budgets: list[int] = option(factory=lambda: [4, 63], help="fixed budgets benchmarked beside the pick",
                                         ge=1)
     output: str | None = option(None, "profile JSON path (default outputs/arca_profile_<target>.json)")
 
     def __post_init__(self):
         check_config(self)
         self.budgets = sorted(set([0] + list(self.budgets)))  # T(0) = T_T, the plain decoding step
+        if "compiled" in self.backends and self.calibration_budget + 1 > max(self.compile.buckets):
+            raise ConfigError(f"calibration_budget: {self.calibration_budget} plus the root must fit the largest "
+                              f"compiled bucket ({max(self.compile.buckets)})")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run the target that the profile measures: engine, dtype, optional HCMP split."""
+
+    backend: str
+    dtype: str
+    hcmp_ratio: float | None = None
+
+    @property
+    def label(self) -> str:
+        base = f"{self.backend}/{self.dtype}"
+        return base if self.hcmp_ratio is None else f"hcmp:{self.hcmp_ratio:g}/{base}"
+
+    @property
+    def step(self) -> bool:
+        """T(b) is flat inside a bucket (compiled), else it is interpolated."""
+        return self.backend == "compiled"
+
+
+def settings_of(config: ProfileConfig) -> list[Setting]:
+    settings = [Setting(backend, dtype) for dtype in config.dtypes for backend in config.backends]
+    if config.placement == "hcmp":
+        settings += [Setting("eager", config.dtypes[0], ratio) for ratio in config.hcmp_ratios]
+    return settings
+
+
+def measured_budgets(config: ProfileConfig, setting: Setting) -> list[int]:
+    """Where T(b) is measured: the config's budgets (eager), each bucket's top (compiled: b + 1 tokens)."""
+    if not setting.step:
+        return config.budgets
+    tops = [bucket - 1 for bucket in config.compile.buckets if bucket - 1 <= max(config.budgets)]
+    return sorted(set([0] + tops))
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,19 +152,12 @@ def random_tree(budget: int, vocab_size: int, generator: torch.Generator) -> Dra
     return DraftTree.from_parents(tokens, parents)
 
 
-def context_ids(prompt: torch.Tensor, length: int) -> torch.Tensor:
-    """(1, T) prompt repeated/cut to `length` tokens (at least the prompt itself when length <= 0)."""
-    if length <= 0:
-        return prompt
-    reps = -(-length // prompt.shape[1])
-    return prompt.repeat(1, reps)[:, :length]
-
-
 @torch.inference_mode()
 def measure_verify_latency(target: TargetModel, input_ids: torch.Tensor, budgets: list[int], repeats: int,
                            seed: int = 0, warmup: int = 2) -> dict[int, list[float]]:
     """Seconds per verification round of a random b-node tree over the cache of `input_ids` (1, T)."""
     device = target.device
+    target.prepare(tuple(b + 1 for b in budgets))  # compiled graphs built or loaded before timing
     gen = Generation(target, DecodeConfig(max_new_tokens=1, budget_limit=max(budgets + [1])), input_ids)
     past = target.cache_length(gen.cache)
     generator = torch.Generator().manual_seed(seed)
@@ -130,31 +167,31 @@ def measure_verify_latency(target: TargetModel, input_ids: torch.Tensor, budgets
         for budget in budgets:  # interleaved across budgets so load changes hit all of them alike
             tree = random_tree(budget, vocab, generator)
             tree = DraftTree(tree.tokens.to(device), tree.parents.to(device), tree.depths.to(device))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             start = time.perf_counter()
             gen.verify(tree)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             if rep >= warmup:
                 times[budget].append(time.perf_counter() - start)
             target.truncate(gen.cache, past)
     return times
 
 
-def latency_curves(config: ProfileConfig, target: TargetModel, input_ids: torch.Tensor, say) -> dict:
-    """{placement label: {budget: [seconds, ...]}} for the unsplit target and each HCMP ratio."""
-    ratios: list[float | None] = [None] + (list(config.hcmp_ratios) if config.placement == "hcmp" else [])
+def latency_curves(config: ProfileConfig, targets: dict[str, TargetModel], input_ids: torch.Tensor,
+                   say) -> dict[str, dict[int, list[float]]]:
+    """{setting label: {budget: [seconds, ...]}} for every setting (backend x dtype, HCMP ratios)."""
     curves = {}
-    for ratio in ratios:
-        label = "plain" if ratio is None else f"hcmp:{ratio:g}"
-        say(f"measuring T(b) [{label}] over a {input_ids.shape[1]}-token context, {config.repeats} repeats ...")
-        if ratio is None:
-            times = measure_verify_latency(target, input_ids, config.budgets, config.repeats, config.seed)
+    for setting in settings_of(config):
+        target = targets[setting.dtype].with_backend(setting.backend, config.compile)
+        budgets = measured_budgets(config, setting)
+        say(f"measuring T(b) [{setting.label}] at b = {budgets} over a {input_ids.shape[1]}-token context, "
+            f"{config.repeats} repeats ...")
+        if setting.hcmp_ratio is None:
+            times = measure_verify_latency(target, input_ids, budgets, config.repeats, config.seed)
         else:
-            with hcmp_mode(target.model, HcmpConfig.uniform(ratio, threads=config.hcmp_threads)):
-                times = measure_verify_latency(target, input_ids, config.budgets, config.repeats, config.seed)
-        curves[label] = times
+            with hcmp_mode(target.model, HcmpConfig.uniform(setting.hcmp_ratio, threads=config.hcmp_threads)):
+                times = measure_verify_latency(target, input_ids, budgets, config.repeats, config.seed)
+        curves[setting.label] = times
         say("  " + "  ".join(f"T({b})={1000 * statistics.median(t):.1f}ms" for b, t in times.items()))
     return curves
 
@@ -192,9 +229,12 @@ def calibrate(config: ProfileConfig, context: BuildContext, calibration: list[di
     if config.drafter_device:
         inner = PlacedDrafter(inner, config.drafter_device, context.target.device)
     recorder = RankRecorder(inner)
-    decoder = SpeculativeDecoder(context.target, recorder, DecodeConfig(
+    target = context.engine(context.target)
+    decoder = SpeculativeDecoder(target, recorder, DecodeConfig(
         max_new_tokens=config.calibration_new_tokens, budget_limit=config.calibration_budget))
-    say(f"calibrating {spec} on {len(calibration)} {config.suite} prompts ...")
+    say(f"calibrating {spec} [{context.backend}/{dtype_name(target.dtype)}] on {len(calibration)} {config.suite} "
+        "prompts ...")
+    target.prepare()
     draft_s, rounds = 0.0, 0
     for prompt in calibration:
         stats = decoder.generate(prompt["input_ids"]).stats
@@ -206,6 +246,28 @@ def calibrate(config: ProfileConfig, context: BuildContext, calibration: list[di
         "per-depth acceptance (rank 0): " + " ".join(f"{row[0]:.2f}" for row in measured if row))
     return {"spec": str(spec), "recorder": recorder, "draft_per_round": draft_s / max(rounds, 1), "tau": tau,
             "measured": measured, "allowed": allowed, "prompts": len(calibration)}
+
+
+def calibrate_settings(config: ProfileConfig, models: dict, prompts: list[dict], say) -> dict[str, dict]:
+    """{backend/dtype label: calibration}: acceptance is read from the first, the drafter's time from each
+    (drafters run on the target's engine and dtype)."""
+    results = {}
+    for setting in settings_of(config):
+        if setting.hcmp_ratio is None:
+            target, draft = models[setting.dtype]
+            context = BuildContext(target, draft, setting.backend, config.compile)
+            results[setting.label] = calibrate(config, context, prompts, say)
+    return results
+
+
+def calibration_of(calibrations: dict[str, dict], setting: Setting) -> dict:
+    """A setting's calibration; an HCMP split uses its unsplit engine's (or the first one)."""
+    unsplit = Setting(setting.backend, setting.dtype).label
+    return calibrations.get(unsplit) or next(iter(calibrations.values()))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def acceptance_table(config: ProfileConfig, calibration: dict) -> tuple[str, list[list[float]]]:
@@ -240,37 +302,67 @@ def budget_tree(config: ProfileConfig, accuracy, calibration: dict, budget: int)
     return paths, tau_estimate, tau_replay
 
 
-def predict(config: ProfileConfig, latency: dict, accuracy, calibration: dict) -> tuple[dict, dict]:
-    """(trees by budget, predictions by placement label and budget) from the cost model."""
-    trees, predicted = {}, {}
-    base_tt = latency["plain"][0]
-    recorded = bool(calibration["recorder"].rank_paths)
-    chain_draft_per_token = calibration["draft_per_round"] / max(min(config.calibration_budget, 16), 1)
-    for budget in config.budgets:
-        paths, tau_est, tau_replay = budget_tree(config, accuracy, calibration, budget)
-        trees[budget] = paths
-        tau = tau_replay if recorded and budget else tau_est
-        nodes = len(paths) if budget else 0  # a tree can have fewer nodes than b (the table ran out)
-        t_draft = 0.0 if budget == 0 else (chain_draft_per_token * max(nodes, 1) if config.drafter.name == "lm-chain"
-                                           else calibration["draft_per_round"])
-        for label, curve in latency.items():
-            t_verify = interpolate_latency(curve, nodes)
-            step = t_draft + t_verify
-            predicted.setdefault(label, {})[budget] = {
-                "tau_estimate": tau_est, "tau_replay": tau_replay, "tau": tau, "t_draft_s": t_draft,
-                "t_verify_s": t_verify, "tokens_per_s": tau / step, "eq1_t_avg_s": step / tau,  # Dovetail eq. (1)
-                "eq6_ratio": (t_draft / base_tt + t_verify / base_tt) / tau,  # eq. (6): T_avg / T_T
-                "predicted_speedup": tau * base_tt / step, "tree_nodes": nodes,
-                "tree_depth": max((len(p) for p in paths), default=0)}
-    return trees, predicted
+def all_trees(config: ProfileConfig, accuracy, calibration: dict, largest: int) -> dict[int, tuple]:
+    """{budget: (paths, tau estimate, tau replayed)} for every budget 0..largest."""
+    return {budget: budget_tree(config, accuracy, calibration, budget) for budget in range(largest + 1)}
 
 
-def pick_best(predicted: dict, trees: dict) -> dict:
+def predict_row(config: ProfileConfig, tree: tuple, curve: dict, step: bool, draft_per_round: float,
+                base_tt: float, recorded: bool, budget: int) -> dict:
+    """The cost model's prediction for one budget on one setting (Dovetail eq. (1) and (6))."""
+    paths, tau_est, tau_replay = tree
+    tau = tau_replay if recorded and budget else tau_est
+    nodes = len(paths) if budget else 0  # a tree can have fewer nodes than b (the table ran out)
+    chain = config.drafter.name == "lm-chain"
+    per_token = draft_per_round / max(min(config.calibration_budget, 16), 1)
+    t_draft = 0.0 if budget == 0 else (per_token * max(nodes, 1) if chain else draft_per_round)
+    t_verify = interpolate_latency(curve, nodes, step)
+    step_s = t_draft + t_verify
+    return {"tau_estimate": tau_est, "tau_replay": tau_replay, "tau": tau, "t_draft_s": t_draft,
+            "t_verify_s": t_verify, "tokens_per_s": tau / step_s, "eq1_t_avg_s": step_s / tau,  # Dovetail eq. (1)
+            "eq6_ratio": (t_draft / base_tt + t_verify / base_tt) / tau,  # eq. (6): T_avg / T_T
+            "predicted_speedup": tau * base_tt / step_s, "tree_nodes": nodes,
+            "tree_depth": max((len(p) for p in paths), default=0), "measured": budget in curve}
+
+
+def predict(config: ProfileConfig, latency: dict, calibrations: dict, trees: dict) -> dict:
+    """{setting label: {budget: prediction}} for every budget up to the largest measured on that setting.
+    Speedups are against the fastest plain step measured (T_T: the smallest T(0) of any setting)."""
+    base_tt = min(curve[0] for curve in latency.values())
+    predicted = {}
+    for setting in settings_of(config):
+        curve = latency[setting.label]
+        calibration = calibration_of(calibrations, setting)
+        recorded = bool(calibration["recorder"].rank_paths)
+        predicted[setting.label] = {
+            budget: predict_row(config, trees[budget], curve, setting.step, calibration["draft_per_round"], base_tt,
+                                recorded, budget) for budget in range(max(curve) + 1)}
+    return predicted
+
+
+def pick_best(config: ProfileConfig, predicted: dict, trees: dict) -> dict:
+    """The setting and budget with the most predicted tokens/s."""
+    settings = {setting.label: setting for setting in settings_of(config)}
     label, budget = max(((label, b) for label in predicted for b in predicted[label] if b > 0),
                         key=lambda lb: predicted[lb[0]][lb[1]]["tokens_per_s"])
-    return {"budget": budget, "placement": "plain" if label == "plain" else "hcmp",
-            "hcmp_ratio": None if label == "plain" else float(label.split(":")[1]), "paths": trees[budget],
-            **predicted[label][budget]}
+    setting = settings[label]
+    return {"budget": budget, "setting": label, "backend": setting.backend, "dtype": setting.dtype,
+            "placement": "plain" if setting.hcmp_ratio is None else "hcmp", "hcmp_ratio": setting.hcmp_ratio,
+            "paths": trees[budget][0], **predicted[label][budget]}
+
+
+def load_models(config: ProfileConfig, target: TargetModel | None, draft: TargetModel | None) -> dict:
+    """{dtype: (target, draft)}: the given models in the first dtype, the others loaded here."""
+    models = {}
+    for i, dtype in enumerate(config.dtypes):
+        given = i == 0
+        lm = target if given and target is not None else TargetModel.from_pretrained(config.target, dtype=dtype,
+                                                                                      device=config.device)
+        small = draft if given else None
+        if small is None and config.draft:
+            small = TargetModel.from_pretrained(config.draft, dtype=dtype, device=config.device)
+        models[dtype] = (lm, small)
+    return models
 
 
 def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft: TargetModel | None = None,
@@ -278,35 +370,36 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
     """Measure, calibrate, predict and pick (steps 1-4); returns the profile document."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    target = target or TargetModel.from_pretrained(config.target, dtype=config.dtype, device=config.device)
-    if draft is None and config.draft:
-        draft = TargetModel.from_pretrained(config.draft, dtype=config.dtype, device=config.device)
+    models = load_models(config, target, draft)
+    first = models[config.dtypes[0]][0]
 
     def say(text: str) -> None:
         if progress:
             print(text, flush=True)
 
     prompts = load_prompts(config.suite, config.calibration_offset + config.calibration_prompts, config.seed,
-                           target.tokenizer)
+                           first.tokenizer)
     input_ids = context_ids(prompts[0]["input_ids"], config.context_tokens)
-    curves = latency_curves(config, target, input_ids, say)
+    curves = latency_curves(config, {dtype: pair[0] for dtype, pair in models.items()}, input_ids, say)
     latency = {label: {b: statistics.median(t) for b, t in times.items()} for label, times in curves.items()}
-    calibration = calibrate(config, BuildContext(target, draft),
-                            prompts[config.calibration_offset:] or prompts[-config.calibration_prompts:], say)
-    source, accuracy = acceptance_table(config, calibration)
-    trees, predicted = predict(config, latency, accuracy, calibration)
-    recorder = calibration.pop("recorder")
+    calibration_prompts = prompts[config.calibration_offset:] or prompts[-config.calibration_prompts:]
+    calibrations = calibrate_settings(config, models, calibration_prompts, say)
+    reference = next(iter(calibrations.values()))
+    source, accuracy = acceptance_table(config, reference)
+    trees = all_trees(config, accuracy, reference, max(max(curve) for curve in latency.values()))
+    predicted = predict(config, latency, calibrations, trees)
     profile = {
         "version": PROFILE_VERSION, "config": config_to_dict(config), "drafter": str(config.drafter),
-        "machine": machine_info(target), "context_tokens": int(input_ids.shape[1]), "budgets": config.budgets,
+        "machine": machine_info(first), "context_tokens": int(input_ids.shape[1]), "budgets": config.budgets,
         "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "verify_latency_s": latency, "verify_latency_all_s": curves,
-        "draft_s_per_round": calibration["draft_per_round"],
-        "calibration": {"spec": calibration["spec"], "prompts": calibration["prompts"],
-                        "rounds": len(recorder.rank_paths), "tau": calibration["tau"],
-                        "rank_accuracy": calibration["measured"]},
-        "acceptance_source": source, "rank_accuracy": accuracy, "trees": trees, "predicted": predicted,
-        "best": pick_best(predicted, trees), "rank_paths": recorder.rank_paths}
+        "draft_s_per_round": {label: c["draft_per_round"] for label, c in calibrations.items()},
+        "calibration": {"spec": reference["spec"], "prompts": reference["prompts"],
+                        "rounds": len(reference["recorder"].rank_paths), "tau": reference["tau"],
+                        "rank_accuracy": reference["measured"]},
+        "acceptance_source": source, "rank_accuracy": accuracy, "trees": {b: t[0] for b, t in trees.items()},
+        "predicted": predicted, "best": pick_best(config, predicted, trees),
+        "rank_paths": reference["recorder"].rank_paths}
     say(format_profile(profile))
     return profile
 
@@ -316,69 +409,71 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_pick(profile: dict, label: str, budget) -> bool:
-    best = profile["best"]
-    if int(budget) != best["budget"] or (label == "plain") != (best["placement"] == "plain"):
-        return False
-    return label == "plain" or float(label.split(":")[1]) == best["hcmp_ratio"]
+def base_step(profile: dict) -> float:
+    """T_T: the fastest plain step (T(0)) of any measured setting."""
+    return min(curve["0"] if "0" in curve else curve[0] for curve in profile["verify_latency_s"].values())
 
 
 def format_profile(profile: dict) -> str:
-    lines = ["| placement | b | nodes | T(nodes) ms | T(b)/T_T | T_draft/T_T | tau est | tau replay | pred tok/s | "
+    """The measured budgets of every setting (and the pick) with the cost model's prediction."""
+    lines = ["| setting | b | nodes | T(nodes) ms | T(b)/T_T | T_draft/T_T | tau est | tau replay | pred tok/s | "
              "eq.(6) T_avg/T_T | pred speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    plain = profile["verify_latency_s"]["plain"]
-    base_tt = plain["0"] if "0" in plain else plain[0]
+    base_tt, best = base_step(profile), profile["best"]
     for label, rows in profile["predicted"].items():
         for budget, row in sorted(rows.items(), key=lambda item: int(item[0])):
-            mark = " **<- ARCA**" if _is_pick(profile, label, budget) else ""
+            pick = label == best["setting"] and int(budget) == best["budget"]
+            if not (row["measured"] or pick):
+                continue
             lines.append(f"| {label} | {budget} | {row['tree_nodes']} | {1000 * row['t_verify_s']:.1f} | "
                          f"{row['t_verify_s'] / base_tt:.2f} | {row['t_draft_s'] / base_tt:.2f} | "
                          f"{row['tau_estimate']:.2f} | {row['tau_replay']:.2f} | {row['tokens_per_s']:.1f} | "
-                         f"{row['eq6_ratio']:.3f} | {row['predicted_speedup']:.2f}x{mark} |")
-    best = profile["best"]
+                         f"{row['eq6_ratio']:.3f} | {row['predicted_speedup']:.2f}x{' **<- ARCA**' if pick else ''} |")
     lines.append("")
     for label, curve in profile["verify_latency_s"].items():
         lines.append(f"Measured T(b) [{label}], median of {profile['config']['repeats']}, ms: " + ", ".join(
             f"b={b}: {1000 * t:.1f}" for b, t in sorted(curve.items(), key=lambda item: int(item[0]))))
     lines.append("")
-    ratio = f", ratio {best['hcmp_ratio']:g}" if best["hcmp_ratio"] is not None else ""
-    lines.append(f"ARCA pick: budget {best['budget']} ({best['placement']}{ratio}), predicted tau {best['tau']:.2f}, "
-                 f"{best['tokens_per_s']:.1f} tok/s, speedup {best['predicted_speedup']:.2f}x over our plain step "
-                 f"(T_T = {1000 * base_tt:.1f} ms). Drafter {profile['drafter']}, acceptance from "
-                 f"{profile['acceptance_source']}, context {profile['context_tokens']} tokens.")
+    lines.append(f"ARCA pick: budget {best['budget']} on {best['setting']}, predicted tau {best['tau']:.2f}, "
+                 f"{best['tokens_per_s']:.1f} tok/s, speedup {best['predicted_speedup']:.2f}x over the fastest plain "
+                 f"step measured (T_T = {1000 * base_tt:.1f} ms); every budget up to the largest measured was "
+                 f"considered (T between measured budgets: interpolated, compiled: its bucket's). Drafter "
+                 f"{profile['drafter']}, acceptance from {profile['acceptance_source']}, context "
+                 f"{profile['context_tokens']} tokens.")
     return "\n".join(lines)
 
 
 def compare_table(profile: dict, bench: dict, method_budgets: dict[str, int]) -> str:
     """Predicted (cost model) next to measured speedup for the benchmarked budgets."""
-    best = profile["best"]
-    label = "plain" if best["placement"] == "plain" else f"hcmp:{best['hcmp_ratio']:g}"
+    predicted = profile["predicted"][profile["best"]["setting"]]
     rows = ["| method | budget | pred tau | measured tau | pred speedup (eq. 6) | measured speedup (95% CI) | "
             "lossless |", "|---|---|---|---|---|---|---|"]
     for method, budget in method_budgets.items():
         entry = bench["summary"][method]
-        pred = profile["predicted"][label].get(budget) or profile["predicted"][label].get(str(budget))
+        pred = predicted.get(budget) or predicted.get(str(budget))
         ci = entry.get("speedup_ci95", float("nan"))
         rows.append(f"| {method} | {budget} | {pred['tau']:.2f} | {entry['tau']:.2f} | "
-                    f"{pred['predicted_speedup']:.2f}x | {entry['speedup']:.2f}x (±{ci:.2f}) | "
+                    f"{pred['predicted_speedup']:.2f}x | {entry['headline_speedup']:.2f}x (±{ci:.2f}) | "
                     f"{'yes' if not entry['mismatches'] else 'NO'} |")
     return "\n".join(rows)
 
 
 def bench_the_pick(config: ProfileConfig, profile: dict, out: Path, target, draft) -> str:
-    """Benchmark the ARCA pick against fixed budgets; stores the summary in the profile."""
-    best = profile["best"]["budget"]
-    method_budgets = {f"arca:{out}": best}
+    """Benchmark the ARCA pick against fixed budgets, in the picked dtype and backend; stores the summary
+    in the profile."""
+    best = profile["best"]
+    method_budgets = {f"arca:{out}": best["budget"]}
     for budget in config.compare_budgets:
-        if budget != best and budget in profile["trees"]:
+        if budget != best["budget"] and budget in profile["predicted"][best["setting"]]:
             method_budgets[f"arca:{out},budget={budget}"] = budget
     bench_config = BenchConfig(target=config.target, draft=config.draft,
                                methods=[parse_method("plain"), *map(parse_method, method_budgets)],
                                suites=[config.suite], num_prompts=config.bench_prompts,
                                max_new_tokens=config.bench_new_tokens, turns=config.bench_turns,
-                               dtype=config.dtype, device=config.device, threads=config.threads, seed=config.seed,
-                               budget_limit=max(max(profile["trees"]), 1))
-    bench = run_benchmark(bench_config, target, draft)
+                               dtype=best["dtype"], backend=best["backend"], compile=config.compile,
+                               device=config.device, threads=config.threads, seed=config.seed,
+                               budget_limit=max(method_budgets.values()))
+    same_dtype = best["dtype"] == config.dtypes[0]
+    bench = run_benchmark(bench_config, target if same_dtype else None, draft if same_dtype else None)
     profile["bench"] = {"summary": bench["summary"], "machine": bench["machine"], "config": bench["config"],
                         "method_budgets": method_budgets}
     return format_table(bench) + "\n\n" + compare_table(profile, bench, method_budgets)
@@ -391,8 +486,9 @@ def main(argv: list[str]) -> dict:
     out = Path(config.output or f"outputs/arca_profile_{Path(config.target).name}.json")
     if out.exists() and not flags.overwrite:
         raise UserError(f"{out} exists: pass --overwrite to replace it, or set output=<another path>")
-    target = TargetModel.from_pretrained(config.target, dtype=config.dtype, device=config.device)
-    draft = TargetModel.from_pretrained(config.draft, dtype=config.dtype, device=config.device) if config.draft else None
+    dtype = config.dtypes[0]
+    target = TargetModel.from_pretrained(config.target, dtype=dtype, device=config.device)
+    draft = TargetModel.from_pretrained(config.draft, dtype=dtype, device=config.device) if config.draft else None
     profile = run_profile(config, target, draft)
     save_profile(profile, out)
     print(f"wrote {out}")

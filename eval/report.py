@@ -154,11 +154,20 @@ def _speed_text(entry: dict) -> str:
 
 
 def format_table(results: dict) -> str:
-    """Markdown: the summary table, then (for several suites / turns / categories) breakdowns."""
+    """Markdown: the summary table, then (for several suites / turns / categories) breakdowns, the compiled
+    engines, and the run's settings and machine."""
+    return "\n".join(summary_lines(results) + breakdown_lines(results["summary"]) + compile_lines(results)
+                     + ["", run_line(results)])
+
+
+def summary_lines(results: dict) -> list[str]:
     sampled = results["config"].get("temperature", 0.0) > 0
     last = "lossless" if not sampled else "output check"
-    lines = [f"| method | tokens/s | tau | speedup (95% CI) | per-depth acceptance | draft ms/round (x target step) "
-             f"| {last} |", "|---|---|---|---|---|---|---|"]
+    compiled = any("speedup_compiled" in entry for entry in results["summary"].values())
+    versus = " | vs plain-compiled | headline" if compiled else ""
+    lines = [f"| method | backend | tokens/s | tau | speedup vs plain (95% CI){versus} | per-depth acceptance | "
+             f"draft ms/round (x target step) | {last} |", "|---|---|---|---|---|" + ("---|---|" if compiled else "")
+             + "---|---|---|"]
     for method, entry in results["summary"].items():
         tau = "-" if entry["tau"] is None else f"{entry['tau']:.2f}"
         depths = " ".join(f"{v:.2f}" for v in entry["depth_acceptance"].values()) or "-"
@@ -168,9 +177,19 @@ def format_table(results: dict) -> str:
             lossless = "yes" if not entry["mismatches"] else f"NO ({len(entry['mismatches'])} prompts)"
         draft = "-" if not entry.get("draft_ms_per_round") else \
             f"{entry['draft_ms_per_round']:.1f} ({entry.get('draft_step_ratio', float('nan')):.2f}x)"
-        lines.append(f"| {method} | {entry['tokens_per_s']:.2f} | {tau} | {_speed_text(entry)} | {depths} | {draft} "
-                     f"| {lossless} |")
-    summary = results["summary"]
+        extra = ""
+        if compiled:
+            ci = entry.get("speedup_compiled_ci95", float("nan"))
+            extra = (f" | {entry['speedup_compiled']:.2f}x" + ("" if math.isnan(ci) else f" (±{ci:.2f})")
+                     + f" | **{entry['headline_speedup']:.2f}x** vs {entry['headline_baseline']}")
+        lines.append(f"| {method} | {entry.get('backend', '-')} | {entry['tokens_per_s']:.2f} | {tau} | "
+                     f"{_speed_text(entry)}{extra} | {depths} | {draft} | {lossless} |")
+    return lines
+
+
+def breakdown_lines(summary: dict) -> list[str]:
+    """Per suite / per turn (tau / speedup) and per category (tokens/s), where there are several."""
+    lines = []
     first = next(iter(summary.values()), {})
     for group, title in (("by_suite", "suite"), ("by_turn", "turn")):
         keys = list(first.get(group, {}))
@@ -193,16 +212,37 @@ def format_table(results: dict) -> str:
             lines.append(f"| {key} | " + " | ".join(
                 f"{entry['by_category'][key]['tokens_per_s']:.2f}" if key in entry["by_category"] else "-"
                 for entry in summary.values()) + " |")
-    machine = results["machine"]
-    config = results["config"]
+    return lines
+
+
+def run_line(results: dict) -> str:
+    machine, config, models = results["machine"], results["config"], results["models"]
+    sampled = config.get("temperature", 0.0) > 0
     load = machine.get("load_average_at_start")
     mode = f"temperature {config.get('temperature', 0.0)}" if sampled else "greedy"
-    lines.append("")
-    models = results["models"]
-    lines.append(f"target {models['target']}, draft {models['draft']}, suites {' '.join(results['suites'])} "
-                 f"({config['num_prompts']} prompts per suite, up to {config.get('turns', 1)} turns, "
-                 f"{config['max_new_tokens']} new tokens, {mode}), "
-                 f"{machine['device']} {machine['dtype']}, {machine['cpu_count']} cores, "
-                 f"{machine['torch_threads']} torch threads, {machine['platform']}"
-                 + (f", load average at start {load[0]:.2f}" if load else ""))
-    return "\n".join(lines)
+    return (f"target {models['target']}, draft {models['draft']}, suites {' '.join(results['suites'])} "
+            f"({config['num_prompts']} prompts per suite, up to {config.get('turns', 1)} turns, "
+            f"{config['max_new_tokens']} new tokens, {mode}), "
+            f"{machine['device']} {machine['dtype']}, {machine.get('processor', '')}, {machine['cpu_count']} cores, "
+            f"{machine['torch_threads']} torch threads, {machine['platform']}"
+            + (f", load average at start {load[0]:.2f}" if load else ""))
+
+
+def compile_lines(results: dict) -> list[str]:
+    """Compile/load time of the compiled engines (never inside tokens/s) and where compiled greedy left
+    HF eager greedy (float32 near-ties rounded differently by another kernel, with their margins)."""
+    lines = []
+    for key, info in (results.get("compile") or {}).items():
+        lines.append(f"\nCompiled engine {info['model_type']} ({key}): compile {info['compile_s']:.1f} s "
+                     f"(buckets {info['compiled_buckets'] or 'none: all cached'}), load {info['load_s']:.1f} s, "
+                     f"buckets {info['buckets']}, capacity {info['capacity']}.")
+    differences = results.get("compiled_vs_hf") or []
+    if "plain-compiled" in results["summary"] and results["config"].get("temperature", 0) == 0:
+        prompts = results["summary"]["plain"]["prompts"]
+        lines.append(f"\nplain-compiled vs HF eager greedy: {prompts - len(differences)} of {prompts} prompts "
+                     "token-identical" + ("" if not differences else "; first differences (eager logit margin "
+                     "between the two tokens): " + "; ".join(
+                         f"{d['id']} t{d['turn']} pos {d['position']}: {d['eager_logit_margin']:.2g}"
+                         if d["eager_logit_margin"] is not None else f"{d['id']} t{d['turn']}: length"
+                         for d in differences)))
+    return lines

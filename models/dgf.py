@@ -47,7 +47,7 @@ from torch import nn
 from transformers import AutoConfig, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-from draftsmith.models.target import additive_mask
+from draftsmith.models.engine import additive_mask, crop_cache
 
 FUSIONS = ("linear", "dgf")
 ACTIVATIONS = {"silu": nn.SiLU, "gelu": nn.GELU, "tanh": nn.Tanh, "relu": nn.ReLU, "identity": nn.Identity}
@@ -223,7 +223,13 @@ class DGFModel(nn.Module):
             allowed = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)[None, None]
         if allowed is not None:
             mask = additive_mask(allowed.to(device), self.dtype)
-        hidden = self.fusion(features.to(self.dtype), self.embed(input_ids).to(device))  # (B, T, H)
+        return self.blocks(features, input_ids, position_ids, mask, cache)
+
+    def blocks(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """Fusion + the M blocks: features (B, T, H), input_ids (B, T), position_ids (B, T), `mask` additive
+        (B or 1, 1, T, cache slots) or None (causal) -> (B, T, H); the new keys/values go to `cache`."""
+        hidden = self.fusion(features.to(self.dtype), self.embed(input_ids).to(features.device))  # (B, T, H)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
@@ -237,3 +243,38 @@ class DGFModel(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class EagerDGFEngine:
+    """The drafter's forwards in eager PyTorch over a DynamicCache (models.compiled.CompiledDGFEngine is
+    the static-shape one); the interface the DGF drafter uses."""
+
+    name = "eager"
+
+    def __init__(self, model: DGFModel):
+        self.model = model
+
+    def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Nothing to build."""
+
+    def release(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Nothing to free."""
+
+    def build_seconds(self) -> dict[str, float]:
+        return {"compile_s": 0.0, "load_s": 0.0}
+
+    def new_cache(self, max_length: int | None = None) -> DynamicCache:
+        return DynamicCache()
+
+    def cache_length(self, cache: DynamicCache) -> int:
+        return cache.get_seq_length()
+
+    def truncate(self, cache: DynamicCache, length: int) -> None:
+        crop_cache(cache, length)
+
+    @torch.inference_mode()
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                allowed: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted features (1, n, H), float32 logits (1, n or 1, V)); `last_only`: the last row's logits."""
+        hidden = self.model(features, input_ids, position_ids, cache, allowed)
+        return hidden, self.model.logits(hidden[:, -1:] if last_only else hidden)

@@ -1,13 +1,14 @@
-"""The target model: a stock Hugging Face causal LM driven with 4D tree masks over a DynamicCache.
+"""The target model: a stock Hugging Face causal LM and its tokenizer, driven through an engine.
 
 No modeling code is copied. Tree verification is one ordinary forward call of the stock model with
   - `attention_mask`: an additive float mask (B, 1, n, past + n), 0 where a query may attend and
     the dtype's minimum elsewhere (transformers passes a 4D mask through unchanged, and additive
     float masks work for both the eager and the sdpa attention implementations);
   - `position_ids`: past + depth of each tree node, so siblings share a position;
-  - `past_key_values`: a `DynamicCache` holding the committed prefix.
-After verification only the accepted path is kept: `commit_kv` gathers those cache slots along the
-sequence axis (or crops, when the kept slots are a contiguous prefix).
+  - `past_key_values`: the engine's KV cache holding the committed prefix.
+After verification only the accepted path is kept (`commit`). Engines: `models.engine.EagerEngine`
+(a growing DynamicCache, the default) and `models.compiled.CompiledEngine` (backend="compiled":
+a preallocated cache, inputs padded to buckets, one AOT-compiled graph per bucket).
 
 Hidden-state indices follow transformers' `output_hidden_states` tuple: 0 is the embedding output,
 `num_hidden_layers` the final (normed) state that feeds the LM head; negative indices count from the
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from draftsmith.errors import UserError
+from draftsmith.models.compiled import CompileSettings, CompiledEngine
+from draftsmith.models.engine import EagerEngine, TargetOutput
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm, parse_tiny_spec
 from draftsmith.models.zoo import resolve_model_path
 
@@ -73,39 +75,6 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, what: str = "drafter
         f"token ids; use a {what} trained with the target's tokenizer.")
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool (…, q, k) 'may attend' -> additive float mask: 0 allowed, dtype-min forbidden."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Shrink the cache to its first `length` slots (a negative crop argument removes slots in
-    both transformers 4.x and 5.x; positive arguments changed meaning between them)."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
-
-
-def commit_kv(cache: DynamicCache, keep: torch.Tensor) -> None:
-    """Keep only the cache slots `keep` (1D, increasing) along the sequence axis, in place.
-
-    After a tree forward the cache holds past + tree slots; `keep` = the prefix plus the accepted
-    path. Contiguous prefixes are cropped (no copy); anything else is gathered.
-    """
-    kept = keep.numel()
-    contiguous = kept == 0 or (int(keep[-1]) == kept - 1)  # increasing, so 0..kept-1 exactly
-    if contiguous:
-        crop_cache(cache, kept)
-        return
-    for layer in cache.layers:
-        if not hasattr(layer, "keys") or type(layer).__name__ != "DynamicLayer":
-            raise NotImplementedError(f"commit_kv supports full-attention DynamicLayer caches, got {type(layer).__name__}")
-        index = keep.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, index)  # (B, kv_heads, kept, head_dim)
-        layer.values = layer.values.index_select(-2, index)
-
-
 def load_tokenizer(name_or_path: str):
     """The tokenizer of a zoo name / dir / hub id, or the TinyTokenizer of a `tiny:` model."""
     tiny = parse_tiny_spec(name_or_path)
@@ -122,37 +91,55 @@ def load_model_config(name_or_path: str):
     return AutoConfig.from_pretrained(resolve_model_path(name_or_path))
 
 
-@dataclass
-class TargetOutput:
-    logits: torch.Tensor  # (B, n, V) float32
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> (B, n, H)
+# backend name -> engine factory (model, compile settings): the one table of engines
+ENGINES = {"eager": lambda model, settings: EagerEngine(model),
+           "compiled": lambda model, settings: CompiledEngine(model, settings)}
 
 
 class TargetModel:
-    """A stock HF causal LM plus its tokenizer, with tree-masked forwards over a DynamicCache."""
+    """A stock HF causal LM plus its tokenizer, driven through an engine (eager: a growing DynamicCache;
+    compiled: models.compiled, static shapes and AOT-compiled graphs). `model` stays the stock module
+    (HF `generate` baselines use it as it is)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, name: str = ""):
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str = "", engine=None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "")
         self.config = model.config
+        self.engine = engine or EagerEngine(self.model)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str | torch.dtype = "float32",
                         device: str | torch.device | None = None, gguf_file: str | None = None,
-                        attn_implementation: str = "sdpa") -> "TargetModel":
+                        attn_implementation: str = "sdpa", backend: str = "eager",
+                        settings: CompileSettings | None = None) -> "TargetModel":
         """Load by zoo name, local dir or hub id (and optionally a GGUF file inside that dir), or build a
-        tiny random model for `tiny:<family>[:<seed>]` (models.tiny)."""
+        tiny random model for `tiny:<family>[:<seed>]` (models.tiny); `backend` picks the engine."""
         tiny = parse_tiny_spec(name_or_path)
         if tiny is not None:
             model = build_tiny_causal_lm(tiny.family, seed=tiny.seed, dtype=resolve_dtype(dtype))
-            return cls(model.to(resolve_device(device)), TinyTokenizer(model.config.vocab_size), name=name_or_path)
-        path = resolve_model_path(name_or_path)
-        extra = {"gguf_file": gguf_file} if gguf_file else {}
-        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **extra)
-        return cls(model.to(resolve_device(device)), tokenizer, name=name_or_path)
+            loaded = cls(model.to(resolve_device(device)), TinyTokenizer(model.config.vocab_size), name=name_or_path)
+        else:
+            path = resolve_model_path(name_or_path)
+            extra = {"gguf_file": gguf_file} if gguf_file else {}
+            tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **extra)
+            loaded = cls(model.to(resolve_device(device)), tokenizer, name=name_or_path)
+        return loaded.with_backend(backend, settings)
+
+    def with_backend(self, backend: str, settings: CompileSettings | None = None) -> "TargetModel":
+        """This model (same module, same weights) driven by another engine; `self` when it already is."""
+        if backend not in ENGINES:
+            raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(ENGINES)}")
+        if backend == self.engine.name:
+            return self
+        engine = ENGINES[backend](self.model, settings)
+        return TargetModel(self.model, self.tokenizer, name=self.name, engine=engine)
+
+    @property
+    def backend(self) -> str:
+        return self.engine.name
 
     @property
     def device(self) -> torch.device:
@@ -174,35 +161,38 @@ class TargetModel:
         ids = [ids] if isinstance(ids, int) else list(ids or [])
         return set(ids)
 
-    def new_cache(self, max_length: int | None = None) -> DynamicCache:
-        """An empty KV cache (a growing DynamicCache; `max_length` is what static backends preallocate)."""
-        return DynamicCache(config=self.config)
+    # -- the engine: caches and forwards -------------------------------------------------------
 
-    def cache_length(self, cache: DynamicCache) -> int:
+    def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Build or load whatever forwards of these input sizes need (compiled: their graphs), untimed."""
+        self.engine.prepare(sizes)
+
+    def release(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Free what `prepare` built for these sizes (compiled: a frozen weight copy per graph)."""
+        self.engine.release(sizes)
+
+    def new_cache(self, max_length: int | None = None):
+        """An empty KV cache for a request of up to `max_length` tokens."""
+        return self.engine.new_cache(max_length)
+
+    def cache_length(self, cache) -> int:
         """Committed slots in the cache."""
-        return cache.get_seq_length()
+        return self.engine.cache_length(cache)
 
-    def commit(self, cache: DynamicCache, keep: torch.Tensor) -> None:
+    def commit(self, cache, keep: torch.Tensor) -> None:
         """Keep only the cache slots `keep` (1D, increasing): the prefix plus the accepted path."""
-        commit_kv(cache, keep)
+        self.engine.commit(cache, keep)
 
-    def truncate(self, cache: DynamicCache, length: int) -> None:
+    def truncate(self, cache, length: int) -> None:
         """Drop every slot from `length` on."""
-        crop_cache(cache, length)
+        self.engine.truncate(cache, length)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
-                position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-                hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
-        """One forward over `input_ids` (B, n) appended to `cache`.
+    def forward(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None,
+                allowed: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """One forward over `input_ids` (1, n) appended to `cache`.
 
-        `allowed` (B or 1, 1, n, past + n) bool: which cache/new slots each new token may attend
-        to; None means plain causal attention. Returns float32 logits and the requested hidden
-        states. The cache grows by n slots (use `commit_kv` to keep only some of them).
+        `allowed` (1, 1, n, past + n) bool: which cache/new slots each new token may attend to; None
+        means plain causal attention. Returns float32 logits and the requested hidden states. The
+        cache grows by n slots (`commit` keeps only some of them).
         """
-        mask = None if allowed is None else additive_mask(allowed, self.dtype)
-        out = self.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
-                         attention_mask=mask, use_cache=cache is not None,
-                         output_hidden_states=bool(hidden_layers))
-        hidden = {layer: out.hidden_states[layer] for layer in hidden_layers}
-        return TargetOutput(logits=out.logits.float(), hidden=hidden)
+        return self.engine.forward(input_ids, cache, position_ids, allowed, hidden_layers)

@@ -19,7 +19,8 @@ FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwe
 
 
 class TinyTokenizer:
-    """Stand-in tokenizer for tiny random targets: token i is the string `<i>`."""
+    """Stand-in tokenizer for tiny random targets: text is encoded byte by byte (byte value modulo the
+    vocabulary), token i decodes to the string `<i>`; the chat template is `role: content` lines."""
 
     def __init__(self, vocab_size: int, eos_token_id: int | None = None):
         self.vocab_size = vocab_size
@@ -31,6 +32,17 @@ class TinyTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
+                            **unused) -> str:
+        text = "".join(f"{message['role']}: {message['content']}\n" for message in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+    def __call__(self, text: str, add_special_tokens: bool = False, **unused) -> dict:
+        return {"input_ids": [byte % self.vocab_size for byte in text.encode()]}
+
+    def decode(self, ids, skip_special_tokens: bool = False, **unused) -> str:
+        return "".join(f"<{int(i)}>" for i in ids)
 
 
 def build_tiny_causal_lm(family: str = "llama", seed: int = 0, vocab_size: int = 96, hidden_size: int = 48,

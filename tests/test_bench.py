@@ -12,10 +12,13 @@ import torch
 from draftsmith.eval import bench, report
 from draftsmith.eval.bench import BenchConfig, run_benchmark, turn_input_ids, write_outputs
 from draftsmith.eval.methods import parse_method
+from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 from tests.conftest import tiny_target_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# the compiled backend, cheap to build for tiny models (no GEMM autotuning, two buckets)
+FAST_COMPILE = {"budget_limit": 15, "compile": CompileSettings(buckets=[1, 16], capacity=512, autotune=False)}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
     specs = ["plain", "hf-assisted", "lm-chain:budget=3", "lm-tree:depth=2,topk=2,budget=4",
              "lm-tree:depth=3,topk=2,budget=8", "ngram"]
     config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}", "mt-bench"],
-                         num_prompts=2, turns=2, max_new_tokens=8, output_dir=str(out.parent))
+                         num_prompts=2, turns=2, max_new_tokens=8, output_dir=str(out.parent), **FAST_COMPILE)
     results = run_benchmark(config, target=target, draft=draft, progress=False)
     written = write_outputs(results, config)
 
@@ -68,6 +71,14 @@ def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
         assert set(summary[method]["by_suite"]) == set(results["suites"])
         assert set(summary[method]["by_turn"]) == {"1", "2"}
     assert summary["lm-chain:budget=3"]["tau"] >= 1.0 and summary["lm-chain:budget=3"]["depth_acceptance"]
+    # the compiled backend: both plain baselines run, every method has a speedup against both
+    assert [str(m) for m in config.methods][:2] == ["plain", "plain-compiled"]
+    assert summary["lm-chain:budget=3"]["backend"] == "compiled" and summary["hf-assisted"]["backend"] == "eager"
+    for method in map(str, config.methods):
+        assert summary[method]["speedup"] > 0 and summary[method]["speedup_compiled"] > 0
+        assert summary[method]["headline_speedup"] == pytest.approx(min(summary[method]["speedup"],
+                                                                        summary[method]["speedup_compiled"]))
+    assert results["compile"] and all(entry["compile_s"] + entry["load_s"] > 0 for entry in results["compile"].values())
     # 2 jsonl prompts (1 turn) + 2 MT-Bench questions x 2 turns
     rows = results["per_prompt"]
     assert [(r["suite"] == "mt-bench", r["turn"]) for r in rows] == [(False, 1), (False, 1), (True, 1), (True, 2),
@@ -101,7 +112,7 @@ def test_bench_temperature_one_records_tau_without_token_comparison(tiny_pair, p
     target, draft = tiny_pair
     config = BenchConfig(methods=[parse_method(m) for m in ("plain", "lm-chain:budget=3", "ngram")],
                          suites=[f"jsonl:{prompts_file}"], num_prompts=2, max_new_tokens=8, temperature=1.0,
-                         output_dir=str(tmp_path / "t1"))
+                         output_dir=str(tmp_path / "t1"), backend="eager")
     results = run_benchmark(config, target=target, draft=draft, progress=False)
     write_outputs(results, config)
     chain = results["summary"]["lm-chain:budget=3"]
@@ -131,6 +142,27 @@ def test_cli_parses_new_flags():
     assert config.wandb and not config.plots
 
 
+def test_printed_config_reads_back(tmp_path):
+    import yaml
+
+    from draftsmith.config import config_to_dict
+
+    config, _ = bench.parse_config(["methods=lm-tree:depth=4,topk=3 medusa:/heads,budget=8", "compile.buckets=[1,8]",
+                                    "budget_limit=7", "compile.autotune=false"])
+    raw = config_to_dict(config)
+    assert raw["methods"] == ["plain", "plain-compiled", "lm-tree:depth=4,topk=3", "medusa:/heads,budget=8"]
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    again, _ = bench.parse_config(["--config", str(path)])
+    assert config_to_dict(again) == raw and again.compile == CompileSettings(buckets=[1, 8], autotune=False)
+    with pytest.raises(ValueError, match="budget_limit: 63 plus the root must fit the largest compiled bucket"):
+        bench.parse_config(["compile.buckets=[1,8]"])
+    with pytest.raises(ValueError, match="capacity: 8 must exceed the largest bucket 64"):
+        bench.parse_config(["compile.capacity=8"])
+    flagged, _ = bench.parse_config(["--backend", "eager", "--compile.autotune=false", "--strict", "--num-prompts", "2"])
+    assert (flagged.backend, flagged.compile.autotune, flagged.strict, flagged.num_prompts) == ("eager", False, True, 2)
+
+
 def test_budget_series_groups_sizes_of_one_kind():
     family = {spec: parse_method(spec).family() for spec in ("lm-tree:depth=2,budget=4", "lm-tree:depth=3,budget=8",
                                                               "ngram")}
@@ -153,7 +185,7 @@ def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
     target, draft = tiny_pair
     config = BenchConfig(methods=[parse_method("plain"), parse_method("lm-chain:budget=2")],
                          suites=[f"jsonl:{prompts_file}"], num_prompts=1, max_new_tokens=4,
-                         output_dir=str(tmp_path / "w"), wandb=True)
+                         output_dir=str(tmp_path / "w"), wandb=True, backend="eager")
     results = run_benchmark(config, target=target, draft=draft, progress=False)
     written = write_outputs(results, config)
     run_dirs = list((tmp_path / "wandb").glob("offline-run-*"))

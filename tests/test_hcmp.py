@@ -11,7 +11,8 @@ from draftsmith.eval.hcmp import (HcmpConfig, HcmpPlan, HcmpPolicy, SplitLinear,
                        merge_attention_partials, partial_attention)
 from draftsmith.eval.tree import node_depths, tree_attention_mask, tree_position_ids
 from draftsmith.models.student import layer_subset_student
-from draftsmith.models.target import TargetModel, additive_mask
+from draftsmith.models.engine import additive_mask
+from draftsmith.models.target import TargetModel
 
 PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2, -1, 5])  # an 8-node tree
 

@@ -10,9 +10,10 @@ from draftsmith.eval.arca import RankRecorder, load_profile, refine_paths, repla
 from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.drafters.base import Drafter
 from draftsmith.eval.hcmp import HcmpPolicy
-from draftsmith.eval.methods import parse_method
+from draftsmith.eval.methods import BuildContext, build_method, parse_method
 from draftsmith.eval.profile import ProfileConfig, measure_verify_latency, random_tree, run_profile
 from draftsmith.eval.tree import DraftTree
+from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
 
@@ -72,28 +73,36 @@ def test_profile_round_trip_and_decoding(tmp_path, smol_tokenizer, placement):
     target = TargetModel(tiny.model, smol_tokenizer)
     config = ProfileConfig(drafter=parse_method("lm-tree:every=2,depth=3,topk=2"), budgets=[1, 2, 4], repeats=1,
                            context_tokens=16, calibration_offset=0, calibration_prompts=2,
-                           calibration_budget=8, calibration_new_tokens=12, placement=placement,
-                           hcmp_ratios=[0.5], refine_iterations=2)
+                           calibration_budget=7, calibration_new_tokens=12, placement=placement,
+                           hcmp_ratios=[0.5], refine_iterations=2,
+                           compile=CompileSettings(buckets=[1, 2, 4, 8], capacity=256, autotune=False))
     profile = run_profile(config, target, progress=False)
     assert profile["budgets"] == [0, 1, 2, 4]
-    assert profile["best"]["budget"] in (1, 2, 4)
+    labels = ["eager/float32", "compiled/float32"] + (["hcmp:0.5/eager/float32"] if placement == "hcmp" else [])
+    assert list(profile["verify_latency_s"]) == labels
+    assert sorted(profile["verify_latency_s"]["compiled/float32"]) == [0, 1, 3]  # each bucket's top (b + 1 tokens)
+    assert sorted(profile["predicted"]["eager/float32"]) == [0, 1, 2, 3, 4]  # every budget, not only measured ones
+    best = profile["best"]
+    assert best["setting"] in labels and best["budget"] in profile["predicted"][best["setting"]]
+    assert (best["backend"], best["dtype"]) == tuple(best["setting"].removeprefix("hcmp:0.5/").split("/"))
+    row = profile["predicted"][best["setting"]][best["budget"]]
+    assert row["tokens_per_s"] == max(r["tokens_per_s"] for rows in profile["predicted"].values()
+                                      for b, r in rows.items() if b > 0)
     path = save_profile(profile, tmp_path / "profile.json")
     loaded = load_profile(path)
     assert loaded["trees"] == {w: p for w, p in profile["trees"].items()}
     assert loaded["best"] == json.loads(json.dumps(profile["best"]))
-    method = build_spec(f"arca:{path},budget=4", target, None)
-    if loaded["best"]["placement"] == "hcmp":
-        assert isinstance(method, HcmpPolicy)
-        decoder = method.make_decoder(target, DecodeConfig(max_new_tokens=12))
-    else:
-        assert method.budget == 4
-        decoder = SpeculativeDecoder(target, method, DecodeConfig(max_new_tokens=12))
+    context = BuildContext(target, None, "eager", config.compile)
+    method = build_method(parse_method(f"arca:{path},budget=4"), context)
+    assert method.backend == loaded["best"]["backend"]  # the engine the profile picked
+    assert isinstance(method, HcmpPolicy) == (loaded["best"]["placement"] == "hcmp")
+    decoder = method.make_decoder(context.target_for(method), DecodeConfig(max_new_tokens=12))
     prompt = torch.tensor([smol_tokenizer.encode("Hello there, how are you")])
     reference = tiny.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                                     do_sample=False)[0, prompt.shape[1]:].tolist()
     assert decoder.generate(prompt).tokens == reference
     with pytest.raises(ValueError, match="no tree for budget"):
-        build_spec(f"arca:{path},budget=3", target, None)
+        build_spec(f"arca:{path},budget=9", target, None)
 
 
 def test_load_profile_refuses_other_files(tmp_path):

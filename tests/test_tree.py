@@ -6,7 +6,8 @@ import torch
 from conftest import tiny_model
 from draftsmith.eval.tree import (DraftTree, ancestor_matrix, chain_paths, node_depths, path_to_root, select_top_nodes,
                        subtree, tree_attention_mask, tree_from_paths, tree_position_ids)
-from draftsmith.models.target import TargetModel, commit_kv
+from draftsmith.models.engine import commit_kv
+from draftsmith.models.target import TargetModel
 
 # root -> a(0) -> c(2) -> e(4); root -> b(1) -> d(3)
 PARENTS = torch.tensor([-1, -1, 0, 1, 2])

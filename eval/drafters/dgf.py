@@ -31,20 +31,26 @@ from draftsmith.errors import UserError
 from draftsmith.eval.drafters.base import TREE_BUDGET, Drafter, Sampling, draw_children
 from draftsmith.eval.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
-from draftsmith.models.dgf import DGFModel
-from draftsmith.models.target import crop_cache
+from draftsmith.models.compiled import CompiledDGFEngine, CompileSettings
+from draftsmith.models.dgf import DGFModel, EagerDGFEngine
 
 
 DGF_DEPTH, DGF_TOPK = 7, 10  # Dovetail's dynamic tree: depth 7, top-k 10 (and g = TREE_BUDGET = 16)
 
 
+# backend -> the drafter's engine (model, compile settings)
+DGF_ENGINES = {"eager": lambda model, settings: EagerDGFEngine(model),
+               "compiled": lambda model, settings: CompiledDGFEngine(model, settings)}
+
+
 class DGFDrafter(Drafter):
     def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
-                 name: str | None = None):
+                 name: str | None = None, engine=None):
         if depth < 1 or topk < 1 or budget < 1:
             raise UserError(f"dgf: depth, topk and budget must be >= 1 (got {depth}, {topk}, {budget})")
         model._need_target()
         self.model = model.eval()
+        self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
         self.depth, self.topk, self.budget = depth, topk, budget
         self.cap_at_budget = True  # greedy: cap depth and top-k at g (same tree; False only for tests)
         self.hidden_layers = (model.config.feature_layer,)
@@ -54,13 +60,14 @@ class DGFDrafter(Drafter):
         self.num_features = 0
         self.fed = 0  # pairs in the cache
         self.root_feature: torch.Tensor | None = None  # the drafter's output for the last pair
+        self.root_logits: torch.Tensor | None = None  # and its next-token logits (V,)
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
     def begin(self, prompt_ids):
-        self.cache = self.model.new_cache()
+        self.cache = self.engine.new_cache()
         self.features, self.num_features, self.fed = [], 0, 0
 
     def observe(self, tokens, hidden):
@@ -77,7 +84,7 @@ class DGFDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
-        model, device = self.model, self.device
+        device = self.device
         length = context.numel()  # committed + root
         if self.num_features != length - 1:
             raise RuntimeError(f"DGFDrafter has features for {self.num_features} positions but the context holds "
@@ -86,14 +93,13 @@ class DGFDrafter(Drafter):
         features = self._pending_features()
         if features.shape[0]:  # nothing pending only when proposing twice for the same context
             tokens = context[self.fed + 1:].to(device)
-            self.root_feature = model(features[None], tokens[None], cache=self.cache)[0, -1]  # (H,)
+            hidden, logits = self.engine.forward(features[None], tokens[None], self.cache, last_only=True)
+            self.root_feature, self.root_logits = hidden[0, -1], logits[0, -1]  # (H,), (V,)
             self.fed = length - 1
-        root_feature = self.root_feature
-        root_logits = model.logits(root_feature)  # (V,)
         try:
-            tree = self._tree(root_feature, root_logits, length, sampling, generator)
+            tree = self._tree(self.root_feature, self.root_logits, length, sampling, generator)
         finally:
-            crop_cache(self.cache, self.fed)  # drop the tree entries
+            self.engine.truncate(self.cache, self.fed)  # drop the tree entries
         return tree
 
     def _tree(self, root_feature, root_logits, length, sampling, generator) -> DraftTree:
@@ -130,10 +136,10 @@ class DGFDrafter(Drafter):
         allowed = torch.cat([torch.ones(len(best), committed, dtype=torch.bool, device=device), reach], 1)
         in_features = torch.stack([growth.fed_features[p] for p in level_parents])  # (n_new, H)
         positions = torch.full((1, len(best)), committed - 1 + level, dtype=torch.long, device=device)
-        out = self.model(in_features[None], growth.tokens[-1][best_local][None], positions, self.cache,
-                         allowed[None, None])[0]  # (n_new, H)
-        growth.add_fed(best, reach, out)
-        return best, self.model.logits(out)
+        out, logits = self.engine.forward(in_features[None], growth.tokens[-1][best_local][None], self.cache,
+                                          positions, allowed[None, None])  # (1, n_new, H), (1, n_new, V)
+        growth.add_fed(best, reach, out[0])
+        return best, logits[0]
 
 
 class Growth:
@@ -219,8 +225,10 @@ class Growth:
 
 
 def load_dgf_drafter(path: str | Path, target, depth: int = DGF_DEPTH, topk: int = DGF_TOPK,
-                     budget: int = TREE_BUDGET, name: str | None = None) -> DGFDrafter:
+                     budget: int = TREE_BUDGET, name: str | None = None, backend: str = "eager",
+                     settings: CompileSettings | None = None) -> DGFDrafter:
     """A DGFDrafter for `target` from a recipe's final/ directory (refuses another target's drafter).
-    The drafter runs in the target's dtype on the target's device."""
+    The drafter runs in the target's dtype on the target's device, on the `backend` engine."""
     model, _ = load_dgf(path, target, dtype=target.dtype)
-    return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}")
+    engine = DGF_ENGINES[backend](model.eval(), settings)
+    return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine)

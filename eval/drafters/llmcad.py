@@ -43,7 +43,6 @@ from draftsmith.config import ConfigError, check_config, option
 from draftsmith.eval.drafters.base import TREE_BUDGET, Sampling
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.tree import DraftTree, ancestor_matrix
-from draftsmith.models.target import additive_mask, crop_cache
 
 
 @dataclass
@@ -101,12 +100,17 @@ class LLMCadDrafter(LMDrafter):
         self.alpha_history: list[float] = []
         self._last = None  # (tokens, parents, branch leaves, T_c) of the last proposal
 
+    def summary(self) -> dict:
+        history = self.alpha_history
+        return {"alpha_final": self.alpha, "alpha_min_seen": min(history, default=None),
+                "alpha_max_seen": max(history, default=None), "rounds": len(history)}
+
     @torch.inference_mode()
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
         context_list = context.tolist()
         logits = self._sync(context_list)
         tokens, parents, branches, tree_conf = self._grow(logits, len(context_list), sampling)
-        crop_cache(self.cache, len(context_list))  # drop the tree slots; keep the committed context
+        self.lm.truncate(self.cache, len(context_list))  # drop the tree slots; keep the committed context
         self._last = (tokens, parents, [b["leaf"] for b in branches], tree_conf)
         if not tokens:
             return DraftTree.empty(context.device)
@@ -166,9 +170,8 @@ class LLMCadDrafter(LMDrafter):
             allowed = torch.ones(1, context_len + len(cols), dtype=torch.bool)
             allowed[:, context_len:] = reach[leaf][cols][None]
             positions = torch.tensor([[context_len - 1 + depth[leaf]]], device=self.device)
-            leaf_logits = self._forward(torch.tensor([[tokens[leaf]]], device=self.device), position_ids=positions,
-                                        attention_mask=additive_mask(allowed[None, None].to(self.device),
-                                                                     self.model.dtype))[-1]
+            leaf_logits = self._forward(torch.tensor([[tokens[leaf]]], device=self.device), positions,
+                                        allowed[None, None].to(self.device))[-1]
             fed.append(leaf)
             add_children(leaf, leaf_logits, branches[pick])
         if tokens:

@@ -1,6 +1,7 @@
 """Small-LM drafter: any HF causal LM with the target's tokenizer, as a chain or a token tree.
 
-The drafter keeps its own DynamicCache over the committed tokens. `propose` first feeds the
+The drafter keeps its own KV cache over the committed tokens, through the same engine interface as the
+target (`models.target.TargetModel`: eager, or compiled when a compiled TargetModel is given). `propose` first feeds the
 committed tokens it has not seen (reusing the longest common prefix with what it cached last
 time), then drafts:
   chain: `budget` tokens, one forward each (greedy argmax, or one draw from q when sampling);
@@ -14,24 +15,26 @@ time), then drafts:
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from draftsmith.eval.drafters.base import CHAIN_BUDGET, Drafter, Sampling, draw_children
 from draftsmith.eval.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
-from draftsmith.models.target import additive_mask, crop_cache
+from draftsmith.models.target import TargetModel
 
 
 class LMDrafter(Drafter):
-    def __init__(self, model: PreTrainedModel, tokenizer=None, mode: str = "chain", budget: int = CHAIN_BUDGET,
-                 depth: int = 4, topk: int = 4, beam: int | None = None, name: str | None = None):
+    def __init__(self, model: PreTrainedModel | TargetModel, tokenizer=None, mode: str = "chain",
+                 budget: int = CHAIN_BUDGET, depth: int = 4, topk: int = 4, beam: int | None = None,
+                 name: str | None = None):
         if mode not in ("chain", "tree"):
             raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
-        self.model = model.eval()
-        self.tokenizer = tokenizer
+        self.lm = model if isinstance(model, TargetModel) else None  # a given engine (e.g. compiled) is kept
+        self.model = (model.model if self.lm is not None else model).eval()
+        self.tokenizer = tokenizer if tokenizer is not None or self.lm is None else self.lm.tokenizer
         self.mode, self.budget = mode, budget
         self.depth, self.topk, self.beam = depth, topk, beam or topk
         self.name = name or f"lm-{mode}"
-        self.cache: DynamicCache | None = None
+        self.cache = None
         self.cached: list[int] = []  # tokens whose KV sits in self.cache, in order
 
     @property
@@ -39,12 +42,14 @@ class LMDrafter(Drafter):
         return self.model.device
 
     def begin(self, prompt_ids):
-        self.cache, self.cached = DynamicCache(config=self.model.config), []
+        if self.lm is None or self.lm.model is not self.model:  # the eager engine of (a moved copy of) the model
+            self.lm = TargetModel(self.model, self.tokenizer)
+        self.cache, self.cached = self.lm.new_cache(), []
 
-    def _forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Append input_ids (1, n) to the cache; float32 logits (n, V)."""
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
-        return out.logits[0].float()
+        return self.lm.forward(input_ids, self.cache, position_ids, allowed).logits[0]
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold exactly `context`; return the logits after its last token (V,)."""
@@ -52,7 +57,7 @@ class LMDrafter(Drafter):
         limit = min(len(self.cached), len(context) - 1)  # re-feed at least the root to get its logits
         while common < limit and self.cached[common] == context[common]:
             common += 1
-        crop_cache(self.cache, common)
+        self.lm.truncate(self.cache, common)
         logits = self._forward(torch.tensor([context[common:]], device=self.device))
         self.cached = list(context)
         return logits[-1]
@@ -64,7 +69,7 @@ class LMDrafter(Drafter):
         if self.mode == "chain":
             return self._chain(logits, sampling, generator)
         tree = self._tree(logits, len(context_list), sampling, generator)
-        crop_cache(self.cache, len(context_list))  # drop the tree slots; keep the committed context
+        self.lm.truncate(self.cache, len(context_list))  # drop the tree slots; keep the committed context
         return tree
 
     def _chain(self, logits, sampling, generator) -> DraftTree:
@@ -109,10 +114,8 @@ class LMDrafter(Drafter):
             allowed[:, context_len:] = reach[torch.tensor(best)][:, tree_cols]
             depth_of = [self._depth(parents, n) for n in best]
             positions = torch.tensor([[context_len - 1 + d for d in depth_of]])
-            level_logits = self._forward(
-                torch.tensor([[tokens[n] for n in best]], device=self.device),
-                position_ids=positions.to(self.device),
-                attention_mask=additive_mask(allowed[None, None].to(self.device), self.model.dtype))
+            level_logits = self._forward(torch.tensor([[tokens[n] for n in best]], device=self.device),
+                                         positions.to(self.device), allowed[None, None].to(self.device))
             fed.extend(best)
             expand = list(zip(best, level_logits))
         tree = DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents),

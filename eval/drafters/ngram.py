@@ -3,7 +3,8 @@
 The last n tokens of the context (n from `max_ngram` down to `min_ngram`) are searched for in
 the context itself, most recent match first; the `budget` tokens that followed a match are
 proposed. With `num_branches` > 1 several distinct continuations are merged into a trie, giving
-a token tree. Proposals are deterministic, so for sampling each node is a point mass.
+a token tree, cut to `budget` nodes in first-seen order (earlier branches win), so `budget` is the
+node budget as for every drafter. Proposals are deterministic, so for sampling each node is a point mass.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class NgramDrafter(Drafter):
 
     def propose(self, root, context, sampling, generator) -> DraftTree:
         tokens, parents = trie(self.continuations(context))
+        tokens, parents = tokens[: self.budget], parents[: self.budget]  # first-seen order: parents stay in
         if not tokens:
             return DraftTree.empty(context.device)
         return DraftTree.from_parents(torch.tensor(tokens, device=context.device),

@@ -1,0 +1,215 @@
+"""Forward-latency curves T(w): one target forward of w new tokens over a fixed KV context, per backend
+(eager, compiled) and dtype - the numbers that decide whether verifying w tokens can pay.
+
+    python -m draftsmith.eval.latency target=qwen2.5-coder-0.5b-instruct backends="eager compiled" \\
+        dtypes="float32 bfloat16" output=results/latency/qwen0.5b.json
+
+Each forward is causal over w random tokens appended to a `context_tokens`-long cache (an MT-Bench
+prompt in its chat template, repeated), then truncated back; medians of `repeats`, the widths
+interleaved so that load changes hit them alike. Compiled graphs are built or loaded before anything
+is timed (their seconds are reported apart). `release=true` frees each compiled graph after its width
+is measured (one frozen weight copy in memory at a time: how the 1.5B fits in 24 GB); widths are
+then measured one after another instead of interleaved. Writes JSON and a markdown table.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command, section
+from draftsmith.data.chat import prompt_ids
+from draftsmith.data.sources import load_source
+from draftsmith.errors import UserError, exit_with
+from draftsmith.fileio import atomic_write, atomic_write_json
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.target import TargetModel
+
+DEFAULT_WIDTHS = [1, 2, 4, 8, 16, 32, 64]
+
+
+@dataclass
+class LatencyConfig:
+    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
+    backends: list[Literal["eager", "compiled"]] = option(factory=lambda: ["eager", "compiled"],
+                                                           help="engines measured")
+    dtypes: list[str] = option(factory=lambda: ["float32"], help="dtypes measured (float32 | bfloat16 | float16)")
+    widths: list[int] = option(factory=lambda: list(DEFAULT_WIDTHS), help="new tokens per forward", ge=1)
+    context_tokens: int = option(256, "KV-cache length each forward attends over", ge=1)
+    repeats: int = option(10, "timed forwards per width", ge=1)
+    warmup: int = option(2, "untimed forwards per width first", ge=0)
+    threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
+    device: str = option("cpu", "cpu | cuda | auto")
+    release: bool = option(False, "compiled: free each width's graph after measuring it (big models)")
+    compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
+    output: str | None = option(None, "JSON path (a markdown table is written beside it); null: print only")
+
+    def __post_init__(self):
+        check_config(self)
+        if max(self.widths) > max(self.compile.buckets) and "compiled" in self.backends:
+            raise UserError(f"widths: {max(self.widths)} exceeds the largest compiled bucket "
+                            f"{max(self.compile.buckets)}")
+
+
+def context_ids(prompt: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, T) prompt repeated/cut to `length` tokens (at least the prompt itself when length <= 0)."""
+    if length <= 0:
+        return prompt
+    reps = -(-length // prompt.shape[1])
+    return prompt.repeat(1, reps)[:, :length]
+
+
+def mt_bench_context(tokenizer, length: int) -> torch.Tensor:
+    first = load_source("mt-bench")[0]
+    return context_ids(torch.tensor([prompt_ids(tokenizer, first.messages)]), length)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward(target: TargetModel, cache, past: int, width: int, generator: torch.Generator) -> float:
+    """Seconds of one causal forward of `width` random tokens after `past` cached ones (cache restored)."""
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, width), generator=generator).to(target.device)
+    sync(target.device)
+    start = time.perf_counter()
+    target.forward(ids, cache)
+    sync(target.device)
+    seconds = time.perf_counter() - start
+    target.truncate(cache, past)
+    return seconds
+
+
+@torch.inference_mode()
+def measure_forward_latency(target: TargetModel, context: torch.Tensor, widths: list[int], repeats: int,
+                            warmup: int = 2, release: bool = False, seed: int = 0) -> dict[int, list[float]]:
+    """{width: [seconds, ...]} over the cache of `context` (1, T); see the module docstring."""
+    cache = target.new_cache(context.shape[1] + max(widths))
+    target.forward(context.to(target.device), cache)
+    past = target.cache_length(cache)
+    generator = torch.Generator().manual_seed(seed)
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    groups = [[w] for w in widths] if release else [list(widths)]  # interleaved unless graphs come and go
+    for group in groups:
+        target.prepare(tuple(group))
+        for rep in range(warmup + repeats):
+            for width in group:
+                seconds = time_forward(target, cache, past, width, generator)
+                if rep >= warmup:
+                    times[width].append(seconds)
+        if release:
+            target.release(tuple(group))
+            gc.collect()
+    return times
+
+
+def curve_summary(times: dict[int, list[float]]) -> dict:
+    medians = {w: statistics.median(t) for w, t in times.items()}
+    first = medians[min(medians)]
+    return {"ms": {w: 1000 * m for w, m in medians.items()}, "ratio": {w: m / first for w, m in medians.items()},
+            "all_s": times}
+
+
+def measure_curves(config: LatencyConfig, say) -> dict:
+    """{"<backend>/<dtype>": summary} for every backend and dtype of the config."""
+    curves = {}
+    for dtype in config.dtypes:
+        base = TargetModel.from_pretrained(config.target, dtype=dtype, device=config.device)
+        context = mt_bench_context(base.tokenizer, config.context_tokens)
+        for backend in config.backends:
+            target = base.with_backend(backend, config.compile)
+            start = time.perf_counter()
+            if not config.release:
+                target.prepare(tuple(config.widths))
+            say(f"[latency] {backend}/{dtype}: graphs ready in {time.perf_counter() - start:.1f} s; measuring "
+                f"widths {config.widths} over {context.shape[1]} cached tokens ...")
+            times = measure_forward_latency(target, context, config.widths, config.repeats, config.warmup,
+                                            config.release)
+            summary = curve_summary(times)
+            summary.update(target.engine.build_seconds())
+            curves[f"{backend}/{dtype}"] = summary
+            say("  " + "  ".join(f"T({w})={ms:.1f}ms" for w, ms in summary["ms"].items()))
+            target.release()
+        del base
+        gc.collect()
+    return curves
+
+
+def format_curves(document: dict) -> str:
+    widths = document["config"]["widths"]
+    lines = [f"Forward latency over {document['config']['context_tokens']} cached tokens, "
+             f"{document['machine']}, median of {document['config']['repeats']}.", "",
+             "| backend/dtype | T(1) ms | " + " | ".join(f"T({w})/T(1)" for w in widths[1:]) + " | compile s |",
+             "|---|---|" + "---|" * (len(widths) - 1) + "---|"]
+    for label, curve in document["curves"].items():
+        ratios = " | ".join(f"{curve['ratio'][w]:.2f}" for w in widths[1:])
+        lines.append(f"| {label} | {curve['ms'][widths[0]]:.1f} | {ratios} | {curve['compile_s']:.0f} |")
+    lines.append("")
+    lines.append("| backend/dtype | " + " | ".join(f"T({w}) ms" for w in widths) + " |")
+    lines.append("|---|" + "---|" * len(widths))
+    for label, curve in document["curves"].items():
+        lines.append(f"| {label} | " + " | ".join(f"{curve['ms'][w]:.1f}" for w in widths) + " |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(info: dict) -> str:
+    return f"{info['processor']}, {info['cpu_count']} cores, {info['torch_threads']} torch threads, torch {info['torch']}"
+
+
+def run_latency(config: LatencyConfig, progress: bool = True) -> dict:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+
+    def say(text: str) -> None:
+        if progress:
+            print(text, flush=True)
+
+    info = {"processor": cpu_model(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+            "device": config.device}
+    curves = measure_curves(config, say)
+    return {"format": "draftsmith.latency/1", "config": config_to_dict(config), "machine": machine_line(info),
+            "machine_info": info, "curves": curves}
+
+
+def main(argv: list[str]) -> dict:
+    parser = command_parser("python -m draftsmith.eval.latency", __doc__.split("\n\n")[0], LatencyConfig)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    config, flags = parse_command(parser, LatencyConfig, argv)
+    out = Path(config.output) if config.output else None
+    if out is not None and out.exists() and not flags.overwrite:
+        raise UserError(f"{out} exists: pass --overwrite to replace it, or set output=<another path>")
+    document = run_latency(config)
+    table = format_curves(document)
+    print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out, document)
+        atomic_write(out.with_suffix(".md"), lambda path: path.write_text(table + "\n"))
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+    return document
+
+
+if __name__ == "__main__":
+    exit_with(main)

@@ -1,0 +1,384 @@
+"""The `compiled` backend: the stock HF model (and the DGF drafter with the target's frozen embedding and
+LM head), compiled ahead of time once per input bucket, over a preallocated KV cache (gpt-fast's
+recipe, on the CPU).
+
+- Static shapes: the KV cache is preallocated to `capacity` slots (transformers' `StaticCache`
+  layers, re-pointed at tensors this engine owns); a forward of n new tokens is padded to the
+  smallest bucket >= n (1, 2, 4, 8, 16, 32, 64). Padded slots attend only to themselves and no real
+  slot attends to them, so they change nothing; prompts longer than the largest bucket are fed in
+  causal chunks.
+- One graph per bucket: `torch.export` of the model's forward (the cache tensors are inputs the
+  graph writes into), compiled by AOTInductor with the weights frozen into the graph, so inductor's
+  autotuned GEMM templates apply on the CPU (`max_autotune`); on CUDA the same packages run the
+  device kernels (`max_autotune` also autotunes them).
+- Cached on disk: each package is `$DRAFTSMITH_CACHE/compiled/<key>/bucket_<b>.pt2`, the key a hash
+  of the model (config, a sample of every weight), dtype, device type, capacity, autotuning and torch
+  version.
+  The first run compiles (minutes; `compile_s`, reported apart from decode time), later runs load
+  the packages in about a second each (`load_s`).
+- KV commit copies the accepted slots to the front of the uncommitted region inside the cache;
+  truncation only moves the committed length.
+- Memory: every package holds its own frozen copy of the weights (inductor packs them per graph), so
+  n buckets cost n copies; `release` drops a bucket's graph (how a 1.5B model is measured in 24 GB).
+- CUDA: the same packages hold device kernels; CUDA graphs are not captured (no GPU to test them on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import StaticCache
+
+from draftsmith.config import ConfigError, check_config, option
+from draftsmith.errors import UserError
+from draftsmith.models.dgf import DGFModel
+from draftsmith.models.engine import TargetOutput
+from draftsmith.models.zoo import draftsmith_cache
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_CAPACITY = 1024  # KV slots: prompt + new tokens + one tree must fit
+PACKAGE_VERSION = 1  # bump when StepModule's inputs or outputs change
+
+
+@dataclass
+class CompileSettings:
+    """How the compiled backend builds its graphs (all of it part of the package cache key)."""
+
+    buckets: list[int] = option(factory=lambda: list(BUCKETS), help="input sizes with a compiled graph (the "
+                                "largest also feeds prompts in chunks)", ge=1)
+    capacity: int = option(DEFAULT_CAPACITY, "KV-cache slots: prompt + new tokens + one padded tree", ge=2)
+    autotune: bool = option(True, "inductor max_autotune: GEMM templates benchmarked per shape (off: faster "
+                                  "builds, slower graphs)")
+
+    def __post_init__(self):
+        check_config(self)
+        self.buckets = sorted(set(self.buckets))
+        if not self.buckets:
+            raise ConfigError("buckets: give at least one input size")
+        if self.capacity <= self.buckets[-1]:
+            raise ConfigError(f"capacity: {self.capacity} must exceed the largest bucket {self.buckets[-1]}")
+
+
+class CompileUnavailable(UserError):
+    """The compiled backend cannot run here (no compiler, an unsupported model); use backend=eager."""
+
+
+class StepModule(nn.Module):
+    """One forward of the stock model over a StaticCache whose tensors are this module's inputs.
+
+    forward(input_ids (1, b), position_ids (1, b), mask (1, 1, b, capacity) additive, past () long,
+            *kv) -> (logits (1, b, V), hidden states (layers + 1, 1, b, H)); kv = every layer's keys,
+    then every layer's values, (1, kv_heads, capacity, head_dim) each, written at past .. past + b - 1.
+    """
+
+    def __init__(self, model: nn.Module, cache: StaticCache):
+        super().__init__()
+        self.model = model
+        self.cache = cache
+
+    def forward(self, input_ids, position_ids, mask, past, *kv):
+        point_cache(self.cache, past, kv)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                         past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        return out.logits, torch.stack(out.hidden_states)
+
+
+class DGFStepModule(nn.Module):
+    """One forward of a DGF drafter (fusion, blocks, the target's LM head) over a StaticCache.
+
+    forward(features (1, b, H), input_ids (1, b), position_ids (1, b), mask (1, 1, b, capacity), past,
+            *kv) -> (predicted features (1, b, H), logits (1, b, V)). The target's embedding and LM head
+    are registered here (not in the DGFModel), so they are frozen into the graph with the drafter.
+    """
+
+    def __init__(self, model: DGFModel, cache: StaticCache):
+        super().__init__()
+        model._need_target()
+        self.model, self.cache = model, cache
+        self.embedding, self.head = model._embed, model._lm_head
+
+    def forward(self, features, input_ids, position_ids, mask, past, *kv):
+        point_cache(self.cache, past, kv)
+        hidden = self.model.fusion(features, self.embedding(input_ids).to(features.dtype))
+        position_embeddings = self.model.rotary_emb(hidden, position_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=self.cache,
+                           use_cache=True, position_embeddings=position_embeddings)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        return hidden, self.head(hidden.to(self.head.weight.dtype))
+
+
+def point_cache(cache: StaticCache, past: torch.Tensor, kv: tuple) -> None:
+    """Re-point a StaticCache's layers at the kv input tensors, writing from slot `past` on."""
+    layers = cache.layers
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = kv[i], kv[len(layers) + i]
+        layer.cumulative_length = past.clone()  # StaticLayer writes at its cumulative length
+
+
+@dataclass
+class StaticKV:
+    """A request's view of the engine's preallocated cache: `length` committed slots."""
+
+    tensors: list[torch.Tensor]
+    length: int = 0
+
+
+def model_fingerprint(model: nn.Module, config: dict) -> str:
+    """sha256 of a config and, per weight, its name, shape, dtype, sum and a strided sample."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
+            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}{float(flat.float().sum()):.6e}".encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
+        if bucket >= n:
+            return bucket
+    raise UserError(f"a forward of {n} tokens exceeds the largest bucket {buckets[-1]}")
+
+
+def static_cache(config, capacity: int, initialise) -> tuple[StaticCache, list[torch.Tensor]]:
+    """A StaticCache of `capacity` slots, its layers initialised by one forward `initialise(cache)`;
+    returns it with its tensors (every layer's keys, then every layer's values)."""
+    cache = StaticCache(config=config, max_cache_len=capacity)
+    with torch.no_grad():
+        initialise(cache)
+    return cache, [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
+
+
+class BucketGraphs:
+    """One AOTInductor package per bucket of a step module whose last inputs are the KV tensors; built
+    once per machine (cached on disk), loaded per process. The static-cache bookkeeping (commit,
+    truncate, masks) is shared by the engines below."""
+
+    name = "compiled"
+
+    def __init__(self, step: nn.Module, kv: list[torch.Tensor], fingerprint: str, settings: CompileSettings,
+                 dtype: torch.dtype, device: torch.device, what: str, cache_dir: str | Path | None = None):
+        self.step, self.kv, self.settings, self.what = step, kv, settings, what
+        self.capacity, self.buckets, self.autotune = settings.capacity, tuple(settings.buckets), settings.autotune
+        self.dtype, self.device = dtype, device
+        key = hashlib.sha256(f"{fingerprint}|{dtype}|{device.type}|{self.capacity}|{torch.__version__}|"
+                             f"{PACKAGE_VERSION}|{self.autotune}".encode()).hexdigest()[:24]
+        self.directory = Path(cache_dir or draftsmith_cache() / "compiled") / key
+        self.runners: dict[int, object] = {}
+        self.compile_s: dict[int, float] = {}  # seconds spent compiling each bucket in this process
+        self.load_s: dict[int, float] = {}  # seconds spent loading a cached package
+
+    # -- compiling -----------------------------------------------------------------------------
+
+    def example(self, bucket: int) -> tuple:
+        """Inputs of one forward of `bucket` tokens (the step module's signature)."""
+        raise NotImplementedError
+
+    def _compile(self, bucket: int, path: Path) -> None:
+        try:
+            from torch._inductor import aoti_compile_and_package
+        except ImportError as err:
+            raise CompileUnavailable(f"torch {torch.__version__} has no AOTInductor: use backend=eager") from err
+        with torch.no_grad():
+            program = torch.export.export(self.step, self.example(bucket), strict=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".tmp_{os.getpid()}_{path.stem}.pt2")  # AOTInductor wants the .pt2 ending
+            aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={
+                "freezing": True, "max_autotune": self.autotune, "autotune_num_choices_displayed": 0,
+                "max_autotune_report_choices_stats": False})
+            tmp.replace(path)
+
+    def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Compile (first run) or load (later runs) the packages of the buckets that forwards of `sizes`
+        tokens use (default: every bucket)."""
+        from torch._inductor import aoti_load_package
+
+        for bucket in self._buckets_of(sizes):
+            if bucket in self.runners:
+                continue
+            path = self.directory / f"bucket_{bucket}.pt2"
+            if not path.is_file():
+                start = time.perf_counter()
+                log.info("compiling bucket %d of %s (once; cached in %s)", bucket, self.what, self.directory)
+                self._compile(bucket, path)
+                self.compile_s[bucket] = time.perf_counter() - start
+            start = time.perf_counter()
+            self.runners[bucket] = aoti_load_package(str(path))
+            self.load_s[bucket] = time.perf_counter() - start
+
+    def release(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Drop the loaded packages of these sizes' buckets (default: all): each holds its own frozen copy
+        of the weights, so a big model measures one bucket at a time."""
+        for bucket in self._buckets_of(sizes):
+            self.runners.pop(bucket, None)
+
+    def build_seconds(self) -> dict[str, float]:
+        """Seconds spent compiling and loading packages in this process."""
+        return {"compile_s": sum(self.compile_s.values()), "load_s": sum(self.load_s.values())}
+
+    def _buckets_of(self, sizes: tuple[int, ...] | None) -> list[int]:
+        if sizes is None:
+            return list(self.buckets)
+        return sorted({bucket_for(min(size, self.buckets[-1]), self.buckets) for size in sizes})
+
+    # -- the static cache ----------------------------------------------------------------------
+
+    def new_cache(self, max_length: int | None = None) -> StaticKV:
+        """A fresh preallocated cache (its own tensors: two requests, e.g. a drafter and its target, never
+        share one)."""
+        if max_length is not None and max_length + self.buckets[-1] > self.capacity:
+            raise UserError(f"this request needs up to {max_length} KV slots (+ one padded bucket); the compiled "
+                            f"engine holds {self.capacity}: raise its capacity or shorten the request")
+        return StaticKV([torch.zeros_like(tensor) for tensor in self.kv], 0)
+
+    def cache_length(self, cache: StaticKV) -> int:
+        return cache.length
+
+    def truncate(self, cache: StaticKV, length: int) -> None:
+        cache.length = min(cache.length, length)
+
+    def commit(self, cache: StaticKV, keep: torch.Tensor) -> None:
+        """Keep the slots `keep` (increasing; the committed prefix first): the others move to the front
+        of the uncommitted region, inside the cache."""
+        kept = keep.numel()
+        past = int((keep == torch.arange(kept, device=keep.device)).long().cumprod(0).sum())  # untouched prefix
+        if past < kept:
+            moved = keep[past:].to(self.device)
+            for tensor in cache.tensors:
+                tensor[:, :, past:kept] = tensor.index_select(2, moved)
+        cache.length = kept
+
+    def static_mask(self, allowed: torch.Tensor | None, past: int, n: int, bucket: int) -> torch.Tensor:
+        """(1, 1, bucket, capacity) additive mask: real rows from `allowed` (None: causal), padded rows
+        attend to their own slot only."""
+        mask = torch.zeros(bucket, self.capacity, dtype=torch.bool, device=self.device)
+        if allowed is None:
+            mask[:n, :past + n] = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
+        else:
+            mask[:n, :past + n] = allowed.reshape(n, past + n)
+        pad = torch.arange(n, bucket, device=self.device)
+        mask[pad, past + pad] = True
+        out = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+        return out.masked_fill_(~mask, torch.finfo(self.dtype).min)[None, None]
+
+    def padded(self, cache: StaticKV, n: int, position_ids: torch.Tensor | None,
+               allowed: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(bucket, positions (1, bucket), mask) of a forward of n tokens; the bucket's graph is loaded."""
+        past, bucket = cache.length, bucket_for(n, self.buckets)
+        if past + bucket > self.capacity:
+            raise UserError(f"the compiled engine's KV cache ({self.capacity} slots) is full")
+        if bucket not in self.runners:
+            self.prepare((bucket,))
+        positions = torch.arange(past, past + bucket, device=self.device)[None]
+        if position_ids is not None:
+            positions[:, :n] = position_ids
+        return bucket, positions, self.static_mask(allowed, past, n, bucket)
+
+    def check_chunkable(self, n: int, position_ids, allowed) -> None:
+        if allowed is not None or position_ids is not None:
+            raise UserError(f"a masked forward of {n} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+
+class CompiledEngine(BucketGraphs):
+    """The target's static-shape forwards (see the module docstring); one request at a time per cache."""
+
+    def __init__(self, model: nn.Module, settings: CompileSettings | None = None,
+                 cache_dir: str | Path | None = None):
+        settings = settings or CompileSettings()
+        self.model = model.eval()
+        device = model.device
+        cache, kv = static_cache(model.config, settings.capacity, lambda c: model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=c, use_cache=True))
+        super().__init__(StepModule(model, cache), kv, model_fingerprint(model, model.config.to_dict()), settings,
+                         model.dtype, device, model.config.model_type, cache_dir)
+
+    def example(self, bucket: int) -> tuple:
+        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        positions = torch.arange(bucket, device=self.device)[None]
+        mask = self.static_mask(None, 0, bucket, bucket)
+        return (ids, positions, mask, torch.tensor(0, device=self.device), *self.new_cache().tensors)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: StaticKV, position_ids: torch.Tensor | None = None,
+                allowed: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        n = input_ids.shape[1]
+        if n > self.buckets[-1]:
+            self.check_chunkable(n, position_ids, allowed)
+            return self._chunked(input_ids, cache, hidden_layers)
+        past = cache.length
+        bucket, positions, mask = self.padded(cache, n, position_ids, allowed)
+        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        ids[:, :n] = input_ids
+        logits, hidden = self.runners[bucket](ids, positions, mask, torch.tensor(past, device=self.device),
+                                              *cache.tensors)
+        cache.length = past + n
+        return TargetOutput(logits=logits[:, :n].float(), hidden={k: hidden[k][:, :n] for k in hidden_layers})
+
+    def _chunked(self, input_ids: torch.Tensor, cache: StaticKV, hidden_layers: tuple[int, ...]) -> TargetOutput:
+        """A long causal forward (a prompt) in chunks of the largest bucket."""
+        outs = [self.forward(input_ids[:, start:start + self.buckets[-1]], cache, hidden_layers=hidden_layers)
+                for start in range(0, input_ids.shape[1], self.buckets[-1])]
+        return TargetOutput(logits=torch.cat([o.logits for o in outs], 1),
+                            hidden={k: torch.cat([o.hidden[k] for o in outs], 1) for k in hidden_layers})
+
+
+class CompiledDGFEngine(BucketGraphs):
+    """The DGF drafter's static-shape forwards (the interface of models.dgf.EagerDGFEngine)."""
+
+    def __init__(self, model: DGFModel, settings: CompileSettings | None = None,
+                 cache_dir: str | Path | None = None):
+        settings = settings or CompileSettings()
+        self.model = model.eval()
+        device, dtype, hidden = model.device, model.dtype, model.config.hidden_size
+        cache, kv = static_cache(model.block_config, settings.capacity, lambda c: model(
+            torch.zeros(1, 1, hidden, dtype=dtype, device=device), torch.zeros(1, 1, dtype=torch.long, device=device),
+            cache=c))
+        step = DGFStepModule(model, cache)
+        fingerprint = model_fingerprint(step, model.config.to_dict())  # the drafter and the target's parts
+        super().__init__(step, kv, fingerprint, settings, dtype, device, f"dgf drafter ({model.config.fusion})",
+                         cache_dir)
+
+    def example(self, bucket: int) -> tuple:
+        features = torch.zeros(1, bucket, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        positions = torch.arange(bucket, device=self.device)[None]
+        mask = self.static_mask(None, 0, bucket, bucket)
+        return (features, ids, positions, mask, torch.tensor(0, device=self.device), *self.new_cache().tensors)
+
+    @torch.inference_mode()
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, cache: StaticKV,
+                position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted features (1, n, H), float32 logits (1, n or 1, V)), as EagerDGFEngine.forward."""
+        n = input_ids.shape[1]
+        if n > self.buckets[-1]:
+            self.check_chunkable(n, position_ids, allowed)
+            parts = [self.forward(features[:, s:s + self.buckets[-1]], input_ids[:, s:s + self.buckets[-1]], cache,
+                                  last_only=last_only) for s in range(0, n, self.buckets[-1])]
+            logits = parts[-1][1] if last_only else torch.cat([p[1] for p in parts], 1)
+            return torch.cat([p[0] for p in parts], 1), logits
+        past = cache.length
+        bucket, positions, mask = self.padded(cache, n, position_ids, allowed)
+        padded_features = torch.zeros(1, bucket, features.shape[-1], dtype=self.dtype, device=self.device)
+        padded_features[:, :n] = features
+        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        ids[:, :n] = input_ids
+        hidden, logits = self.runners[bucket](padded_features, ids, positions, mask,
+                                              torch.tensor(past, device=self.device), *cache.tensors)
+        cache.length = past + n
+        logits = logits[:, n - 1:n] if last_only else logits[:, :n]
+        return hidden[:, :n], logits.float()

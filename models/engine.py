@@ -1,0 +1,98 @@
+"""How a model runs its forwards: the eager engine (a growing DynamicCache) and what every engine returns.
+
+An engine drives one stock HF causal LM: `new_cache`, `forward(input_ids, cache, position_ids,
+allowed, hidden_layers) -> TargetOutput`, `commit(cache, keep)` (keep only some slots: the
+accepted path), `truncate(cache, length)` and `cache_length(cache)`. Tree verification is one
+ordinary forward with an additive 4D mask (transformers passes a 4D mask through unchanged) and
+explicit position ids (siblings share a position). `models.compiled.CompiledEngine` is the static-
+shape, compiled engine with the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (B, n, V) float32
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> (B, n, H)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool (…, q, k) 'may attend' -> additive float mask: 0 allowed, dtype-min forbidden."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Shrink the cache to its first `length` slots (a negative crop argument removes slots in
+    both transformers 4.x and 5.x; positive arguments changed meaning between them)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def commit_kv(cache: DynamicCache, keep: torch.Tensor) -> None:
+    """Keep only the cache slots `keep` (1D, increasing) along the sequence axis, in place.
+
+    After a tree forward the cache holds past + tree slots; `keep` = the prefix plus the accepted
+    path. Contiguous prefixes are cropped (no copy); anything else is gathered.
+    """
+    kept = keep.numel()
+    contiguous = kept == 0 or (int(keep[-1]) == kept - 1)  # increasing, so 0..kept-1 exactly
+    if contiguous:
+        crop_cache(cache, kept)
+        return
+    for layer in cache.layers:
+        if not hasattr(layer, "keys") or type(layer).__name__ != "DynamicLayer":
+            raise NotImplementedError(f"commit_kv supports full-attention DynamicLayer caches, got {type(layer).__name__}")
+        index = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)  # (B, kv_heads, kept, head_dim)
+        layer.values = layer.values.index_select(-2, index)
+
+
+class EagerEngine:
+    """Eager PyTorch forwards over a DynamicCache that grows by each forward's tokens."""
+
+    name = "eager"
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Nothing to build ahead of time (a compiled engine builds or loads its graphs here)."""
+
+    def release(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Nothing to free."""
+
+    def build_seconds(self) -> dict[str, float]:
+        """Seconds spent compiling and loading graphs in this process (none here)."""
+        return {"compile_s": 0.0, "load_s": 0.0}
+
+    def new_cache(self, max_length: int | None = None) -> DynamicCache:
+        """An empty KV cache (`max_length` is what static engines preallocate; a DynamicCache grows)."""
+        return DynamicCache(config=self.model.config)
+
+    def cache_length(self, cache: DynamicCache) -> int:
+        return cache.get_seq_length()
+
+    def commit(self, cache: DynamicCache, keep: torch.Tensor) -> None:
+        commit_kv(cache, keep)
+
+    def truncate(self, cache: DynamicCache, length: int) -> None:
+        crop_cache(cache, length)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
+                position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+                hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        mask = None if allowed is None else additive_mask(allowed, self.model.dtype)
+        out = self.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
+                         attention_mask=mask, use_cache=cache is not None,
+                         output_hidden_states=bool(hidden_layers))
+        hidden = {layer: out.hidden_states[layer] for layer in hidden_layers}
+        return TargetOutput(logits=out.logits.float(), hidden=hidden)

@@ -1,0 +1,160 @@
+"""The compiled backend on tiny models: static-cache forwards and KV commit equal the eager engine's,
+every drafter on the compiled path reproduces compiled plain greedy token for token, speculative
+sampling keeps the target's distribution, packages are cached on disk. (Real models: test_real_models.py,
+`slow`.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.dgf import DGFDrafter
+from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
+from draftsmith.models.compiled import CompiledDGFEngine, CompiledEngine, CompileSettings, bucket_for
+from draftsmith.models.dgf import DGFConfig, DGFModel
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.target import TargetModel
+
+ONE = CompileSettings(buckets=[1], capacity=64, autotune=False)
+FAST = CompileSettings(buckets=[1, 8], capacity=128, autotune=False)
+
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    """(eager target, compiled target, compiled draft) of tiny Llamas; packages built once per machine
+    (without GEMM autotuning, which only changes speed: the autotuned build is covered by the slow tests)."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", seed=3, num_layers=2)
+    eager = TargetModel(model, tokenizer=None)
+    compiled = TargetModel(model, None, engine=CompiledEngine(model, FAST))
+    small = tiny_model("llama", seed=4, num_layers=1)
+    draft = TargetModel(small, None, engine=CompiledEngine(small, FAST))
+    compiled.engine.prepare()
+    draft.engine.prepare()
+    return eager, compiled, draft
+
+
+def test_compiled_bucket_choice():
+    assert [bucket_for(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with pytest.raises(ValueError, match="largest bucket"):
+        bucket_for(9, (1, 2, 4, 8))
+
+
+def test_compiled_forward_and_commit_match_eager(compiled_pair):
+    eager, compiled, _ = compiled_pair
+    prompt = torch.randint(0, 96, (1, 19), generator=torch.Generator().manual_seed(1))
+    caches = [eager.new_cache(), compiled.new_cache(64)]
+    outs = [lm.forward(prompt, cache, hidden_layers=(-1,)) for lm, cache in zip((eager, compiled), caches)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)  # chunked prefill (8 + 8 + 3)
+    torch.testing.assert_close(outs[1].hidden[-1], outs[0].hidden[-1], atol=1e-4, rtol=1e-4)
+    tree = DraftTree.from_parents(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 0, 2]))
+    past = prompt.shape[1]
+    allowed, positions = tree_attention_mask(tree.parents, past), tree_position_ids(tree.depths, past)
+    ids = torch.tensor([[4, 5, 6, 7, 8, 9]])
+    outs = [lm.forward(ids, cache, positions, allowed) for lm, cache in zip((eager, compiled), caches)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)  # a tree in bucket 8
+    keep = torch.cat([torch.arange(past), past + torch.tensor([0, 1, 3, 5])])  # root, node 0, node 2, node 4
+    for lm, cache in zip((eager, compiled), caches):
+        lm.commit(cache, keep)
+        assert lm.cache_length(cache) == past + 4
+    nxt = torch.tensor([[11, 12]])
+    outs = [lm.forward(nxt, cache) for lm, cache in zip((eager, compiled), caches)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)  # the committed path is right
+
+
+def _drafters(compiled, draft):
+    torch.manual_seed(7)
+    heads = MedusaHeads(MedusaConfig(48, 96, num_heads=3))
+    heads.init_lm_heads(compiled.model.lm_head.weight)
+    return {"lm-chain": LMDrafter(draft, mode="chain", budget=3),
+            "lm-tree": LMDrafter(draft, mode="tree", depth=2, topk=2, budget=6),
+            "ngram": NgramDrafter(max_ngram=2, budget=4, num_branches=2), "medusa": MedusaDrafter(heads, paths=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_compiled_greedy_equals_compiled_plain(compiled_pair, seed):
+    eager, compiled, draft = compiled_pair
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 96, (5,), generator=gen)
+    prompt = torch.cat([base, base, torch.randint(0, 96, (3,), generator=gen)])[None]
+    config = DecodeConfig(max_new_tokens=20, budget_limit=7)
+    plain = SpeculativeDecoder(compiled, None, config).generate(prompt).tokens
+    hf = eager.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
+                              do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert plain == hf  # tiny fp32 model: no near-ties, the compiled plain run equals HF eager greedy
+    for name, drafter in _drafters(compiled, draft).items():
+        result = SpeculativeDecoder(compiled, drafter, config).generate(prompt)
+        assert result.tokens == plain, name
+        assert result.stats.verify_forwards >= 1
+
+
+def test_compiled_sampling_matches_target_distribution(compiled_pair):
+    from scipy.stats import chisquare
+
+    _, compiled, draft = compiled_pair
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    logp = compiled_pair[0].model(prompt).logits[0, -1].float().log_softmax(-1)  # the first token's distribution
+    probs = logp.exp()
+    top = probs.topk(4).indices.tolist()
+    counts = {t: 0 for t in top + [-1]}
+    samples = 400
+    drafter = LMDrafter(draft, mode="chain", budget=2)
+    for seed in range(samples):
+        config = DecodeConfig(max_new_tokens=2, temperature=1.0, seed=seed, budget_limit=7)
+        token = SpeculativeDecoder(compiled, drafter, config).generate(prompt).tokens[1]  # drawn by verification
+        counts[token if token in counts else -1] += 1
+    # the second token's distribution depends on the first; compare against the exact marginal
+    expected = _second_token_marginal(compiled_pair[0].model, prompt, top)
+    observed = [counts[t] for t in top + [-1]]
+    assert chisquare(observed, [e * samples for e in expected]).pvalue > 1e-3
+
+
+def _second_token_marginal(model, prompt, tokens: list[int]) -> list[float]:
+    """P(second new token = t) for t in tokens (+ the rest), summing over the first token."""
+    with torch.no_grad():
+        first = model(prompt).logits[0, -1].float().softmax(-1)  # (V,)
+        rows = torch.cat([prompt.expand(first.numel(), -1), torch.arange(first.numel())[:, None]], 1)
+        second = model(rows).logits[:, -1].float().softmax(-1)  # (V, V)
+        marginal = first @ second
+    picked = [float(marginal[t]) for t in tokens]
+    return picked + [max(0.0, 1.0 - sum(picked))]
+
+
+def test_compiled_packages_are_cached_on_disk(tmp_path):
+    model = tiny_model("qwen2", seed=9, num_layers=1)
+    first = CompiledEngine(model, ONE, cache_dir=tmp_path)
+    first.prepare()
+    assert set(first.compile_s) == {1} and (first.directory / "bucket_1.pt2").is_file()
+    second = CompiledEngine(model, ONE, cache_dir=tmp_path)
+    second.prepare()
+    assert second.compile_s == {} and second.load_s[1] < 30  # loaded, not compiled again
+    other = CompiledEngine(tiny_model("qwen2", seed=10, num_layers=1), ONE, cache_dir=tmp_path)
+    assert other.directory != first.directory  # other weights, other packages
+
+
+def test_compiled_dgf_drafter_matches_eager_and_is_lossless(compiled_pair):
+    eager, compiled, _ = compiled_pair
+    torch.manual_seed(11)
+    dgf = DGFModel(DGFConfig.for_target(eager.model.config, num_blocks=2)).attach_target(eager.model).eval()
+    engine = CompiledDGFEngine(dgf, FAST)
+    engine.prepare()
+    context = torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        features = eager.model(context[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+    trees = []
+    for drafter in (DGFDrafter(dgf, depth=3, topk=3, budget=7), DGFDrafter(dgf, depth=3, topk=3, budget=7,
+                                                                          engine=engine)):
+        drafter.begin(context)
+        drafter.observe(context[:-1], {-1: features})
+        trees.append(drafter.propose(int(context[-1]), context, None, None))
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+    prompt = context[None, :9]
+    config = DecodeConfig(max_new_tokens=20, budget_limit=7)
+    plain = SpeculativeDecoder(compiled, None, config).generate(prompt).tokens
+    drafter = DGFDrafter(dgf, depth=3, topk=3, budget=7, engine=engine)
+    assert SpeculativeDecoder(compiled, drafter, config).generate(prompt).tokens == plain
