@@ -259,8 +259,9 @@ def first_difference(target: TargetModel, input_ids: torch.Tensor, hf: list[int]
     position = next(i for i, (a, b) in enumerate(zip(hf + [-1], compiled + [-1])) if a != b)
     prefix = torch.cat([input_ids[0], torch.tensor(hf[:position], dtype=torch.long)])[None].to(target.device)
     logits = target.model(input_ids=prefix).logits[0, -1].float()
-    hf_token, compiled_token = hf[position], compiled[position] if position < len(compiled) else None
-    margin = float(logits[hf_token] - logits[compiled_token]) if compiled_token is not None else None
+    hf_token = hf[position] if position < len(hf) else None
+    compiled_token = compiled[position] if position < len(compiled) else None
+    margin = None if None in (hf_token, compiled_token) else float(logits[hf_token] - logits[compiled_token])
     return {"position": position, "hf_token": hf_token, "compiled_token": compiled_token, "eager_logit_margin": margin}
 
 

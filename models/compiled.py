@@ -59,6 +59,7 @@ class CompileSettings:
     capacity: int = option(DEFAULT_CAPACITY, "KV-cache slots: prompt + new tokens + one padded tree", ge=2)
     autotune: bool = option(True, "inductor max_autotune: GEMM templates benchmarked per shape (off: faster "
                                   "builds, slower graphs)")
+    kernel_profile: bool = option(False, "record every generated kernel in torch.profiler (analysis builds only)")
 
     def __post_init__(self):
         check_config(self)
@@ -175,8 +176,10 @@ class BucketGraphs:
         self.step, self.kv, self.settings, self.what = step, kv, settings, what
         self.capacity, self.buckets, self.autotune = settings.capacity, tuple(settings.buckets), settings.autotune
         self.dtype, self.device = dtype, device
-        key = hashlib.sha256(f"{fingerprint}|{dtype}|{device.type}|{self.capacity}|{torch.__version__}|"
-                             f"{PACKAGE_VERSION}|{self.autotune}".encode()).hexdigest()[:24]
+        text = f"{fingerprint}|{dtype}|{device.type}|{self.capacity}|{torch.__version__}|{PACKAGE_VERSION}|{self.autotune}"
+        if settings.kernel_profile:
+            text += "|kernel_profile"
+        key = hashlib.sha256(text.encode()).hexdigest()[:24]
         self.directory = Path(cache_dir or draftsmith_cache() / "compiled") / key
         self.runners: dict[int, object] = {}
         self.compile_s: dict[int, float] = {}  # seconds spent compiling each bucket in this process
@@ -199,7 +202,7 @@ class BucketGraphs:
             tmp = path.with_name(f".tmp_{os.getpid()}_{path.stem}.pt2")  # AOTInductor wants the .pt2 ending
             aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={
                 "freezing": True, "max_autotune": self.autotune, "autotune_num_choices_displayed": 0,
-                "max_autotune_report_choices_stats": False})
+                "max_autotune_report_choices_stats": False, "cpp.enable_kernel_profile": self.settings.kernel_profile})
             tmp.replace(path)
 
     def prepare(self, sizes: tuple[int, ...] | None = None) -> None:

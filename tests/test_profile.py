@@ -7,7 +7,7 @@ import torch
 
 from conftest import build_spec, tiny_model, tiny_target_for
 from draftsmith.eval.arca import RankRecorder, load_profile, refine_paths, replay_tau, save_profile
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decoder import DecodeConfig
 from draftsmith.eval.drafters.base import Drafter
 from draftsmith.eval.hcmp import HcmpPolicy
 from draftsmith.eval.methods import BuildContext, build_method, parse_method

@@ -6,11 +6,13 @@ CI fetches SmolLM2 before the tests (`python scripts/fetch_models.py`); the Qwen
 import pytest
 import torch
 
+from draftsmith.eval.bench import first_difference
 from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.drafters.medusa import MedusaDrafter
 from draftsmith.eval.drafters.ngram import NgramDrafter
 from draftsmith.models import zoo
+from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import TargetModel, check_same_tokenizer
@@ -135,3 +137,63 @@ def test_qwen_coder_pair_greedy_equivalence():
             result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(ids)
             assert result.tokens == expected
             assert result.stats.tau > 1.0
+
+
+NEAR_TIE = 1e-3  # eager logit margin below which float32 kernels may round an argmax either way
+
+
+def compiled_differences_are_near_ties(target: TargetModel, compiled: TargetModel, ids, new_tokens: int) -> list:
+    """Compiled plain greedy vs HF eager greedy; every difference must be a near-tie (returns them)."""
+    eager = greedy_reference(target.model, ids, new_tokens)
+    plain = SpeculativeDecoder(compiled, None, DecodeConfig(max_new_tokens=new_tokens)).generate(ids).tokens
+    if plain == eager:
+        return []
+    difference = first_difference(target, ids, eager, plain)
+    assert difference["eager_logit_margin"] is not None and abs(difference["eager_logit_margin"]) < NEAR_TIE, difference
+    return [difference]
+
+
+@pytest.mark.slow
+def test_smollm2_compiled_greedy_equivalence(smol):
+    """The compiled backend (default buckets, autotuned; packages cached after the first run): every
+    drafter on the compiled path reproduces compiled plain greedy; compiled plain equals HF eager
+    greedy up to near-ties."""
+    compiled = smol.with_backend("compiled")
+    student = TargetModel(layer_subset_student(smol.model, every_nth_layer(smol.num_layers, 2)), smol.tokenizer)
+    student = student.with_backend("compiled")
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(smol.config.hidden_size, smol.config.vocab_size, num_heads=4))
+    heads.init_lm_heads(smol.model.lm_head.weight)
+    drafters = {"chain-truncated": LMDrafter(student, mode="chain", budget=4),
+                "tree-truncated": LMDrafter(student, mode="tree", depth=3, topk=3, budget=12),
+                "tree-self": LMDrafter(compiled, mode="tree", depth=3, topk=2, budget=8),
+                "ngram": NgramDrafter(num_branches=2), "medusa-untrained": MedusaDrafter(heads)}
+    for prompt in PROMPTS:
+        ids = chat_ids(smol.tokenizer, prompt)
+        compiled_differences_are_near_ties(smol, compiled, ids, 24)
+        plain = SpeculativeDecoder(compiled, None, DecodeConfig(max_new_tokens=24)).generate(ids).tokens
+        for name, drafter in drafters.items():
+            result = SpeculativeDecoder(compiled, drafter, DecodeConfig(max_new_tokens=24)).generate(ids)
+            assert result.tokens == plain, f"{name} diverged from compiled plain greedy on {prompt[:30]!r}"
+
+
+@pytest.mark.slow
+def test_qwen_coder_pair_compiled_greedy_equivalence():
+    """Qwen2.5-Coder-1.5B target with the 0.5B draft, both compiled (buckets 1 and 16 only: every bucket
+    holds a frozen float32 weight copy, 6 GB for the 1.5B), chain and tree drafts == compiled plain."""
+    for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"):
+        need(name)
+    settings = CompileSettings(buckets=[1, 16], capacity=512)
+    target = TargetModel.from_pretrained("qwen2.5-coder-1.5b-instruct", dtype="float32")
+    compiled = target.with_backend("compiled", settings)
+    draft = TargetModel.from_pretrained("qwen2.5-coder-0.5b-instruct", dtype="float32").with_backend(
+        "compiled", settings)
+    config = DecodeConfig(max_new_tokens=24, budget_limit=15)
+    for prompt in PROMPTS:
+        ids = chat_ids(target.tokenizer, prompt)
+        compiled_differences_are_near_ties(target, compiled, ids, 24)
+        plain = SpeculativeDecoder(compiled, None, config).generate(ids).tokens
+        for drafter in (LMDrafter(draft, mode="chain", budget=4), LMDrafter(draft, mode="tree", depth=4, topk=2,
+                                                                            budget=10)):
+            result = SpeculativeDecoder(compiled, drafter, config).generate(ids)
+            assert result.tokens == plain and result.stats.tau > 1.0

@@ -1,0 +1,152 @@
+"""Where one verification forward spends its time: GEMMs (the LM head apart), attention, other kernels
+(norms, rotary, elementwise, copies) and Python/dispatch, eager vs compiled.
+
+    python -m draftsmith.eval.forward_profile target=qwen2.5-coder-1.5b-instruct width=8 \\
+        output=results/latency/forward_profile_qwen1.5b.json
+
+One causal forward of `width` new tokens over a `context_tokens` cache (as eval.latency), run under
+torch.profiler `repeats` times. Eager: every aten op's self time, classified by name (mm/addmm/linear:
+GEMM; an operand with the vocabulary's size: LM head; scaled_dot_product*: attention). Compiled: the
+package is built with inductor's kernel profiling (every generated kernel is a profiler event;
+`gemm_*` templates and `linear_pointwise`/`mm` calls are GEMMs, `n<vocab>` names the LM head).
+Python/dispatch = the forward's wall time minus the ops' self time (2 threads: self time is wall
+time on the calling thread). Writes JSON and a markdown table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
+from draftsmith.errors import UserError, exit_with
+from draftsmith.eval.latency import cpu_model, mt_bench_context, sync
+from draftsmith.fileio import atomic_write, atomic_write_json
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.target import TargetModel
+
+CATEGORIES = ("gemm", "lm_head", "attention", "other_kernels", "python_dispatch")
+
+
+@dataclass
+class ForwardProfileConfig:
+    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
+    backends: list[Literal["eager", "compiled"]] = option(factory=lambda: ["eager", "compiled"], help="engines")
+    dtype: str = option("float32", "dtype of the target")
+    width: int = option(8, "new tokens in the profiled forward", ge=1, le=64)
+    context_tokens: int = option(256, "KV-cache length the forward attends over", ge=1)
+    repeats: int = option(5, "profiled forwards (after 2 warm-up ones)", ge=1)
+    threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
+    capacity: int = option(1024, "compiled: KV-cache slots", ge=2)
+    output: str | None = option(None, "JSON path (a markdown table is written beside it); null: print only")
+
+    def __post_init__(self):
+        check_config(self)
+
+
+def classify(name: str, shapes: list, vocab: int) -> str:
+    """The category of one profiler event (an aten op or a generated kernel)."""
+    lowered = name.lower()
+    if "scaled_dot_product" in lowered or "attention" in lowered:
+        return "attention"
+    gemm = any(key in lowered for key in ("gemm", "linear", "aten::mm", "aten::addmm", "aten::bmm", "_mm"))
+    if not gemm:
+        return "other_kernels"
+    dims = [d for shape in shapes if isinstance(shape, (list, tuple)) for d in shape]
+    return "lm_head" if vocab in dims or f"n{vocab}" in lowered else "gemm"
+
+
+def profiled_forward(target: TargetModel, cache, past: int, width: int, vocab: int) -> dict[str, float]:
+    """Seconds per category of one forward (its cache restored afterwards)."""
+    ids = torch.randint(0, vocab, (1, width)).to(target.device)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        sync(target.device)
+        start = time.perf_counter()
+        target.forward(ids, cache)
+        sync(target.device)
+        wall = time.perf_counter() - start
+    target.truncate(cache, past)
+    seconds = {category: 0.0 for category in CATEGORIES}
+    for event in prof.events():
+        if event.self_cpu_time_total > 0:
+            seconds[classify(event.name, event.input_shapes, vocab)] += event.self_cpu_time_total / 1e6
+    seconds["python_dispatch"] = max(0.0, wall - sum(seconds.values()))
+    seconds["wall"] = wall
+    return seconds
+
+
+@torch.inference_mode()
+def profile_backend(config: ForwardProfileConfig, base: TargetModel, backend: str) -> dict:
+    settings = CompileSettings(buckets=[config.width], capacity=config.capacity, kernel_profile=True)
+    target = base.with_backend(backend, settings)
+    target.prepare((config.width,))
+    context = mt_bench_context(base.tokenizer, config.context_tokens)
+    cache = target.new_cache(context.shape[1] + config.width)
+    target.forward(context.to(target.device), cache)
+    past, vocab = target.cache_length(cache), base.model.get_output_embeddings().weight.shape[0]
+    runs = [profiled_forward(target, cache, past, config.width, vocab) for _ in range(2 + config.repeats)][2:]
+    untimed = untimed_forward(target, cache, past, config.width, vocab)
+    target.release()
+    medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    return {"ms": {key: 1000 * value for key, value in medians.items()}, "wall_without_profiler_ms": 1000 * untimed,
+            **target.engine.build_seconds()}
+
+
+def untimed_forward(target: TargetModel, cache, past: int, width: int, vocab: int) -> float:
+    """Median seconds of the same forward without the profiler (its overhead is in the profiled wall)."""
+    ids = torch.randint(0, vocab, (1, width)).to(target.device)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        target.forward(ids, cache)
+        times.append(time.perf_counter() - start)
+        target.truncate(cache, past)
+    return statistics.median(times[1:])
+
+
+def format_profile(document: dict) -> str:
+    config = document["config"]
+    lines = [f"One forward of {config['width']} tokens over {config['context_tokens']} cached tokens, "
+             f"{document['target']} {config['dtype']}, {document['machine']}; medians of {config['repeats']} "
+             "profiled forwards, ms (share of the profiled wall time).", "",
+             "| backend | wall (no profiler) | profiled wall | " + " | ".join(CATEGORIES) + " |",
+             "|---|---|---|" + "---|" * len(CATEGORIES)]
+    for backend, entry in document["backends"].items():
+        ms = entry["ms"]
+        cells = " | ".join(f"{ms[c]:.1f} ({100 * ms[c] / ms['wall']:.0f}%)" for c in CATEGORIES)
+        lines.append(f"| {backend} | {entry['wall_without_profiler_ms']:.1f} | {ms['wall']:.1f} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> dict:
+    parser = command_parser("python -m draftsmith.eval.forward_profile", __doc__.split("\n\n")[0],
+                            ForwardProfileConfig)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    config, flags = parse_command(parser, ForwardProfileConfig, argv)
+    out = Path(config.output) if config.output else None
+    if out is not None and out.exists() and not flags.overwrite:
+        raise UserError(f"{out} exists: pass --overwrite to replace it, or set output=<another path>")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    base = TargetModel.from_pretrained(config.target, dtype=config.dtype)
+    document = {"format": "draftsmith.forward_profile/1", "config": config_to_dict(config), "target": config.target,
+                "machine": f"{cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+                "backends": {backend: profile_backend(config, base, backend) for backend in config.backends}}
+    table = format_profile(document)
+    print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out, document)
+        atomic_write(out.with_suffix(".md"), lambda path: path.write_text(table + "\n"))
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+    return document
+
+
+if __name__ == "__main__":
+    exit_with(main)

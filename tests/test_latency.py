@@ -1,0 +1,55 @@
+"""eval.latency (T(w) curves) and eval.forward_profile (where a forward's time goes) on tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.eval import forward_profile, latency
+from draftsmith.models.compiled import CompileSettings
+
+
+def test_latency_curves_cli_writes_json_and_markdown(tmp_path, capsys):
+    out = tmp_path / "curves" / "tiny.json"
+    argv = ["target=tiny:llama", "widths=1 2 4", "repeats=2", "warmup=1", "context_tokens=24",
+            "compile.buckets=[1,2,4]", "compile.capacity=64", "compile.autotune=false", f"output={out}"]
+    document = latency.main(argv)
+    assert set(document["curves"]) == {"eager/float32", "compiled/float32"}
+    for curve in document["curves"].values():
+        assert set(curve["ms"]) == {1, 2, 4} and curve["ratio"][1] == pytest.approx(1.0)
+        assert all(len(times) == 2 for times in curve["all_s"].values())
+    saved = json.loads(out.read_text())
+    assert saved["format"] == "draftsmith.latency/1" and saved["machine"]
+    assert "| compiled/float32 |" in out.with_suffix(".md").read_text()
+    with pytest.raises(ValueError, match="exists: pass --overwrite"):
+        latency.main(argv)
+    with pytest.raises(ValueError, match="widths: 8 exceeds the largest compiled bucket 4"):
+        latency.main(["target=tiny:llama", "widths=1 8", "compile.buckets=[1,2,4]"])
+
+
+def test_release_measures_one_graph_at_a_time():
+    config = latency.LatencyConfig(target="tiny:qwen2", backends=["compiled"], widths=[1, 2], repeats=1, warmup=0,
+                                   context_tokens=8, release=True,
+                                   compile=CompileSettings(buckets=[1, 2], capacity=32, autotune=False))
+    document = latency.run_latency(config, progress=False)
+    assert set(document["curves"]["compiled/float32"]["ms"]) == {1, 2}
+
+
+def test_forward_profile_splits_the_wall_time(tmp_path):
+    out = tmp_path / "profile.json"
+    document = forward_profile.main(["target=tiny:llama", "backends=eager", "width=4", "context_tokens=16",
+                                     "repeats=2", f"output={out}"])
+    ms = document["backends"]["eager"]["ms"]
+    assert set(forward_profile.CATEGORIES) <= set(ms)
+    assert sum(ms[c] for c in forward_profile.CATEGORIES) == pytest.approx(ms["wall"], rel=0.05)
+    assert ms["gemm"] > 0 and ms["lm_head"] > 0 and ms["attention"] > 0
+    assert "| eager |" in out.with_suffix(".md").read_text()
+
+
+def test_classify_names_the_lm_head_and_attention():
+    assert forward_profile.classify("aten::mm", [[8, 48], [48, 96]], 96) == "lm_head"
+    assert forward_profile.classify("aten::addmm", [[48], [8, 48], [48, 48]], 96) == "gemm"
+    assert forward_profile.classify("graph_0_gemm_m8n96k48_cpp_fused", [], 96) == "lm_head"
+    assert forward_profile.classify("aten::_scaled_dot_product_flash_attention_for_cpu", [], 96) == "attention"
+    assert forward_profile.classify("graph_0_cpp_fused_add_mean_mul_pow_rsqrt", [], 96) == "other_kernels"
