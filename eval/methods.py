@@ -42,6 +42,7 @@ from draftsmith.eval.placement import DovetailPolicy
 from draftsmith.eval.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.vocab import DraftVocab, with_sliced_head
 from draftsmith.models.target import TargetModel
 
 # ---------------------------------------------------------------------------------------------
@@ -188,9 +189,19 @@ class BuildContext:
     def target_for(self, method: Method) -> TargetModel:
         return self.engine(self.target, method.backend)
 
-    def small_model(self, model: str | None, every: int | None, what: str) -> TargetModel:
+    def small_model(self, model: str | None, every: int | None, what: str, vocab: DraftVocab | None = None
+                    ) -> TargetModel:
         """The LM of an LM drafter under the run's backend: every N-th target layer, a named model, or the
-        run's draft."""
+        run's draft; with `vocab`, that model with its LM head sliced to the draft vocabulary."""
+        base = self._small_base(model, every, what)
+        if vocab is None:
+            return self.engine(base)
+        key = (id(base.model), vocab.digest())
+        if key not in self.models:
+            self.models[key] = TargetModel(with_sliced_head(base.model, vocab), base.tokenizer, name=base.name)
+        return self.engine(self.models[key])
+
+    def _small_base(self, model: str | None, every: int | None, what: str) -> TargetModel:
         if every is not None and model is not None:
             raise ConfigError(f"{what}: give model= or every=, not both")
         if every is not None:
@@ -198,15 +209,23 @@ class BuildContext:
             if key not in self.models:
                 layers = every_nth_layer(self.target.num_layers, every)
                 self.models[key] = TargetModel(layer_subset_student(self.target.model, layers), self.target.tokenizer)
-            return self.engine(self.models[key])
+            return self.models[key]
         if model in (None, "draft"):
             if self.draft is None:
                 raise ConfigError(f"{what} needs the bench's draft model: set draft=<name> (or give the method "
                                   "model=<name> or every=<N>)")
-            return self.engine(self.draft)
+            return self.draft
         if model not in self.models:
             self.models[model] = TargetModel.from_pretrained(model, dtype=self.target.dtype, device=self.target.device)
-        return self.engine(self.models[model])
+        return self.models[model]
+
+    def vocab(self, path: str | None) -> DraftVocab | None:
+        """A draft vocabulary, loaded once per run."""
+        if path is None:
+            return None
+        if ("vocab", path) not in self.models:
+            self.models[("vocab", path)] = DraftVocab.load(path)
+        return self.models[("vocab", path)]
 
     def compiled_engines(self) -> list:
         """Every compiled engine of the run (targets, LM drafters, feature drafters), to build before timing."""
@@ -274,6 +293,8 @@ class LMChainOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round", ge=1)
     model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
+    vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
+                                     "sliced to it at load time")
 
 
 @dataclass
@@ -284,6 +305,8 @@ class LMTreeOptions:
     beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)
     model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
+    vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
+                                     "sliced to it at load time")
 
 
 @dataclass
@@ -374,14 +397,17 @@ def build_plain_compiled(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    lm = ctx.small_model(o.model, o.every, spec.label)
-    return DrafterMethod(LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label), spec.label)
+    vocab = ctx.vocab(o.vocab)
+    lm = ctx.small_model(o.model, o.every, spec.label, vocab)
+    return DrafterMethod(LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label, vocab=vocab), spec.label)
 
 
 def build_lm_tree(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    lm = ctx.small_model(o.model, o.every, spec.label)
-    drafter = LMDrafter(lm, mode="tree", budget=o.budget, depth=o.depth, topk=o.topk, beam=o.beam, name=spec.label)
+    vocab = ctx.vocab(o.vocab)
+    lm = ctx.small_model(o.model, o.every, spec.label, vocab)
+    drafter = LMDrafter(lm, mode="tree", budget=o.budget, depth=o.depth, topk=o.topk, beam=o.beam, name=spec.label,
+                        vocab=vocab)
     return DrafterMethod(drafter, spec.label)
 
 

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.errors import UserError
 from draftsmith.fileio import atomic_write_json
 from draftsmith.models.dgf import DGFConfig, DGFModel
+from draftsmith.models.vocab import DraftVocab
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
 from draftsmith.models.target import resolve_device, vocab_fingerprint
 
@@ -154,7 +155,7 @@ def save_medusa(heads: MedusaHeads, out_dir: str | Path, target: dict, accuracy:
         atomic_write_json(out / ACCURACY_FILE, accuracy)
     heads_block = {"file": MEDUSA_WEIGHTS, "config": CONFIG_FILE, "dtype": "float32", **heads.config.to_dict()}
     return write_manifest(out, MEDUSA_FORMAT, sections.pop("method", "medusa-1"), target, heads=heads_block,
-                          **sections)
+                          **vocab_section(heads.draft_vocab, out), **sections)
 
 
 def load_medusa_heads(path: str | Path, device: str | torch.device | None = None,
@@ -169,6 +170,8 @@ def load_medusa_heads(path: str | Path, device: str | torch.device | None = None
         raise ArtifactMissing(f"Medusa checkpoint {path} is incomplete: {config_file.name} is missing")
     heads = MedusaHeads(MedusaConfig(**read_json(config_file, "Medusa config")))
     load_state(heads, load_weights(heads_file), heads_file, config_file)
+    if heads.config.head == "slice" and target is not None:  # the frozen slice: the target's own rows
+        heads.init_lm_heads(target.model.get_output_embeddings().weight)
     return heads.to(resolve_device(device)).eval(), manifest
 
 
@@ -185,8 +188,19 @@ def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, **sections: Any
     atomic_write_json(out / CONFIG_FILE, model.config.to_dict())
     drafter = {"file": DGF_WEIGHTS, "config": CONFIG_FILE, "dtype": "float32", "fusion": model.config.fusion,
                "num_blocks": model.config.num_blocks, "parameters": model.num_parameters()}
+    drafter.update(feature_layers=model.config.layers_read, head=model.config.head)
     method = "dgf" if model.config.fusion == "dgf" else "eagle"
-    return write_manifest(out, DGF_FORMAT, method, target, drafter=drafter, **sections)
+    return write_manifest(out, DGF_FORMAT, method, target, drafter=drafter, **vocab_section(model.draft_vocab, out),
+                          **sections)
+
+
+def vocab_section(vocab: DraftVocab | None, out: Path) -> dict:
+    """The draft vocabulary's maps written beside the weights, and its manifest entry ({} without one)."""
+    if vocab is None:
+        return {}
+    path = vocab.save(out)
+    return {"draft_vocab": {"file": path.name, "size": vocab.size, "target_vocab_size": vocab.target_size,
+                            "sha256": vocab.digest()}}
 
 
 def load_dgf(path: str | Path, target=None, device: str | torch.device | None = None,
@@ -200,7 +214,7 @@ def load_dgf(path: str | Path, target=None, device: str | torch.device | None = 
         raise ArtifactMissing(f"DGF checkpoint {path} is incomplete: {config_file.name} is missing")
     config = DGFConfig(**read_json(config_file, "DGF config"))
     if target is not None:
-        check_target(manifest, target, f"DGF checkpoint {path}", config.feature_layers)
+        check_target(manifest, target, f"DGF checkpoint {path}", config.layers_read)
     model = DGFModel(config)
     weights = path / manifest["drafter"]["file"]
     load_state(model, load_weights(weights), weights, config_file)

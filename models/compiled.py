@@ -26,14 +26,17 @@ recipe, on the CPU).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
 from transformers import StaticCache
 
@@ -98,8 +101,9 @@ class DGFStepModule(nn.Module):
     """One forward of a DGF drafter (fusion, blocks, the target's LM head) over a StaticCache.
 
     forward(features (1, b, H), input_ids (1, b), position_ids (1, b), mask (1, 1, b, capacity), past,
-            *kv) -> (predicted features (1, b, H), logits (1, b, V)). The target's embedding and LM head
-    are registered here (not in the DGFModel), so they are frozen into the graph with the drafter.
+            *kv) -> (predicted features (1, b, H), logits (1, b, V or the draft vocabulary's size)). The
+    target's embedding and LM head are registered here (not in the DGFModel), so they are frozen into
+    the graph with the drafter.
     """
 
     def __init__(self, model: DGFModel, cache: StaticCache):
@@ -117,7 +121,7 @@ class DGFStepModule(nn.Module):
                            use_cache=True, position_embeddings=position_embeddings)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
-        return hidden, self.head(hidden.to(self.head.weight.dtype))
+        return hidden, self.model.head_logits(hidden)
 
 
 def point_cache(cache: StaticCache, past: torch.Tensor, kv: tuple) -> None:
@@ -148,6 +152,15 @@ def model_fingerprint(model: nn.Module, config: dict) -> str:
     return digest.hexdigest()
 
 
+def traced_code_digest(step: nn.Module) -> str:
+    """sha256 of the code a package traces (its step module; the DGF model's file): an edit there builds
+    new packages instead of reusing stale ones."""
+    sources = [inspect.getsource(type(step)), inspect.getsource(point_cache)]
+    if isinstance(step, DGFStepModule):
+        sources.append(inspect.getsource(sys.modules[DGFModel.__module__]))
+    return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     for bucket in buckets:
         if bucket >= n:
@@ -176,7 +189,8 @@ class BucketGraphs:
         self.step, self.kv, self.settings, self.what = step, kv, settings, what
         self.capacity, self.buckets, self.autotune = settings.capacity, tuple(settings.buckets), settings.autotune
         self.dtype, self.device = dtype, device
-        text = f"{fingerprint}|{dtype}|{device.type}|{self.capacity}|{torch.__version__}|{PACKAGE_VERSION}|{self.autotune}"
+        text = (f"{fingerprint}|{dtype}|{device.type}|{self.capacity}|{torch.__version__}|{transformers.__version__}|"
+                f"{PACKAGE_VERSION}|{self.autotune}|{traced_code_digest(step)}")
         if settings.kernel_profile:
             text += "|kernel_profile"
         key = hashlib.sha256(text.encode()).hexdigest()[:24]

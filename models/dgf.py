@@ -13,6 +13,11 @@ predicts the next feature f_{t+1}; the target's frozen LM head turns that into l
 Fusion (one class, `fusion` in the config):
   linear  EAGLE-1/2:  u = W [e; f] + b   (Linear(2H -> H); EAGLE's `fc`, embedding first as in its
           `torch.cat((inputs_embeds, hidden_states), -1)`)
+  eagle3  EAGLE-3: no fusion layer; block 0 reads u = [norm_e(e); norm_h(f)] (its q/k/v take 2H),
+          its residual is f, and a final norm precedes the head. The blocks are Llama decoder layers
+          built from the target's sizes (no attention bias) whatever the target's family, as EAGLE-3,
+          vLLM's speculators and SGLang build them; parameter names are theirs
+          (`layers.0.hidden_norm`, `norm`), so models.exports writes both layouts by renaming.
   dgf     Dovetail's Dynamic Gated Fusion, exactly:
               h1 = W1 f + b1                 (feature branch, linear)
               h2 = act(W2 e + b2)            (token branch; act = `fusion_act`, default SiLU)
@@ -24,6 +29,21 @@ Fusion (one class, `fusion` in the config):
           one on the token branch (as the gated multimodal unit [12] it cites does with tanh);
           `fusion_act: identity` gives the literal text. Whether the gate is a scalar or a vector is
           not stated; we use a vector (as GMU). bz = 0 so the gate starts at 0.5.
+
+Multi-layer features (EAGLE-3): with `feature_layers` = several target layers (EAGLE-3's low, mid
+and high by default in the recipe), f_t is first fused from them, then treated as above:
+  layer_fusion linear  f = W [h_l1; h_l2; ...]                     (EAGLE-3's fc, kH -> H)
+               gated   f = sum_l g_l * (W_l h_l), g = softmax_l(W_g [W_1 h_1; ...; W_k h_k])
+                       (per dimension; Dovetail's gate extended from 2 inputs to k layers - new,
+                       neither paper has it)
+Then the drafter's output is in the fused space (no feature regression target exists, as in
+EAGLE-3) and is fed back as f for the next draft step.
+
+Draft vocabulary (models.vocab, FR-Spec / EAGLE-3): `draft_vocab_size` set, the logits cover only
+the subset (`draft_to_target` saved as a buffer); `head` picks the output layer:
+  target  the target's full LM head, referenced (no draft vocabulary)
+  slice   a frozen slice of the target's LM head (rows draft_to_target; only the indices are saved)
+  own     a trainable Linear(H -> size), initialised from that slice (saved)
 
 Decoder blocks are transformers' own decoder-layer class of the target's family
 (`LlamaDecoderLayer`, `Qwen2DecoderLayer`, ...), looked up from the config's model type, with the
@@ -48,8 +68,11 @@ from transformers import AutoConfig, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from draftsmith.models.engine import additive_mask, crop_cache
+from draftsmith.models.vocab import DraftVocab
 
-FUSIONS = ("linear", "dgf")
+FUSIONS = ("linear", "dgf", "eagle3")
+LAYER_FUSIONS = ("linear", "gated")
+HEADS = ("target", "slice", "own")
 ACTIVATIONS = {"silu": nn.SiLU, "gelu": nn.GELU, "tanh": nn.Tanh, "relu": nn.ReLU, "identity": nn.Identity}
 # Keys of the target's HF config that describe that checkpoint, not a decoder block.
 DROP_CONFIG_KEYS = ("architectures", "_name_or_path", "auto_map", "transformers_version", "torch_dtype", "dtype",
@@ -62,13 +85,25 @@ class DGFConfig:
     vocab_size: int
     target_config: dict  # the target's HF config as a dict (model_type, heads, rope, norms, ...)
     num_blocks: int = 1  # M decoder blocks (Dovetail: 4; EAGLE: 1)
-    fusion: Literal["linear", "dgf"] = "dgf"
+    fusion: Literal["linear", "dgf", "eagle3"] = "dgf"
     fusion_act: str = "silu"  # DGF token-branch activation (identity = the paper text literally)
     fusion_bias: bool = True
     first_block_norm: bool = False  # EAGLE drops block 0's input norm
     feature_layer: int = -1  # output_hidden_states index of the target feature the drafter reads
+    feature_layers: list[int] | None = None  # several layers (EAGLE-3); None: [feature_layer]
+    layer_fusion: Literal["linear", "gated"] = "linear"  # how several layers become one feature
+    draft_vocab_size: int | None = None  # None: the target's full vocabulary
+    head: Literal["target", "slice", "own"] = "target"
 
     def __post_init__(self):
+        if self.layer_fusion not in LAYER_FUSIONS:
+            raise ValueError(f"layer_fusion must be one of {LAYER_FUSIONS}, got {self.layer_fusion!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if (self.head == "target") != (self.draft_vocab_size is None):
+            raise ValueError("a draft vocabulary needs head 'slice' or 'own'; head 'target' scores the full vocabulary")
+        if self.feature_layers is not None and not self.feature_layers:
+            raise ValueError("feature_layers: give at least one layer (or null for [feature_layer])")
         if self.fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         if self.fusion_act not in ACTIVATIONS:
@@ -89,13 +124,18 @@ class DGFConfig:
         return asdict(self)
 
     @property
-    def feature_layers(self) -> list[int]:
+    def layers_read(self) -> list[int]:
         """The target hidden-state layers the drafter reads (output_hidden_states indices)."""
-        return [self.feature_layer]
+        return list(self.feature_layers) if self.feature_layers is not None else [self.feature_layer]
+
+    @property
+    def multi_layer(self) -> bool:
+        return len(self.layers_read) > 1
 
     def block_config(self):
-        """The target's HF config trimmed to `num_blocks` layers (what the blocks and cache are built from)."""
-        data = dict(self.target_config)
+        """The target's HF config trimmed to `num_blocks` layers (what the blocks and cache are built from);
+        for EAGLE-3 a Llama config of the target's sizes."""
+        data = eagle3_layer_config(self.target_config) if self.fusion == "eagle3" else dict(self.target_config)
         model_type = data.pop("model_type")
         data["num_hidden_layers"] = self.num_blocks
         layer_types = data.get("layer_types")
@@ -104,6 +144,26 @@ class DGFConfig:
         config = AutoConfig.for_model(model_type, **data)
         config._attn_implementation = "sdpa"
         return config
+
+
+EAGLE3_LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
+                     "rope_theta", "rope_scaling", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def eagle3_layer_config(target_config: dict) -> dict:
+    """A Llama decoder-layer config dict with the target's sizes and rotary settings (no biases)."""
+    data = {key: target_config[key] for key in EAGLE3_LAYER_KEYS if target_config.get(key) is not None}
+    data.setdefault("head_dim", data["hidden_size"] // data["num_attention_heads"])
+    return {"model_type": "llama", **data, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+
+
+def eagle3_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's low, mid and high features: hidden-state indices 2, L // 2 and L - 3 (index i = the
+    input of decoder layer i = output_hidden_states[i]; vLLM's and speculators'
+    `eagle_aux_hidden_state_layer_ids` default), ascending; shallow models get the distinct ones that exist."""
+    wanted = [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    return sorted({min(max(index, 1), num_hidden_layers) for index in wanted})
 
 
 def family_classes(config) -> tuple[type, type]:
@@ -152,21 +212,100 @@ class GatedFusion(nn.Module):
         return z * h1 + (1.0 - z) * h2
 
 
+class ConcatFusion(nn.Module):
+    """EAGLE-3: [e; f] goes to block 0 whole (it normalises each half itself)."""
+
+    def __init__(self, config: DGFConfig):
+        super().__init__()
+
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:  # (…, H) x2 -> (…, 2H)
+        return torch.cat([embeddings, features], dim=-1)
+
+
+class Eagle3FirstBlock(nn.Module):
+    """EAGLE-3's block 0, built from a decoder layer: q/k/v read [input_layernorm(e); hidden_norm(f)]
+    (2H), the residual is f; then the layer's own MLP half."""
+
+    def __init__(self, layer: nn.Module, config):
+        super().__init__()
+        attention = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attention, name)
+            setattr(attention, name, nn.Linear(2 * config.hidden_size, old.out_features, bias=old.bias is not None))
+        self.self_attn, self.mlp = attention, layer.mlp
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.hidden_norm = type(layer.post_attention_layernorm)(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache: bool = False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        embeddings, features = hidden_states.chunk(2, dim=-1)  # (B, T, H) each
+        normed = torch.cat([self.input_layernorm(embeddings), self.hidden_norm(features)], dim=-1)  # (B, T, 2H)
+        attended, _ = self.self_attn(hidden_states=normed, attention_mask=attention_mask, position_ids=position_ids,
+                                     past_key_values=past_key_values, use_cache=use_cache,
+                                     position_embeddings=position_embeddings, **kwargs)
+        hidden = features + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LinearLayerFusion(nn.Module):
+    """EAGLE-3: f = fc([h_1; ...; h_k]) (kH -> H)."""
+
+    def __init__(self, config: DGFConfig):
+        super().__init__()
+        self.fc = nn.Linear(len(config.layers_read) * config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, layers: torch.Tensor) -> torch.Tensor:  # (…, k, H) -> (…, H)
+        return self.fc(layers.flatten(-2))
+
+
+class GatedLayerFusion(nn.Module):
+    """f = sum_l g_l * W_l h_l with g = softmax over l of W_g [W_1 h_1; ...; W_k h_k] (per dimension)."""
+
+    def __init__(self, config: DGFConfig):
+        super().__init__()
+        k, hidden = len(config.layers_read), config.hidden_size
+        self.proj = nn.ModuleList(nn.Linear(hidden, hidden, bias=False) for _ in range(k))
+        self.gate = nn.Linear(k * hidden, k * hidden, bias=True)
+        nn.init.zeros_(self.gate.bias)
+
+    def forward(self, layers: torch.Tensor) -> torch.Tensor:  # (…, k, H) -> (…, H)
+        projected = torch.stack([proj(layers[..., i, :]) for i, proj in enumerate(self.proj)], -2)  # (…, k, H)
+        gates = torch.softmax(self.gate(projected.flatten(-2)).unflatten(-1, projected.shape[-2:]), dim=-2)
+        return (gates * projected).sum(-2)
+
+
+FUSION_CLASSES = {"linear": LinearFusion, "dgf": GatedFusion, "eagle3": ConcatFusion}
+
+
 class DGFModel(nn.Module):
-    """Fusion + M decoder blocks; predicts the target's next feature. Trainable part only."""
+    """(Layer fusion) + token fusion + M decoder blocks (+ a draft head); predicts the next feature.
+    The trainable part only: the target's embedding and LM head are referenced."""
 
     def __init__(self, config: DGFConfig):
         super().__init__()
         self.config = config
         self.block_config = config.block_config()
         layer_cls, rotary_cls = family_classes(self.block_config)
-        self.fusion = LinearFusion(config) if config.fusion == "linear" else GatedFusion(config)
+        self.layer_fusion = (None if not config.multi_layer else
+                             LinearLayerFusion(config) if config.layer_fusion == "linear" else GatedLayerFusion(config))
+        self.fusion = FUSION_CLASSES[config.fusion](config)
         self.layers = nn.ModuleList(layer_cls(self.block_config, layer_idx=i) for i in range(config.num_blocks))
-        if not config.first_block_norm:
+        self.norm = None  # EAGLE-3's final norm before the head
+        if config.fusion == "eagle3":
+            self.layers[0] = Eagle3FirstBlock(self.layers[0], self.block_config)
+            self.norm = type(self.layers[0].post_attention_layernorm)(config.hidden_size,
+                                                                       eps=self.block_config.rms_norm_eps)
+        elif not config.first_block_norm:
             self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = rotary_cls(config=self.block_config)
         self._embed: nn.Module | None = None  # the target's, referenced (not a submodule)
         self._lm_head: nn.Module | None = None
+        size = config.draft_vocab_size
+        if size is not None:
+            self.register_buffer("draft_to_target", torch.arange(size), persistent=True)  # set by set_vocab / loading
+            self.register_buffer("sliced_head", torch.zeros(size if config.head == "slice" else 0, config.hidden_size),
+                                 persistent=False)  # the target's rows, filled by attach_target
+        self.draft_head = nn.Linear(config.hidden_size, size, bias=False) if config.head == "own" else None
 
     # -- the target's frozen modules -----------------------------------------------------------
 
@@ -179,7 +318,43 @@ class DGFModel(nn.Module):
         if head.weight.shape != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(f"target LM head {tuple(head.weight.shape)} does not fit the drafter")
         self.__dict__["_embed"], self.__dict__["_lm_head"] = embed, head
+        self._fill_slice()
         return self
+
+    def set_vocab(self, vocab: DraftVocab) -> "DGFModel":
+        """Use this draft vocabulary (before training; a loaded drafter brings its own)."""
+        if vocab.size != self.config.draft_vocab_size or vocab.target_size != self.config.vocab_size:
+            raise ValueError(f"a draft vocabulary of {vocab.size} of {vocab.target_size} tokens does not fit this "
+                             f"drafter ({self.config.draft_vocab_size} of {self.config.vocab_size})")
+        self.draft_to_target.copy_(vocab.draft_to_target)
+        self._fill_slice()
+        return self
+
+    @torch.no_grad()
+    def init_draft_head(self) -> None:
+        """An own head starts as the target's rows of the draft vocabulary."""
+        self._need_target()
+        if self.draft_head is not None:
+            self.draft_head.weight.copy_(self._lm_head.weight[self.draft_to_target.to(self._lm_head.weight.device)])
+
+    @torch.no_grad()
+    def _fill_slice(self) -> None:
+        if self.config.head == "slice" and self._lm_head is not None:
+            weight = self._lm_head.weight
+            self.sliced_head = weight[self.draft_to_target.to(weight.device)].to(self.sliced_head.dtype).to(
+                self.sliced_head.device)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        if self.config.draft_vocab_size is None:
+            return None
+        return DraftVocab(self.draft_to_target.cpu(), self.config.vocab_size)
+
+    def fuse_layers(self, layers: torch.Tensor) -> torch.Tensor:
+        """Target features (…, k, H) of the layers read -> the drafter's input feature (…, H)."""
+        if self.layer_fusion is None:
+            return layers[..., 0, :].to(self.dtype)
+        return self.layer_fusion(layers.to(self.dtype))
 
     def _need_target(self):
         if self._embed is None or self._lm_head is None:
@@ -190,10 +365,20 @@ class DGFModel(nn.Module):
         return self._embed(input_ids.to(self._embed.weight.device)).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Predicted features (…, H) -> float32 logits (…, V) through the target's LM head."""
+        """Predicted features (…, H) -> float32 logits (…, V), or (…, draft vocabulary size)."""
+        return self.head_logits(hidden).float()
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer in its own dtype: the target's LM head, its frozen slice, or the own head
+        (EAGLE-3: after the drafter's final norm)."""
         self._need_target()
-        head = self._lm_head
-        return head(hidden.to(head.weight.dtype)).float()
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        if self.config.head == "own":
+            return self.draft_head(hidden.to(self.draft_head.weight.dtype))
+        if self.config.head == "slice":
+            return nn.functional.linear(hidden.to(self.sliced_head.dtype), self.sliced_head)
+        return self._lm_head(hidden.to(self._lm_head.weight.dtype))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -325,7 +325,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     want = source_manifest["target"]
     block = {key: want.get(key) for key in ("name", "model_type", "hidden_size", "vocab_size", "num_hidden_layers",
                                             "vocab_fingerprint")}
-    block["hidden_layers"] = manifest_layers(want) or config.feature_layers
+    block["hidden_layers"] = manifest_layers(want) or config.layers_read
     manifest = _base_manifest("dgf" if config.fusion == "dgf" else "eagle", "eagle" if layout == "eagle" else
                               "draftsmith.dgf", source, block, config.fusion,
                               tree or source_manifest.get("tree") or {"depth": 7, "topk": 10, "g": 16})

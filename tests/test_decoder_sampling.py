@@ -13,12 +13,15 @@ from scipy.stats import chisquare
 
 from conftest import tiny_model
 from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.drafters.dgf import DGFDrafter
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.drafters.medusa import MedusaDrafter
 from draftsmith.eval.drafters.ngram import NgramDrafter
 from draftsmith.eval.verify import logits_to_probs
+from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
+from draftsmith.models.vocab import DraftVocab
 
 VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1500
 PROMPT = torch.tensor([[1, 3, 0, 2, 1, 3]])
@@ -48,10 +51,35 @@ def make_drafter(kind, model):
         return MedusaDrafter(heads, paths=[[0], [1], [0, 0], [0, 1], [1, 0]])
     if kind == "ngram":  # point-mass proposals, two branches
         return NgramDrafter(max_ngram=2, budget=2, num_branches=2)
+    return make_vocab_drafter(kind, model)
+
+
+DRAFT_VOCAB = DraftVocab.from_ids([0, 1, 3], VOCAB)  # token 2 and 4 are never drafted (q = 0 there)
+
+
+def make_vocab_drafter(kind, model):
+    """Drafters over a reduced draft vocabulary: a sliced LM head, Medusa and DGF heads (own / sliced)."""
+    torch.manual_seed(14)
+    if kind == "tree-vocab":
+        return LMDrafter(tiny_model("llama", seed=12, vocab_size=VOCAB, num_layers=1), mode="tree", depth=2, topk=2,
+                         beam=2, vocab=DRAFT_VOCAB)
+    if kind.startswith("medusa-vocab"):
+        head = kind.rsplit("-", 1)[1]
+        heads = MedusaHeads(MedusaConfig(model.config.hidden_size, VOCAB, num_heads=2, draft_vocab_size=3, head=head))
+        heads.set_vocab(DRAFT_VOCAB).init_lm_heads(model.get_output_embeddings().weight)
+        return MedusaDrafter(heads, paths=[[0], [1], [0, 0], [0, 1], [1, 0]])
+    if kind.startswith("dgf"):
+        layers = [1, -1] if "multi_layer" in kind else None
+        config = DGFConfig.for_target(model.config, draft_vocab_size=3, head="own" if "own" in kind else "slice",
+                                      feature_layers=layers, layer_fusion="gated")
+        dgf = DGFModel(config).attach_target(model).set_vocab(DRAFT_VOCAB)
+        dgf.init_draft_head()
+        return DGFDrafter(dgf.eval(), depth=2, topk=2, budget=4)
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "medusa", "ngram"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
+                                  "medusa-vocab-slice", "dgf-vocab-slice", "dgf-multi_layer-vocab-own"])
 def test_sampling_matches_target_distribution(kind):
     model = tiny_model("llama", seed=5, vocab_size=VOCAB, num_layers=1, hidden_size=32)
     target = TargetModel(model, tokenizer=None)

@@ -118,3 +118,60 @@ def test_offline_mode_from_feature_cache(tmp_path):
     first_offline = train_losses(tmp_path / "run")[1]
     first_online = train_losses(tmp_path / "online")[1]
     assert abs(first_offline - first_online) < 0.05 * abs(first_online)
+
+
+@pytest.fixture
+def tiny_vocab(tmp_path):
+    from draftsmith.models.vocab import DraftVocab
+
+    path = tmp_path / "vocab"
+    path.mkdir()
+    DraftVocab.from_ids(range(0, 96, 2), 96).save(path)
+    return path
+
+
+@pytest.mark.parametrize("head,fusion", [("slice", "linear"), ("own", "gated")])
+def test_multi_layer_vocab_drafter_trains_resumes_and_decodes_losslessly(tmp_path, tiny_vocab, head, fusion):
+    overrides = ["drafter.multi_layer=true", f"drafter.layer_fusion={fusion}", f"drafter.draft_vocab={tiny_vocab}",
+                 f"drafter.head={head}", "loss.feature_weight=0", "loss.token_weight=1"]
+    full_dir, part_dir = tmp_path / "full", tmp_path / "part"
+    main(tiny_cfg(full_dir, *overrides))
+    main(tiny_cfg(part_dir, *overrides, "train.stop_after_steps=2"))
+    main(tiny_cfg(part_dir, *overrides), resume="auto")
+    full, part = train_losses(full_dir), train_losses(part_dir)
+    assert all(abs(full[s] - part[s]) < 1e-6 for s in full), (full, part)  # exact resume
+    manifest = json.loads((full_dir / "final/manifest.json").read_text())
+    assert manifest["drafter"]["feature_layers"] == [1, 2]  # EAGLE-3's low/mid/high, of a 2-layer target
+    assert manifest["draft_vocab"]["size"] == 48 and manifest["target"]["hidden_layers"] == [1, 2]
+    target = TargetModel.from_pretrained("tiny:llama")
+    drafter = load_dgf_drafter(full_dir / "final", target, depth=3, topk=3, budget=6)
+    assert drafter.vocab.size == 48 and drafter.hidden_layers == (1, 2)
+    prompt = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(2))
+    result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=16)).generate(prompt)
+    reference = target.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+                                      do_sample=False)[0, 8:].tolist()
+    assert result.tokens == reference
+
+
+def test_multi_layer_and_vocab_options_are_checked(tmp_path, tiny_vocab):
+    with pytest.raises(ConfigError, match="multi-layer drafter predicts no target feature"):
+        tiny_cfg(tmp_path, "drafter.multi_layer=true")
+    with pytest.raises(ConfigError, match="drafter.head: with drafter.draft_vocab choose slice or own"):
+        tiny_cfg(tmp_path, f"drafter.draft_vocab={tiny_vocab}")
+    with pytest.raises(ConfigError, match="drafter.head"):
+        tiny_cfg(tmp_path, "drafter.head=own")
+
+
+def test_multi_layer_offline_cache_reads_every_layer(tmp_path):
+    from draftsmith.data.features import FeatureCacheConfig, build_feature_cache
+    from draftsmith.data.records import load_records
+
+    target = TargetModel.from_pretrained("tiny:llama")
+    records = load_records("synthetic:16:0.3", max_length=20, model=target.model)
+    cache = tmp_path / "cache"
+    build_feature_cache(FeatureCacheConfig(target="tiny:llama", source=None, output_dir=str(cache),
+                                           hidden_layers=(1, 2, -1), topk_logits=0, progress=False),
+                        target=target, records=records)
+    summary = main(tiny_cfg(tmp_path / "run", "data.mode=offline", f"data.feature_cache={cache}",
+                            "drafter.feature_layers=[1,2]", "loss.feature_weight=0", "loss.unroll_steps=2"))
+    assert summary["final"]

@@ -39,11 +39,12 @@ import torch
 from torch import nn
 
 from draftsmith.config import ConfigError, config_to_dict, option, section
-from draftsmith.data.features import FeatureDataset
+from draftsmith.data.features import FeatureDataset, load_index
 from draftsmith.data.records import load_records, split_heldout
 from draftsmith.eval.drafters.dgf import DGFDrafter
 from draftsmith.models.artifacts import save_dgf, target_block
-from draftsmith.models.dgf import DGFConfig, DGFModel
+from draftsmith.models.dgf import DGFConfig, DGFModel, eagle3_layers
+from draftsmith.models.vocab import DraftVocab
 from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
@@ -59,6 +60,19 @@ class DrafterConfig:
     fusion_act: str = option("silu", "DGF token-branch activation (identity = the paper text literally)")
     first_block_norm: bool = option(False, "keep block 0's input norm (EAGLE drops it)")
     feature_layer: int = option(-1, "target hidden_states index the drafter reads (-1: final normed state)")
+    feature_layers: list[int] | None = option(None, "several target layers, fused (EAGLE-3); null: [feature_layer]")
+    multi_layer: bool = option(False, "with feature_layers null: EAGLE-3's low/mid/high layers")
+    layer_fusion: Literal["linear", "gated"] = option("linear", "several layers -> one feature: EAGLE-3's linear fc, "
+                                                                "or a per-dimension softmax gate over the layers")
+    draft_vocab: str | None = option(None, "a data.draft_vocab directory: the drafter scores only that subset")
+    head: Literal["target", "slice", "own"] = option("target", "output layer: the target's LM head (full vocabulary), "
+                                                               "its frozen slice, or an own trainable head")
+
+    def layers(self, num_hidden_layers: int) -> list[int]:
+        """The target layers read: the explicit list, EAGLE-3's three, or the one feature layer."""
+        if self.feature_layers:
+            return list(self.feature_layers)
+        return eagle3_layers(num_hidden_layers) if self.multi_layer else [self.feature_layer]
 
 
 @dataclass
@@ -95,9 +109,16 @@ class DGFRecipeConfig(RunConfig):
     logging: LoggingConfig = section(LoggingConfig)
 
     def __post_init__(self):
+        d = self.drafter
+        several = bool(d.feature_layers and len(d.feature_layers) > 1) or (d.multi_layer and not d.feature_layers)
         checks = [
             (self.loss.feature_weight + self.loss.token_weight > 0,
              "loss.feature_weight + loss.token_weight must be > 0"),
+            (not several or self.loss.feature_weight == 0, "loss.feature_weight: a multi-layer drafter predicts no "
+             "target feature (EAGLE-3): set it to 0"),
+            (self.loss.token_weight > 0 or not several, "loss.token_weight must be > 0 for a multi-layer drafter"),
+            ((d.draft_vocab is None) == (d.head == "target"), "drafter.head: with drafter.draft_vocab choose slice or "
+             "own; without one, target"),
             (self.data.mode == "online" or self.data.feature_cache, "data.mode=offline needs data.feature_cache"),
             (self.data.max_length >= 4, "data.max_length must be >= 4"),
         ]
@@ -140,9 +161,11 @@ class DGFTrainModule(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """features (B, T', H) f_t, tokens (B, T') x_{t+1} -> per step (B, T', H) predictions of f_{t+1}."""
+    def forward(self, layers: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """layers (B, T', k, H) target features f_t of the layers read, tokens (B, T') x_{t+1} -> per step
+        (B, T', H) predictions of f_{t+1} (multi-layer: of the drafter's own next feature)."""
         drafter = self.drafter
+        features = drafter.fuse_layers(layers)  # (B, T', H): the layer itself, or EAGLE-3's fused feature
         length = features.shape[1]
         cache = drafter.new_cache() if steps > 1 else None
         preds = [drafter(features, tokens, cache=cache)]
@@ -169,15 +192,22 @@ class DGFRecipe:
                                                   attn_implementation=cfg.attn_implementation)
         model = self.target.model.requires_grad_(False).eval()
         self.pad_id = pad_id_of(self.target.tokenizer)
+        self.layers = cfg.drafter.layers(model.config.num_hidden_layers)
         self.train_records, self.heldout_records = split_heldout(self._load_data(), cfg.data.heldout_fraction,
                                                                  cfg.data.seed, cfg.data.max_heldout)
         run.log.info("data (%s): %d train / %d held-out records", cfg.data.mode, len(self.train_records),
                      len(self.heldout_records))
         d = cfg.drafter
+        self.vocab = DraftVocab.load(d.draft_vocab) if d.draft_vocab else None
         self.dgf_config = DGFConfig.for_target(model.config, num_blocks=d.num_blocks, fusion=d.fusion,
                                                fusion_act=d.fusion_act, first_block_norm=d.first_block_norm,
-                                               feature_layer=d.feature_layer)
+                                               feature_layer=self.layers[0],
+                                               feature_layers=self.layers if len(self.layers) > 1 else None,
+                                               layer_fusion=d.layer_fusion, head=d.head,
+                                               draft_vocab_size=self.vocab.size if self.vocab else None)
         drafter = DGFModel(self.dgf_config).to(run.device).attach_target(model)  # float32
+        if self.vocab is not None:
+            drafter.set_vocab(self.vocab).init_draft_head()  # a resumed run then loads its trained head
         run.log.info("drafter: fusion=%s M=%d, %.2fM trainable parameters", d.fusion, d.num_blocks,
                      drafter.num_parameters() / 1e6)
         self.step_weights = unrolled_step_weights(cfg.loss.unroll_steps, cfg.loss.unroll_decay)
@@ -196,18 +226,25 @@ class DGFRecipe:
         return records
 
     def _load_cache(self, cache_dir: str) -> list[dict]:
-        """Every sequence of one feature cache, in memory (features stay bf16 until batched)."""
+        """Every sequence of one feature cache, in memory (features stay bf16 until batched): the layers
+        read (n, k, H), and the final normed state (n, H) when cached (the exact soft target)."""
         cfg = self.cfg
-        dataset = FeatureDataset(cache_dir, target=self.target, hidden_layers=[cfg.drafter.feature_layer],
-                              with_logits=True, shuffle=False)
-        if cfg.loss.token_loss == "soft" and cfg.drafter.feature_layer != -1 and not dataset.index["topk_logits"]:
-            raise ConfigError(f"loss.token_loss=soft offline needs the target's distribution: cache "
-                              f"{cache_dir} has no top-k logits and the feature layer is not -1")
+        index = load_index(cache_dir, self.target)
+        final_cached = index["num_layers"] in index["hidden_layers_abs"]  # hidden_states[-1], absolute index L
+        layers = self.layers + ([-1] if final_cached and -1 not in self.layers else [])
+        dataset = FeatureDataset(cache_dir, target=self.target, hidden_layers=layers, with_logits=True, shuffle=False)
+        if cfg.loss.token_loss == "soft" and not final_cached and not dataset.index["topk_logits"]:
+            raise ConfigError(f"loss.token_loss=soft offline needs the target's distribution: cache {cache_dir} "
+                              "holds neither the final normed state (layer -1) nor top-k logits")
+        final_at = layers.index(-1) if final_cached else None
         records = []
         for rec in dataset:
             n = min(len(rec["input_ids"]), cfg.data.max_length)
+            hidden = rec["hidden_states"][:, :n]  # (layers, n, H)
             item = {"input_ids": rec["input_ids"][:n], "loss_mask": rec["loss_mask"][:n],
-                    "features": rec["hidden_states"][0, :n]}
+                    "features": hidden[: len(self.layers)].transpose(0, 1)}  # (n, k, H)
+            if final_at is not None:
+                item["final"] = hidden[final_at]
             if "topk_values" in rec:
                 item.update(topk_values=rec["topk_values"][:n], topk_indices=rec["topk_indices"][:n])
             if item["loss_mask"].sum() > 0:
@@ -216,7 +253,6 @@ class DGFRecipe:
                 break
         return records
 
-
     def _collate(self, records: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(r["input_ids"]) for r in records)
         batch = len(records)
@@ -224,51 +260,49 @@ class DGFRecipe:
         attention = torch.zeros((batch, length), dtype=torch.long)
         loss_mask = torch.zeros((batch, length), dtype=torch.long)
         out = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
-        offline = "features" in records[0]
-        if offline:
-            hidden = records[0]["features"].shape[-1]
-            out["features"] = torch.zeros((batch, length, hidden), dtype=torch.float32)
-            if "topk_values" in records[0]:
-                k = records[0]["topk_values"].shape[-1]
-                out["topk_values"] = torch.zeros((batch, length, k), dtype=torch.float32)
-                out["topk_indices"] = torch.zeros((batch, length, k), dtype=torch.long)
+        dense = [key for key in ("features", "final", "topk_values", "topk_indices") if key in records[0]]
+        for key in dense:  # (B, T, ...) zero-padded
+            sample = records[0][key]
+            dtype = torch.long if key == "topk_indices" else torch.float32
+            out[key] = torch.zeros((batch, length, *sample.shape[1:]), dtype=dtype)
         for i, r in enumerate(records):
             n = len(r["input_ids"])
             ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
             attention[i, :n] = 1
             loss_mask[i, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.long)
-            if offline:
-                out["features"][i, :n] = r["features"].float()
-                if "topk_values" in out:
-                    out["topk_values"][i, :n] = r["topk_values"].float()
-                    out["topk_indices"][i, :n] = r["topk_indices"]
+            for key in dense:
+                out[key][i, :n] = r[key].to(out[key].dtype)
         return out
-
 
     @torch.no_grad()
     def _features(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Target features (B, T, H) float32 and the final normed state (B, T, H) for soft targets
-        (None when the soft target comes from cached top-k logits)."""
+        """Target features of the layers read (B, T, k, H) float32 and the final normed state (B, T, H)
+        for soft targets (None when the soft target comes from cached top-k logits)."""
         if "features" in batch:
-            feats = batch["features"]
-            return feats, feats if self.cfg.drafter.feature_layer == -1 else None
+            return batch["features"], batch.get("final")
         out = self.target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                 output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        return (out.hidden_states[self.cfg.drafter.feature_layer].float(), out.hidden_states[-1])
+        layers = torch.stack([out.hidden_states[layer].float() for layer in self.layers], dim=2)
+        return layers, out.hidden_states[-1].float()
 
+    def _target_logprobs(self, final: torch.Tensor) -> torch.Tensor:
+        """The target's next-token log-probabilities from final normed states (N, H), on the draft vocabulary
+        (renormalised there) when there is one."""
+        logits = self.target.model.get_output_embeddings()(final.to(self.target.dtype)).float()
+        if self.vocab is not None:
+            logits = logits[..., self.vocab.draft_to_target.to(logits.device)]
+        return torch.log_softmax(logits, -1)
 
     def _losses(self, batch: dict, steps: int, normalizers: torch.Tensor | None, noise: bool):
         """Per-step (loss, feature loss, token loss, correct top-1, valid) for one micro-batch."""
         cfg = self.cfg
-        device = self.run.device
-        batch = {k: v.to(device) for k, v in batch.items()}
-        feats, final = self._features(batch)
+        batch = {k: v.to(self.run.device) for k, v in batch.items()}
+        layers, final = self._features(batch)  # (B, T, k, H), (B, T, H) or None
         labels = pair_targets(batch["input_ids"], batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
-        inputs = feats[:, :-1]
+        inputs = layers[:, :-1]
         if noise and cfg.loss.input_noise > 0:
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * cfg.loss.input_noise
         preds = self.run.module(inputs, batch["input_ids"][:, 1:], steps)
-        drafter = self.run.unwrapped().drafter
         valid_all = labels != IGNORE_INDEX
         results = []
         for j, pred in enumerate(preds):
@@ -276,23 +310,46 @@ class DGFRecipe:
             valid[:, :j] = False  # a step-j chain needs a true prefix ending at t - j >= 0
             rows, cols = valid.nonzero(as_tuple=True)
             norm = normalizers[j] if normalizers is not None else valid.sum().clamp(min=1)
-            feat_loss = feature_regression_loss(pred[rows, cols], feats[rows, cols + 1], torch.ones_like(rows), norm)
-            logits = drafter.logits(pred[rows, cols])  # (N, V)
-            label = labels[rows, cols]
-            if cfg.loss.token_loss == "hard":
-                token_loss = hard_cross_entropy(logits, label, norm)
-            elif final is not None:
-                with torch.no_grad():
-                    target_logp = torch.log_softmax(drafter.logits(final[rows, cols + 1]), -1)
-                token_loss = soft_cross_entropy(logits, target_logp, torch.ones_like(rows), norm)
-            else:
-                token_loss = topk_soft_cross_entropy(logits, batch["topk_indices"][rows, cols + 1],
-                                                     batch["topk_values"][rows, cols + 1], torch.ones_like(rows), norm)
-            loss = cfg.loss.feature_weight * feat_loss + cfg.loss.token_weight * token_loss
-            correct = (logits.argmax(-1) == label).sum()
-            results.append((loss, feat_loss.detach(), token_loss.detach(), correct, valid.sum()))
+            results.append(self._step_losses(batch, layers, final, pred[rows, cols], labels[rows, cols], rows,
+                                             cols + 1, norm) + (valid.sum(),))
         return results
 
+    def _step_losses(self, batch, layers, final, pred, label, rows, nxt, norm) -> tuple:
+        """(loss, feature loss, token loss, correct) of one unrolled step at the selected pairs; `nxt` =
+        the positions t + 1 whose feature / distribution the pairs predict."""
+        cfg, drafter = self.cfg, self.run.unwrapped().drafter
+        ones = torch.ones_like(rows)
+        feat_loss = pred.new_zeros(())
+        if not self.dgf_config.multi_layer:
+            feat_loss = feature_regression_loss(pred, layers[rows, nxt, 0], ones, norm)
+        logits = drafter.logits(pred)  # (N, V) or (N, draft vocabulary)
+        draft_label = label if self.vocab is None else self.vocab.to_draft(label).masked_fill(
+            self.vocab.to_draft(label) < 0, IGNORE_INDEX)  # a token outside the subset: no CE target
+        if cfg.loss.token_loss == "hard":
+            token_loss = hard_cross_entropy(logits, draft_label, norm)
+        elif final is not None:
+            with torch.no_grad():
+                target_logp = self._target_logprobs(final[rows, nxt])
+            token_loss = soft_cross_entropy(logits, target_logp, ones, norm)
+        else:
+            indices, values, inside = self._topk_on_draft_vocab(batch["topk_indices"][rows, nxt],
+                                                               batch["topk_values"][rows, nxt])
+            token_loss = topk_soft_cross_entropy(logits, indices, values, inside, norm)
+        loss = cfg.loss.feature_weight * feat_loss + cfg.loss.token_weight * token_loss
+        guess = logits.argmax(-1)
+        correct = ((guess if self.vocab is None else self.vocab.to_target(guess)) == label).sum()  # vs every label
+        return loss, feat_loss.detach(), token_loss.detach(), correct
+
+    def _topk_on_draft_vocab(self, indices: torch.Tensor, values: torch.Tensor):
+        """Cached top-k target logits (N, k) -> draft-vocabulary indices, values (-inf outside the subset) and
+        the rows that keep at least one token."""
+        if self.vocab is None:
+            return indices, values, torch.ones(indices.shape[0], device=indices.device)
+        draft = self.vocab.to_draft(indices)
+        values = values.masked_fill(draft < 0, float("-inf"))
+        inside = (draft >= 0).any(-1)
+        values = torch.where(inside[:, None], values, torch.zeros_like(values))  # empty rows: masked below
+        return draft.clamp(min=0), values, inside.float()
 
     def _pair_counts(self, batches: list[dict]) -> torch.Tensor:
         """Valid pairs per unrolled step of the whole optimizer step, all processes: (steps,)."""
@@ -362,7 +419,7 @@ class DGFRecipe:
         cfg, run = self.cfg, self.run
         data = cfg.data.feature_cache if cfg.data.mode == "offline" else cfg.data.source
         save_dgf(run.unwrapped().drafter, directory,
-                 target_block(self.target, cfg.target, self.dgf_config.feature_layers, cfg.dtype),
+                 target_block(self.target, cfg.target, self.dgf_config.layers_read, cfg.dtype),
                  training={"steps": run.step, "samples_seen": run.samples_seen, "mode": cfg.data.mode, "data": data,
                            "loss": config_to_dict(cfg.loss)},
                  eval={"before": run.first_eval, "after": run.last_eval})

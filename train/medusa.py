@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -34,6 +35,7 @@ from draftsmith.data.records import collate, load_records, split_heldout
 from draftsmith.eval.drafters.medusa import MedusaDrafter
 from draftsmith.models.artifacts import save_medusa, target_block
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
+from draftsmith.models.vocab import DraftVocab
 from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss,
@@ -50,6 +52,11 @@ class HeadsConfig:
     num_layers: int = option(1, "ResBlocks per head", ge=0)
     train_lm_head: bool = option(True, "train each head's LM head (false: frozen copies of the target's; large "
                                        "vocabularies then need no optimizer state there)")
+    draft_vocab: str | None = option(None, "a data.draft_vocab directory: the heads score only that subset")
+    head: Literal["own", "slice"] = option("own", "own: an output layer per head (draft vocabulary rows of the "
+                                                  "target's, trained unless train_lm_head=false); slice: one frozen "
+                                                  "slice of the target's LM head shared by the heads (only indices "
+                                                  "saved)")
 
 
 @dataclass
@@ -139,13 +146,17 @@ class MedusaTrainModule(nn.Module):
         return head_logits, target_logits, teacher
 
 
-def build_heads(cfg: MedusaRecipeConfig, model, device) -> MedusaHeads:
-    """Heads (float32) initialised from the target's LM head; frozen LM heads when not trained."""
+def build_heads(cfg: MedusaRecipeConfig, model, device, vocab: DraftVocab | None) -> MedusaHeads:
+    """Heads (float32) initialised from the target's LM head (its draft-vocabulary rows); frozen output
+    layers when not trained."""
     config = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
-                          num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers)
+                          num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers,
+                          draft_vocab_size=vocab.size if vocab else None, head=cfg.heads.head)
     heads = MedusaHeads(config).to(device)
+    if vocab is not None:
+        heads.set_vocab(vocab)
     heads.init_lm_heads(model.get_output_embeddings().weight)
-    if not cfg.heads.train_lm_head:  # re-initialised identically from the target on resume
+    if not cfg.heads.train_lm_head and cfg.heads.head == "own":  # re-initialised identically on resume
         for head in heads.medusa_head:
             head[-1].weight.requires_grad_(False)
     return heads
@@ -180,7 +191,8 @@ class MedusaRecipe:
                                                                  cfg.data.max_heldout)
         run.log.info("data: %d train / %d held-out records from %s", len(self.train_records),
                      len(self.heldout_records), cfg.data.source)
-        heads = build_heads(cfg, model, run.device)
+        self.vocab = DraftVocab.load(cfg.heads.draft_vocab) if cfg.heads.draft_vocab else None
+        heads = build_heads(cfg, model, run.device, self.vocab)
         model.requires_grad_(False)
         param_groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
         if cfg.medusa2.enabled:
@@ -191,7 +203,8 @@ class MedusaRecipe:
         run.setup_optimizer(MedusaTrainModule(model, heads, train_target=cfg.medusa2.enabled), param_groups, holds)
 
     def _forward(self, batch, want_logits: bool):
-        """Labels and logits of one batch on the run's device."""
+        """Labels and logits of one batch on the run's device: labels (K, N) in the heads' vocabulary
+        (a token outside the draft vocabulary: IGNORE), and how many labels each head has in all."""
         k = self.cfg.heads.num_heads
         batch = {name: t.to(self.run.device) for name, t in batch.items()}
         labels = medusa_labels(batch["input_ids"], batch["loss_mask"], k)  # (K, B, T)
@@ -199,7 +212,13 @@ class MedusaRecipe:
         want_teacher = self.cfg.loss.distill_weight > 0
         head_logits, target_logits, teacher = self.run.module(batch["input_ids"], batch["attention_mask"], rows,
                                                               cols, want_logits, want_teacher)
-        return batch, labels[:, rows, cols], head_logits, target_logits, teacher
+        labels = labels[:, rows, cols]
+        all_labels = (labels != IGNORE_INDEX).sum(1)  # (K,): accuracy counts a token outside the subset as a miss
+        if self.vocab is not None:
+            draft = self.vocab.to_draft(labels.clamp(min=0))
+            labels = torch.where((labels != IGNORE_INDEX) & (draft >= 0), draft, IGNORE_INDEX)
+            teacher = None if teacher is None else teacher[..., self.vocab.draft_to_target.to(teacher.device)]
+        return batch, labels, head_logits, target_logits, teacher, all_labels
 
     def _token_counts(self, batches: list[dict]) -> torch.Tensor:
         """Valid tokens per head (+ LM) of the whole optimizer step, all processes: (K + 1,)."""
@@ -221,7 +240,7 @@ class MedusaRecipe:
         def backward_one(batch) -> torch.Tensor:
             if not medusa2:
                 run.unwrapped().target.eval()
-            batch, labels, head_logits, target_logits, teacher = self._forward(batch, want_logits=medusa2)
+            batch, labels, head_logits, target_logits, teacher, _ = self._forward(batch, want_logits=medusa2)
             out = medusa_loss(head_logits, labels, self.weights, teacher, cfg.loss.distill_weight,
                               cfg.loss.distill_temperature, normalizer=norm[:-1])
             loss, lm = out.loss, torch.zeros((), device=run.device)
@@ -252,14 +271,15 @@ class MedusaRecipe:
         k, max_rank = cfg.heads.num_heads, cfg.eval.max_rank
         run.module.eval()
         hits = torch.zeros(k, max_rank, dtype=torch.long, device=run.device)
-        sums = torch.zeros(2 * k + 2, dtype=torch.float64, device=run.device)  # ce_k, tokens_k, lm ce, lm tokens
+        sums = torch.zeros(3 * k + 2, dtype=torch.float64, device=run.device)  # ce_k, tokens_k, lm ce, lm tokens, labels_k
         size = cfg.eval.batch_size
         starts = list(range(0, len(self.heldout_records), size))
         for start, real in even_shard(starts, run.accelerator.process_index, run.world):
             batch = collate(self.heldout_records[start:start + size], self.pad_id)
-            batch, labels, head_logits, target_logits, _ = self._forward(batch, want_logits=True)
+            batch, labels, head_logits, target_logits, _, all_labels = self._forward(batch, want_logits=True)
             if not real:
                 continue
+            sums[2 * k + 2:] += all_labels.double()
             hits += rank_hits(head_logits, labels, max_rank)
             out = medusa_loss(head_logits, labels, self.weights)
             sums[:k] += out.head_ce.double()
@@ -273,7 +293,7 @@ class MedusaRecipe:
     def _eval_metrics(self, hits: torch.Tensor, sums: torch.Tensor) -> dict:
         k, topk = self.cfg.heads.num_heads, self.cfg.eval.topk
         tokens = sums[k:2 * k].clamp(min=1)
-        rank_acc = (hits.double() / tokens[:, None]).tolist()
+        rank_acc = (hits.double() / sums[2 * k + 2:].clamp(min=1)[:, None]).tolist()  # over every label
         ce = sums[:k] / tokens
         metrics = {"eval/lm_loss": float(sums[2 * k] / sums[2 * k + 1].clamp(min=1)),
                    "eval/tokens": int(sums[k:2 * k].max()),
@@ -287,7 +307,7 @@ class MedusaRecipe:
 
     def drafter(self) -> MedusaDrafter:
         """The heads as the decoder's drafter (the default tree), for tau at evaluation."""
-        return MedusaDrafter(self.run.unwrapped().heads)
+        return MedusaDrafter(self.run.unwrapped().heads)  # draft-vocabulary ids mapped by the drafter
 
     def write_final(self, directory: Path) -> None:
         cfg, run = self.cfg, self.run

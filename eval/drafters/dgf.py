@@ -33,6 +33,7 @@ from draftsmith.eval.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
 from draftsmith.models.compiled import CompiledDGFEngine, CompileSettings
 from draftsmith.models.dgf import DGFModel, EagerDGFEngine
+from draftsmith.models.vocab import DraftVocab
 
 
 DGF_DEPTH, DGF_TOPK = 7, 10  # Dovetail's dynamic tree: depth 7, top-k 10 (and g = TREE_BUDGET = 16)
@@ -53,7 +54,8 @@ class DGFDrafter(Drafter):
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
         self.depth, self.topk, self.budget = depth, topk, budget
         self.cap_at_budget = True  # greedy: cap depth and top-k at g (same tree; False only for tests)
-        self.hidden_layers = (model.config.feature_layer,)
+        self.hidden_layers = tuple(model.config.layers_read)
+        self.vocab = model.draft_vocab  # None: the drafter scores the full vocabulary
         self.name = name or f"dgf-{model.config.fusion}-m{model.config.num_blocks}"
         self.cache = None
         self.features: list[torch.Tensor] = []  # committed target features, chunks of (m, H)
@@ -70,8 +72,10 @@ class DGFDrafter(Drafter):
         self.cache = self.engine.new_cache()
         self.features, self.num_features, self.fed = [], 0, 0
 
+    @torch.inference_mode()
     def observe(self, tokens, hidden):
-        feature = hidden[self.hidden_layers[0]]  # (m, H)
+        layers = torch.stack([hidden[layer].to(self.device) for layer in self.hidden_layers], -2)  # (m, k, H)
+        feature = self.model.fuse_layers(layers)  # (m, H): the layer itself, or EAGLE-3's fused feature
         self.features.append(feature.to(self.device, self.model.dtype))
         self.num_features += feature.shape[0]
 
@@ -109,7 +113,7 @@ class DGFDrafter(Drafter):
             # kept node has depth <= g, lies in the top g of its level and among its parent's top g
             # children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper.
             k, depth = min(k, self.budget), min(depth, self.budget)
-        growth = Growth(self.device, root_feature, self.budget)
+        growth = Growth(self.device, root_feature, self.budget, self.vocab)
         if sampling is None:
             growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], torch.zeros(1, device=self.device), k)
         else:
@@ -145,8 +149,8 @@ class DGFDrafter(Drafter):
 class Growth:
     """A dynamic draft tree under construction: its levels of nodes and the expanded nodes' cache entries."""
 
-    def __init__(self, device: torch.device, root_feature: torch.Tensor, budget: int):
-        self.device = device
+    def __init__(self, device: torch.device, root_feature: torch.Tensor, budget: int, vocab: DraftVocab | None = None):
+        self.device, self.vocab = device, vocab  # vocab: logits score a draft vocabulary (ids mapped here)
         self.tokens: list[torch.Tensor] = []  # per level: (n_level,) tokens
         self.parents: list[torch.Tensor] = []  # per level: (n_level,) global parent ids (-1 = root)
         self.scores: list[torch.Tensor] = []  # per level: (n_level,) cumulative log-probs
@@ -174,7 +178,10 @@ class Growth:
         """The top-k children of each node (logp (n, V) its next-token log-probs, base (n,) its score)."""
         top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # (n, k)
         parents = torch.tensor(nodes, device=self.device).repeat_interleave(top.indices.shape[1])
-        self.add_level(top.indices.reshape(-1), parents, (base[:, None] + top.values).reshape(-1))
+        self.add_level(self._target_ids(top.indices.reshape(-1)), parents, (base[:, None] + top.values).reshape(-1))
+
+    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.vocab is None else self.vocab.to_target(ids)
 
     def sampled_children(self, nodes: list[int], logits: torch.Tensor, base: torch.Tensor, k: int,
                          sampling: Sampling, generator) -> None:
@@ -187,10 +194,10 @@ class Growth:
             probs = sampling.probs(logits[i])
             children, q = draw_children(probs, min(k, self.budget_left), sampling, generator)
             self.budget_left -= children.numel()
-            tokens.append(children)
+            tokens.append(self._target_ids(children))
             scores.append(base[i] + torch.log(probs[children].clamp(min=1e-30)))
             parents.append(torch.full_like(children, nodes[i]))
-            self.rows.append(q)
+            self.rows.append(q if self.vocab is None else self.vocab.scatter(q))
         self.add_level(torch.cat(tokens), torch.cat(parents), torch.cat(scores))
 
     def reach_rows(self, level_parents: list[int]) -> torch.Tensor:

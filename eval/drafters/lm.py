@@ -10,6 +10,11 @@ time), then drafts:
          cumulative log-probability are expanded next, for `depth` levels. Greedy then keeps
          the best `budget` nodes overall (re-ranking). Sampling keeps every drawn node, since
          dropping drawn siblings by their value would bias verification.
+
+With a draft vocabulary (`vocab`, models.vocab.DraftVocab) the small model's LM head scores only the
+subset (a frozen slice of its own head, made at load time: `models.vocab.with_sliced_head`); drafted
+ids are mapped back to target ids and the q rows scattered onto the full vocabulary, so verification
+is unchanged.
 """
 
 from __future__ import annotations
@@ -20,16 +25,23 @@ from transformers import PreTrainedModel
 from draftsmith.eval.drafters.base import CHAIN_BUDGET, Drafter, Sampling, draw_children
 from draftsmith.eval.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
 from draftsmith.models.target import TargetModel
+from draftsmith.models.vocab import DraftVocab, with_sliced_head
 
 
 class LMDrafter(Drafter):
     def __init__(self, model: PreTrainedModel | TargetModel, tokenizer=None, mode: str = "chain",
                  budget: int = CHAIN_BUDGET, depth: int = 4, topk: int = 4, beam: int | None = None,
-                 name: str | None = None):
+                 name: str | None = None, vocab: DraftVocab | None = None):
         if mode not in ("chain", "tree"):
             raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
         self.lm = model if isinstance(model, TargetModel) else None  # a given engine (e.g. compiled) is kept
         self.model = (model.model if self.lm is not None else model).eval()
+        self.vocab = vocab
+        if vocab is not None and self.model.get_output_embeddings().weight.shape[0] != vocab.size:
+            if self.lm is not None:
+                raise ValueError("slice the LM head before building the drafter's engine "
+                                 "(models.vocab.with_sliced_head), or pass the model itself")
+            self.model = with_sliced_head(self.model, vocab)
         self.tokenizer = tokenizer if tokenizer is not None or self.lm is None else self.lm.tokenizer
         self.mode, self.budget = mode, budget
         self.depth, self.topk, self.beam = depth, topk, beam or topk
@@ -72,11 +84,19 @@ class LMDrafter(Drafter):
         self.lm.truncate(self.cache, len(context_list))  # drop the tree slots; keep the committed context
         return tree
 
+    def _draw(self, probs: torch.Tensor, count: int, sampling, generator) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor | None]:
+        """(draft-space ids, target ids, q rows over the target vocabulary or None) of `count` children."""
+        children, q = draw_children(probs, count, sampling, generator)
+        if self.vocab is None:
+            return children, children, q
+        return children, self.vocab.to_target(children), None if q is None else self.vocab.scatter(q)
+
     def _chain(self, logits, sampling, generator) -> DraftTree:
         tokens, rows = [], []
         for step in range(self.budget):
             probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
-            token, q = draw_children(probs, 1, sampling, generator)
+            _, token, q = self._draw(probs, 1, sampling, generator)
             tokens.append(int(token[0]))
             if q is not None:
                 rows.append(q[0])
@@ -94,13 +114,13 @@ class LMDrafter(Drafter):
             new_nodes = []
             for parent, logits in expand:
                 probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
-                children, q = draw_children(probs, self.topk, sampling, generator)
+                children, targets, q = self._draw(probs, self.topk, sampling, generator)
                 base = 0.0 if parent < 0 else scores[parent]
-                for i, token in enumerate(children.tolist()):
+                for i, (child, token) in enumerate(zip(children.tolist(), targets.tolist())):
                     new_nodes.append(len(tokens))
                     tokens.append(token)
                     parents.append(parent)
-                    scores.append(base + float(torch.log(probs[token].clamp(min=1e-30))))
+                    scores.append(base + float(torch.log(probs[child].clamp(min=1e-30))))
                     if q is not None:
                         rows.append(q[i])
             if level + 1 == self.depth:

@@ -27,6 +27,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, paths: list[list[int]] | None = None, name: str = "medusa"):
         self.heads = heads.eval()
+        self.vocab = heads.draft_vocab  # None: the heads score the full vocabulary
         self.name = name
         if paths is None:  # the default tree, cut to the depth these heads can fill
             paths = [path for path in DEFAULT_MEDUSA_PATHS if len(path) <= heads.config.num_heads]
@@ -62,6 +63,9 @@ class MedusaDrafter(Drafter):
             if rows is not None:
                 rows.append(q[rank])
         probs = torch.stack(rows).to(device) if rows else None
+        if self.vocab is not None:  # draft-vocabulary ids -> target ids, q rows onto the full vocabulary
+            tokens = self.vocab.to_target(tokens)
+            probs = None if probs is None else self.vocab.scatter(probs)
         return DraftTree(tokens.to(device), self.parents.to(device), self.depths.to(device), probs)
 
 
