@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 from draftsmith.config import command_parser, option, parse_command
 from draftsmith.data.sources import load_source
-from draftsmith.errors import exit_with
+from draftsmith.errors import UserError, exit_with
 from draftsmith.models.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ def render_and_mask(
     template (e.g. ``enable_thinking=False``).
     """
     if strategy not in ("auto", "prefix", "generation"):
-        raise ValueError(f"unknown strategy {strategy!r}; valid: auto, prefix, generation")
+        raise UserError(f"unknown strategy {strategy!r}; valid: auto, prefix, generation")
     ids: list[int]
     mask: list[int]
     if strategy in ("auto", "prefix"):

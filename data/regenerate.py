@@ -60,7 +60,7 @@ from draftsmith.data.shards import (ShardLedger, chunk, fingerprint, parse_job_c
 from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, load_source
 from draftsmith.errors import exit_with
 from draftsmith.fileio import atomic_write
-from draftsmith.models.target import TargetModel, resolve_dtype
+from draftsmith.models.target import TargetModel, load_model_config, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -358,6 +358,8 @@ def regenerate(
     convs = list(records) if records is not None else load_source(cfg.source, limit=cfg.limit)
     convs = convs[: cfg.limit] if records is not None and cfg.limit is not None else convs
     out = Path(cfg.output_dir)
+    if target is None:
+        load_model_config(cfg.target)  # a bad model name fails before anything is written
     ledger = ShardLedger(out, rank, world, regen_plan(cfg, convs, records is not None))
     ledger.start()
     mine = rank_items(len(convs), rank, world)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from draftsmith.data.shards import IncompleteDataError, incomplete_message, read_job_index
+from draftsmith.errors import UserError
 from draftsmith.models.zoo import draftsmith_cache
 
 log = logging.getLogger(__name__)
@@ -462,12 +463,12 @@ def _hf_columns(columns: Mapping[str, str] | None, available: list[str]) -> dict
     if columns is not None:
         unknown = set(columns) - set(HF_SLOTS)
         if unknown:
-            raise ValueError(f"unknown column-mapping key(s) {sorted(unknown)}; valid keys: {list(HF_SLOTS)}")
+            raise UserError(f"unknown column-mapping key(s) {sorted(unknown)}; valid keys: {list(HF_SLOTS)}")
         missing = {k: v for k, v in columns.items() if v not in available}
         if missing:
-            raise ValueError(f"column(s) {missing} not in the dataset; available columns: {available}")
+            raise UserError(f"column(s) {missing} not in the dataset; available columns: {available}")
         if "prompt" not in columns and "messages" not in columns:
-            raise ValueError(f"column mapping needs 'prompt' or 'messages'; got {dict(columns)}")
+            raise UserError(f"column mapping needs 'prompt' or 'messages'; got {dict(columns)}")
         return dict(columns)
     mapping: dict[str, str] = {}
     for slot, names in _HF_AUTO.items():
@@ -480,7 +481,7 @@ def _hf_columns(columns: Mapping[str, str] | None, available: list[str]) -> dict
     if "prompt" in mapping and mapping["prompt"] == "instruction" and "input" in available:
         mapping["alpaca_input"] = "input"  # internal: Alpaca-style instruction + input
     if "prompt" not in mapping and "messages" not in mapping:
-        raise ValueError(
+        raise UserError(
             f"cannot guess the prompt column from {available}; pass columns={{'prompt': <column>, ...}} "
             f"(valid keys: {list(HF_SLOTS)})"
         )
@@ -495,7 +496,7 @@ def _open_hf_dataset(name_or_path: str, split: str, config: str | None, **load_k
     if p.is_file():
         builder = {".json": "json", ".jsonl": "json", ".gz": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix)
         if builder is None:
-            raise ValueError(f"hf: cannot infer a loader for file {p} (use .json/.jsonl/.parquet/.csv)")
+            raise UserError(f"hf: cannot infer a loader for file {p} (use .json/.jsonl/.parquet/.csv)")
         return datasets.load_dataset(builder, data_files=str(p), split="train", **load_kwargs)
     if p.is_dir() and (p / "dataset_info.json").exists():  # Dataset.save_to_disk
         return datasets.load_from_disk(str(p))
@@ -825,10 +826,10 @@ def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if isinstance(spec, Mapping):
         kwargs = dict(spec)
         if "kind" not in kwargs:
-            raise ValueError(f"source dict needs a 'kind' key; {source_usage()}")
+            raise UserError(f"source dict needs a 'kind' key; {source_usage()}")
         return str(kwargs.pop("kind")), kwargs
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"source spec must be a non-empty str or dict, got {spec!r}; {source_usage()}")
+        raise UserError(f"source spec must be a non-empty str or dict, got {spec!r}; {source_usage()}")
     kind, _, rest = spec.partition(":")
     kind = _ALIASES.get(kind, kind)
     if kind not in SOURCE_KINDS:
@@ -837,7 +838,7 @@ def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     kwargs: dict[str, Any] = {}
     if rest:
         if first_arg is None:
-            raise ValueError(f"source {spec!r}: kind {kind!r} takes no argument; {source_usage()}")
+            raise UserError(f"source {spec!r}: kind {kind!r} takes no argument; {source_usage()}")
         if kind == "hf":
             name, _, split = rest.partition(":")
             kwargs["name_or_path"] = name
@@ -862,12 +863,12 @@ def load_source(spec: str | Mapping[str, Any], limit: int | None = None) -> list
         hint = ""
         if isinstance(spec, str) and Path(spec).expanduser().exists():
             hint = f" (it looks like a path: prefix it with a kind, e.g. 'sharegpt:{spec}' or 'jsonl:{spec}')"
-        raise ValueError(f"unknown source kind {kind!r} in {spec!r}{hint}; {source_usage()}")
+        raise UserError(f"unknown source kind {kind!r} in {spec!r}{hint}; {source_usage()}")
     loader, _, usage = SOURCE_KINDS[kind]
     params = inspect.signature(loader).parameters
     unknown = [k for k in kwargs if k not in params]
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"source {spec!r}: unknown argument(s) {unknown} for kind {kind!r}; valid: {list(params)} (usage: {usage})"
         )
     if limit is not None:

@@ -22,7 +22,8 @@ Temperature > 0: outputs are random, so they are not compared token by token; `p
 sampling (distributed exactly as the target's sampling: tests/test_decoder_sampling.py), and the
 speedup is a ratio of tokens/s.
 
-Outputs in `output_dir` (refused when it holds an earlier run, unless --overwrite): bench.json
+Outputs in `output_dir` (refused when it holds a finished run, unless --overwrite): progress.jsonl
+(each conversation's results as it finishes; a re-run of the same config continues from it), bench.json
 (config, machine, summary with per-suite/per-category/per-turn breakdowns, per-prompt rows with
 every method's tokens, policy state), bench.md (tables), PNG plots (eval.report), and with
 `wandb=true` a W&B run (offline when there is no network).
@@ -47,6 +48,7 @@ from draftsmith.config import ConfigError, check_config, command_parser, config_
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
+from draftsmith.eval.bench_progress import Progress
 from draftsmith.eval.decoder import DecodeConfig, DecodeStats, Method
 from draftsmith.eval.latency import cpu_model
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, methods_help, parse_method
@@ -422,11 +424,13 @@ def prepare_engines(context: BuildContext, progress: bool) -> dict:
 
 
 def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft: TargetModel | None = None,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, overwrite: bool = False) -> dict:
     """Run every method on every prompt (and turn) of every suite, interleaved per prompt.
 
     `target` / `draft`: already-loaded TargetModels (e.g. tiny in-process models in tests); else
-    loaded from config.target / config.draft."""
+    loaded from config.target / config.draft. With an output_dir, each finished conversation is
+    written to progress.jsonl and a re-run of the same config continues from it (eval.bench_progress)."""
+    saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target, draft = load_models(config, target, draft)
     records = [(suite, conv) for suite in config.suites
                for conv in select_conversations(suite, config.num_prompts, config.seed)]
@@ -446,13 +450,20 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     total = sum(num_turns(conv, config.turns) for _, conv in records)
     with tqdm(total=total, desc="bench", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
         for suite, conv in records:
+            key = f"{suite}/{conv.id}"
+            if saved.restore(key, state):
+                bar.update(num_turns(conv, config.turns))
+                continue
+            before = saved.snapshot(state)
             run_conversation(state, suite, conv, bar)
+            saved.append(key, state, before)
     if hasattr(os, "getloadavg"):
         machine["load_average_at_end"] = os.getloadavg()
     policies = {label: info for label, method in methods.items() if (info := method.summary())}
     return {"config": config_to_dict(config), "machine": machine, "compile": compile_report,
             "models": {"target": target.name or config.target, "draft": (draft.name or config.draft) if draft else None},
             "suites": list(config.suites), "summary": summarize(state), "policies": policies,
+            "resumed_conversations": saved.restored,
             "compiled_vs_hf": [dict(row["compiled_vs_hf"], id=row["id"], turn=row["turn"]) for row in state.rows
                                if "compiled_vs_hf" in row],
             "per_prompt": state.rows}
@@ -502,7 +513,7 @@ def parse_config(argv: list[str]):
 def main(argv: list[str]) -> dict:
     config, flags = parse_config(argv)
     check_output_dir(config, flags.overwrite)
-    results = run_benchmark(config)
+    results = run_benchmark(config, overwrite=flags.overwrite)
     print(format_table(results))
     written = write_outputs(results, config)
     if written:

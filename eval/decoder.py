@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -93,6 +93,15 @@ class DecodeStats:
     @property
     def draft_ms_per_round(self) -> float:
         return 1000 * self.draft_s / self.verify_forwards if self.verify_forwards else 0.0
+
+    COUNTERS = ("accepted_hist", "depth_attempts", "depth_accepts")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DecodeStats":
+        """The inverse of to_dict (derived entries such as tau are recomputed, not read)."""
+        known = {item.name for item in fields(cls)}
+        return cls(**{name: Counter({int(k): v for k, v in value.items()}) if name in cls.COUNTERS else value
+                      for name, value in data.items() if name in known})
 
     def merge(self, other: "DecodeStats") -> None:
         for name, value in vars(other).items():

@@ -53,7 +53,7 @@ in EAGLE. The target's embedding and LM head are referenced (`attach_target`), n
 as submodules, so they are neither trained nor saved.
 
 On disk: `models.artifacts.save_dgf` / `load_dgf` (dgf.safetensors + config.json + manifest.json);
-EAGLE's checkpoint layout: `models.exports.export_eagle` / `load_eagle` (`fusion: linear`).
+EAGLE-1/2 and EAGLE-3 layouts: models.eagle_layouts (via models.exports.export_dgf).
 """
 
 from __future__ import annotations

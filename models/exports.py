@@ -33,15 +33,37 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.errors import UserError
-from draftsmith.models.artifacts import (ACCURACY_FILE, CONFIG_FILE, float_state, load_dgf, load_medusa_heads,
+from draftsmith.models.artifacts import (ACCURACY_FILE, load_dgf, load_medusa_heads,
                                          load_weights, manifest_layers, read_json, read_student_manifest,
                                          save_dgf)
-from draftsmith.models.dgf import DROP_CONFIG_KEYS, DGFConfig, DGFModel
+from draftsmith.models import eagle_layouts
+from draftsmith.models.dgf import DGFModel
 from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths, load_rank_accuracy
 from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
+from draftsmith.models.zoo import REGISTRY
 
 EXPORT_MANIFEST = "export_manifest.json"
-EAGLE_WEIGHTS = "model.safetensors"
+MODEL_CARD = "README.md"
+ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+LAYOUT_NAMES = {"eagle": "eagle", "speculators": "speculators-eagle3", "sglang": "sglang-eagle3",
+                "dgf": "draftsmith.dgf"}
+# Which consumer's own code loads each layout in the tests (tests/test_consumers.py) and which is only
+# checked key by key against its loader's source (servers that cannot run on a CPU-only machine).
+CONSUMERS = {
+    "eagle": {"loaded": ["eagle-llm (PyPI): eagle.model.cnets.Model, outputs compared"],
+              "checked": ["SGLang models/llama_eagle.py + qwen2_eagle.py (architectures, fc.bias)",
+                          "vLLM models/llama_eagle.py (EagleLlamaForCausalLM; has no fc bias: exact only for a "
+                          "drafter trained with drafter.fusion_bias=false)",
+                          "EAGLE GitHub eagle/model/cnets1.py (rope_theta, qkv_bias)"]},
+    "speculators": {"loaded": ["speculators (PyPI): Eagle3DraftModel.from_pretrained, logits compared"],
+                    "checked": ["vLLM speculators config path (speculators_model_type eagle3)"]},
+    "sglang": {"loaded": [], "checked": ["SGLang models/llama_eagle3.py LlamaForCausalLMEagle3 (weight names, "
+                                         "draft_vocab_size, eagle_config)"]},
+    "dgf": {"loaded": ["draftsmith (models.artifacts.load_dgf)"], "checked": []},
+    "medusa": {"loaded": ["medusa-llm (PyPI): medusa.model.medusa_model.MedusaModel heads, logits compared"],
+               "checked": ["FasterDecoding GitHub medusa_model.py (medusa_lm_head.safetensors)", "TGI medusa loader"]},
+    "student": {"loaded": ["transformers AutoModelForCausalLM + generate(assistant_model=...)"], "checked": []},
+}
 EXPORT_FORMAT = "draftsmith.export/1"
 MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_FD_CONFIG = "config.json"
@@ -101,6 +123,33 @@ def _finish(tmp: Path, out_dir: Path, manifest: dict, reference: torch.Tensor, r
     return ExportResult(out_dir, manifest)
 
 
+def hub_id(name: str | None) -> str | None:
+    """The hub id a serving engine resolves for a zoo name (other names are returned as they are)."""
+    entry = REGISTRY.get(name or "")
+    return entry.hub_id if entry is not None and entry.hub_id else name
+
+
+def write_model_card(directory: Path, manifest: dict, source_manifest: dict | None = None) -> None:
+    """README.md: what the export is, for which target, how each consumer loads it, how it was checked."""
+    target, consumers = manifest["target"], manifest.get("consumers", {})
+    lines = [f"# draftsmith {manifest['kind']} drafter ({manifest['layout']} layout)", "",
+             f"- target: `{target.get('hub_id') or target.get('name')}` (draftsmith name `{target.get('name')}`, "
+             f"vocab {target.get('vocab_size')}, hidden layers read {target.get('hidden_layers')})",
+             "- weights: safetensors, float32; trained against the draftsmith zoo copy of the target (its GGUF "
+             "quantisation, dequantised): against the upstream checkpoint acceptance can be a little lower, "
+             "the output is unchanged (verification is lossless)"]
+    training = (source_manifest or {}).get("training") or (source_manifest or {}).get("data")
+    if training:
+        lines.append(f"- training: `{json.dumps(training, default=str)[:400]}`")
+    lines += ["", "## Loaded by", ""] + [f"- {item}" for item in consumers.get("loaded", [])]
+    if consumers.get("checked"):
+        lines += ["", "## Checked against the loader's source (not run here)", ""]
+        lines += [f"- {item}" for item in consumers["checked"]]
+    lines += ["", f"Parity: {json.dumps(manifest.get('parity', {}), default=str)}", "",
+              "Produced by `python scripts/export.py` (draftsmith); `export_manifest.json` has the details.", ""]
+    (directory / MODEL_CARD).write_text("\n".join(lines))
+
+
 def read_export_manifest(path: str | Path) -> dict:
     file = Path(path) / EXPORT_MANIFEST
     if not file.is_file():
@@ -140,6 +189,23 @@ def _load_hf_model(path: str, dtype: torch.dtype):
         raise
 
 
+def readable_by_transformers4(directory: Path) -> None:
+    """transformers 5 writes `rope_parameters` only and the tokenizer class `TokenizersBackend`; readers on
+    transformers 4 (inside `>=4.56`) then use rope_theta 10000 and fail on the tokenizer. Add the top-level
+    rope keys and name the fast-tokenizer class both versions know."""
+    config_file, tokenizer_file = directory / "config.json", directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("rope_parameters"):
+        rope = eagle_layouts.transformers4_rope(config)
+        config.update(rope_theta=rope["rope_theta"], rope_scaling=rope["rope_scaling"])
+        config_file.write_text(json.dumps(config, indent=2))
+    if tokenizer_file.is_file():
+        tokenizer_config = json.loads(tokenizer_file.read_text())
+        if tokenizer_config.get("tokenizer_class") == "TokenizersBackend":
+            tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            tokenizer_file.write_text(json.dumps(tokenizer_config, indent=2))
+
+
 def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: str = "float32",
                    tree: dict | None = None, tolerance: float = 0.0, check_assisted: bool = True) -> ExportResult:
     """A distilled (or any) student -> plain HF directory. `source`: a HF model dir / zoo name or a
@@ -173,6 +239,7 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
         model.generation_config.eos_token_id = target.model.generation_config.eos_token_id
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    readable_by_transformers4(tmp)
 
     reloaded = _load_hf_model(str(tmp), torch_dtype)
     ids = _parity_ids(model.config.vocab_size)
@@ -198,6 +265,9 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
             raise ParityError("the target's greedy output with the exported student as assistant_model differs from "
                               "its plain greedy output")
         manifest["parity"]["assisted_generate"] = "greedy output with assistant_model == plain greedy (12 tokens)"
+    manifest["target"]["hub_id"] = hub_id(target_name)
+    manifest["consumers"] = CONSUMERS["student"]
+    write_model_card(tmp, manifest, distilled)
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"student {source_path}")
 
 
@@ -233,26 +303,58 @@ def load_fasterdecoding_medusa(path: str | Path):
     return heads.eval(), config
 
 
-def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
-                  tolerance: float = 0.0) -> ExportResult:
-    """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
-    to write (default: the target name in the manifest). The manifest records the Medusa choices
-    built from the saved head accuracies (models.medusa.arca_paths) when they are there."""
-    source = Path(source)
-    heads, source_manifest = load_medusa_heads(source)
+def _check_medusa_exportable(source: Path, heads: MedusaHeads, source_manifest: dict) -> None:
+    """FasterDecoding's head cannot carry a LoRA adapter, several distinct ResBlocks or a draft vocabulary."""
+    config = heads.config
     if source_manifest.get("target_adapter"):
         raise UserError(f"{source} holds Medusa-2 heads trained with a LoRA adapter on the target; the FasterDecoding "
                          "head file cannot carry it: merge the adapter into the base model and export that model too")
+    if config.num_layers > 1:
+        raise UserError(f"{source}: heads.num_layers={config.num_layers}; FasterDecoding builds a head from ONE ResBlock "
+                         "repeated ([ResBlock(h)] * n shares its weights), so these heads would load and compute "
+                         "something else: export heads trained with heads.num_layers=1")
+    if getattr(config, "draft_vocab_size", None):
+        raise UserError(f"{source}: the heads score a draft vocabulary of {config.draft_vocab_size} tokens; "
+                         "FasterDecoding's head is a full-vocabulary Linear: export heads trained without "
+                         "heads.draft_vocab (draftsmith's own checkpoint keeps the reduced head)")
+
+
+def _save_tokenizer(name: str | None, out: Path) -> bool:
+    """The target's tokenizer beside the heads (FasterDecoding and TGI load it from the directory)."""
+    try:
+        local = Path(resolve_model_path(str(name)))
+    except UserError:
+        return False
+    if not local.is_dir():  # a hub id: never looked up from here (the engine resolves it itself)
+        return False
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local))
+    except (OSError, ValueError):
+        return False
+    tokenizer.save_pretrained(str(out))
+    return True
+
+
+def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
+                  tolerance: float = 0.0) -> ExportResult:
+    """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
+    to write (default: the hub id of the manifest's target). The manifest records the Medusa choices
+    built from the saved head accuracies (models.medusa.arca_paths) when they are there."""
+    source = Path(source)
+    heads, source_manifest = load_medusa_heads(source)
+    _check_medusa_exportable(source, heads, source_manifest)
     config = heads.config
     out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
     target = source_manifest["target"]
     state = {name: t.detach().float().contiguous() for name, t in heads.medusa_head.state_dict().items()}
-    save_file(state, str(tmp / MEDUSA_FD_WEIGHTS), metadata={"format": "pt"})
+    save_file(state, str(tmp / MEDUSA_FD_WEIGHTS), metadata=eagle_layouts.tensor_metadata(
+        producer="draftsmith", layout="fasterdecoding-medusa", target=hub_id(target.get("name"))))
     fd_config = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
-                 "base_model_name_or_path": base_model or target.get("name"),
+                 "base_model_name_or_path": base_model or hub_id(target.get("name")),
                  "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
     (tmp / MEDUSA_FD_CONFIG).write_text(json.dumps(fd_config, indent=2))
+    tokenizer_saved = _save_tokenizer(target.get("name"), tmp)
     tree = None
     if (source / ACCURACY_FILE).is_file():
         shutil.copy(source / ACCURACY_FILE, tmp / ACCURACY_FILE)
@@ -265,10 +367,13 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
         reference_logits, reloaded_logits = heads(hidden), reloaded(hidden)
     block = {key: target.get(key) for key in ("name", "model_type", "hidden_size", "vocab_size", "num_hidden_layers",
                                               "vocab_fingerprint")}
-    block["hidden_layers"] = manifest_layers(target) or [-1]
+    block.update(hidden_layers=manifest_layers(target) or [-1], hub_id=hub_id(target.get("name")))
     manifest = _base_manifest("medusa", "fasterdecoding-medusa", source, block, None,
                               {"medusa_choices": tree} if tree else None)
     manifest["medusa"] = {"method": source_manifest.get("method"), **config.to_dict()}
+    manifest["tokenizer_saved"] = tokenizer_saved
+    manifest["consumers"] = CONSUMERS["medusa"]
+    write_model_card(tmp, manifest, source_manifest)
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"Medusa heads {source}")
 
 
@@ -276,119 +381,95 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
 # DGF / EAGLE feature drafters
 # ---------------------------------------------------------------------------------------------
 
+DGF_LAYOUTS = ("auto", "eagle", "speculators", "sglang", "dgf")
+EAGLE3_SPECULATIVE_TOKENS = 3  # speculators' greedy proposal length written into its config
+
+
+def _pick_layout(config, layout: str) -> str:
+    if layout not in DGF_LAYOUTS:
+        raise UserError(f"layout {layout!r} is not one of {', '.join(DGF_LAYOUTS)}")
+    if layout != "auto":
+        return layout
+    if config.fusion == "eagle3":
+        return "speculators"
+    eagle_ok = (config.fusion == "linear" and not config.first_block_norm and not config.multi_layer
+                and config.draft_vocab_size is None)
+    return "eagle" if eagle_ok else "dgf"
+
+
+def _stand_in_target(config) -> nn.Module:
+    """A seeded embedding + LM head of the target's shape, for parity without the target."""
+    torch.manual_seed(PARITY_SEED)
+    stand_in = nn.Module()
+    embed = nn.Embedding(config.vocab_size, config.hidden_size)
+    head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    stand_in.get_input_embeddings, stand_in.get_output_embeddings = (lambda: embed), (lambda: head)
+    return stand_in
+
+
+def _dgf_logits(model: DGFModel, layers: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the drafter on target features of the layers it reads (1, T, k, H) and token ids (1, T)."""
+    with torch.inference_mode():
+        return model.logits(model(model.fuse_layers(layers), ids))
+
+
+def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: dict, target_model) -> DGFModel:
+    """Write `layout` into tmp and reload it with draftsmith's reader of that layout."""
+    want = source_manifest["target"]
+    metadata = {"producer": "draftsmith", "layout": layout, "target": hub_id(want.get("name")),
+                "feature_layers": model.config.layers_read, "draft_vocab_size": model.config.draft_vocab_size}
+    if layout == "eagle":
+        eagle_layouts.export_eagle(model, tmp, metadata)
+        return eagle_layouts.load_eagle(tmp, target_model=target_model)
+    if layout in ("speculators", "sglang"):
+        eagle_layouts.export_eagle3(model, tmp, layout, int(want.get("num_hidden_layers") or 0),
+                                    hub_id(want.get("name")), [ARCHITECTURE_OF.get(want.get("model_type"), "")],
+                                    EAGLE3_SPECULATIVE_TOKENS, metadata)
+        return eagle_layouts.load_eagle3(tmp, target_model=target_model)
+    save_dgf(model, tmp, want, **{k: v for k, v in source_manifest.items()
+                                  if k not in ("format", "method", "target", "drafter", "draft_vocab")})
+    reloaded, _ = load_dgf(tmp)
+    return reloaded.attach_target(target_model)
+
 
 def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str = "auto",
                tree: dict | None = None, tolerance: float = 0.0) -> ExportResult:
-    """train/dgf.py `final/` -> EAGLE layout (`layout="eagle"`, fusion=linear only) or draftsmith's
-    DGF layout (`layout="dgf"`); "auto" picks EAGLE when it can. Parity runs the drafter through the
-    target's embedding and LM head when `target` (TargetModel, or zoo name / dir) is given, else
-    through a seeded stand-in embedding/head of the same shape (the drafter's own weights are what
-    the export carries)."""
+    """train/dgf.py `final/` -> EAGLE-1/2 (`eagle`, fusion linear), EAGLE-3 (`speculators` for vLLM,
+    `sglang`; fusion eagle3) or draftsmith's DGF layout (`dgf`); "auto" picks by the drafter. Parity runs
+    the drafter through the target's embedding and LM head when `target` (TargetModel, or zoo name /
+    dir) is given, else through a seeded stand-in of the same shape."""
     source = Path(source)
     if isinstance(target, (str, Path)):
         target = TargetModel.from_pretrained(str(target))
     model, source_manifest = load_dgf(source, target=target)
     config = model.config
-    eagle_ok = config.fusion == "linear" and not config.first_block_norm
-    if layout == "auto":
-        layout = "eagle" if eagle_ok else "dgf"
-    if layout not in ("eagle", "dgf"):
-        raise UserError(f"layout must be auto, eagle or dgf, got {layout!r}")
-    if layout == "eagle" and not eagle_ok:
-        raise UserError(f"{source}: fusion={config.fusion!r}, first_block_norm={config.first_block_norm}: EAGLE's "
-                         "layout holds only linear fusion without a block-0 input norm; use layout='dgf'")
-    stand_in = None
-    if target is None:
-        torch.manual_seed(PARITY_SEED)
-        stand_in = nn.Module()
-        embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        stand_in.get_input_embeddings, stand_in.get_output_embeddings = (lambda: embed), (lambda: head)
-        model.attach_target(stand_in)
+    layout = _pick_layout(config, layout)
+    target_model = target.model if target is not None else _stand_in_target(config)
+    model.attach_target(target_model)
     out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
-    if layout == "eagle":
-        export_eagle(model, tmp)
-        reloaded = load_eagle(tmp, target_model=target.model if target is not None else stand_in)
-    else:
-        save_dgf(model, tmp, source_manifest["target"],
-                 **{k: v for k, v in source_manifest.items() if k not in ("format", "method", "target", "drafter")})
-        reloaded, _ = load_dgf(tmp)
-        reloaded.attach_target(target.model if target is not None else stand_in)
+    try:
+        reloaded = _write_dgf_layout(model, tmp, layout, source_manifest, target_model)
+    except UserError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     reloaded = reloaded.to(device=model.device, dtype=model.dtype)
     generator = torch.Generator().manual_seed(PARITY_SEED)
-    features = torch.randn(1, PARITY_TOKENS, config.hidden_size, generator=generator).to(model.device)
+    layers = torch.randn(1, PARITY_TOKENS, len(config.layers_read), config.hidden_size, generator=generator)
     ids = _parity_ids(config.vocab_size).to(model.device)
-    with torch.inference_mode():
-        reference_logits = model.logits(model(features, ids))
-        reloaded_logits = reloaded.logits(reloaded(features, ids))
+    reference_logits = _dgf_logits(model, layers.to(model.device), ids)
+    reloaded_logits = _dgf_logits(reloaded, layers.to(model.device), ids)
     want = source_manifest["target"]
     block = {key: want.get(key) for key in ("name", "model_type", "hidden_size", "vocab_size", "num_hidden_layers",
                                             "vocab_fingerprint")}
     block["hidden_layers"] = manifest_layers(want) or config.layers_read
-    manifest = _base_manifest("dgf" if config.fusion == "dgf" else "eagle", "eagle" if layout == "eagle" else
-                              "draftsmith.dgf", source, block, config.fusion,
-                              tree or source_manifest.get("tree") or {"depth": 7, "topk": 10, "g": 16})
+    block["hub_id"] = hub_id(want.get("name"))
+    manifest = _base_manifest({"dgf": "dgf"}.get(config.fusion, "eagle"), LAYOUT_NAMES[layout], source, block,
+                              config.fusion, tree or source_manifest.get("tree") or {"depth": 7, "topk": 10, "g": 16})
     manifest["drafter"] = {"num_blocks": config.num_blocks, "fusion_act": config.fusion_act,
+                           "feature_layers": config.layers_read, "draft_vocab_size": config.draft_vocab_size,
                            "parameters": model.num_parameters()}
+    manifest["consumers"] = CONSUMERS[layout]
     manifest["parity"]["embedding_and_head"] = "target" if target is not None else f"seeded stand-in ({PARITY_SEED})"
+    write_model_card(tmp, manifest, source_manifest)
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"DGF drafter {source}")
-
-
-# ---------------------------------------------------------------------------------------------
-# EAGLE checkpoint layout
-# ---------------------------------------------------------------------------------------------
-
-
-def export_eagle(model, out_dir: str | Path) -> Path:
-    """Write a `fusion: linear` drafter in EAGLE's checkpoint layout (SafeAILab/EAGLE `cnets.py`).
-
-    config.json: the target family's HF config with num_hidden_layers = M (as EAGLE's configs are),
-    plus `"bias"` (EAGLE reads it for `fc`). model.safetensors: `fc.weight`, `fc.bias`,
-    `layers.{i}.self_attn.{q,k,v,o}_proj.*`, `layers.{i}.mlp.{gate,up,down}_proj.weight`,
-    `layers.{i}.post_attention_layernorm.weight` and, for i > 0, `layers.{i}.input_layernorm.weight`
-    - the names of EAGLE's `Model`. Differences from EAGLE's own files: weights are safetensors
-    (EAGLE-1 ships pytorch_model.bin), float32, and `embed_tokens.weight` is not stored (EAGLE copies
-    it from the base model at load time too); the feature is the target's final normed state,
-    as in EAGLE's code.
-    """
-    model = getattr(model, "model", model)  # a DGFDrafter works too
-    if model.config.fusion != "linear":
-        raise UserError("EAGLE's layout has no gated fusion: only fusion='linear' drafters export to it "
-                         "(save DGF drafters with save_dgf and their manifest)")
-    if model.config.first_block_norm:
-        raise UserError("EAGLE's layer 0 has no input norm; this drafter has one (first_block_norm=true)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {name.removeprefix("fusion."): t for name, t in float_state(model).items()}
-    save_file(state, str(out / EAGLE_WEIGHTS), metadata={"format": "pt"})
-    config = model.block_config.to_dict()
-    config.update(bias=model.config.fusion_bias, architectures=["LlamaForCausalLM"] if config["model_type"] == "llama"
-                  else config.get("architectures"))
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str))
-    return out
-
-
-def load_eagle(path: str | Path, target_model=None) -> DGFModel:
-    """A `fusion: linear` DGFModel from an EAGLE-layout directory (config.json + model.safetensors)."""
-    path = Path(path)
-    config_file = path / CONFIG_FILE
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no {CONFIG_FILE} (expected an EAGLE checkpoint directory)")
-    hf = json.loads(config_file.read_text())
-    num_blocks = int(hf["num_hidden_layers"])
-    bias = bool(hf.pop("bias", True))
-    target_config = {k: v for k, v in hf.items() if k not in DROP_CONFIG_KEYS}
-    config = DGFConfig(hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"], target_config=target_config,
-                       num_blocks=num_blocks, fusion="linear", fusion_bias=bias)
-    model = DGFModel(config)
-    state = load_weights(path / EAGLE_WEIGHTS)
-    state.pop("embed_tokens.weight", None)  # EAGLE's own files may carry the base model's embedding
-    state = {(f"fusion.{k}" if k.startswith("fc.") else k): v for k, v in state.items()}
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise UserError(f"{path / EAGLE_WEIGHTS} does not fit its {CONFIG_FILE}: {err}") from err
-    if target_model is not None:
-        model.attach_target(target_model)
-    return model.eval()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -27,7 +28,7 @@ from draftsmith.errors import UserError
 from draftsmith.models.compiled import CompileSettings, CompiledEngine
 from draftsmith.models.engine import EagerEngine, TargetOutput
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm, parse_tiny_spec
-from draftsmith.models.zoo import resolve_model_path
+from draftsmith.models.zoo import REGISTRY, resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -75,12 +76,23 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, what: str = "drafter
         f"token ids; use a {what} trained with the target's tokenizer.")
 
 
+def from_hub_or_dir(loader, name_or_path: str, path: str, **kwargs):
+    """`loader.from_pretrained(path)`; a hub id that cannot be fetched is one UserError naming it."""
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except OSError as err:
+        if Path(path).is_dir():
+            raise
+        raise UserError(f"model {name_or_path!r}: not a zoo name ({', '.join(REGISTRY)}) or an existing directory, "
+                        f"and the hub id could not be loaded ({' '.join(str(err).split())[:160]})") from err
+
+
 def load_tokenizer(name_or_path: str):
     """The tokenizer of a zoo name / dir / hub id, or the TinyTokenizer of a `tiny:` model."""
     tiny = parse_tiny_spec(name_or_path)
     if tiny is not None:
         return TinyTokenizer(build_tiny_causal_lm(tiny.family, seed=tiny.seed).config.vocab_size)
-    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    return from_hub_or_dir(AutoTokenizer, name_or_path, resolve_model_path(name_or_path))
 
 
 def load_model_config(name_or_path: str):
@@ -88,7 +100,7 @@ def load_model_config(name_or_path: str):
     tiny = parse_tiny_spec(name_or_path)
     if tiny is not None:
         return build_tiny_causal_lm(tiny.family, seed=tiny.seed).config
-    return AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+    return from_hub_or_dir(AutoConfig, name_or_path, resolve_model_path(name_or_path))
 
 
 # backend name -> engine factory (model, compile settings): the one table of engines
@@ -122,9 +134,9 @@ class TargetModel:
         else:
             path = resolve_model_path(name_or_path)
             extra = {"gguf_file": gguf_file} if gguf_file else {}
-            tokenizer = AutoTokenizer.from_pretrained(path, **extra)
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **extra)
+            tokenizer = from_hub_or_dir(AutoTokenizer, name_or_path, path, **extra)
+            model = from_hub_or_dir(AutoModelForCausalLM, name_or_path, path, dtype=resolve_dtype(dtype),
+                                    attn_implementation=attn_implementation, **extra)
             loaded = cls(model.to(resolve_device(device)), tokenizer, name=name_or_path)
         return loaded.with_backend(backend, settings)
 

@@ -1,62 +1,84 @@
-"""Export trained drafters into other projects' layouts (thin CLI over models/exports.py).
+"""Export trained drafters into the layouts serving engines and reference implementations load
+(thin CLI over models/exports.py).
 
-    python scripts/export.py student outputs/distill_qwen/run/final exports/qwen-student \
+    python scripts/export.py student outputs/distill_qwen/run/final exports/qwen-student \\
         --target qwen2.5-coder-1.5b-instruct          # plain HF dir; checks generate(assistant_model=...)
     python scripts/export.py medusa outputs/medusa_smollm2_cpu/final exports/smollm2-medusa
                                                       # FasterDecoding layout (medusa_lm_head.safetensors)
     python scripts/export.py dgf outputs/dgf/<run>/final exports/eagle --target smollm2-135m-instruct
-                                                      # EAGLE layout for fusion=linear, else DGF layout
+                                                      # auto: EAGLE-1/2 (fusion linear), EAGLE-3 in vLLM's
+                                                      # speculators format (fusion eagle3), else DGF layout
+    python scripts/export.py dgf <final> exports/sglang --layout sglang   # EAGLE-3 for SGLang
 
 Each export is reloaded and checked for parity (same logits on a fixed seeded input) before it is
-moved into place with export_manifest.json; a failed check exits non-zero and leaves no output dir.
+moved into place with export_manifest.json and a model card (README.md); a failed check leaves no
+output directory. `--push-to-hub REPO` uploads the finished directory (the export stays on disk when
+the hub cannot be reached). Bad input ends in one line `error: ...` and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+from pathlib import Path
 
+from huggingface_hub import HfApi
+
+from draftsmith.errors import UserError, exit_with, one_line
 from draftsmith.models import exports as export
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kind", required=True)
     student = sub.add_parser("student", help="distilled student / any HF causal LM -> plain HF directory")
-    student.add_argument("source")
-    student.add_argument("out")
     student.add_argument("--target", help="zoo name or dir: tokenizer check + assisted-generate check")
-    student.add_argument("--dtype", default="float32")
+    student.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     medusa = sub.add_parser("medusa", help="train/medusa.py final/ -> FasterDecoding Medusa layout")
-    medusa.add_argument("source")
-    medusa.add_argument("out")
-    medusa.add_argument("--base-model", help="base_model_name_or_path to write (default: the manifest's target)")
-    dgf = sub.add_parser("dgf", help="train/dgf.py final/ -> EAGLE layout (fusion=linear) or DGF layout")
-    dgf.add_argument("source")
-    dgf.add_argument("out")
+    medusa.add_argument("--base-model", help="base_model_name_or_path to write (default: the target's hub id)")
+    dgf = sub.add_parser("dgf", help="train/dgf.py final/ -> EAGLE-1/2, EAGLE-3 (speculators / sglang) or DGF layout")
     dgf.add_argument("--target", help="zoo name or dir (parity through its embedding and LM head)")
-    dgf.add_argument("--layout", default="auto", choices=["auto", "eagle", "dgf"])
+    dgf.add_argument("--layout", default="auto", choices=list(export.DGF_LAYOUTS))
     for p in (student, medusa, dgf):
+        p.add_argument("source")
+        p.add_argument("out")
         p.add_argument("--tolerance", type=float, default=0.0, help="max |logit difference| allowed in the parity check")
+        p.add_argument("--push-to-hub", metavar="REPO", help="upload the finished export to this hub repository")
     args = parser.parse_args(argv)
+    if not args.tolerance >= 0:
+        raise UserError(f"--tolerance {args.tolerance}: must be >= 0")
+    return args
+
+
+def push_to_hub(out: Path, repo: str) -> None:
+    """Upload the export; a hub that cannot be reached is one line, the export stays where it is."""
     try:
-        if args.kind == "student":
-            result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,
-                                           tolerance=args.tolerance)
-        elif args.kind == "medusa":
-            result = export.export_medusa(args.source, args.out, base_model=args.base_model, tolerance=args.tolerance)
-        else:
-            result = export.export_dgf(args.source, args.out, target=args.target, layout=args.layout,
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=str(out))
+    except Exception as err:  # the hub client raises many types (offline, auth, HTTP)
+        raise UserError(f"--push-to-hub {repo}: the upload failed ({one_line(err)[:200]}); the export is complete in "
+                        f"{out}: upload it where the hub is reachable with `hf upload {repo} {out}`") from err
+    print(f"uploaded {out} to https://huggingface.co/{repo}")
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    if args.kind == "student":
+        result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,
                                        tolerance=args.tolerance)
-    except (FileNotFoundError, FileExistsError, ValueError, export.ParityError) as err:
-        print(f"export failed: {err}", file=sys.stderr)
-        return 1
+    elif args.kind == "medusa":
+        result = export.export_medusa(args.source, args.out, base_model=args.base_model, tolerance=args.tolerance)
+    else:
+        result = export.export_dgf(args.source, args.out, target=args.target, layout=args.layout,
+                                   tolerance=args.tolerance)
     print(json.dumps({"out": str(result.out_dir), "layout": result.manifest["layout"],
                       "files": result.manifest["files"], "parity": result.manifest["parity"]}, indent=2))
     print(f"exported {args.kind} to {result.out_dir} (parity max |diff| {result.max_abs_diff:.3g})")
+    if args.push_to_hub:
+        push_to_hub(result.out_dir, args.push_to_hub)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from draftsmith.data.sources import gsm8k_dir
+from draftsmith.errors import UserError, exit_with
 from draftsmith.models import zoo
 
 DEFAULT_MODELS = ["smollm2-135m-instruct"]
@@ -30,7 +30,7 @@ def copy_gsm8k(source: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):
         if not (source / f"{split}.jsonl").is_file():
-            raise SystemExit(f"error: --gsm8k-from {source}: {split}.jsonl is missing there")
+            raise UserError(f"--gsm8k-from {source}: {split}.jsonl is missing there")
         tmp = out / f".{split}.jsonl.tmp"
         shutil.copyfile(source / f"{split}.jsonl", tmp)
         os.replace(tmp, out / f"{split}.jsonl")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     names = zoo.list_models() if args.all else (args.names or DEFAULT_MODELS)
     unknown = [n for n in names if n not in zoo.REGISTRY]
     if unknown:  # fail on a typo before spending minutes on the names before it
-        parser.error(f"unknown zoo model(s) {', '.join(unknown)}; valid names: {', '.join(zoo.list_models())}")
+        raise UserError(f"unknown zoo model(s) {', '.join(unknown)}; valid names: {', '.join(zoo.list_models())}")
     for name in names:
         t0 = time.perf_counter()
         path = zoo.fetch(name, progress=not args.quiet, keep_gguf=args.keep_gguf)
@@ -67,4 +67,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

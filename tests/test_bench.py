@@ -218,3 +218,31 @@ def test_results_page_discovery_and_markers(tmp_path):
     results_page.update_page(page, f"{results_page.BEGIN}\nsecond\n{results_page.END}")
     text = page.read_text()
     assert "second" in text and "first" not in text and "intro" in text and "someone else's section" in text
+
+
+def test_bench_writes_each_conversation_and_a_rerun_continues(tiny_pair, prompts_file, tmp_path, monkeypatch):
+    """Fault: the process dies after the first conversation (and mid-write of the next line); the re-run
+    restores the finished one and runs only the rest; another config is refused in one line."""
+    target, draft = tiny_pair
+    out = tmp_path / "run"
+    config = BenchConfig(methods=[parse_method(m) for m in ("plain", "lm-chain:budget=3")],
+                         suites=[f"jsonl:{prompts_file}"], num_prompts=3, max_new_tokens=6, output_dir=str(out),
+                         backend="eager")
+    full = run_benchmark(config, target=target, draft=draft, progress=False, overwrite=True)
+    lines = (out / "progress.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[1])["key"].endswith("/p0")
+    # keep the header + one conversation and half a line: what a kill -9 mid-append leaves
+    (out / "progress.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])
+    ran = []
+    original = bench.run_conversation
+    monkeypatch.setattr(bench, "run_conversation", lambda state, suite, conv, bar: (ran.append(conv.id),
+                                                                                      original(state, suite, conv, bar)))
+    resumed = run_benchmark(config, target=target, draft=draft, progress=False)
+    assert ran == ["p1", "p2"] and resumed["resumed_conversations"] == 1
+    assert [row["plain"]["tokens"] for row in resumed["per_prompt"]] == [row["plain"]["tokens"]
+                                                                          for row in full["per_prompt"]]
+    assert resumed["summary"]["lm-chain:budget=3"]["mismatches"] == []
+    assert resumed["summary"]["plain"]["prompts"] == 3
+    other = BenchConfig(**{**config.__dict__, "max_new_tokens": 7})
+    with pytest.raises(ValueError, match="another config"):
+        run_benchmark(other, target=target, draft=draft, progress=False)

@@ -71,7 +71,8 @@ def make_vocab_drafter(kind, model):
     if kind.startswith("dgf"):
         layers = [1, -1] if "multi_layer" in kind else None
         config = DGFConfig.for_target(model.config, draft_vocab_size=3, head="own" if "own" in kind else "slice",
-                                      feature_layers=layers, layer_fusion="gated")
+                                      feature_layers=layers, layer_fusion="linear" if "eagle3" in kind else "gated",
+                                      fusion="eagle3" if "eagle3" in kind else "dgf")
         dgf = DGFModel(config).attach_target(model).set_vocab(DRAFT_VOCAB)
         dgf.init_draft_head()
         return DGFDrafter(dgf.eval(), depth=2, topk=2, budget=4)
@@ -79,7 +80,8 @@ def make_vocab_drafter(kind, model):
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
-                                  "medusa-vocab-slice", "dgf-vocab-slice", "dgf-multi_layer-vocab-own"])
+                                  "medusa-vocab-slice", "dgf-vocab-slice", "dgf-multi_layer-vocab-own",
+                                  "dgf-eagle3-multi_layer-vocab-own"])
 def test_sampling_matches_target_distribution(kind):
     model = tiny_model("llama", seed=5, vocab_size=VOCAB, num_layers=1, hidden_size=32)
     target = TargetModel(model, tokenizer=None)

@@ -15,7 +15,7 @@ from draftsmith.eval.tree import ancestor_matrix
 from draftsmith.eval.verify import logits_to_probs
 from draftsmith.models.artifacts import load_dgf, save_dgf, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel, family_classes
-from draftsmith.models.exports import export_eagle, load_eagle
+from draftsmith.models.eagle_layouts import export_eagle, load_eagle
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import TinyTokenizer
 from draftsmith.train.losses import feature_regression_loss, soft_cross_entropy
@@ -156,11 +156,15 @@ def test_eagle_export_round_trip(tmp_path, family):
             "layers.0.mlp.gate_proj.weight", "layers.0.post_attention_layernorm.weight"} <= names
     assert "layers.0.input_layernorm.weight" not in names  # EAGLE's layer 0 has no input norm
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
-    assert config["num_hidden_layers"] == 2 and config["bias"] is True
+    # no "bias" key (vLLM's Llama reads it as attention bias; EAGLE's fc bias defaults to on), rope for
+    # transformers-4 readers, qkv_bias for EAGLE's cnets1.py / vLLM, the names SGLang and vLLM dispatch on
+    assert config["num_hidden_layers"] == 2 and "bias" not in config and "rope_theta" in config
+    assert config["qkv_bias"] is (family == "qwen2")
+    assert config["architectures"][0] == {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}[family]
     loaded = load_eagle(tmp_path / "eagle", model)
     x, ids = torch.randn(1, 6, 48), torch.randint(0, 96, (1, 6))
     torch.testing.assert_close(loaded.logits(loaded(x, ids)), drafter.logits(drafter(x, ids)))
-    with pytest.raises(ValueError, match="only fusion='linear'"):
+    with pytest.raises(ValueError, match="fusion 'linear' only"):
         export_eagle(make_drafter(model, "dgf"), tmp_path / "nope")
 
 

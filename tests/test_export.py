@@ -7,16 +7,17 @@ import json
 
 import pytest
 import torch
+
+from draftsmith.errors import UserError
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_model, tiny_target_for
 from draftsmith.models import exports as export
-from draftsmith.models.artifacts import ACCURACY_FILE, CONFIG_FILE, MANIFEST_FILE
-from draftsmith.models.artifacts import MEDUSA_FORMAT as MANIFEST_FORMAT
-from draftsmith.models.artifacts import MEDUSA_WEIGHTS as HEADS_FILE
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel, vocab_fingerprint
-from draftsmith.scripts.export import main as export_cli
+from draftsmith.errors import run_main
+from tests.conftest import write_medusa_final
+from draftsmith.scripts.export import main as export_main
 from draftsmith.models.tiny import TinyTokenizer
 
 
@@ -94,39 +95,28 @@ def test_student_export_bad_input(student_setup, tmp_path):
 
 def make_medusa_final(path, num_heads=3, num_layers=1, hidden=16, vocab=40, adapter=None):
     """A train/medusa.py-style final/ dir with random (nonzero) heads."""
-    from safetensors.torch import save_file
-
     torch.manual_seed(0)
     heads = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers))
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    path.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(path / HEADS_FILE))
-    (path / CONFIG_FILE).write_text(json.dumps(heads.config.to_dict()))
-    (path / MANIFEST_FILE).write_text(json.dumps({
-        "format": MANIFEST_FORMAT, "method": "medusa-1", "target_adapter": adapter,
-        "target": {"name": "tiny-target", "model_type": "llama", "hidden_size": hidden, "vocab_size": vocab,
-                   "num_hidden_layers": 2, "vocab_fingerprint": "abc", "hidden_layer": -1},
-        "heads": {"file": HEADS_FILE, "config": CONFIG_FILE}}))
-    (path / ACCURACY_FILE).write_text(json.dumps({"rank_accuracy": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]],
-                                                  "top1": [0.6, 0.4, 0.3]}))
-    return heads
+    return write_medusa_final(path, heads, adapter)
 
 
 def test_medusa_fasterdecoding_layout_and_parity(tmp_path):
     from safetensors import safe_open
 
-    heads = make_medusa_final(tmp_path / "final", num_heads=3, num_layers=2)
+    heads = make_medusa_final(tmp_path / "final", num_heads=3, num_layers=1)
     result = export.export_medusa(tmp_path / "final", tmp_path / "fd", base_model="org/base")
     out = tmp_path / "fd"
     assert result.max_abs_diff == 0.0
     with safe_open(str(out / "medusa_lm_head.safetensors"), "pt") as f:
         names = set(f.keys())
-    expected = {f"{k}.{j}.linear.{p}" for k in range(3) for j in range(2) for p in ("weight", "bias")}
-    expected |= {f"{k}.2.weight" for k in range(3)}
+    expected = {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")}
+    expected |= {f"{k}.1.weight" for k in range(3)}
     assert names == expected
     config = json.loads((out / "config.json").read_text())
-    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 2
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 1
+    assert (out / "README.md").is_file()
     assert config["base_model_name_or_path"] == "org/base"
     manifest = export.read_export_manifest(out)
     assert manifest["layout"] == "fasterdecoding-medusa" and manifest["target"]["hidden_layers"] == [-1]
@@ -134,6 +124,13 @@ def test_medusa_fasterdecoding_layout_and_parity(tmp_path):
     reloaded, _ = export.load_fasterdecoding_medusa(out)
     hidden = torch.randn(2, 5, 16)
     torch.testing.assert_close(reloaded(hidden), heads(hidden), rtol=0, atol=0)
+
+
+def test_medusa_export_refuses_what_fasterdecoding_cannot_hold(tmp_path):
+    make_medusa_final(tmp_path / "final", num_layers=2)
+    with pytest.raises(UserError, match="ONE ResBlock"):
+        export.export_medusa(tmp_path / "final", tmp_path / "fd")
+    assert not (tmp_path / "fd").exists() and not (tmp_path / "fd.tmp").exists()
 
 
 def test_medusa_loader_accepts_model_prefixed_names(tmp_path):
@@ -178,12 +175,31 @@ def test_medusa_export_errors(tmp_path, monkeypatch):
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()
 
 
+def export_cli(argv):
+    return run_main(export_main, argv)
+
+
 def test_cli_medusa_and_failure_exit_code(tmp_path, capsys):
     make_medusa_final(tmp_path / "final")
     assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "cli")]) == 0
     assert "parity" in capsys.readouterr().out
-    assert export_cli(["medusa", str(tmp_path / "missing"), str(tmp_path / "cli2")]) == 1
-    assert "export failed" in capsys.readouterr().err
+    assert export_cli(["medusa", str(tmp_path / "missing"), str(tmp_path / "cli2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    # an existing export is never replaced; a bad tolerance is one line too
+    assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "cli")]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "cli3"), "--tolerance", "-1"]) == 2
+    assert "--tolerance" in capsys.readouterr().err
+
+
+def test_push_to_hub_unreachable_is_one_line_and_keeps_the_export(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    make_medusa_final(tmp_path / "final")
+    code = export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "fd"), "--push-to-hub", "me/heads"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --push-to-hub me/heads") and err.count("\n") == 1
+    assert (tmp_path / "fd" / "medusa_lm_head.safetensors").is_file()
 
 
 # -- DGF / EAGLE -------------------------------------------------------------------------------
@@ -210,5 +226,5 @@ def test_dgf_export_round_trip(tmp_path, fusion, layout):
     stand_in = export.export_dgf(tmp_path / "final", tmp_path / "out2")
     assert stand_in.manifest["parity"]["embedding_and_head"].startswith("seeded stand-in")
     if fusion == "dgf":
-        with pytest.raises(ValueError, match="EAGLE's layout"):
+        with pytest.raises(ValueError, match="EAGLE-1/2's layout"):
             export.export_dgf(tmp_path / "final", tmp_path / "out3", layout="eagle")

@@ -286,3 +286,33 @@ def test_other_recipes_resume_past_a_truncated_newest_checkpoint(tmp_path, capsy
     summary = module.main(cfg(), resume="auto")
     assert "step_3: tensors.safetensors is corrupt or truncated" in capsys.readouterr().err
     assert summary["step"] == 4 and (tmp_path / "checkpoints" / "step_3.corrupt").is_dir()
+
+
+def overwrite_middle(file: Path, size: int = 4096) -> None:
+    """Same length, 4 KB of garbage in the middle: only a digest can tell."""
+    data = bytearray(file.read_bytes())
+    start = len(data) // 2
+    data[start:start + size] = bytes((i * 37 + 11) % 256 for i in range(min(size, len(data) - start)))
+    file.write_bytes(bytes(data))
+
+
+def test_same_size_garbage_in_a_checkpoint_is_caught_and_the_previous_one_used(tmp_path, capsys):
+    save_checkpoint(tmp_path, 2, {"w": torch.ones(8192)})
+    save_checkpoint(tmp_path, 4, {"w": torch.full((8192,), 2.0)})
+    overwrite_middle(tmp_path / "step_4" / "tensors.safetensors")
+    path, state = load_latest_checkpoint(tmp_path)
+    assert path.name == "step_2" and torch.equal(state["w"], torch.ones(8192))
+    assert "step_4" in capsys.readouterr().err and (tmp_path / "step_4.corrupt").is_dir()
+
+
+def test_same_size_garbage_in_a_regenerated_shard_is_redone(tmp_path, model_dir, capsys):
+    source = save_conversations(tmp_path / "convs.jsonl", conversations(4))
+    cfg = RegenerateConfig(target=str(model_dir), source=f"conversations:{source}", output_dir=str(tmp_path / "regen"),
+                           shard_size=2, max_new_tokens=4, batch_size=2, progress=False, rank=0, world_size=1)
+    regenerate(cfg)
+    shard = sorted((tmp_path / "regen").glob("shard_*.jsonl"))[0]
+    good = shard.read_bytes()
+    overwrite_middle(shard, 8)
+    result = regenerate(cfg)
+    assert result.shards_written == 1 and "redoing that shard" in capsys.readouterr().err
+    assert shard.read_bytes() == good  # greedy: the redone shard is the same shard

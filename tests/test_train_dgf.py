@@ -130,10 +130,13 @@ def tiny_vocab(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("head,fusion", [("slice", "linear"), ("own", "gated")])
-def test_multi_layer_vocab_drafter_trains_resumes_and_decodes_losslessly(tmp_path, tiny_vocab, head, fusion):
+@pytest.mark.parametrize("head,fusion,token_fusion", [("slice", "linear", "dgf"), ("own", "gated", "dgf"),
+                                                     ("own", "linear", "eagle3")])
+def test_multi_layer_vocab_drafter_trains_resumes_and_decodes_losslessly(tmp_path, tiny_vocab, head, fusion,
+                                                                         token_fusion):
     overrides = ["drafter.multi_layer=true", f"drafter.layer_fusion={fusion}", f"drafter.draft_vocab={tiny_vocab}",
-                 f"drafter.head={head}", "loss.feature_weight=0", "loss.token_weight=1"]
+                 f"drafter.head={head}", "loss.feature_weight=0", "loss.token_weight=1",
+                 f"drafter.fusion={token_fusion}"]
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
     main(tiny_cfg(full_dir, *overrides))
     main(tiny_cfg(part_dir, *overrides, "train.stop_after_steps=2"))
@@ -154,7 +157,7 @@ def test_multi_layer_vocab_drafter_trains_resumes_and_decodes_losslessly(tmp_pat
 
 
 def test_multi_layer_and_vocab_options_are_checked(tmp_path, tiny_vocab):
-    with pytest.raises(ConfigError, match="multi-layer drafter predicts no target feature"):
+    with pytest.raises(ConfigError, match="drafter predicts no target feature"):
         tiny_cfg(tmp_path, "drafter.multi_layer=true")
     with pytest.raises(ConfigError, match="drafter.head: with drafter.draft_vocab choose slice or own"):
         tiny_cfg(tmp_path, f"drafter.draft_vocab={tiny_vocab}")

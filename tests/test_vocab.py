@@ -131,12 +131,14 @@ def make_dgf(target: TargetModel, vocab: DraftVocab | None, **kwargs) -> DGFMode
     return model.eval()
 
 
-@pytest.mark.parametrize("head,layers,layer_fusion", [("slice", None, "linear"), ("own", None, "linear"),
-                                                      ("slice", [1, 2, -1], "linear"), ("own", [1, -1], "gated")],
-                         ids=["vocab-slice", "vocab-own", "multi_layer-linear-vocab", "multi_layer-gated-vocab"])
-def test_dgf_vocab_and_multi_layer_drafters_are_lossless_and_reload(tiny, head, layers, layer_fusion, tmp_path):
+@pytest.mark.parametrize("head,layers,layer_fusion,fusion", [
+    ("slice", None, "linear", "dgf"), ("own", None, "linear", "dgf"), ("slice", [1, 2, -1], "linear", "dgf"),
+    ("own", [1, -1], "gated", "dgf"), ("own", [1, 2], "linear", "eagle3"), ("slice", [1, 2], "linear", "eagle3")],
+    ids=["vocab-slice", "vocab-own", "multi_layer-linear-vocab", "multi_layer-gated-vocab", "eagle3-multi_layer-vocab-own",
+         "eagle3-multi_layer-vocab-slice"])
+def test_dgf_vocab_and_multi_layer_drafters_are_lossless_and_reload(tiny, head, layers, layer_fusion, fusion, tmp_path):
     target, vocab = tiny
-    model = make_dgf(target, vocab, head=head, feature_layers=layers, layer_fusion=layer_fusion)
+    model = make_dgf(target, vocab, head=head, feature_layers=layers, layer_fusion=layer_fusion, fusion=fusion)
     assert model.logits(torch.randn(3, 48)).shape == (3, vocab.size)
     drafter = DGFDrafter(model, depth=3, topk=3, budget=7)
     assert drafter.hidden_layers == tuple(layers or [-1])

@@ -55,10 +55,12 @@ from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, Logging
 
 @dataclass
 class DrafterConfig:
-    fusion: Literal["linear", "dgf"] = option("dgf", "linear = EAGLE's fc; dgf = Dovetail's Dynamic Gated Fusion")
+    fusion: Literal["linear", "dgf", "eagle3"] = option("dgf", "linear = EAGLE's fc; dgf = Dovetail's Dynamic Gated "
+                                                               "Fusion; eagle3 = EAGLE-3's block 0 on [norm(e); norm(f)]")
     num_blocks: int = option(1, "M decoder blocks", ge=1, le=32)
     fusion_act: str = option("silu", "DGF token-branch activation (identity = the paper text literally)")
     first_block_norm: bool = option(False, "keep block 0's input norm (EAGLE drops it)")
+    fusion_bias: bool = option(True, "bias in the fusion layer (EAGLE: true; vLLM's EAGLE-1 loader has none)")
     feature_layer: int = option(-1, "target hidden_states index the drafter reads (-1: final normed state)")
     feature_layers: list[int] | None = option(None, "several target layers, fused (EAGLE-3); null: [feature_layer]")
     multi_layer: bool = option(False, "with feature_layers null: EAGLE-3's low/mid/high layers")
@@ -111,11 +113,12 @@ class DGFRecipeConfig(RunConfig):
     def __post_init__(self):
         d = self.drafter
         several = bool(d.feature_layers and len(d.feature_layers) > 1) or (d.multi_layer and not d.feature_layers)
+        several = several or d.fusion == "eagle3"  # EAGLE-3 drafts tokens, it regresses no target feature
         checks = [
             (self.loss.feature_weight + self.loss.token_weight > 0,
              "loss.feature_weight + loss.token_weight must be > 0"),
-            (not several or self.loss.feature_weight == 0, "loss.feature_weight: a multi-layer drafter predicts no "
-             "target feature (EAGLE-3): set it to 0"),
+            (not several or self.loss.feature_weight == 0, "loss.feature_weight: a multi-layer or eagle3 drafter "
+             "predicts no target feature (EAGLE-3): set it to 0"),
             (self.loss.token_weight > 0 or not several, "loss.token_weight must be > 0 for a multi-layer drafter"),
             ((d.draft_vocab is None) == (d.head == "target"), "drafter.head: with drafter.draft_vocab choose slice or "
              "own; without one, target"),
@@ -201,6 +204,7 @@ class DGFRecipe:
         self.vocab = DraftVocab.load(d.draft_vocab) if d.draft_vocab else None
         self.dgf_config = DGFConfig.for_target(model.config, num_blocks=d.num_blocks, fusion=d.fusion,
                                                fusion_act=d.fusion_act, first_block_norm=d.first_block_norm,
+                                               fusion_bias=d.fusion_bias,
                                                feature_layer=self.layers[0],
                                                feature_layers=self.layers if len(self.layers) > 1 else None,
                                                layer_fusion=d.layer_fusion, head=d.head,

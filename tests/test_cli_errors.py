@@ -1,0 +1,65 @@
+"""Every command x every class of bad input: one line `error: ...` naming the bad value (and what is
+valid), exit status 2, no traceback, nothing written over (issue 19). In-process through run_main, the
+entry point every command's `__main__` uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftsmith.data import draft_vocab, features, regenerate
+from draftsmith.errors import run_main
+from draftsmith.eval import bench, latency, profile
+from draftsmith.scripts import export, fetch_models
+from draftsmith.train import dgf, distill, medusa
+
+CONFIGS = "train/configs/{}_tiny.yaml"
+RECIPES = {"medusa": medusa.cli, "dgf": dgf.cli, "distill": distill.cli}
+COMMANDS = {"regenerate": regenerate.main, "features": features.main, "draft_vocab": draft_vocab.main,
+            "bench": bench.main, "profile": profile.main, "latency": latency.main}
+
+# (command, arguments, words the one line must contain)
+CASES = [
+    *[(name, ["--config", "/nonexistent.yaml"], ["/nonexistent.yaml"]) for name in RECIPES],
+    *[(name, ["--config", CONFIGS.format(name), "optim.lr=-0.01"], ["optim.lr", "> 0"]) for name in RECIPES],
+    *[(name, ["--config", CONFIGS.format(name), "train.max_steps=0"], ["train.max_steps", ">= 1"]) for name in RECIPES],
+    *[(name, ["--config", CONFIGS.format(name), "train.keep_checkpoints=-1"], ["keep_checkpoints"]) for name in RECIPES],
+    *[(name, ["--config", CONFIGS.format(name), "data.heldout_fraction=0"], ["heldout_fraction"]) for name in RECIPES],
+    *[(name, ["--config", CONFIGS.format(name), "optim.lrr=1"], ["lrr", "optim.lr"]) for name in RECIPES],
+    *[(name, ["--config", CONFIGS.format(name), "target=smolm2-135m-instruct"], ["smolm2", "smollm2-135m-instruct"])
+      for name in RECIPES],
+    ("regenerate", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid source kinds"]),
+    ("features", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid source kinds"]),
+    ("draft_vocab", ["target=tiny:llama", "sources=nosuch", "size=8", "output=OUT"], ["nosuch"]),
+    ("regenerate", ["target=smolm2", "source=gsm8k:train", "output_dir=OUT"], ["smolm2"]),
+    ("bench", ["target=tiny:llama", "methods=lm-tree:depth=abc"], ["depth", "integer", "abc"]),
+    ("bench", ["target=tiny:llama", "methods=lm-chain:k=0"], ["'k'", "budget"]),
+    ("bench", ["target=tiny:llama", "num_prompts=0"], ["num_prompts", ">= 1"]),
+    ("bench", ["target=tiny:llama", "temperature=-1"], ["temperature", ">= 0"]),
+    ("bench", ["target=tiny:llama", "methods=lm-chain:budget=0"], ["budget"]),
+    ("bench", ["--config", "/nonexistent.yaml"], ["/nonexistent.yaml"]),
+    ("profile", ["target=tiny:llama", "budgets=0"], ["budgets"]),
+    ("latency", ["target=tiny:llama", "widths=[0]"], ["widths"]),
+    ("export", ["dgf", "/nonexistent", "OUT"], ["/nonexistent"]),
+    ("export", ["medusa", "/nonexistent", "OUT", "--tolerance", "-1"], ["--tolerance"]),
+    ("fetch", ["nosuch-model"], ["nosuch-model", "smollm2-135m-instruct"]),
+]
+MAINS = {**COMMANDS, "export": export.main, "fetch": fetch_models.main}
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    if name in RECIPES:
+        return RECIPES[name](argv)
+    return run_main(MAINS[name], argv)
+
+
+@pytest.mark.parametrize("name,argv,words", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_input_is_one_line_exit_2(name, argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
+    argv = [arg.replace("OUT", str(tmp_path / "out")) for arg in argv]
+    code = run_command(name, argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
