@@ -129,18 +129,43 @@ def hub_id(name: str | None) -> str | None:
     return entry.hub_id if entry is not None and entry.hub_id else name
 
 
-def write_model_card(directory: Path, manifest: dict, source_manifest: dict | None = None) -> None:
-    """README.md: what the export is, for which target, how each consumer loads it, how it was checked."""
+LIBRARY_OF = {"eagle": "sglang", "speculators-eagle3": "vllm", "sglang-eagle3": "sglang", "draftsmith.dgf": "draftsmith",
+              "fasterdecoding-medusa": "medusa", "hf": "transformers"}
+
+
+def measured(source_manifest: dict | None, bench: dict | None) -> list[str]:
+    """Card lines with tau from training's held-out evaluation and tau/speedup from a bench summary entry."""
+    lines = []
+    after = ((source_manifest or {}).get("eval") or {}).get("after") or {}
+    if after.get("eval/tau") is not None:
+        lines.append(f"- tau on {after.get('eval/tau_prompts')} held-out prompts at the end of training: "
+                     f"{after['eval/tau']:.2f} (greedy, draftsmith's decoder)")
+    if bench:
+        lines.append(f"- bench `{bench['method']}` on {bench['machine']}: tau {bench.get('tau') or float('nan'):.2f}, "
+                     f"speedup {bench.get('headline_speedup') or float('nan'):.2f}x vs {bench.get('headline_baseline')} "
+                     f"({bench['file']})")
+    return lines or ["- tau / speedup: not measured for this export (`scripts/export.py ... --bench bench.json "
+                     "--bench-method LABEL` adds them)"]
+
+
+def write_model_card(directory: Path, manifest: dict, source_manifest: dict | None = None,
+                     bench: dict | None = None) -> None:
+    """README.md: front matter (base_model, library_name, tags), what the export is, the training command,
+    the tau and speedup measured for it, how each consumer loads it, how it was checked."""
     target, consumers = manifest["target"], manifest.get("consumers", {})
-    lines = [f"# draftsmith {manifest['kind']} drafter ({manifest['layout']} layout)", "",
+    training = (source_manifest or {}).get("training") or {}
+    tags = ["speculative-decoding", "draftsmith", manifest["kind"], manifest["layout"]]
+    lines = ["---", f"base_model: {target.get('hub_id') or target.get('name')}",
+             f"library_name: {LIBRARY_OF.get(manifest['layout'], 'draftsmith')}",
+             "tags:", *[f"- {tag}" for tag in tags], "---", "",
+             f"# draftsmith {manifest['kind']} drafter ({manifest['layout']} layout)", "",
              f"- target: `{target.get('hub_id') or target.get('name')}` (draftsmith name `{target.get('name')}`, "
              f"vocab {target.get('vocab_size')}, hidden layers read {target.get('hidden_layers')})",
              "- weights: safetensors, float32; trained against the draftsmith zoo copy of the target (its GGUF "
              "quantisation, dequantised): against the upstream checkpoint acceptance can be a little lower, "
-             "the output is unchanged (verification is lossless)"]
-    training = (source_manifest or {}).get("training") or (source_manifest or {}).get("data")
-    if training:
-        lines.append(f"- training: `{json.dumps(training, default=str)[:400]}`")
+             "the output is unchanged (verification is lossless)",
+             f"- training command: `{training.get('command', 'not recorded')}` ({training.get('steps')} steps)",
+             *measured(source_manifest, bench)]
     lines += ["", "## Loaded by", ""] + [f"- {item}" for item in consumers.get("loaded", [])]
     if consumers.get("checked"):
         lines += ["", "## Checked against the loader's source (not run here)", ""]
@@ -148,6 +173,19 @@ def write_model_card(directory: Path, manifest: dict, source_manifest: dict | No
     lines += ["", f"Parity: {json.dumps(manifest.get('parity', {}), default=str)}", "",
               "Produced by `python scripts/export.py` (draftsmith); `export_manifest.json` has the details.", ""]
     (directory / MODEL_CARD).write_text("\n".join(lines))
+
+
+def bench_entry(path: str | Path | None, method: str | None) -> dict | None:
+    """The summary entry of `method` in a bench.json (for the model card); None without a path."""
+    if path is None:
+        return None
+    results = read_json(Path(path), "bench results")
+    summary = results.get("summary", {})
+    if method not in summary:
+        raise UserError(f"--bench-method {method!r} is not in {path}; its methods: {', '.join(summary)}")
+    machine = results.get("machine", {})
+    where = f"{machine.get('cpu', machine.get('device', 'unknown machine'))}, {machine.get('threads', '?')} threads"
+    return {**summary[method], "method": method, "machine": where, "file": str(path)}
 
 
 def read_export_manifest(path: str | Path) -> dict:
@@ -207,7 +245,8 @@ def readable_by_transformers4(directory: Path) -> None:
 
 
 def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: str = "float32",
-                   tree: dict | None = None, tolerance: float = 0.0, check_assisted: bool = True) -> ExportResult:
+                   tree: dict | None = None, tolerance: float = 0.0, check_assisted: bool = True,
+                   bench: dict | None = None) -> ExportResult:
     """A distilled (or any) student -> plain HF directory. `source`: a HF model dir / zoo name or a
     train/distill.py `final/` (its manifest names the target). `target`: a TargetModel (or zoo name /
     dir) for the tokenizer check and the `generate(assistant_model=...)` check (greedy output of the
@@ -267,7 +306,7 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
         manifest["parity"]["assisted_generate"] = "greedy output with assistant_model == plain greedy (12 tokens)"
     manifest["target"]["hub_id"] = hub_id(target_name)
     manifest["consumers"] = CONSUMERS["student"]
-    write_model_card(tmp, manifest, distilled)
+    write_model_card(tmp, manifest, distilled, bench)
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"student {source_path}")
 
 
@@ -336,7 +375,7 @@ def _save_tokenizer(name: str | None, out: Path) -> bool:
 
 
 def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
-                  tolerance: float = 0.0) -> ExportResult:
+                  tolerance: float = 0.0, bench: dict | None = None) -> ExportResult:
     """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
     to write (default: the hub id of the manifest's target). The manifest records the Medusa choices
     built from the saved head accuracies (models.medusa.arca_paths) when they are there."""
@@ -349,7 +388,8 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
     target = source_manifest["target"]
     state = {name: t.detach().float().contiguous() for name, t in heads.medusa_head.state_dict().items()}
     save_file(state, str(tmp / MEDUSA_FD_WEIGHTS), metadata=eagle_layouts.tensor_metadata(
-        producer="draftsmith", layout="fasterdecoding-medusa", target=hub_id(target.get("name"))))
+        producer="draftsmith", layout="fasterdecoding-medusa", target=hub_id(target.get("name")),
+        target_vocab_fingerprint=target.get("vocab_fingerprint"), feature_layers=manifest_layers(target) or [-1]))
     fd_config = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
                  "base_model_name_or_path": base_model or hub_id(target.get("name")),
                  "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
@@ -373,7 +413,7 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
     manifest["medusa"] = {"method": source_manifest.get("method"), **config.to_dict()}
     manifest["tokenizer_saved"] = tokenizer_saved
     manifest["consumers"] = CONSUMERS["medusa"]
-    write_model_card(tmp, manifest, source_manifest)
+    write_model_card(tmp, manifest, source_manifest, bench)
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"Medusa heads {source}")
 
 
@@ -416,8 +456,10 @@ def _dgf_logits(model: DGFModel, layers: torch.Tensor, ids: torch.Tensor) -> tor
 def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: dict, target_model) -> DGFModel:
     """Write `layout` into tmp and reload it with draftsmith's reader of that layout."""
     want = source_manifest["target"]
+    vocab = model.draft_vocab
     metadata = {"producer": "draftsmith", "layout": layout, "target": hub_id(want.get("name")),
-                "feature_layers": model.config.layers_read, "draft_vocab_size": model.config.draft_vocab_size}
+                "target_vocab_fingerprint": want.get("vocab_fingerprint"), "feature_layers": model.config.layers_read,
+                "draft_vocab_size": model.config.draft_vocab_size, "draft_vocab_sha256": vocab.digest() if vocab else None}
     if layout == "eagle":
         eagle_layouts.export_eagle(model, tmp, metadata)
         return eagle_layouts.load_eagle(tmp, target_model=target_model)
@@ -433,7 +475,7 @@ def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: 
 
 
 def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str = "auto",
-               tree: dict | None = None, tolerance: float = 0.0) -> ExportResult:
+               tree: dict | None = None, tolerance: float = 0.0, bench: dict | None = None) -> ExportResult:
     """train/dgf.py `final/` -> EAGLE-1/2 (`eagle`, fusion linear), EAGLE-3 (`speculators` for vLLM,
     `sglang`; fusion eagle3) or draftsmith's DGF layout (`dgf`); "auto" picks by the drafter. Parity runs
     the drafter through the target's embedding and LM head when `target` (TargetModel, or zoo name /
@@ -471,5 +513,5 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
                            "parameters": model.num_parameters()}
     manifest["consumers"] = CONSUMERS[layout]
     manifest["parity"]["embedding_and_head"] = "target" if target is not None else f"seeded stand-in ({PARITY_SEED})"
-    write_model_card(tmp, manifest, source_manifest)
+    write_model_card(tmp, manifest, source_manifest, bench)
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"DGF drafter {source}")

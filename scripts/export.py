@@ -44,6 +44,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.add_argument("out")
         p.add_argument("--tolerance", type=float, default=0.0, help="max |logit difference| allowed in the parity check")
         p.add_argument("--push-to-hub", metavar="REPO", help="upload the finished export to this hub repository")
+        p.add_argument("--bench", metavar="BENCH_JSON", help="a bench.json whose tau and speedup go into the model card")
+        p.add_argument("--bench-method", metavar="LABEL", help="the method of --bench measured for this drafter")
     args = parser.parse_args(argv)
     if not args.tolerance >= 0:
         raise UserError(f"--tolerance {args.tolerance}: must be >= 0")
@@ -64,14 +66,16 @@ def push_to_hub(out: Path, repo: str) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    bench = export.bench_entry(args.bench, args.bench_method)
     if args.kind == "student":
         result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,
-                                       tolerance=args.tolerance)
+                                       tolerance=args.tolerance, bench=bench)
     elif args.kind == "medusa":
-        result = export.export_medusa(args.source, args.out, base_model=args.base_model, tolerance=args.tolerance)
+        result = export.export_medusa(args.source, args.out, base_model=args.base_model, tolerance=args.tolerance,
+                                      bench=bench)
     else:
         result = export.export_dgf(args.source, args.out, target=args.target, layout=args.layout,
-                                   tolerance=args.tolerance)
+                                   tolerance=args.tolerance, bench=bench)
     print(json.dumps({"out": str(result.out_dir), "layout": result.manifest["layout"],
                       "files": result.manifest["files"], "parity": result.manifest["parity"]}, indent=2))
     print(f"exported {args.kind} to {result.out_dir} (parity max |diff| {result.max_abs_diff:.3g})")

@@ -228,3 +228,23 @@ def test_dgf_export_round_trip(tmp_path, fusion, layout):
     if fusion == "dgf":
         with pytest.raises(ValueError, match="EAGLE-1/2's layout"):
             export.export_dgf(tmp_path / "final", tmp_path / "out3", layout="eagle")
+
+
+def test_model_card_and_metadata_carry_target_training_and_measurements(tmp_path, capsys):
+    from safetensors import safe_open
+
+    make_medusa_final(tmp_path / "final")
+    bench_file = tmp_path / "bench.json"
+    bench_file.write_text(json.dumps({"machine": {"cpu": "test cpu", "threads": 2}, "summary": {
+        "medusa:x": {"tau": 2.5, "headline_speedup": 1.6, "headline_baseline": "plain-compiled"}}}))
+    assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "fd"), "--bench", str(bench_file),
+                       "--bench-method", "medusa:x"]) == 0
+    card = (tmp_path / "fd" / "README.md").read_text()
+    assert card.startswith("---\nbase_model: tiny-target\nlibrary_name: medusa\ntags:\n")
+    assert "training command:" in card and "tau 2.50, speedup 1.60x vs plain-compiled" in card
+    with safe_open(str(tmp_path / "fd" / "medusa_lm_head.safetensors"), "pt") as f:
+        metadata = f.metadata()
+    assert metadata["target_vocab_fingerprint"] == "abc" and metadata["producer"] == "draftsmith"
+    assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "fd2"), "--bench", str(bench_file),
+                       "--bench-method", "nope"]) == 2
+    assert "medusa:x" in capsys.readouterr().err and not (tmp_path / "fd2").exists()

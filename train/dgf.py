@@ -424,7 +424,7 @@ class DGFRecipe:
         data = cfg.data.feature_cache if cfg.data.mode == "offline" else cfg.data.source
         save_dgf(run.unwrapped().drafter, directory,
                  target_block(self.target, cfg.target, self.dgf_config.layers_read, cfg.dtype),
-                 training={"steps": run.step, "samples_seen": run.samples_seen, "mode": cfg.data.mode, "data": data,
+                 training={"command": run.command, "steps": run.step, "samples_seen": run.samples_seen, "mode": cfg.data.mode, "data": data,
                            "loss": config_to_dict(cfg.loss)},
                  eval={"before": run.first_eval, "after": run.last_eval})
 

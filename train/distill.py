@@ -499,7 +499,7 @@ class DistillRecipe:
             directory, target,
             student={**self.student_info, "lora_merged": cfg.lora.enabled, "dtype": cfg.export.dtype,
                      "tokenizer_saved": saved_tokenizer},
-            training={"steps": run.step, "samples_seen": run.samples_seen, "data": data,
+            training={"command": run.command, "steps": run.step, "samples_seen": run.samples_seen, "data": data,
                       "loss": config_to_dict(cfg.loss), "on_policy": config_to_dict(cfg.on_policy),
                       "lora": config_to_dict(cfg.lora) if cfg.lora.enabled else None,
                       "optim": config_to_dict(cfg.optim)},

@@ -318,7 +318,7 @@ class MedusaRecipe:
         save_medusa(module.heads, directory, target_block(self.target, cfg.target, [HIDDEN_LAYER], cfg.dtype),
                     accuracy, method="medusa-2" if cfg.medusa2.enabled else "medusa-1",
                     target_adapter=LORA_DIR if cfg.medusa2.enabled else None,
-                    training={"steps": run.step, "samples_seen": run.samples_seen, "data": cfg.data.source,
+                    training={"command": run.command, "steps": run.step, "samples_seen": run.samples_seen, "data": cfg.data.source,
                               "loss": config_to_dict(cfg.loss), "medusa2": config_to_dict(cfg.medusa2)},
                     eval={"lm_loss_before": self.lm_loss_before, "lm_loss_after": run.last_eval["eval/lm_loss"],
                           "top1": accuracy["top1"], f"top{accuracy['topk']}": accuracy[f"top{accuracy['topk']}"],

@@ -606,11 +606,15 @@ class TrainingRun:
         flag = torch.tensor(float(self.stop.signal is not None), device=self.device)
         return bool(self.reduce_sum(flag) > 0)  # every rank stops at the same step
 
+    @property
+    def command(self) -> str:
+        """The command line of this run (recorded with final/ so a user can retrain it)."""
+        return shlex.join([sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv)
+
     def _interrupt(self, recipe: Recipe) -> None:
         path = self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
         name = signal.Signals(self.stop.signal).name if self.stop.signal else "a signal"
-        command = shlex.join([sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv)
-        raise Interrupted(f"{name} at step {self.step}: saved {path}; resume with: {command} --resume")
+        raise Interrupted(f"{name} at step {self.step}: saved {path}; resume with: {self.command} --resume")
 
     def finish(self, summary: dict) -> dict:
         summary = {"step": self.step, "output_dir": str(self.output_dir), "processes": self.world,
