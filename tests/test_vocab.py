@@ -168,3 +168,27 @@ def test_vocab_mismatch_is_refused(tiny):
         MedusaHeads(MedusaConfig(48, 96, draft_vocab_size=10, head="slice")).set_vocab(vocab)
     with pytest.raises(ValueError, match="LM head has 50"):
         with_sliced_head(tiny_model("llama", vocab_size=50), vocab)
+
+
+def test_ablation_table_reads_bench_and_drafter_and_measures_coverage_on_outputs(tiny, tmp_path):
+    from draftsmith.scripts import ablation_table
+
+    target, vocab = tiny
+    model = make_dgf(target, vocab, head="slice")
+    final = tmp_path / "v8k" / "final"
+    save_dgf(model, final, target_block(target, "tiny", [-1], "float32"), training={"steps": 5},
+             eval={"after": {"eval/tau": 1.5, "eval/step0_top1": 0.4}})
+    inside, outside = int(vocab.draft_to_target[0]), next(t for t in range(96) if t not in set(
+        vocab.draft_to_target.tolist()))
+    label = f"dgf:path={final}"
+    results = {"suites": ["gsm8k"], "machine": {"cpu": "test"},
+               "per_prompt": [{"suite": "gsm8k", "plain": {"tokens": [inside, inside, inside, outside]}}],
+               "summary": {"plain": {}, label: {"by_suite": {"gsm8k": {"tau": 2.0, "draft_ms_per_round": 3.0,
+                                                                      "speedup": 0.9, "speedup_compiled": 0.5}},
+                                                "draft_step_ratio": 0.2}}}
+    (tmp_path / "bench.json").write_text(json.dumps(results))
+    assert ablation_table.main([str(tmp_path / "bench.json"), "--out", str(tmp_path / "t.md")]) == 0
+    row = json.loads((tmp_path / "t.json").read_text())["rows"][0]
+    assert row["variant"] == "v8k" and row["vocab"] == vocab.size and row["train_tau"] == 1.5
+    assert row["gsm8k"]["coverage"] == 0.75 and row["gsm8k"]["tau"] == 2.0
+    assert "| v8k |" in (tmp_path / "t.md").read_text()
