@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 17, SmolLM2: regenerated data -> draft vocabulary -> feature caches -> >= 1 h of training -> bench.
+# Every step resumes: rerun the script after an interruption. DRAFTER: the ablation's best variant.
+set -euo pipefail
+bash scripts/jobs/regen_smollm2.sh
+R=outputs/regen/smollm2
+SOURCES="conversations:$R/gsm8k conversations:$R/code conversations:$R/sharegpt"
+VOCAB=outputs/vocab/smollm2_final_8192
+[ -f $VOCAB/draft_vocab.safetensors ] || python -m draftsmith.data.draft_vocab target=smollm2-135m-instruct \
+  "sources=$SOURCES" size=8192 output=$VOCAB
+CACHES=""
+for PART in gsm8k code sharegpt; do
+  python -m draftsmith.data.features target=smollm2-135m-instruct source=conversations:$R/$PART \
+    hidden_layers=[2,15,27,-1] max_length=384 threads=2 output_dir=outputs/features/smollm2_final_$PART --no-progress
+  CACHES="${CACHES:+$CACHES + }outputs/features/smollm2_final_$PART"
+done
+DRAFTER=${DRAFTER:-"drafter.draft_vocab=$VOCAB drafter.head=slice"}
+RESUME=""; [ -d outputs/dgf_smollm2_final/checkpoints ] && RESUME="--resume"
+OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+  train/dgf.py --config train/configs/dgf_smollm2_final.yaml "data.feature_cache=$CACHES" $DRAFTER $RESUME --no-progress
+python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=10 max_new_tokens=128 \
+  "suites=[mt-bench,gsm8k,humaneval]" "methods=plain ngram dgf:path=outputs/dgf_smollm2_final/final" \
+  output_dir=results/dgf_smollm2_final
