@@ -8,5 +8,5 @@ V8=outputs/vocab/qwen_8192
 METHODS="plain lm-chain:budget=4 lm-chain:budget=4,vocab=$V32 lm-chain:budget=4,vocab=$V8"
 METHODS="$METHODS lm-tree:depth=4,topk=3,budget=16 lm-tree:depth=4,topk=3,budget=16,vocab=$V8"
 python -m draftsmith.eval.bench target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \
-  backend=eager threads=2 turns=1 num_prompts=3 max_new_tokens=64 "suites=[gsm8k,mt-bench]" \
+  backend=eager threads=2 turns=1 num_prompts=2 max_new_tokens=64 "suites=[gsm8k,mt-bench]" \
   "methods=$METHODS" output_dir=results/ablation_vocab_qwen
