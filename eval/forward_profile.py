@@ -26,8 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
 from draftsmith.errors import UserError, exit_with
-from draftsmith.eval.latency import cpu_model, mt_bench_context, sync
-from draftsmith.fileio import atomic_write, atomic_write_json
+from draftsmith.eval.latency import cpu_model, mt_bench_context, sync, write_document
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
@@ -138,13 +137,7 @@ def main(argv: list[str]) -> dict:
     document = {"format": "draftsmith.forward_profile/1", "config": config_to_dict(config), "target": config.target,
                 "machine": f"{cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
                 "backends": {backend: profile_backend(config, base, backend) for backend in config.backends}}
-    table = format_profile(document)
-    print(table)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out, document)
-        atomic_write(out.with_suffix(".md"), lambda path: path.write_text(table + "\n"))
-        print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_document(out, document, format_profile(document))
     return document
 
 

@@ -201,14 +201,18 @@ def main(argv: list[str]) -> dict:
     if out is not None and out.exists() and not flags.overwrite:
         raise UserError(f"{out} exists: pass --overwrite to replace it, or set output=<another path>")
     document = run_latency(config)
-    table = format_curves(document)
+    write_document(out, document, format_curves(document))
+    return document
+
+
+def write_document(out: Path | None, document: dict, table: str) -> None:
+    """Print the table; with `out`, write the JSON there and the table beside it (.md)."""
     print(table)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out, document)
         atomic_write(out.with_suffix(".md"), lambda path: path.write_text(table + "\n"))
         print(f"wrote {out} and {out.with_suffix('.md')}")
-    return document
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ from torch import nn
 from transformers import AutoConfig, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-from draftsmith.models.engine import additive_mask, crop_cache
+from draftsmith.models.engine import EagerBuild, additive_mask
 from draftsmith.models.vocab import DraftVocab
 
 FUSIONS = ("linear", "dgf", "eagle3")
@@ -430,32 +430,15 @@ class DGFModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-class EagerDGFEngine:
+class EagerDGFEngine(EagerBuild):
     """The drafter's forwards in eager PyTorch over a DynamicCache (models.compiled.CompiledDGFEngine is
     the static-shape one); the interface the DGF drafter uses."""
-
-    name = "eager"
 
     def __init__(self, model: DGFModel):
         self.model = model
 
-    def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
-        """Nothing to build."""
-
-    def release(self, sizes: tuple[int, ...] | None = None) -> None:
-        """Nothing to free."""
-
-    def build_seconds(self) -> dict[str, float]:
-        return {"compile_s": 0.0, "load_s": 0.0}
-
     def new_cache(self, max_length: int | None = None) -> DynamicCache:
         return DynamicCache()
-
-    def cache_length(self, cache: DynamicCache) -> int:
-        return cache.get_seq_length()
-
-    def truncate(self, cache: DynamicCache, length: int) -> None:
-        crop_cache(cache, length)
 
     @torch.inference_mode()
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,

@@ -55,13 +55,10 @@ def commit_kv(cache: DynamicCache, keep: torch.Tensor) -> None:
         layer.values = layer.values.index_select(-2, index)
 
 
-class EagerEngine:
-    """Eager PyTorch forwards over a DynamicCache that grows by each forward's tokens."""
+class EagerBuild:
+    """What every eager engine shares: nothing to build or free, a DynamicCache that grows by each forward."""
 
     name = "eager"
-
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
 
     def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
         """Nothing to build ahead of time (a compiled engine builds or loads its graphs here)."""
@@ -73,18 +70,25 @@ class EagerEngine:
         """Seconds spent compiling and loading graphs in this process (none here)."""
         return {"compile_s": 0.0, "load_s": 0.0}
 
+    def cache_length(self, cache: DynamicCache) -> int:
+        return cache.get_seq_length()
+
+    def truncate(self, cache: DynamicCache, length: int) -> None:
+        crop_cache(cache, length)
+
+
+class EagerEngine(EagerBuild):
+    """Eager PyTorch forwards over a DynamicCache that grows by each forward's tokens."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
     def new_cache(self, max_length: int | None = None) -> DynamicCache:
         """An empty KV cache (`max_length` is what static engines preallocate; a DynamicCache grows)."""
         return DynamicCache(config=self.model.config)
 
-    def cache_length(self, cache: DynamicCache) -> int:
-        return cache.get_seq_length()
-
     def commit(self, cache: DynamicCache, keep: torch.Tensor) -> None:
         commit_kv(cache, keep)
-
-    def truncate(self, cache: DynamicCache, length: int) -> None:
-        crop_cache(cache, length)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
