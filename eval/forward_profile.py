@@ -16,7 +16,6 @@ time on the calling thread). Writes JSON and a markdown table.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
 from draftsmith.errors import UserError, exit_with
-from draftsmith.eval.latency import cpu_model, mt_bench_context, sync, write_document
+from draftsmith.eval.latency import cpu_model, forward_seconds, mt_bench_context, write_document
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
@@ -65,11 +64,7 @@ def profiled_forward(target: TargetModel, cache, past: int, width: int, vocab: i
     """Seconds per category of one forward (its cache restored afterwards)."""
     ids = torch.randint(0, vocab, (1, width)).to(target.device)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        sync(target.device)
-        start = time.perf_counter()
-        target.forward(ids, cache)
-        sync(target.device)
-        wall = time.perf_counter() - start
+        wall = forward_seconds(target, cache, ids)
     target.truncate(cache, past)
     seconds = {category: 0.0 for category in CATEGORIES}
     for event in prof.events():
@@ -102,9 +97,7 @@ def untimed_forward(target: TargetModel, cache, past: int, width: int, vocab: in
     ids = torch.randint(0, vocab, (1, width)).to(target.device)
     times = []
     for _ in range(5):
-        start = time.perf_counter()
-        target.forward(ids, cache)
-        times.append(time.perf_counter() - start)
+        times.append(forward_seconds(target, cache, ids))
         target.truncate(cache, past)
     return statistics.median(times[1:])
 

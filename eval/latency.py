@@ -77,15 +77,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_forward(target: TargetModel, cache, past: int, width: int, generator: torch.Generator) -> float:
-    """Seconds of one causal forward of `width` random tokens after `past` cached ones (cache restored)."""
-    vocab = target.model.get_output_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (1, width), generator=generator).to(target.device)
+def forward_seconds(target: TargetModel, cache, ids: torch.Tensor) -> float:
+    """Wall seconds of one forward of `ids` over `cache` (device synchronised on both sides)."""
     sync(target.device)
     start = time.perf_counter()
     target.forward(ids, cache)
     sync(target.device)
-    seconds = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def time_forward(target: TargetModel, cache, past: int, width: int, generator: torch.Generator) -> float:
+    """Seconds of one causal forward of `width` random tokens after `past` cached ones (cache restored)."""
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, width), generator=generator).to(target.device)
+    seconds = forward_seconds(target, cache, ids)
     target.truncate(cache, past)
     return seconds
 

@@ -487,7 +487,8 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     config = model.config
     layout = _pick_layout(config, layout)
     target_model = target.model if target is not None else _stand_in_target(config)
-    model.attach_target(target_model)
+    if target is None:  # load_dgf attached the real target already
+        model.attach_target(target_model)
     out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
     try:
