@@ -110,6 +110,7 @@ class Setting:
     backend: str
     dtype: str
     hcmp_ratio: float | None = None
+    padded: bool = False  # compiled with one graph per bucket: T(b) is flat inside a bucket
 
     @property
     def label(self) -> str:
@@ -118,19 +119,21 @@ class Setting:
 
     @property
     def step(self) -> bool:
-        """T(b) is flat inside a bucket (compiled), else it is interpolated."""
-        return self.backend == "compiled"
+        """T(b) is flat inside a bucket (compiled, padded graphs), else it is interpolated."""
+        return self.backend == "compiled" and self.padded
 
 
 def settings_of(config: ProfileConfig) -> list[Setting]:
-    settings = [Setting(backend, dtype) for dtype in config.dtypes for backend in config.backends]
+    padded = not config.compile.shared_width
+    settings = [Setting(backend, dtype, padded=padded) for dtype in config.dtypes for backend in config.backends]
     if config.placement == "hcmp":
         settings += [Setting("eager", config.dtypes[0], ratio) for ratio in config.hcmp_ratios]
     return settings
 
 
 def measured_budgets(config: ProfileConfig, setting: Setting) -> list[int]:
-    """Where T(b) is measured: the config's budgets (eager), each bucket's top (compiled: b + 1 tokens)."""
+    """Where T(b) is measured: the config's budgets (eager, shared-width graphs), each bucket's top (padded
+    compiled graphs: b + 1 tokens)."""
     if not setting.step:
         return config.budgets
     tops = [bucket - 1 for bucket in config.compile.buckets if bucket - 1 <= max(config.budgets)]

@@ -234,7 +234,7 @@ def compile_lines(results: dict) -> list[str]:
     lines = []
     for key, info in (results.get("compile") or {}).items():
         lines.append(f"\nCompiled engine {info['model_type']} ({key}): compile {info['compile_s']:.1f} s "
-                     f"(buckets {info['compiled_buckets'] or 'none: all cached'}), load {info['load_s']:.1f} s, "
+                     f"(graphs {info['compiled_buckets'] or 'none: all cached'}), load {info['load_s']:.1f} s, "
                      f"buckets {info['buckets']}, capacity {info['capacity']}.")
     differences = results.get("compiled_vs_hf") or []
     if "plain-compiled" in results["summary"] and results["config"].get("temperature", 0) == 0:

@@ -1,25 +1,28 @@
 """The `compiled` backend: the stock HF model (and the DGF drafter with the target's frozen embedding and
-LM head), compiled ahead of time once per input bucket, over a preallocated KV cache (gpt-fast's
-recipe, on the CPU).
+LM head), compiled ahead of time over a preallocated KV cache (gpt-fast's recipe, on the CPU).
 
-- Static shapes: the KV cache is preallocated to `capacity` slots (transformers' `StaticCache`
-  layers, re-pointed at tensors this engine owns); a forward of n new tokens is padded to the
-  smallest bucket >= n (1, 2, 4, 8, 16, 32, 64). Padded slots attend only to themselves and no real
-  slot attends to them, so they change nothing; prompts longer than the largest bucket are fed in
-  causal chunks.
-- One graph per bucket: `torch.export` of the model's forward (the cache tensors are inputs the
-  graph writes into), compiled by AOTInductor with the weights frozen into the graph, so inductor's
+- Static cache: the KV cache is preallocated to `capacity` slots (transformers' `StaticCache`
+  layers, re-pointed at tensors this engine owns).
+- Graphs (`shared_width`, the default): two AOTInductor packages per model - one for a single token
+  (decode steps) and one whose width is symbolic, from 2 to the largest bucket (verification, drafting
+  and prompt chunks run at their exact width, nothing padded). Inductor's CPU GEMM templates take a
+  symbolic M, so the shared graph keeps the autotuned kernels (measured on a 1536x8960 Linear: as
+  fast as a graph per width) while the model's frozen weights exist twice instead of once per
+  bucket. `shared_width=false`: one package per bucket (1, 2, 4, ..., 64), inputs padded to the
+  smallest bucket >= n; padded slots attend only to themselves and no real slot attends to them.
+  Prompts longer than the largest bucket are fed in causal chunks.
+- Each package is `torch.export` of the model's forward (the cache tensors are inputs the graph
+  writes into), compiled by AOTInductor with the weights frozen into the graph, so inductor's
   autotuned GEMM templates apply on the CPU (`max_autotune`); on CUDA the same packages run the
   device kernels (`max_autotune` also autotunes them).
-- Cached on disk: each package is `$DRAFTSMITH_CACHE/compiled/<key>/bucket_<b>.pt2`, the key a hash
-  of the model (config, a sample of every weight), dtype, device type, capacity, autotuning and torch
-  version.
+- Cached on disk: `$DRAFTSMITH_CACHE/compiled/<key>/<graph>.pt2`, the key a hash of the model
+  (config, a sample of every weight), dtype, device type, capacity, autotuning and torch version.
   The first run compiles (minutes; `compile_s`, reported apart from decode time), later runs load
   the packages in about a second each (`load_s`).
 - KV commit copies the accepted slots to the front of the uncommitted region inside the cache;
   truncation only moves the committed length.
-- Memory: every package holds its own frozen copy of the weights (inductor packs them per graph), so
-  n buckets cost n copies; `release` drops a bucket's graph (how a 1.5B model is measured in 24 GB).
+- Memory: every package holds its own frozen copy of the weights (inductor packs them per graph):
+  two copies with `shared_width`, one per bucket without; `release` drops a graph.
 - CUDA: the same packages hold device kernels; CUDA graphs are not captured (no GPU to test them on).
 """
 
@@ -62,6 +65,8 @@ class CompileSettings:
     capacity: int = option(DEFAULT_CAPACITY, "KV-cache slots: prompt + new tokens + one padded tree", ge=2)
     autotune: bool = option(True, "inductor max_autotune: GEMM templates benchmarked per shape (off: faster "
                                   "builds, slower graphs)")
+    shared_width: bool = option(True, "one graph of symbolic width serves 2 .. the largest bucket (no padding, "
+                                      "one weight copy); false: one padded graph per bucket")
     kernel_profile: bool = option(False, "record every generated kernel in torch.profiler (analysis builds only)")
 
     def __post_init__(self):
@@ -161,6 +166,26 @@ def traced_code_digest(step: nn.Module) -> str:
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
 
 
+SHARED_MIN = 2  # torch.export specialises sizes 0 and 1: a symbolic width starts at 2
+
+
+@dataclass(frozen=True)
+class Graph:
+    """One compiled package: a forward of exactly `width` tokens, or (shared) of any width from
+    SHARED_MIN to `width`."""
+
+    width: int
+    shared: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"widths_{SHARED_MIN}-{self.width}" if self.shared else f"bucket_{self.width}"
+
+    def runs_at(self, n: int) -> int:
+        """The width a forward of n tokens is run at (padded up to it)."""
+        return max(n, SHARED_MIN) if self.shared else self.width
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     for bucket in buckets:
         if bucket >= n:
@@ -188,6 +213,7 @@ class BucketGraphs:
                  dtype: torch.dtype, device: torch.device, what: str, cache_dir: str | Path | None = None):
         self.step, self.kv, self.settings, self.what = step, kv, settings, what
         self.capacity, self.buckets, self.autotune = settings.capacity, tuple(settings.buckets), settings.autotune
+        self.shared = settings.shared_width and self.buckets[-1] > SHARED_MIN  # else every graph is one width
         self.dtype, self.device = dtype, device
         text = (f"{fingerprint}|{dtype}|{device.type}|{self.capacity}|{torch.__version__}|{transformers.__version__}|"
                 f"{PACKAGE_VERSION}|{self.autotune}|{traced_code_digest(step)}")
@@ -195,23 +221,35 @@ class BucketGraphs:
             text += "|kernel_profile"
         key = hashlib.sha256(text.encode()).hexdigest()[:24]
         self.directory = Path(cache_dir or draftsmith_cache() / "compiled") / key
-        self.runners: dict[int, object] = {}
-        self.compile_s: dict[int, float] = {}  # seconds spent compiling each bucket in this process
-        self.load_s: dict[int, float] = {}  # seconds spent loading a cached package
+        self.runners: dict[Graph, object] = {}
+        self.compile_s: dict[str, float] = {}  # seconds spent compiling each graph in this process
+        self.load_s: dict[str, float] = {}  # seconds spent loading a cached package
 
     # -- compiling -----------------------------------------------------------------------------
 
-    def example(self, bucket: int) -> tuple:
-        """Inputs of one forward of `bucket` tokens (the step module's signature)."""
+    def example(self, width: int) -> tuple:
+        """Inputs of one forward of `width` tokens (the step module's signature)."""
         raise NotImplementedError
 
-    def _compile(self, bucket: int, path: Path) -> None:
+    def width_axes(self, width) -> tuple:
+        """torch.export dynamic_shapes of the step's inputs: `width` on every token axis."""
+        raise NotImplementedError
+
+    def graph_for(self, n: int) -> Graph:
+        """The graph a forward of n tokens (at most the largest bucket) runs on."""
+        if self.shared and (n >= SHARED_MIN or 1 not in self.buckets):
+            return Graph(self.buckets[-1], shared=True)
+        return Graph(bucket_for(n, self.buckets))
+
+    def _compile(self, graph: Graph, path: Path) -> None:
         try:
             from torch._inductor import aoti_compile_and_package
         except ImportError as err:
             raise CompileUnavailable(f"torch {torch.__version__} has no AOTInductor: use backend=eager") from err
+        example_width = min(8, graph.width) if graph.shared else graph.width  # the shared graph's autotuning size
+        axes = self.width_axes(torch.export.Dim("width", min=SHARED_MIN, max=graph.width)) if graph.shared else None
         with torch.no_grad():
-            program = torch.export.export(self.step, self.example(bucket), strict=False)
+            program = torch.export.export(self.step, self.example(example_width), dynamic_shapes=axes, strict=False)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".tmp_{os.getpid()}_{path.stem}.pt2")  # AOTInductor wants the .pt2 ending
             aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={
@@ -220,37 +258,36 @@ class BucketGraphs:
             tmp.replace(path)
 
     def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
-        """Compile (first run) or load (later runs) the packages of the buckets that forwards of `sizes`
-        tokens use (default: every bucket)."""
+        """Compile (first run) or load (later runs) the packages that forwards of `sizes` tokens use
+        (default: every bucket's)."""
         from torch._inductor import aoti_load_package
 
-        for bucket in self._buckets_of(sizes):
-            if bucket in self.runners:
+        for graph in self._graphs_of(sizes):
+            if graph in self.runners:
                 continue
-            path = self.directory / f"bucket_{bucket}.pt2"
+            path = self.directory / f"{graph.name}.pt2"
             if not path.is_file():
                 start = time.perf_counter()
-                log.info("compiling bucket %d of %s (once; cached in %s)", bucket, self.what, self.directory)
-                self._compile(bucket, path)
-                self.compile_s[bucket] = time.perf_counter() - start
+                log.info("compiling %s of %s (once; cached in %s)", graph.name, self.what, self.directory)
+                self._compile(graph, path)
+                self.compile_s[graph.name] = time.perf_counter() - start
             start = time.perf_counter()
-            self.runners[bucket] = aoti_load_package(str(path))
-            self.load_s[bucket] = time.perf_counter() - start
+            self.runners[graph] = aoti_load_package(str(path))
+            self.load_s[graph.name] = time.perf_counter() - start
 
     def release(self, sizes: tuple[int, ...] | None = None) -> None:
-        """Drop the loaded packages of these sizes' buckets (default: all): each holds its own frozen copy
-        of the weights, so a big model measures one bucket at a time."""
-        for bucket in self._buckets_of(sizes):
-            self.runners.pop(bucket, None)
+        """Drop the loaded packages of these sizes (default: all): each holds its own frozen copy of the
+        weights, so a big model can measure one graph at a time."""
+        for graph in self._graphs_of(sizes):
+            self.runners.pop(graph, None)
 
     def build_seconds(self) -> dict[str, float]:
         """Seconds spent compiling and loading packages in this process."""
         return {"compile_s": sum(self.compile_s.values()), "load_s": sum(self.load_s.values())}
 
-    def _buckets_of(self, sizes: tuple[int, ...] | None) -> list[int]:
-        if sizes is None:
-            return list(self.buckets)
-        return sorted({bucket_for(min(size, self.buckets[-1]), self.buckets) for size in sizes})
+    def _graphs_of(self, sizes: tuple[int, ...] | None) -> list[Graph]:
+        sizes = self.buckets if sizes is None else sizes
+        return sorted({self.graph_for(min(size, self.buckets[-1])) for size in sizes}, key=lambda g: g.name)
 
     # -- the static cache ----------------------------------------------------------------------
 
@@ -293,17 +330,21 @@ class BucketGraphs:
         return out.masked_fill_(~mask, torch.finfo(self.dtype).min)[None, None]
 
     def padded(self, cache: StaticKV, n: int, position_ids: torch.Tensor | None,
-               allowed: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(bucket, positions (1, bucket), mask) of a forward of n tokens; the bucket's graph is loaded."""
-        past, bucket = cache.length, bucket_for(n, self.buckets)
-        if past + bucket > self.capacity:
+               allowed: torch.Tensor | None) -> tuple[object, int, torch.Tensor, torch.Tensor]:
+        """(runner, width, positions (1, width), mask) of a forward of n tokens (width >= n: padded);
+        the graph is loaded."""
+        if n > self.buckets[-1]:
+            raise UserError(f"a forward of {n} tokens exceeds the largest bucket {self.buckets[-1]}")
+        past, graph = cache.length, self.graph_for(n)
+        width = graph.runs_at(n)
+        if past + width > self.capacity:
             raise UserError(f"the compiled engine's KV cache ({self.capacity} slots) is full")
-        if bucket not in self.runners:
-            self.prepare((bucket,))
-        positions = torch.arange(past, past + bucket, device=self.device)[None]
+        if graph not in self.runners:
+            self.prepare((n,))
+        positions = torch.arange(past, past + width, device=self.device)[None]
         if position_ids is not None:
             positions[:, :n] = position_ids
-        return bucket, positions, self.static_mask(allowed, past, n, bucket)
+        return self.runners[graph], width, positions, self.static_mask(allowed, past, n, width)
 
     def check_chunkable(self, n: int, position_ids, allowed) -> None:
         if allowed is not None or position_ids is not None:
@@ -323,11 +364,14 @@ class CompiledEngine(BucketGraphs):
         super().__init__(StepModule(model, cache), kv, model_fingerprint(model, model.config.to_dict()), settings,
                          model.dtype, device, model.config.model_type, cache_dir)
 
-    def example(self, bucket: int) -> tuple:
-        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-        positions = torch.arange(bucket, device=self.device)[None]
-        mask = self.static_mask(None, 0, bucket, bucket)
+    def example(self, width: int) -> tuple:
+        ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
+        positions = torch.arange(width, device=self.device)[None]
+        mask = self.static_mask(None, 0, width, width)
         return (ids, positions, mask, torch.tensor(0, device=self.device), *self.new_cache().tensors)
+
+    def width_axes(self, width) -> tuple:
+        return ({1: width}, {1: width}, {2: width}, None, tuple(None for _ in self.kv))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKV, position_ids: torch.Tensor | None = None,
@@ -337,11 +381,10 @@ class CompiledEngine(BucketGraphs):
             self.check_chunkable(n, position_ids, allowed)
             return self._chunked(input_ids, cache, hidden_layers)
         past = cache.length
-        bucket, positions, mask = self.padded(cache, n, position_ids, allowed)
-        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
+        ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
         ids[:, :n] = input_ids
-        logits, hidden = self.runners[bucket](ids, positions, mask, torch.tensor(past, device=self.device),
-                                              *cache.tensors)
+        logits, hidden = runner(ids, positions, mask, torch.tensor(past, device=self.device), *cache.tensors)
         cache.length = past + n
         return TargetOutput(logits=logits[:, :n].float(), hidden={k: hidden[k][:, :n] for k in hidden_layers})
 
@@ -369,12 +412,15 @@ class CompiledDGFEngine(BucketGraphs):
         super().__init__(step, kv, fingerprint, settings, dtype, device, f"dgf drafter ({model.config.fusion})",
                          cache_dir)
 
-    def example(self, bucket: int) -> tuple:
-        features = torch.zeros(1, bucket, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
-        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-        positions = torch.arange(bucket, device=self.device)[None]
-        mask = self.static_mask(None, 0, bucket, bucket)
+    def example(self, width: int) -> tuple:
+        features = torch.zeros(1, width, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
+        positions = torch.arange(width, device=self.device)[None]
+        mask = self.static_mask(None, 0, width, width)
         return (features, ids, positions, mask, torch.tensor(0, device=self.device), *self.new_cache().tensors)
+
+    def width_axes(self, width) -> tuple:
+        return ({1: width}, {1: width}, {1: width}, {2: width}, None, tuple(None for _ in self.kv))
 
     @torch.inference_mode()
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, cache: StaticKV,
@@ -389,13 +435,13 @@ class CompiledDGFEngine(BucketGraphs):
             logits = parts[-1][1] if last_only else torch.cat([p[1] for p in parts], 1)
             return torch.cat([p[0] for p in parts], 1), logits
         past = cache.length
-        bucket, positions, mask = self.padded(cache, n, position_ids, allowed)
-        padded_features = torch.zeros(1, bucket, features.shape[-1], dtype=self.dtype, device=self.device)
+        runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
+        padded_features = torch.zeros(1, width, features.shape[-1], dtype=self.dtype, device=self.device)
         padded_features[:, :n] = features
-        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
         ids[:, :n] = input_ids
-        hidden, logits = self.runners[bucket](padded_features, ids, positions, mask,
-                                              torch.tensor(past, device=self.device), *cache.tensors)
+        hidden, logits = runner(padded_features, ids, positions, mask, torch.tensor(past, device=self.device),
+                                *cache.tensors)
         cache.length = past + n
         logits = logits[:, n - 1:n] if last_only else logits[:, :n]
         return hidden[:, :n], logits.float()

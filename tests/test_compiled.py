@@ -15,7 +15,7 @@ from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.drafters.medusa import MedusaDrafter
 from draftsmith.eval.drafters.ngram import NgramDrafter
 from draftsmith.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
-from draftsmith.models.compiled import CompiledDGFEngine, CompiledEngine, CompileSettings, bucket_for
+from draftsmith.models.compiled import CompiledDGFEngine, CompiledEngine, CompileSettings, Graph, bucket_for
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
@@ -45,6 +45,37 @@ def test_compiled_bucket_choice():
         bucket_for(9, (1, 2, 4, 8))
 
 
+def test_compiled_graph_choice_shared_and_padded():
+    model = tiny_model("llama", seed=3, num_layers=1)
+    shared = CompiledEngine(model, CompileSettings(buckets=[1, 4, 16], capacity=64, autotune=False))
+    assert [shared.graph_for(n) for n in (1, 2, 16)] == [Graph(1), Graph(16, shared=True), Graph(16, shared=True)]
+    assert [shared.graph_for(n).runs_at(n) for n in (1, 3, 16)] == [1, 3, 16]  # exact widths, nothing padded
+    padded = CompiledEngine(model, CompileSettings(buckets=[1, 4, 16], capacity=64, autotune=False,
+                                                   shared_width=False))
+    assert [padded.graph_for(n).runs_at(n) for n in (1, 3, 5)] == [1, 4, 16]
+    no_one = CompiledEngine(model, CompileSettings(buckets=[8], capacity=64, autotune=False))
+    assert no_one.graph_for(1) == Graph(8, shared=True) and no_one.graph_for(1).runs_at(1) == 2
+
+
+def test_compiled_padded_graphs_match_eager(tmp_path):
+    """shared_width=false: one graph per bucket, a 5-token tree padded to 8, prompt chunks of 8."""
+    model = tiny_model("llama", seed=3, num_layers=1)
+    eager = TargetModel(model, tokenizer=None)
+    settings = CompileSettings(buckets=[1, 8], capacity=64, autotune=False, shared_width=False)
+    compiled = TargetModel(model, None, engine=CompiledEngine(model, settings, cache_dir=tmp_path))
+    prompt = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(1))
+    caches = [eager.new_cache(), compiled.new_cache(40)]
+    outs = [lm.forward(prompt, cache) for lm, cache in zip((eager, compiled), caches)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
+    tree = DraftTree.from_parents(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 0]))
+    allowed = tree_attention_mask(tree.parents, prompt.shape[1])
+    positions = tree_position_ids(tree.depths, prompt.shape[1])
+    ids = torch.tensor([[4, 5, 6, 7, 8]])
+    outs = [lm.forward(ids, cache, positions, allowed) for lm, cache in zip((eager, compiled), caches)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
+    assert set(compiled.engine.runners) == {Graph(8)}  # 11 = 8 + 3 padded, then 5 padded
+
+
 def test_compiled_forward_and_commit_match_eager(compiled_pair):
     eager, compiled, _ = compiled_pair
     prompt = torch.randint(0, 96, (1, 19), generator=torch.Generator().manual_seed(1))
@@ -57,7 +88,7 @@ def test_compiled_forward_and_commit_match_eager(compiled_pair):
     allowed, positions = tree_attention_mask(tree.parents, past), tree_position_ids(tree.depths, past)
     ids = torch.tensor([[4, 5, 6, 7, 8, 9]])
     outs = [lm.forward(ids, cache, positions, allowed) for lm, cache in zip((eager, compiled), caches)]
-    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)  # a tree in bucket 8
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)  # a tree of 6, shared graph
     keep = torch.cat([torch.arange(past), past + torch.tensor([0, 1, 3, 5])])  # root, node 0, node 2, node 4
     for lm, cache in zip((eager, compiled), caches):
         lm.commit(cache, keep)
@@ -129,10 +160,10 @@ def test_compiled_packages_are_cached_on_disk(tmp_path):
     model = tiny_model("qwen2", seed=9, num_layers=1)
     first = CompiledEngine(model, ONE, cache_dir=tmp_path)
     first.prepare()
-    assert set(first.compile_s) == {1} and (first.directory / "bucket_1.pt2").is_file()
+    assert set(first.compile_s) == {"bucket_1"} and (first.directory / "bucket_1.pt2").is_file()
     second = CompiledEngine(model, ONE, cache_dir=tmp_path)
     second.prepare()
-    assert second.compile_s == {} and second.load_s[1] < 30  # loaded, not compiled again
+    assert second.compile_s == {} and second.load_s["bucket_1"] < 30  # loaded, not compiled again
     other = CompiledEngine(tiny_model("qwen2", seed=10, num_layers=1), ONE, cache_dir=tmp_path)
     assert other.directory != first.directory  # other weights, other packages
 

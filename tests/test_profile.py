@@ -11,7 +11,8 @@ from draftsmith.eval.decoder import DecodeConfig
 from draftsmith.eval.drafters.base import Drafter
 from draftsmith.eval.hcmp import HcmpPolicy
 from draftsmith.eval.methods import BuildContext, build_method, parse_method
-from draftsmith.eval.profile import ProfileConfig, measure_verify_latency, random_tree, run_profile
+from draftsmith.eval.profile import (ProfileConfig, measure_verify_latency, measured_budgets, random_tree, run_profile,
+                                    settings_of)
 from draftsmith.eval.tree import DraftTree
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
@@ -80,7 +81,7 @@ def test_profile_round_trip_and_decoding(tmp_path, smol_tokenizer, placement):
     assert profile["budgets"] == [0, 1, 2, 4]
     labels = ["eager/float32", "compiled/float32"] + (["hcmp:0.5/eager/float32"] if placement == "hcmp" else [])
     assert list(profile["verify_latency_s"]) == labels
-    assert sorted(profile["verify_latency_s"]["compiled/float32"]) == [0, 1, 3]  # each bucket's top (b + 1 tokens)
+    assert sorted(profile["verify_latency_s"]["compiled/float32"]) == [0, 1, 2, 4]  # shared width: every budget
     assert sorted(profile["predicted"]["eager/float32"]) == [0, 1, 2, 3, 4]  # every budget, not only measured ones
     best = profile["best"]
     assert best["setting"] in labels and best["budget"] in profile["predicted"][best["setting"]]
@@ -111,3 +112,13 @@ def test_load_profile_refuses_other_files(tmp_path):
         load_profile(tmp_path / "x.json")
     with pytest.raises(FileNotFoundError):
         load_profile(tmp_path / "missing.json")
+
+
+def test_compiled_settings_measure_where_latency_changes():
+    """Padded graphs (one per bucket) are flat inside a bucket: measured at each bucket's top; the
+    shared-width graph runs every width exactly: measured at the config's budgets, interpolated."""
+    for shared, expected in ((False, [0, 1, 3]), (True, [0, 1, 2, 4, 6])):
+        config = ProfileConfig(drafter=parse_method("lm-tree:depth=3,topk=2"), budgets=[1, 2, 4, 6], calibration_budget=7,
+                               compile=CompileSettings(buckets=[1, 2, 4, 8], autotune=False, shared_width=shared))
+        compiled = [s for s in settings_of(config) if s.backend == "compiled"][0]
+        assert compiled.step == (not shared) and measured_budgets(config, compiled) == expected
