@@ -54,6 +54,7 @@ from draftsmith.eval.latency import cpu_model
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
+from draftsmith.models.bundled import has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
@@ -63,15 +64,19 @@ WARMUP_MESSAGES = [{"role": "user", "content": "Write two sentences about the se
 RESULTS_FILE = "bench.json"
 
 
-def default_methods() -> list[MethodSpec]:
-    return [parse_method(spec) for spec in ("plain", "loop-plain", "ngram", "ngram:branches=3")]
+def default_methods(target: str) -> list[MethodSpec]:
+    """plain, our loop without a drafter, prompt lookup, and the drafter bundled for the target if any."""
+    specs = ["plain", "loop-plain", "ngram", "ngram:branches=3"] + (["dgf"] if has_bundled_drafter(target) else [])
+    return [parse_method(spec) for spec in specs]
 
 
 @dataclass
 class BenchConfig:
     target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree / hf-assisted use by default")
-    methods: list[MethodSpec] = option(factory=default_methods, help="methods to compare (plain is always run)")
+    methods: list[MethodSpec] | None = option(None, "methods to compare (plain is always run); null: plain, "
+                                              "loop-plain, ngram, ngram:branches=3 + dgf (the target's bundled "
+                                              "drafter) where one is bundled")
     suites: list[str] = option(factory=lambda: ["mt-bench"], help="mt-bench | gsm8k | humaneval | a source spec")
     num_prompts: int = option(4, "prompts per suite", ge=1)
     turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
@@ -94,6 +99,8 @@ class BenchConfig:
     def __post_init__(self):
         check_config(self)
         check_suites(self.suites)
+        if self.methods is None:
+            self.methods = default_methods(self.target)
         names = [spec.name for spec in self.methods]
         if "plain" not in names:
             self.methods.insert(0, parse_method("plain"))  # the reference for losslessness and speedup

@@ -40,6 +40,7 @@ from draftsmith.eval.hcmp import LAYER_TYPES, HcmpConfig, HcmpPolicy
 from draftsmith.eval.pipeline import PipelinePolicy
 from draftsmith.eval.placement import DovetailPolicy
 from draftsmith.eval.selfdraft import SelfDraftConfig, SelfDraftPolicy
+from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
@@ -327,7 +328,7 @@ class MedusaOptions:
 
 @dataclass
 class DGFOptions:
-    path: str = option(help="a train/dgf.py final/ directory")
+    path: str | None = option(None, "a train/dgf.py final/ directory; null: the drafter bundled for the target")
     depth: int = option(DGF_DEPTH, "dynamic-tree depth", ge=1)
     topk: int = option(DGF_TOPK, "children per expanded node", ge=1)
     budget: int = option(TREE_BUDGET, "draft nodes per round (Dovetail's g)", ge=1)
@@ -425,7 +426,8 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    drafter = load_dgf_drafter(o.path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget, name=spec.label,
+    path = o.path if o.path is not None else bundled_drafter(ctx.target.name)
+    drafter = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget, name=spec.label,
                                backend=ctx.backend, settings=ctx.settings)
     ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)

@@ -180,13 +180,17 @@ def load_medusa_heads(path: str | Path, device: str | torch.device | None = None
 # ---------------------------------------------------------------------------------------------
 
 
-def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, **sections: Any) -> dict:
-    """Weights (float32) + DGFConfig + manifest into `out_dir` (created; files replaced)."""
+def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, dtype: torch.dtype = torch.float32,
+             **sections: Any) -> dict:
+    """Weights (stored in `dtype`, float32 by default; read back as float32) + DGFConfig + manifest into
+    `out_dir` (created; files replaced)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(float_state(model), str(out / DGF_WEIGHTS), metadata={"format": DGF_FORMAT})
+    state = {name: tensor.to(dtype) for name, tensor in float_state(model).items()}
+    save_file(state, str(out / DGF_WEIGHTS), metadata={"format": DGF_FORMAT})
     atomic_write_json(out / CONFIG_FILE, model.config.to_dict())
-    drafter = {"file": DGF_WEIGHTS, "config": CONFIG_FILE, "dtype": "float32", "fusion": model.config.fusion,
+    drafter = {"file": DGF_WEIGHTS, "config": CONFIG_FILE, "dtype": str(dtype).removeprefix("torch."),
+               "fusion": model.config.fusion,
                "num_blocks": model.config.num_blocks, "parameters": model.num_parameters()}
     drafter.update(feature_layers=model.config.layers_read, head=model.config.head)
     method = "dgf" if model.config.fusion == "dgf" else "eagle"

@@ -453,7 +453,17 @@ def _dgf_logits(model: DGFModel, layers: torch.Tensor, ids: torch.Tensor) -> tor
         return model.logits(model(model.fuse_layers(layers), ids))
 
 
-def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: dict, target_model) -> DGFModel:
+def round_state(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round the module's saved tensors to `dtype` in place (kept in their own dtype): the drafter the
+    reduced-precision file will give back."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.to(dtype))
+
+
+def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: dict, target_model,
+                      dtype: torch.dtype = torch.float32) -> DGFModel:
     """Write `layout` into tmp and reload it with draftsmith's reader of that layout."""
     want = source_manifest["target"]
     vocab = model.draft_vocab
@@ -468,31 +478,39 @@ def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: 
                                     hub_id(want.get("name")), [ARCHITECTURE_OF.get(want.get("model_type"), "")],
                                     EAGLE3_SPECULATIVE_TOKENS, metadata)
         return eagle_layouts.load_eagle3(tmp, target_model=target_model)
-    save_dgf(model, tmp, want, **{k: v for k, v in source_manifest.items()
-                                  if k not in ("format", "method", "target", "drafter", "draft_vocab")})
+    save_dgf(model, tmp, want, dtype=dtype, **{k: v for k, v in source_manifest.items()
+                                               if k not in ("format", "method", "target", "drafter", "draft_vocab")})
     reloaded, _ = load_dgf(tmp)
     return reloaded.attach_target(target_model)
 
 
 def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str = "auto",
-               tree: dict | None = None, tolerance: float = 0.0, bench: dict | None = None) -> ExportResult:
+               tree: dict | None = None, tolerance: float = 0.0, bench: dict | None = None,
+               dtype: str = "float32") -> ExportResult:
     """train/dgf.py `final/` -> EAGLE-1/2 (`eagle`, fusion linear), EAGLE-3 (`speculators` for vLLM,
     `sglang`; fusion eagle3) or draftsmith's DGF layout (`dgf`); "auto" picks by the drafter. Parity runs
     the drafter through the target's embedding and LM head when `target` (TargetModel, or zoo name /
-    dir) is given, else through a seeded stand-in of the same shape."""
+    dir) is given, else through a seeded stand-in of the same shape. `dtype` (layout dgf): the stored
+    weights' dtype (bfloat16 halves a bundled drafter); parity is then against the rounded drafter."""
     source = Path(source)
     if isinstance(target, (str, Path)):
         target = TargetModel.from_pretrained(str(target))
     model, source_manifest = load_dgf(source, target=target)
     config = model.config
     layout = _pick_layout(config, layout)
+    stored = resolve_dtype(dtype)
+    if stored != torch.float32:
+        if layout != "dgf":
+            raise UserError(f"--dtype {dtype}: only the dgf layout stores reduced-precision weights (the {layout} "
+                            f"layout is float32)")
+        round_state(model, stored)
     target_model = target.model if target is not None else _stand_in_target(config)
     if target is None:  # load_dgf attached the real target already
         model.attach_target(target_model)
     out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
     try:
-        reloaded = _write_dgf_layout(model, tmp, layout, source_manifest, target_model)
+        reloaded = _write_dgf_layout(model, tmp, layout, source_manifest, target_model, stored)
     except UserError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

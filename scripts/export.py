@@ -9,6 +9,8 @@
                                                       # auto: EAGLE-1/2 (fusion linear), EAGLE-3 in vLLM's
                                                       # speculators format (fusion eagle3), else DGF layout
     python scripts/export.py dgf <final> exports/sglang --layout sglang   # EAGLE-3 for SGLang
+    python scripts/export.py dgf <final> models/bundled/smollm2-135m-instruct-dgf --layout dgf \
+        --dtype bfloat16 --target smollm2-135m-instruct   # how the bundled drafter is made
 
 Each export is reloaded and checked for parity (same logits on a fixed seeded input) before it is
 moved into place with export_manifest.json and a model card (README.md); a failed check leaves no
@@ -39,6 +41,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     dgf = sub.add_parser("dgf", help="train/dgf.py final/ -> EAGLE-1/2, EAGLE-3 (speculators / sglang) or DGF layout")
     dgf.add_argument("--target", help="zoo name or dir (parity through its embedding and LM head)")
     dgf.add_argument("--layout", default="auto", choices=list(export.DGF_LAYOUTS))
+    dgf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                     help="stored weights (layout dgf; bfloat16 halves a bundled drafter)")
     for p in (student, medusa, dgf):
         p.add_argument("source")
         p.add_argument("out")
@@ -75,7 +79,7 @@ def main(argv: list[str]) -> int:
                                       bench=bench)
     else:
         result = export.export_dgf(args.source, args.out, target=args.target, layout=args.layout,
-                                   tolerance=args.tolerance, bench=bench)
+                                   tolerance=args.tolerance, bench=bench, dtype=args.dtype)
     print(json.dumps({"out": str(result.out_dir), "layout": result.manifest["layout"],
                       "files": result.manifest["files"], "parity": result.manifest["parity"]}, indent=2))
     print(f"exported {args.kind} to {result.out_dir} (parity max |diff| {result.max_abs_diff:.3g})")

@@ -1,0 +1,36 @@
+"""Drafters shipped inside the package: one small feature drafter per zoo target that has one (a
+reduced draft vocabulary whose head is a frozen slice of the target's LM head, re-read from the target
+at load, so only the blocks and the fusion are stored, in bfloat16). Each directory is a `train/dgf.py`
+final/ directory exported with `scripts/export.py dgf ... --layout dgf --dtype bfloat16`; its model
+card (README.md) records the training command, so a user can retrain it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.errors import UserError
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
+
+# zoo target name -> directory under BUNDLED_DIR
+BUNDLED_DRAFTERS: dict[str, str] = {
+    "smollm2-135m-instruct": "smollm2-135m-instruct-dgf",
+}
+
+
+def bundled_drafter(target_name: str) -> Path:
+    """The directory of the drafter bundled for `target_name` (a zoo name); a user error names the
+    targets that have one."""
+    table, root = BUNDLED_DRAFTERS, BUNDLED_DIR
+    if target_name not in table:
+        raise UserError(f"dgf: no path= given and no drafter is bundled for target {target_name!r}; bundled "
+                        f"drafters: {', '.join(table) or 'none'} (train one: train/dgf.py)")
+    path = root / table[target_name]
+    if not (path / "manifest.json").is_file():
+        raise UserError(f"dgf: the drafter bundled for {target_name!r} is missing from {path} (a partial "
+                        f"checkout?): reinstall draftsmith or pass path=<a train/dgf.py final/ directory>")
+    return path
+
+
+def has_bundled_drafter(target_name: str) -> bool:
+    return target_name in BUNDLED_DRAFTERS and (BUNDLED_DIR / BUNDLED_DRAFTERS[target_name] / "manifest.json").is_file()

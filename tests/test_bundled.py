@@ -1,0 +1,85 @@
+"""Bundled drafters: the explicit table, the `dgf` method without a path, the bench's default methods,
+the bfloat16 dgf export they are made with, and the shipped SmolLM2 drafter's files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import build_spec, tiny_model
+from draftsmith.errors import UserError
+from draftsmith.eval import bench
+from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.models import bundled
+from draftsmith.models import exports as export
+from draftsmith.models.artifacts import save_dgf, target_block
+from draftsmith.models.dgf import DGFConfig, DGFModel
+from draftsmith.models.target import TargetModel
+from draftsmith.models.tiny import TinyTokenizer
+
+
+@pytest.fixture
+def tiny_bundle(tmp_path, monkeypatch):
+    """A tiny target named `tiny-bundled` and a DGF drafter bundled for it (exported in bfloat16)."""
+    model = tiny_model("llama", seed=2)
+    target = TargetModel(model, TinyTokenizer(96), name="tiny-bundled")
+    torch.manual_seed(0)
+    drafter = DGFModel(DGFConfig.for_target(model.config, num_blocks=1)).attach_target(model).eval()
+    save_dgf(drafter, tmp_path / "final", target_block(target, target.name, [-1]))
+    result = export.export_dgf(tmp_path / "final", tmp_path / "bundled" / "tiny-dgf", target=target, layout="dgf",
+                               dtype="bfloat16")
+    monkeypatch.setattr(bundled, "BUNDLED_DIR", tmp_path / "bundled")
+    monkeypatch.setattr(bundled, "BUNDLED_DRAFTERS", {"tiny-bundled": "tiny-dgf"})
+    return target, tmp_path, result
+
+
+def test_bfloat16_dgf_export_halves_the_file_and_reloads_exactly(tiny_bundle):
+    _, root, result = tiny_bundle
+    assert result.max_abs_diff == 0.0  # parity against the rounded drafter
+    stored = root / "bundled" / "tiny-dgf" / "dgf.safetensors"
+    with safe_open(str(stored), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert stored.stat().st_size < 0.6 * (root / "final" / "dgf.safetensors").stat().st_size
+    manifest = json.loads((root / "bundled" / "tiny-dgf" / "manifest.json").read_text())
+    assert manifest["drafter"]["dtype"] == "bfloat16"
+    with pytest.raises(UserError, match="only the dgf layout"):
+        export.export_dgf(root / "final", root / "eagle", layout="eagle", dtype="bfloat16")
+
+
+def test_dgf_without_a_path_is_the_bundled_drafter_and_lossless(tiny_bundle):
+    target, _, _ = tiny_bundle
+    drafter = build_spec("dgf:depth=3,topk=2,budget=6", target)
+    prompt = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    config = DecodeConfig(max_new_tokens=16, budget_limit=6)
+    plain = SpeculativeDecoder(target, None, config).generate(prompt).tokens
+    assert SpeculativeDecoder(target, drafter, config).generate(prompt).tokens == plain
+
+
+def test_bench_defaults_add_the_bundled_drafter(tiny_bundle):
+    assert "dgf" in [m.label for m in bench.default_methods("tiny-bundled")]
+    assert "dgf" not in [m.label for m in bench.default_methods("tiny:llama")]
+
+
+def test_no_bundled_drafter_is_one_clear_line(tiny_bundle, monkeypatch):
+    target, root, _ = tiny_bundle
+    with pytest.raises(UserError, match="no drafter is bundled for target 'other'; bundled drafters: tiny-bundled"):
+        bundled.bundled_drafter("other")
+    monkeypatch.setattr(bundled, "BUNDLED_DRAFTERS", {"tiny-bundled": "gone"})
+    with pytest.raises(UserError, match="is missing from"):
+        bundled.bundled_drafter("tiny-bundled")
+
+
+def test_the_shipped_drafters_are_small_and_name_their_target():
+    """Every bundled drafter on disk: a few MB of bfloat16 weights, a manifest for its table key, a model
+    card with the command that trained it."""
+    for target_name, directory in bundled.BUNDLED_DRAFTERS.items():
+        path = bundled.BUNDLED_DIR / directory
+        if not (path / "manifest.json").is_file():
+            pytest.skip(f"{path} is not shipped yet")
+        manifest = json.loads((path / "manifest.json").read_text())
+        assert manifest["target"]["name"] == target_name and manifest["drafter"]["dtype"] == "bfloat16"
+        assert sum(f.stat().st_size for f in path.iterdir()) < 16 * 2**20
+        assert "accelerate launch" in (path / "README.md").read_text()
