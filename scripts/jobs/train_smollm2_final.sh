@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17, SmolLM2: regenerated data -> draft vocabulary -> feature caches -> >= 1 h of training -> bench.
-# Every step resumes: rerun the script after an interruption. DRAFTER: the ablation's best variant.
+# Every step resumes: rerun the script after an interruption. DRAFTER: the ablation's best variant
+# (single-layer DGF, 8k draft vocabulary, frozen sliced head: equal tau at a third of the draft step).
 set -euo pipefail
 bash scripts/jobs/regen_smollm2.sh
 R=outputs/regen/smollm2
@@ -11,13 +12,19 @@ VOCAB=outputs/vocab/smollm2_final_8192
 CACHES=""
 for PART in gsm8k code sharegpt; do
   python -m draftsmith.data.features target=smollm2-135m-instruct source=conversations:$R/$PART \
-    hidden_layers=[2,15,27,-1] max_length=384 threads=2 output_dir=outputs/features/smollm2_final_$PART --no-progress
+    hidden_layers=[-1] max_length=384 threads=2 output_dir=outputs/features/smollm2_final_$PART --no-progress
   CACHES="${CACHES:+$CACHES + }outputs/features/smollm2_final_$PART"
 done
 DRAFTER=${DRAFTER:-"drafter.draft_vocab=$VOCAB drafter.head=slice"}
 RESUME=""; [ -d outputs/dgf_smollm2_final/checkpoints ] && RESUME="--resume"
 OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
   train/dgf.py --config train/configs/dgf_smollm2_final.yaml "data.feature_cache=$CACHES" $DRAFTER $RESUME --no-progress
-python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=10 max_new_tokens=128 \
-  "suites=[mt-bench,gsm8k,humaneval]" "methods=plain ngram dgf:path=outputs/dgf_smollm2_final/final" \
+BUNDLE=models/bundled/smollm2-135m-instruct-dgf
+TREES="dgf:path=outputs/dgf_smollm2_final/final dgf:path=outputs/dgf_smollm2_final/final,depth=4,topk=4,budget=8"
+TREES="$TREES dgf:path=outputs/dgf_smollm2_final/final,depth=3,topk=1,budget=3"
+scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=10 \
+  max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" "methods=plain ngram $TREES" \
   output_dir=results/dgf_smollm2_final
+[ -d $BUNDLE ] || python scripts/export.py dgf outputs/dgf_smollm2_final/final $BUNDLE --layout dgf --dtype bfloat16 \
+  --target smollm2-135m-instruct --bench results/dgf_smollm2_final/bench.json \
+  --bench-method dgf:path=outputs/dgf_smollm2_final/final
