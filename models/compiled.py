@@ -29,12 +29,14 @@ LM head), compiled ahead of time over a preallocated KV cache (gpt-fast's recipe
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +190,23 @@ class Graph:
         return max(n, SHARED_MIN) if self.shared else self.width
 
 
+@contextlib.contextmanager
+def scratch_inductor_cache(parent: Path):
+    """Inductor's working files for one build in a scratch directory beside the package, removed
+    afterwards: an AOT build writes the frozen weights there too (gigabytes per build of a 1.5B model,
+    which the package already holds)."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix=".inductor_", dir=parent) as scratch:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     for bucket in buckets:
         if bucket >= n:
@@ -252,12 +271,13 @@ class BucketGraphs:
         axes = self.width_axes(torch.export.Dim("width", min=SHARED_MIN, max=graph.width)) if graph.shared else None
         with torch.no_grad(), fx_config.patch(backed_size_oblivious=graph.shared):  # no 0/1 specialisation
             program = torch.export.export(self.step, self.example(example_width), dynamic_shapes=axes, strict=False)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".tmp_{os.getpid()}_{path.stem}.pt2")  # AOTInductor wants the .pt2 ending
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp_{os.getpid()}_{path.stem}.pt2")  # AOTInductor wants the .pt2 ending
+        with torch.no_grad(), scratch_inductor_cache(path.parent):
             aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={
                 "freezing": True, "max_autotune": self.autotune, "autotune_num_choices_displayed": 0,
                 "max_autotune_report_choices_stats": False, "cpp.enable_kernel_profile": self.settings.kernel_profile})
-            tmp.replace(path)
+        tmp.replace(path)
 
     def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
         """Compile (first run) or load (later runs) the packages that forwards of `sizes` tokens use

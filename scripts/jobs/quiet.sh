@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Run a timing command on a quiet machine: pause (SIGSTOP) the background data jobs of this checkout
-# (data.regenerate / data.features) for its duration, continue them (SIGCONT) afterwards, even on failure.
+# (data.regenerate / data.features / train recipes) for its duration, including ones a job script starts
+# while the command runs (checked every 2 s), and continue them (SIGCONT) afterwards, even on failure.
 set -uo pipefail
-PIDS=$(pgrep -f "draftsmith.data.(regenerate|features)" || true)
-[ -n "$PIDS" ] && kill -STOP $PIDS
-trap '[ -n "$PIDS" ] && kill -CONT $PIDS' EXIT
+PATTERN="draftsmith.data.(regenerate|features)|train/(dgf|medusa|distill).py"
+STOPPED=$(mktemp)
+pause_all() { for pid in $(pgrep -f "$PATTERN"); do kill -STOP "$pid" 2>/dev/null && echo "$pid" >> "$STOPPED"; done; }
+pause_all
+( while sleep 2; do pause_all; done ) &
+WATCHER=$!
+trap 'kill $WATCHER 2>/dev/null; for pid in $(sort -u "$STOPPED"); do kill -CONT "$pid" 2>/dev/null; done; rm -f "$STOPPED"' EXIT
 "$@"
