@@ -770,8 +770,8 @@ def _stdlib_callables(min_chars: int) -> Iterator[tuple[str, str, str, str]]:
                 doc = inspect.getdoc(fn)
                 if not doc or len(doc) < min_chars:
                     continue
-                try:
-                    signature = str(inspect.signature(fn))
+                try:  # default values' reprs may hold memory addresses: drop them (the same prompts per process)
+                    signature = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(fn)))
                 except (TypeError, ValueError):
                     continue
                 yield module_name, qualname, signature, doc

@@ -332,3 +332,16 @@ def test_load_source_errors(tmp_path):
     f = write_jsonl(tmp_path / "bare.jsonl", [{"prompt": "x"}])
     with pytest.raises(ValueError, match="looks like a path"):
         load_source(str(f))
+
+
+def test_python_docstrings_are_the_same_in_every_process():
+    """A resumed regeneration checks the items' digest: prompts must not carry per-process reprs (memory
+    addresses of sentinel defaults such as configparser's `fallback=<object object at 0x...>`)."""
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from draftsmith.data.sources import load_python_docstrings as load; "
+            "print(hashlib.sha256(''.join(c.messages[0]['content'] for c in load()).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
+               for _ in range(2)}
+    assert len(digests) == 1 and len(next(iter(digests)).strip()) == 64
