@@ -244,6 +244,22 @@ def readable_by_transformers4(directory: Path) -> None:
             tokenizer_file.write_text(json.dumps(tokenizer_config, indent=2))
 
 
+def _student_tokenizer(source_path: Path, target, distilled: dict | None):
+    """The student's own tokenizer, else the target's; checked against the target and the manifest."""
+    tokenizer = None
+    if (source_path / "tokenizer_config.json").is_file() or (source_path / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(source_path))
+    elif target is not None:
+        tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise UserError(f"{source_path} has no tokenizer: pass --target (the student uses the target's tokenizer)")
+    if target is not None:
+        check_same_tokenizer(target.tokenizer, tokenizer, what=f"student {source_path}")
+    if distilled and distilled["target"].get("vocab_fingerprint") not in (None, vocab_fingerprint(tokenizer)):
+        raise UserError(f"{source_path}: the tokenizer does not match the vocab fingerprint in its manifest")
+    return tokenizer
+
+
 def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: str = "float32",
                    tree: dict | None = None, tolerance: float = 0.0, check_assisted: bool = True,
                    bench: dict | None = None) -> ExportResult:
@@ -260,18 +276,7 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
         target = TargetModel.from_pretrained(str(target), dtype=dtype)
     torch_dtype = resolve_dtype(dtype)
     model = _load_hf_model(str(source_path), torch_dtype)
-    tokenizer = None
-    if (source_path / "tokenizer_config.json").is_file() or (source_path / "tokenizer.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(source_path))
-    elif target is not None:
-        tokenizer = target.tokenizer
-    if tokenizer is None:
-        raise UserError(f"{source_path} has no tokenizer: pass --target (the student uses the target's tokenizer)")
-    if target is not None:
-        check_same_tokenizer(target.tokenizer, tokenizer, what=f"student {source_path}")
-    if distilled and distilled["target"].get("vocab_fingerprint") not in (None, vocab_fingerprint(tokenizer)):
-        raise UserError(f"{source_path}: the tokenizer does not match the vocab fingerprint in its manifest")
-
+    tokenizer = _student_tokenizer(source_path, target, distilled)
     out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
     if target is not None:  # stop on the target's end-of-turn tokens, as train/distill.py does
