@@ -33,4 +33,8 @@ def bundled_drafter(target_name: str) -> Path:
 
 
 def has_bundled_drafter(target_name: str) -> bool:
-    return target_name in BUNDLED_DRAFTERS and (BUNDLED_DIR / BUNDLED_DRAFTERS[target_name] / "manifest.json").is_file()
+    try:
+        bundled_drafter(target_name)
+    except UserError:
+        return False
+    return True

@@ -170,24 +170,21 @@ def traced_code_digest(step: nn.Module) -> str:
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
 
 
-SHARED_MIN = 1  # exported size-obliviously: one graph serves single tokens too
-
-
 @dataclass(frozen=True)
 class Graph:
-    """One compiled package: a forward of exactly `width` tokens, or (shared) of any width from
-    SHARED_MIN to `width`."""
+    """One compiled package: a forward of exactly `width` tokens, or (shared) of any width from 1 to
+    `width` (exported size-obliviously, so single tokens are not specialised)."""
 
     width: int
     shared: bool = False
 
     @property
     def name(self) -> str:
-        return f"widths_{SHARED_MIN}-{self.width}" if self.shared else f"bucket_{self.width}"
+        return f"widths_1-{self.width}" if self.shared else f"bucket_{self.width}"
 
     def runs_at(self, n: int) -> int:
         """The width a forward of n tokens is run at (padded up to it)."""
-        return max(n, SHARED_MIN) if self.shared else self.width
+        return n if self.shared else self.width
 
 
 @contextlib.contextmanager
@@ -268,7 +265,7 @@ class BucketGraphs:
         except ImportError as err:
             raise CompileUnavailable(f"torch {torch.__version__} has no AOTInductor: use backend=eager") from err
         example_width = min(8, graph.width) if graph.shared else graph.width  # the shared graph's autotuning size
-        axes = self.width_axes(torch.export.Dim("width", min=SHARED_MIN, max=graph.width)) if graph.shared else None
+        axes = self.width_axes(torch.export.Dim("width", min=1, max=graph.width)) if graph.shared else None
         with torch.no_grad(), fx_config.patch(backed_size_oblivious=graph.shared):  # no 0/1 specialisation
             program = torch.export.export(self.step, self.example(example_width), dynamic_shapes=axes, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
