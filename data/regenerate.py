@@ -248,7 +248,7 @@ def replay_batch(
                 info[i]["context_cut"] = True  # the replay ends here; earlier turns are kept
                 continue
             prompts[i] = ids
-        order = list(prompts)
+        order = sorted(prompts, key=lambda i: len(prompts[i]))  # batches of similar length: little padding
         for start in range(0, len(order), cfg.batch_size):
             part = order[start : start + cfg.batch_size]
             for i, (reply, finished) in zip(part, generate_replies(backend, [prompts[i] for i in part], cfg)):

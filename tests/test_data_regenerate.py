@@ -242,3 +242,24 @@ def test_unanswerable_records_are_dropped_and_counted(tmp_path, target):
     res = regenerate(cfg_for(tmp_path / "b", shard_size=4, max_prompt_tokens=5), target=target, records=convs)
     assert res.dropped == {"prompt_too_long": 2, "no_user_turn": 1} and res.items_written == 0
     assert load_regenerated(tmp_path / "b") == []
+
+
+def test_batches_group_prompts_of_similar_length(target, monkeypatch):
+    """Left padding makes a batch as long as its longest prompt: replay batches by length, and every
+    conversation still gets its own reply."""
+    convs = [Conversation(id=f"c{i}", source="test", messages=[{"role": "user", "content": "word " * n}])
+             for i, n in enumerate([200, 3, 150, 5, 180, 4])]
+    seen = []
+
+    def fake_generate(backend, prompts, cfg):
+        seen.append(sorted(len(p) for p in prompts))
+        return [(f"reply to {len(p)}", True) for p in prompts]
+
+    monkeypatch.setattr(regen, "generate_replies", fake_generate)
+    backend = regen.GenerationBackend(target.model, target.tokenizer, stop_ids=[], pad_id=0)
+    cfg = RegenerateConfig(target="tiny-llama", source=None, output_dir="unused", batch_size=3, max_new_tokens=2)
+    results = regen.replay_batch(backend, convs, cfg, None)
+    assert max(seen[0]) < min(seen[1])  # the three short prompts together, then the three long ones
+    for conv, (out, _) in zip(convs, results):
+        prompt_length = len(prompt_ids(target.tokenizer, conv.messages))
+        assert out.id == conv.id and out.messages[-1]["content"] == f"reply to {prompt_length}"
