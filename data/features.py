@@ -65,7 +65,7 @@ from draftsmith.data.shards import (IncompleteDataError, PlanMismatch, ShardLedg
 from draftsmith.data.sources import Conversation, load_source
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
-from draftsmith.models.target import TargetModel, resolve_dtype, vocab_fingerprint
+from draftsmith.models.target import TargetModel, dtype_name, resolve_dtype, vocab_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def _feature_plan(cfg: FeatureCacheConfig, tokenizer, mcfg, recs: Sequence, give
         "format": FEATURES_FORMAT, "model": cfg.target, "vocab_fingerprint": vocab_fingerprint(tokenizer),
         "vocab_size": len(tokenizer), "hidden_size": hidden_size, "num_layers": num_layers,
         "hidden_layers": list(cfg.hidden_layers), "hidden_layers_abs": layers_abs, "topk_logits": cfg.topk_logits,
-        "dtype": str(storage).removeprefix("torch."), "compute_dtype": cfg.dtype,
+        "dtype": dtype_name(storage), "compute_dtype": cfg.dtype,
         "bytes_per_token": bytes_per_token(len(layers_abs), hidden_size, cfg.topk_logits, storage),
         "max_length": cfg.max_length, "shard_tokens": cfg.shard_tokens, "skip_no_loss": cfg.skip_no_loss,
         "source": cfg.source if not given else "<records>", "n_items": len(recs),

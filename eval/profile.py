@@ -53,7 +53,7 @@ from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, inne
 from draftsmith.eval.placement import PlacedDrafter
 from draftsmith.eval.tree import DraftTree
 from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.target import TargetModel
+from draftsmith.models.target import TargetModel, dtype_name
 
 DEFAULT_BUDGETS = [0, 1, 2, 4, 8, 16, 32, 64]
 
@@ -267,10 +267,6 @@ def calibration_of(calibrations: dict[str, dict], setting: Setting) -> dict:
     """A setting's calibration; an HCMP split uses its unsplit engine's (or the first one)."""
     unsplit = Setting(setting.backend, setting.dtype).label
     return calibrations.get(unsplit) or next(iter(calibrations.values()))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def acceptance_table(config: ProfileConfig, calibration: dict) -> tuple[str, list[list[float]]]:

@@ -29,7 +29,7 @@ from draftsmith.fileio import atomic_write_json
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.vocab import DraftVocab
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
-from draftsmith.models.target import resolve_device, vocab_fingerprint
+from draftsmith.models.target import dtype_name, resolve_device, vocab_fingerprint
 
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
@@ -189,7 +189,7 @@ def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, dtype: torch.dt
     state = {name: tensor.to(dtype) for name, tensor in float_state(model).items()}
     save_file(state, str(out / DGF_WEIGHTS), metadata={"format": DGF_FORMAT})
     atomic_write_json(out / CONFIG_FILE, model.config.to_dict())
-    drafter = {"file": DGF_WEIGHTS, "config": CONFIG_FILE, "dtype": str(dtype).removeprefix("torch."),
+    drafter = {"file": DGF_WEIGHTS, "config": CONFIG_FILE, "dtype": dtype_name(dtype),
                "fusion": model.config.fusion,
                "num_blocks": model.config.num_blocks, "parameters": model.num_parameters()}
     drafter.update(feature_layers=model.config.layers_read, head=model.config.head)

@@ -204,6 +204,17 @@ def scratch_inductor_cache(parent: Path):
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
+def pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (1, n, ...) zero-padded along the token axis to `width`; x itself (contiguous) when it already
+    is that wide, as every forward on the shared graph is."""
+    n = x.shape[1]
+    if n == width:
+        return x.contiguous()
+    out = x.new_zeros((x.shape[0], width, *x.shape[2:]))
+    out[:, :n] = x
+    return out
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     for bucket in buckets:
         if bucket >= n:
@@ -401,8 +412,7 @@ class CompiledEngine(BucketGraphs):
             return self._chunked(input_ids, cache, hidden_layers)
         past = cache.length
         runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
-        ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
-        ids[:, :n] = input_ids
+        ids = pad_width(input_ids.to(self.device, torch.long), width)
         logits, hidden = runner(ids, positions, mask, torch.tensor(past, device=self.device), *cache.tensors)
         cache.length = past + n
         return TargetOutput(logits=logits[:, :n].float(), hidden={k: hidden[k][:, :n] for k in hidden_layers})
@@ -455,10 +465,8 @@ class CompiledDGFEngine(BucketGraphs):
             return torch.cat([p[0] for p in parts], 1), logits
         past = cache.length
         runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
-        padded_features = torch.zeros(1, width, features.shape[-1], dtype=self.dtype, device=self.device)
-        padded_features[:, :n] = features
-        ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
-        ids[:, :n] = input_ids
+        padded_features = pad_width(features.to(self.device, self.dtype), width)
+        ids = pad_width(input_ids.to(self.device, torch.long), width)
         hidden, logits = runner(padded_features, ids, positions, mask, torch.tensor(past, device=self.device),
                                 *cache.tensors)
         cache.length = past + n

@@ -43,6 +43,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The user-facing name of a torch dtype (resolve_dtype's inverse): torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """'auto' picks cuda when present, else cpu; None means cpu (the default everywhere)."""
     if device is None:
