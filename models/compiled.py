@@ -7,9 +7,9 @@ LM head), compiled ahead of time over a preallocated KV cache (gpt-fast's recipe
   from 1 to the largest bucket (decode steps, verification, drafting and prompt chunks run at their
   exact width, nothing padded; exported size-obliviously so that width 1 is not specialised).
   Inductor's CPU GEMM templates take a symbolic M, so the shared graph keeps the autotuned kernels
-  (a 1536x8960 Linear, 2 threads: 1.21 / 1.44 / 2.91 ms at 1 / 2 / 8 rows, against 1.38 / 1.49 /
-  3.76 ms for a graph per width) while the model's frozen weights exist once instead of once per
-  bucket. `shared_width=false`: one package per bucket (1, 2, 4, ..., 64), inputs padded to the
+  (a 1536x8960 Linear, 2 threads: 1.36 / 1.64 / 3.23 ms at 1 / 2 / 8 rows, against 1.35 / 1.76 /
+  3.20 ms for a graph per width; results/latency/linear_width_probe.md) while the model's frozen
+  weights exist once instead of once per bucket. `shared_width=false`: one package per bucket (1, 2, 4, ..., 64), inputs padded to the
   smallest bucket >= n; padded slots attend only to themselves and no real slot attends to them.
   Prompts longer than the largest bucket are fed in causal chunks.
 - Each package is `torch.export` of the model's forward (the cache tensors are inputs the graph
