@@ -745,6 +745,32 @@ _DOCSTRING_SKIP = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtl
                              "ensurepip", "pydoc_data", "test", "xxlimited", "xxsubtype", "winsound", "msvcrt"})
 
 
+class _Elided:
+    """A default value shown as ``...`` in a prompt's signature."""
+
+    def __repr__(self) -> str:
+        return "..."
+
+
+_LITERAL_DEFAULTS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _is_literal(value: Any) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return all(_is_literal(v) for v in value)
+    return isinstance(value, _LITERAL_DEFAULTS)
+
+
+def _stable_signature(fn: Any) -> str:
+    """``fn``'s signature with only literal defaults spelled out: other defaults' reprs depend on the process
+    (``cgi.parse(environ=os.environ)`` prints the environment, sentinels print memory addresses), and a
+    resumed regeneration checks that its prompts are the ones it was planned on."""
+    signature = inspect.signature(fn)
+    parameters = [p if p.default is inspect.Parameter.empty or _is_literal(p.default) else p.replace(default=_Elided())
+                  for p in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters))
+
+
 def _stdlib_callables(min_chars: int) -> Iterator[tuple[str, str, str, str]]:
     """(module, qualified name, signature, docstring) of the public pure-Python functions and methods of
     the standard library with a docstring of at least ``min_chars`` characters, in a fixed order."""
@@ -770,8 +796,8 @@ def _stdlib_callables(min_chars: int) -> Iterator[tuple[str, str, str, str]]:
                 doc = inspect.getdoc(fn)
                 if not doc or len(doc) < min_chars:
                     continue
-                try:  # default values' reprs may hold memory addresses: drop them (the same prompts per process)
-                    signature = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(fn)))
+                try:
+                    signature = _stable_signature(fn)
                 except (TypeError, ValueError):
                     continue
                 yield module_name, qualname, signature, doc

@@ -336,12 +336,23 @@ def test_load_source_errors(tmp_path):
 
 def test_python_docstrings_are_the_same_in_every_process():
     """A resumed regeneration checks the items' digest: prompts must not carry per-process reprs (memory
-    addresses of sentinel defaults such as configparser's `fallback=<object object at 0x...>`)."""
+    addresses of sentinel defaults such as configparser's `fallback=<object object at 0x...>`, or the
+    environment that `cgi.parse(environ=os.environ)` prints, which differs under nohup)."""
+    import os
     import subprocess
     import sys
 
     code = ("import hashlib; from draftsmith.data.sources import load_python_docstrings as load; "
             "print(hashlib.sha256(''.join(c.messages[0]['content'] for c in load()).encode()).hexdigest())")
-    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
-               for _ in range(2)}
+    environments = [dict(os.environ), dict(os.environ, DRAFTSMITH_TEST_SHELL_LEVEL="7", SHLVL="0")]
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env=env).stdout for env in environments}
     assert len(digests) == 1 and len(next(iter(digests)).strip()) == 64
+
+
+def test_python_docstring_signatures_spell_out_only_literal_defaults():
+    from draftsmith.data.sources import load_python_docstrings
+
+    prompts = {c.id: c.messages[0]["content"] for c in load_python_docstrings()}
+    assert "environ=..." in prompts["pydoc-cgi.parse"] and "IS_SANDBOX" not in prompts["pydoc-cgi.parse"]
+    assert not any(" at 0x" in text for text in prompts.values())
