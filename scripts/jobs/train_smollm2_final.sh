@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, SmolLM2: regenerated data -> draft vocabulary -> feature caches -> >= 1 h of training -> bench.
+# Issue 17, SmolLM2: regenerated data -> draft vocabulary -> feature caches -> >= 1 h of training (1000 steps) -> loss curves -> bench.
 # Every step resumes: rerun the script after an interruption. DRAFTER: the ablation's best variant
 # (single-layer DGF, 8k draft vocabulary, frozen sliced head: equal tau at a third of the draft step).
 set -euo pipefail
@@ -19,6 +19,7 @@ DRAFTER=${DRAFTER:-"drafter.draft_vocab=$VOCAB drafter.head=slice"}
 RESUME=""; [ -d outputs/dgf_smollm2_final/checkpoints ] && RESUME="--resume"
 OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
   train/dgf.py --config train/configs/dgf_smollm2_final.yaml "data.feature_cache=$CACHES" $DRAFTER $RESUME --no-progress
+python scripts/training_report.py outputs/dgf_smollm2_final --out results/dgf_smollm2_final/training
 BUNDLE=models/bundled/smollm2-135m-instruct-dgf
 TREES="dgf:path=outputs/dgf_smollm2_final/final dgf:path=outputs/dgf_smollm2_final/final,depth=4,topk=4,budget=8"
 TREES="$TREES dgf:path=outputs/dgf_smollm2_final/final,depth=3,topk=1,budget=3"

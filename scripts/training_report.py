@@ -1,0 +1,97 @@
+"""Loss curves and held-out metrics of one training run, as results (issue 17).
+
+    python scripts/training_report.py outputs/dgf_smollm2_final --out results/dgf_smollm2_final/training
+
+Reads the run's metrics.jsonl (the same scalars the run logged to W&B) and writes
+``<out>.png`` (training loss and per-step top-1; held-out top-1 and tau through the bundled decoder),
+``<out>.md`` (one row per evaluation, the wall-clock time of training) and ``<out>.json`` (every logged
+row, so the curves can be redrawn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from draftsmith.errors import UserError, exit_with
+
+EVAL_COLUMNS = (("eval/step0_token_loss", "loss@1"), ("eval/step0_top1", "top1@1"), ("eval/step1_top1", "top1@2"),
+                ("eval/step2_top1", "top1@3"), ("eval/tau", "tau"), ("eval/tau_accept_depth1", "accept@1"),
+                ("eval/tau_accept_depth2", "accept@2"), ("eval/tau_accept_depth3", "accept@3"))
+
+
+def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
+    """(training rows, evaluation rows) of ``run``/metrics.jsonl, in step order."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run}: no metrics.jsonl (is it a training run's output_dir?)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "train/loss" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    if not train:
+        raise UserError(f"{path}: no training rows yet")
+    return train, evals
+
+
+def plot(train: list[dict], evals: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, top1_ax, tau_ax) = plt.subplots(1, 3, figsize=(15, 4))
+    loss_ax.plot([r["step"] for r in train], [r["train/loss"] for r in train], label="training loss (logged steps)")
+    loss_ax.set_xlabel("optimizer step"), loss_ax.set_title("training loss"), loss_ax.legend()
+    for depth in range(3):
+        key = f"train/step{depth}_top1"
+        if any(key in r for r in train):
+            top1_ax.plot([r["step"] for r in train if key in r], [r[key] for r in train if key in r],
+                         alpha=0.5, label=f"train top-1, step {depth + 1}")
+        key = f"eval/step{depth}_top1"
+        if any(key in r for r in evals):
+            top1_ax.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], "o-",
+                         label=f"held-out top-1, step {depth + 1}")
+    top1_ax.set_xlabel("optimizer step"), top1_ax.set_title("top-1 accuracy"), top1_ax.legend(fontsize=7)
+    tau_rows = [r for r in evals if "eval/tau" in r]
+    tau_ax.plot([r["step"] for r in tau_rows], [r["eval/tau"] for r in tau_rows], "o-")
+    tau_ax.set_xlabel("optimizer step"), tau_ax.set_title("held-out tau (bundled decoder, greedy)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def markdown(train: list[dict], evals: list[dict], title: str) -> str:
+    elapsed = max((r.get("train/elapsed_s") or 0.0) for r in train)
+    last = train[-1]
+    lines = [f"# Training: {title}", "",
+             f"{last['step']} optimizer steps, {last.get('train/samples_seen', '?')} sequences, "
+             f"{elapsed / 3600:.2f} h of training (wall clock, the run's own `train/elapsed_s`); "
+             f"final training loss {last['train/loss']:.3f}.", "",
+             "| step | " + " | ".join(name for _, name in EVAL_COLUMNS) + " |",
+             "|---" * (len(EVAL_COLUMNS) + 1) + "|"]
+    for row in evals:
+        cells = [f"{row[key]:.3f}" if isinstance(row.get(key), float) else str(row.get(key, "-"))
+                 for key, _ in EVAL_COLUMNS]
+        lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="the training run's output_dir (holds metrics.jsonl)")
+    parser.add_argument("--out", type=Path, required=True, help="path stem of the .png/.md/.json written")
+    args = parser.parse_args(argv)
+    train, evals = read_metrics(args.run)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    title = args.run.name
+    plot(train, evals, args.out.with_suffix(".png"), title)
+    args.out.with_suffix(".md").write_text(markdown(train, evals, title))
+    args.out.with_suffix(".json").write_text(json.dumps({"train": train, "eval": evals}, indent=1))
+    print(f"wrote {args.out}.png/.md/.json ({len(train)} training rows, {len(evals)} evaluations)")
+    return 0
+
+
+if __name__ == "__main__":
+    exit_with(main)

@@ -1,0 +1,35 @@
+"""scripts/training_report.py: loss curves and held-out metrics of a run, as results."""
+
+import json
+
+import pytest
+
+from draftsmith.errors import UserError
+
+
+def write_run(run, steps=(10, 20)):
+    rows = [{"step": 0, "eval/step0_top1": 0.0, "eval/tau": 1.0}]
+    rows += [{"step": s, "train/loss": 5.0 - s / 10, "train/step0_top1": s / 100, "train/samples_seen": 8 * s,
+              "train/elapsed_s": 3.0 * s} for s in steps]
+    rows += [{"step": steps[-1], "eval/step0_top1": 0.4, "eval/tau": 1.8, "eval/tau_accept_depth1": 0.6}]
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_training_report_writes_curves_table_and_rows(tmp_path):
+    from draftsmith.scripts import training_report
+
+    write_run(tmp_path / "run")
+    out = tmp_path / "results" / "training"
+    assert training_report.main([str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert out.with_suffix(".png").stat().st_size > 1000
+    table = out.with_suffix(".md").read_text()
+    assert "20 optimizer steps, 160 sequences, 0.02 h" in table and "| 20 | - | 0.400 |" in table
+    assert len(json.loads(out.with_suffix(".json").read_text())["train"]) == 2
+
+
+def test_training_report_names_a_directory_without_metrics(tmp_path):
+    from draftsmith.scripts import training_report
+
+    with pytest.raises(UserError, match="no metrics.jsonl"):
+        training_report.main([str(tmp_path), "--out", str(tmp_path / "x")])
