@@ -7,9 +7,10 @@
 Each forward is causal over w random tokens appended to a `context_tokens`-long cache (an MT-Bench
 prompt in its chat template, repeated), then truncated back; medians of `repeats`, the widths
 interleaved so that load changes hit them alike. Compiled graphs are built or loaded before anything
-is timed (their seconds are reported apart). `release=true` frees each compiled graph after its width
-is measured (one frozen weight copy in memory at a time: how the 1.5B fits in 24 GB); widths are
-then measured one after another instead of interleaved. Writes JSON and a markdown table.
+is timed (their seconds are reported apart). `release=true` frees each compiled graph after the widths it
+runs are measured (one frozen weight copy in memory at a time: how per-bucket graphs of the 1.5B fit in
+24 GB); the widths of one graph are interleaved, graphs are measured one after another (the shared-width
+graph runs every width: one group). Writes JSON and a markdown table.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def measure_forward_latency(target: TargetModel, context: torch.Tensor, widths: 
     past = target.cache_length(cache)
     generator = torch.Generator().manual_seed(seed)
     times: dict[int, list[float]] = {w: [] for w in widths}
-    groups = [[w] for w in widths] if release else [list(widths)]  # interleaved unless graphs come and go
+    groups = target.graph_groups(tuple(widths)) if release else [tuple(widths)]  # interleaved within a graph
     for group in groups:
         target.prepare(tuple(group))
         for rep in range(warmup + repeats):

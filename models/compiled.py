@@ -311,6 +311,13 @@ class BucketGraphs:
         for graph in self._graphs_of(sizes):
             self.runners.pop(graph, None)
 
+    def graph_groups(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """These input sizes grouped by the graph they run on (the shared graph: one group)."""
+        groups: dict[Graph, list[int]] = {}
+        for size in sizes:
+            groups.setdefault(self.graph_for(min(size, self.buckets[-1])), []).append(size)
+        return [tuple(group) for _, group in sorted(groups.items(), key=lambda item: item[0].width)]
+
     def build_seconds(self) -> dict[str, float]:
         """Seconds spent compiling and loading packages in this process."""
         return {"compile_s": sum(self.compile_s.values()), "load_s": sum(self.load_s.values())}

@@ -66,6 +66,10 @@ class EagerBuild:
     def release(self, sizes: tuple[int, ...] | None = None) -> None:
         """Nothing to free."""
 
+    def graph_groups(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """These input sizes grouped by what `prepare` builds for them (eager: nothing, one group)."""
+        return [tuple(sizes)]
+
     def build_seconds(self) -> dict[str, float]:
         """Seconds spent compiling and loading graphs in this process (none here)."""
         return {"compile_s": 0.0, "load_s": 0.0}

@@ -188,6 +188,10 @@ class TargetModel:
         """Free what `prepare` built for these sizes (compiled: a frozen weight copy per graph)."""
         self.engine.release(sizes)
 
+    def graph_groups(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Input sizes grouped by the graph `prepare` builds for them (eager: one group)."""
+        return self.engine.graph_groups(sizes)
+
     def new_cache(self, max_length: int | None = None):
         """An empty KV cache for a request of up to `max_length` tokens."""
         return self.engine.new_cache(max_length)

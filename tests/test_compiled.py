@@ -53,6 +53,8 @@ def test_compiled_graph_choice_shared_and_padded():
     padded = CompiledEngine(model, CompileSettings(buckets=[1, 4, 16], capacity=64, autotune=False,
                                                    shared_width=False))
     assert [padded.graph_for(n).runs_at(n) for n in (1, 3, 5)] == [1, 4, 16]
+    assert shared.graph_groups((1, 2, 4, 8)) == [(1, 2, 4, 8)]  # what eval.latency release=true measures together
+    assert padded.graph_groups((1, 2, 4, 8)) == [(1,), (2, 4), (8,)]
 
 
 def test_compiled_padded_graphs_match_eager(tmp_path):
