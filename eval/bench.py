@@ -370,6 +370,12 @@ def add_headline(entry: dict, runs: list[dict], plain_runs, compiled_runs, sampl
 GROUPS = {"by_suite": "suite", "by_category": "category", "by_turn": "turn"}
 
 
+def method_budget(method, spec: MethodSpec) -> int | None:
+    """The draft nodes per round the method ran with (its drafter's, which may come from its export)."""
+    budget = getattr(getattr(method, "drafter", None), "budget", None)
+    return budget if isinstance(budget, int) else getattr(spec.options, "budget", None)
+
+
 def summarize(state: BenchState) -> dict:
     sampled = state.config.temperature > 0
     plain_runs = state.runs["plain"]["runs"]
@@ -381,7 +387,7 @@ def summarize(state: BenchState) -> dict:
         entry = aggregate(runs, plain_runs, sampled, compiled)
         backend = state.backend_of(state.methods[label])
         entry.update(mismatches=record["mismatches"], family=specs[label].family(),
-                     budget=getattr(specs[label].options, "budget", None), backend=backend)
+                     budget=method_budget(state.methods[label], specs[label]), backend=backend)
         step_runs = state.runs.get(REFERENCE[backend], {}).get("runs")  # one plain step of the same backend
         if step_runs and entry["draft_ms_per_round"] is not None:
             entry["target_step_ms"] = 1000 * sum(r["seconds"] for r in step_runs) / max(

@@ -329,9 +329,10 @@ class MedusaOptions:
 @dataclass
 class DGFOptions:
     path: str | None = option(None, "a train/dgf.py final/ directory; null: the drafter bundled for the target")
-    depth: int = option(DGF_DEPTH, "dynamic-tree depth", ge=1)
-    topk: int = option(DGF_TOPK, "children per expanded node", ge=1)
-    budget: int = option(TREE_BUDGET, "draft nodes per round (Dovetail's g)", ge=1)
+    depth: int | None = option(None, f"dynamic-tree depth; null: the export's tree, else {DGF_DEPTH}", ge=1)
+    topk: int | None = option(None, f"children per expanded node; null: the export's tree, else {DGF_TOPK}", ge=1)
+    budget: int | None = option(None, f"draft nodes per round (Dovetail's g); null: the export's tree, else "
+                                      f"{TREE_BUDGET}", ge=1)
 
 
 @dataclass

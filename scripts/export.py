@@ -13,8 +13,9 @@
         --dtype bfloat16 --target smollm2-135m-instruct   # how the bundled drafter is made
 
 Each export is reloaded and checked for parity (same logits on a fixed seeded input) before it is
-moved into place with export_manifest.json and a model card (README.md); a failed check leaves no
-output directory. `--push-to-hub REPO` uploads the finished directory (the export stays on disk when
+moved into place with export_manifest.json and a model card (README.md); with `--bench-method` naming a
+dgf method, its tree shape is recorded as the export's tree, the one `dgf` decodes with by default. A
+failed check leaves no output directory. `--push-to-hub REPO` uploads the finished directory (the export stays on disk when
 the hub cannot be reached). Bad input ends in one line `error: ...` and exit status 2.
 """
 
@@ -27,6 +28,8 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from draftsmith.errors import UserError, exit_with, one_line
+from draftsmith.eval.drafters.dgf import drafter_tree
+from draftsmith.eval.methods import parse_method
 from draftsmith.models import exports as export
 
 
@@ -68,6 +71,19 @@ def push_to_hub(out: Path, repo: str) -> None:
     print(f"uploaded {out} to https://huggingface.co/{repo}")
 
 
+def measured_tree(source: str, bench_method: str | None) -> dict | None:
+    """The tree shape of the dgf bench method whose numbers go into the model card: the export records it,
+    and `dgf` without tree options decodes with it."""
+    if bench_method is None:
+        return None
+    spec = parse_method(bench_method)
+    if spec.name != "dgf":
+        return None
+    o = spec.options
+    depth, topk, budget = drafter_tree(o.path or source, o.depth, o.topk, o.budget)
+    return {"depth": depth, "topk": topk, "g": budget}
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     bench = export.bench_entry(args.bench, args.bench_method)
@@ -79,7 +95,8 @@ def main(argv: list[str]) -> int:
                                       bench=bench)
     else:
         result = export.export_dgf(args.source, args.out, target=args.target, layout=args.layout,
-                                   tolerance=args.tolerance, bench=bench, dtype=args.dtype)
+                                   tree=measured_tree(args.source, args.bench_method), tolerance=args.tolerance,
+                                   bench=bench, dtype=args.dtype)
     print(json.dumps({"out": str(result.out_dir), "layout": result.manifest["layout"],
                       "files": result.manifest["files"], "parity": result.manifest["parity"]}, indent=2))
     print(f"exported {args.kind} to {result.out_dir} (parity max |diff| {result.max_abs_diff:.3g})")

@@ -58,6 +58,21 @@ def test_dgf_without_a_path_is_the_bundled_drafter_and_lossless(tiny_bundle):
     assert SpeculativeDecoder(target, drafter, config).generate(prompt).tokens == plain
 
 
+def test_export_records_the_measured_tree_and_dgf_decodes_with_it(tiny_bundle, tmp_path):
+    from draftsmith.eval.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree
+    from draftsmith.scripts.export import measured_tree
+
+    target, root, _ = tiny_bundle
+    source = root / "final"
+    assert drafter_tree(source) == (DGF_DEPTH, DGF_TOPK, 16)  # a training final/: Dovetail's tree
+    tree = measured_tree(str(source), f"dgf:path={source},depth=3,topk=1,budget=3")
+    assert tree == {"depth": 3, "topk": 1, "g": 3} and measured_tree(str(source), "ngram") is None
+    export.export_dgf(source, tmp_path / "chain", target=target, layout="dgf", tree=tree)
+    drafter = build_spec(f"dgf:path={tmp_path / 'chain'}", target)
+    assert (drafter.depth, drafter.topk, drafter.budget) == (3, 1, 3)
+    assert build_spec(f"dgf:path={tmp_path / 'chain'},budget=2", target).budget == 2  # given wins
+
+
 def test_bench_defaults_add_the_bundled_drafter(tiny_bundle):
     assert "dgf" in [m.label for m in bench.default_methods("tiny-bundled")]
     assert "dgf" not in [m.label for m in bench.default_methods("tiny:llama")]

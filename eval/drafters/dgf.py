@@ -33,6 +33,7 @@ from draftsmith.eval.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
 from draftsmith.models.compiled import CompiledDGFEngine, CompileSettings
 from draftsmith.models.dgf import DGFModel, EagerDGFEngine
+from draftsmith.models.exports import EXPORT_MANIFEST, read_export_manifest
 from draftsmith.models.vocab import DraftVocab
 
 
@@ -231,11 +232,24 @@ class Growth:
         return tree
 
 
-def load_dgf_drafter(path: str | Path, target, depth: int = DGF_DEPTH, topk: int = DGF_TOPK,
-                     budget: int = TREE_BUDGET, name: str | None = None, backend: str = "eager",
+def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = None,
+                 budget: int | None = None) -> tuple[int, int, int]:
+    """(depth, topk, budget): the values given, else the tree the drafter was exported with (the
+    export manifest's `tree`: the shape its bench measured best), else Dovetail's 7 / 10 / 16."""
+    exported = Path(path) / EXPORT_MANIFEST
+    tree = (read_export_manifest(path).get("tree") or {}) if exported.is_file() else {}
+    return (depth if depth is not None else int(tree.get("depth", DGF_DEPTH)),
+            topk if topk is not None else int(tree.get("topk", DGF_TOPK)),
+            budget if budget is not None else int(tree.get("g", TREE_BUDGET)))
+
+
+def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: int | None = None,
+                     budget: int | None = None, name: str | None = None, backend: str = "eager",
                      settings: CompileSettings | None = None) -> DGFDrafter:
-    """A DGFDrafter for `target` from a recipe's final/ directory (refuses another target's drafter).
-    The drafter runs in the target's dtype on the target's device, on the `backend` engine."""
+    """A DGFDrafter for `target` from a recipe's final/ directory or a dgf-layout export (refuses another
+    target's drafter); tree shape as `drafter_tree`. The drafter runs in the target's dtype on the
+    target's device, on the `backend` engine."""
     model, _ = load_dgf(path, target, dtype=target.dtype)
     engine = DGF_ENGINES[backend](model.eval(), settings)
+    depth, topk, budget = drafter_tree(path, depth, topk, budget)
     return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine)
