@@ -397,6 +397,11 @@ def _write_shards(cfg: FeatureCacheConfig, target, plan: dict, ledger: ShardLedg
             result.tokens_written += tokens
 
 
+def cache_parts(spec: str) -> list[str]:
+    """The cache directories of a `data.feature_cache` value: one directory, or several joined by ` + `."""
+    return [part.strip() for part in spec.split(" + ") if part.strip()]
+
+
 def load_index(path: str | Path, target: Any = None, *, hidden_layers: Sequence[int] | None = None,
                topk_logits: int | None = None, require_complete: bool = True) -> dict:
     """The merged index of a feature cache, validated.

@@ -12,7 +12,7 @@ from draftsmith.train.runtime import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import load_records, synthetic_records
 from draftsmith.eval.methods import parse_method
-from draftsmith.train.distill import DistillRecipeConfig, main, read_manifest
+from draftsmith.train.distill import DistillRecipeConfig, load_cache_records, main, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "train" / "configs" / "distill_tiny.yaml"
@@ -118,6 +118,14 @@ def test_topk_feature_cache_mode(tmp_path):
     manifest = read_manifest(tmp_path / "run" / "final")
     assert manifest["training"]["data"]["feature_cache"] == str(tmp_path / "cache")
     assert manifest["training"]["data"]["train_records"] + manifest["training"]["data"]["heldout_records"] == 40
+    for part, chunk in (("a", records[:25]), ("b", records[25:])):  # one cache per data source, joined by " + "
+        build_feature_cache(FeatureCacheConfig(target="tiny:llama", source=None, output_dir=str(tmp_path / part),
+                                               topk_logits=8, progress=False, rank=0, world_size=1),
+                            target=SimpleNamespace(model=target, tokenizer=TinyTokenizer(96)), records=chunk)
+    both = load_cache_records(f"{tmp_path / 'a'} + {tmp_path / 'b'}", None, None, 64)
+    assert [r["input_ids"] for r in both] == [r["input_ids"] for r in load_cache_records(str(tmp_path / "cache"),
+                                                                                          None, None, 64)]
+    assert len(load_cache_records(f"{tmp_path / 'a'} + {tmp_path / 'b'}", None, 30, 64)) == 30
 
 
 def test_layer_and_shallow_students(tmp_path):

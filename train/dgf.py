@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from draftsmith.config import ConfigError, config_to_dict, option, section
-from draftsmith.data.features import FeatureDataset, load_index
+from draftsmith.data.features import FeatureDataset, cache_parts, load_index
 from draftsmith.data.records import load_records, split_heldout
 from draftsmith.eval.drafters.dgf import DGFDrafter
 from draftsmith.models.artifacts import save_dgf, target_block
@@ -223,7 +223,7 @@ class DGFRecipe:
             return load_records(cfg.data.source, tokenizer=self.target.tokenizer, max_length=cfg.data.max_length,
                                 limit=cfg.data.limit, model=self.target.model, seed=cfg.data.seed)
         records = []
-        for cache_dir in (part.strip() for part in cfg.data.feature_cache.split(" + ")):
+        for cache_dir in cache_parts(cfg.data.feature_cache):
             records.extend(self._load_cache(cache_dir))
         if not records:
             raise ConfigError(f"feature cache {cfg.data.feature_cache} holds no record with trainable tokens")

@@ -50,7 +50,7 @@ from peft import get_peft_model
 from torch import nn
 
 from draftsmith.config import ConfigError, config_to_dict, option, section
-from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset
+from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset, cache_parts
 from draftsmith.data.records import collate, load_records, spec_needs_model, split_heldout
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.models.artifacts import read_student_manifest, write_student_manifest
@@ -101,7 +101,8 @@ class LossConfig:
 
 @dataclass
 class DistillDataConfig(DataConfig):
-    feature_cache: str | None = option(None, "data/features.py cache with top-k logits: records + offline teacher")
+    feature_cache: str | None = option(None, "data/features.py cache with top-k logits (or `dir_a + dir_b`): "
+                                                 "records + offline teacher")
     filter_wrong: bool = option(True, "drop conversations a checker marks wrong (GSM8K final answers)")
 
 
@@ -244,8 +245,19 @@ def build_student(cfg: DistillRecipeConfig, target: TargetModel | None, tokenize
 # ---------------------------------------------------------------------------------------------
 
 
-def load_cache_records(path: str, target_fingerprint: str | None, limit: int | None, max_length: int) -> list[dict]:
-    """Every sequence of a data/features.py cache with its top-k teacher logits, in cache order."""
+def load_cache_records(spec: str, target_fingerprint: str | None, limit: int | None, max_length: int) -> list[dict]:
+    """Every sequence of a data/features.py cache (or of several joined by ` + `) with its top-k teacher
+    logits, in cache order; at most `limit` in all."""
+    records = []
+    for path in cache_parts(spec):
+        records.extend(_cache_part_records(path, target_fingerprint, max_length,
+                                           None if limit is None else limit - len(records)))
+        if limit is not None and len(records) >= limit:
+            break
+    return [r for r in records if sum(r["loss_mask"][1:]) > 0]
+
+
+def _cache_part_records(path: str, target_fingerprint: str | None, max_length: int, limit: int | None) -> list[dict]:
     dataset = FeatureDataset(path)
     index = dataset.index
     if not index["topk_logits"]:
@@ -255,13 +267,13 @@ def load_cache_records(path: str, target_fingerprint: str | None, limit: int | N
                                    "from the target's")
     records = []
     for rec in dataset:
+        if limit is not None and len(records) >= limit:
+            break
         n = min(max_length, len(rec["input_ids"]))
         records.append({"input_ids": rec["input_ids"][:n].tolist(), "loss_mask": rec["loss_mask"][:n].tolist(),
                         "topk_values": rec["topk_values"][:n], "topk_indices": rec["topk_indices"][:n].int(),
                         "logsumexp": rec["logsumexp"][:n]})
-        if limit is not None and len(records) >= limit:
-            break
-    return [r for r in records if sum(r["loss_mask"][1:]) > 0]
+    return records
 
 
 def collate_distill(records: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

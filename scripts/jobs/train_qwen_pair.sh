@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 17 item 4, Qwen2.5-Coder pair on the 2-core CPU: the 1.5B's own answers -> one 1.5B pass over them
+# (last normed hidden state + top-32 logits) -> a 1.5B feature drafter (dgf) and the distilled 0.5B student
+# (forward KL on the stored logits) -> bench against the original 0.5B, HF assisted generation and both plain
+# baselines, compiled fp32. Every step resumes: rerun after an interruption. Run after the SmolLM2 job.
+set -euo pipefail
+bash scripts/jobs/regen_qwen15.sh
+R=outputs/regen/qwen15
+T=qwen2.5-coder-1.5b-instruct
+VOCAB=outputs/vocab/qwen15_final_32768
+[ -f $VOCAB/draft_vocab.safetensors ] || python -m draftsmith.data.draft_vocab target=$T \
+  "sources=[conversations:$R/gsm8k,conversations:$R/code,conversations:$R/sharegpt]" size=32768 output=$VOCAB
+CACHES=""
+for PART in gsm8k code sharegpt; do
+  python -m draftsmith.data.features target=$T source=conversations:$R/$PART hidden_layers=[-1] topk_logits=32 \
+    max_length=384 threads=2 output_dir=outputs/features/qwen15_final_$PART --no-progress
+  CACHES="${CACHES:+$CACHES + }outputs/features/qwen15_final_$PART"
+done
+export OMP_NUM_THREADS=2
+LAUNCH="accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"
+RESUME=""; [ -d outputs/dgf_qwen15_final/checkpoints ] && RESUME="--resume"
+$LAUNCH train/dgf.py --config train/configs/dgf_qwen15_final.yaml "data.feature_cache=$CACHES" \
+  drafter.draft_vocab=$VOCAB drafter.head=slice $RESUME --no-progress
+python scripts/training_report.py outputs/dgf_qwen15_final --out results/qwen_pair_final/training_dgf
+RESUME=""; [ -d outputs/distill_qwen_final/checkpoints ] && RESUME="--resume"
+$LAUNCH train/distill.py --config train/configs/distill_qwen_final.yaml "data.feature_cache=$CACHES" $RESUME \
+  --no-progress
+python scripts/training_report.py outputs/distill_qwen_final --out results/qwen_pair_final/training_student
+D=outputs/dgf_qwen15_final/final
+S=outputs/distill_qwen_final/final
+METHODS="plain hf-assisted lm-chain:budget=4 lm-chain:budget=4,model=$S dgf:path=$D,depth=4,topk=1,budget=4"
+METHODS="$METHODS dgf:path=$D,depth=4,topk=4,budget=8"
+scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=$T draft=qwen2.5-coder-0.5b-instruct backend=compiled \
+  threads=2 turns=1 num_prompts=4 max_new_tokens=64 "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" \
+  output_dir=results/qwen_pair_final
