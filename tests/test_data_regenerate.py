@@ -263,3 +263,18 @@ def test_batches_group_prompts_of_similar_length(target, monkeypatch):
     for conv, (out, _) in zip(convs, results):
         prompt_length = len(prompt_ids(target.tokenizer, conv.messages))
         assert out.id == conv.id and out.messages[-1]["content"] == f"reply to {prompt_length}"
+
+
+def test_regen_report_counts_conversations_tokens_and_rates(tmp_path, target, tokenizer):
+    from draftsmith.errors import UserError
+    from draftsmith.scripts import regen_report
+
+    regenerate(cfg_for(tmp_path / "part"), target=target, records=single_turn(5))
+    part = regen_report.part_report(tmp_path / "part", tokenizer)
+    replies = [c.messages[1]["content"] for c in load_regenerated(tmp_path / "part")]
+    assert (part["conversations"], part["planned"], part["shards_done"]) == (5, 5, 3)
+    assert part["answer_tokens"] == sum(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in replies)
+    assert part["seconds"] > 0 and part["tokens_per_s"] == pytest.approx(part["answer_tokens"] / part["seconds"])
+    assert "| **all** | 5 |" in regen_report.markdown([part])
+    with pytest.raises(UserError, match="no progress_rank"):
+        regen_report.part_report(tmp_path, tokenizer)

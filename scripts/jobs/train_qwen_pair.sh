@@ -7,6 +7,7 @@ set -euo pipefail
 bash scripts/jobs/regen_qwen15.sh
 R=outputs/regen/qwen15
 T=qwen2.5-coder-1.5b-instruct
+python scripts/regen_report.py $R/gsm8k $R/code $R/sharegpt --out results/regen_qwen15
 VOCAB=outputs/vocab/qwen15_final_32768
 [ -f $VOCAB/draft_vocab.safetensors ] || python -m draftsmith.data.draft_vocab target=$T \
   "sources=[conversations:$R/gsm8k,conversations:$R/code,conversations:$R/sharegpt]" size=32768 output=$VOCAB

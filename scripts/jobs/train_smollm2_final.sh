@@ -5,6 +5,7 @@
 set -euo pipefail
 bash scripts/jobs/regen_smollm2.sh
 R=outputs/regen/smollm2
+python scripts/regen_report.py $R/gsm8k $R/code $R/sharegpt --out results/regen_smollm2
 SOURCES="conversations:$R/gsm8k conversations:$R/code conversations:$R/sharegpt"
 VOCAB=outputs/vocab/smollm2_final_8192
 [ -f $VOCAB/draft_vocab.safetensors ] || python -m draftsmith.data.draft_vocab target=smollm2-135m-instruct \
