@@ -35,3 +35,4 @@ BEST=$(python -c "import json; s=json.load(open('results/dgf_smollm2_final/bench
 print(max((m for m in s if m.startswith('dgf')), key=lambda m: s[m]['headline_speedup']))")
 [ -d $BUNDLE ] || python scripts/export.py dgf outputs/dgf_smollm2_final/final $BUNDLE --layout dgf --dtype bfloat16 \
   --target smollm2-135m-instruct --bench results/dgf_smollm2_final/bench.json --bench-method "$BEST"
+scripts/jobs/quiet.sh bash scripts/jobs/readme_first_command.sh
