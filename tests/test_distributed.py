@@ -89,6 +89,9 @@ def test_two_processes_equal_one_process_at_the_same_global_batch(tmp_path):
         for name, tensor in heads_b.items():
             assert torch.allclose(heads_a[name], tensor, atol=1e-5), (other, name)
     assert len(list((tmp_path / "ddp" / "wandb").glob("offline-run-*"))) == 1
+    manifest = json.loads((tmp_path / "ddp" / "final" / "manifest.json").read_text())
+    assert manifest["training"]["command"].startswith("accelerate launch --num_processes 2 --mixed_precision no "
+                                                      "train/medusa.py --config ")  # how a user retrains it
     # the checkpoint holds both processes' RNG states (exact resume under the same world size)
     state = json.loads((tmp_path / "ddp" / "checkpoints" / "step_4" / "state.json").read_text())
     assert len(state["state"]["rng"]) == 2

@@ -165,8 +165,21 @@ def lr_factor(optim: OptimConfig, max_steps: int, hold_steps: int = 0) -> Callab
 
 
 # ---------------------------------------------------------------------------------------------
-# Small pieces: metrics file, summary print, NaN stop, directory lock
+# Small pieces: launch command, metrics file, summary print, NaN stop, directory lock
 # ---------------------------------------------------------------------------------------------
+
+
+def launch_command(argv: Sequence[str], environ: Mapping[str, str]) -> str:
+    """How this process was started, as a user retypes it: `accelerate launch ... train/x.py args` when
+    accelerate's launcher started it (it sets ACCELERATE_MIXED_PRECISION in every process it starts),
+    else `python train/x.py args`."""
+    if not argv or not argv[0].endswith(".py"):
+        return shlex.join(argv)
+    if "ACCELERATE_MIXED_PRECISION" in environ:
+        launcher = ["accelerate", "launch", "--num_processes", environ.get("WORLD_SIZE", "1"),
+                    "--mixed_precision", environ["ACCELERATE_MIXED_PRECISION"]]
+        return shlex.join([*launcher, *argv])
+    return shlex.join(["python", *argv])
 
 
 class NonFiniteLossError(UserError, FloatingPointError):
@@ -609,7 +622,7 @@ class TrainingRun:
     @property
     def command(self) -> str:
         """The command line of this run (recorded with final/ so a user can retrain it)."""
-        return shlex.join([sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv)
+        return launch_command(sys.argv, os.environ)
 
     def _interrupt(self, recipe: Recipe) -> None:
         path = self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
