@@ -1,0 +1,55 @@
+"""scripts/jobs/quiet.sh: pauses background data/training jobs while a timing command runs, never the
+command's own processes, and continues them afterwards, also when it is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QUIET = Path(__file__).resolve().parents[1] / "scripts" / "jobs" / "quiet.sh"
+
+
+def state(pid: int) -> str:
+    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1]
+
+
+def start_fake_job(tmp_path: Path) -> subprocess.Popen:
+    """A process whose command line looks like a regeneration job."""
+    script = tmp_path / "draftsmith.data.regenerate_fake.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
+    return subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+
+
+def test_quiet_pauses_jobs_but_not_its_own_command_and_continues_them(tmp_path):
+    job = start_fake_job(tmp_path)
+    try:
+        time.sleep(0.5)
+        own = f"{sys.executable} {tmp_path / 'draftsmith.data.regenerate_fake.py'}"
+        probe = (f"{own} & C=$!; sleep 3; echo own=$(ps -o stat= -p $C | cut -c1) job=$(ps -o stat= -p {job.pid} "
+                 f"| cut -c1); kill $C; exit 3")
+        done = subprocess.run(["bash", str(QUIET), "bash", "-c", probe], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 3 and "own=S job=T" in done.stdout
+        assert state(job.pid) in {"S", "R"}
+    finally:
+        os.kill(job.pid, signal.SIGCONT)
+        job.kill()
+
+
+def test_killing_quiet_continues_the_jobs_at_once(tmp_path):
+    job = start_fake_job(tmp_path)
+    try:
+        time.sleep(0.5)
+        quiet = subprocess.Popen(["bash", str(QUIET), "sleep", "60"], start_new_session=True)
+        time.sleep(3)
+        assert state(job.pid) == "T"
+        quiet.terminate()
+        assert quiet.wait(timeout=10) == 143
+        time.sleep(0.5)
+        assert state(job.pid) in {"S", "R"}
+    finally:
+        os.kill(job.pid, signal.SIGCONT)
+        job.kill()
