@@ -85,6 +85,8 @@ class RegenerateConfig:
     batch_size: int = option(8, "conversations generated together (left-padded)", ge=1)
     shard_size: int = option(256, "conversations per shard (the unit of resuming)", ge=1)
     limit: int | None = option(None, "keep the first N records of the source (before sharding across ranks)", ge=1)
+    skip: int = option(0, "drop the source's first N records before `limit` (continue past an earlier run's "
+                          "limit in another output_dir)", ge=0)
     seed: int = option(0, "sampling seed; every shard reseeds with (seed, rank, shard index)")
     dtype: str = option("float32", "the target's compute dtype")
     device: str | None = option(None, "null = cpu, auto = cuda when present")
@@ -302,6 +304,8 @@ def regen_plan(cfg: RegenerateConfig, convs: Sequence[Conversation], given: bool
             "filter_wrong": cfg.filter_wrong, "max_prompt_tokens": cfg.max_prompt_tokens}
     if cfg.max_turns is not None:  # absent from plans that replay every turn (as before the option)
         plan["max_turns"] = cfg.max_turns
+    if cfg.skip:  # absent from plans that start at the source's first record (as before the option)
+        plan["skip"] = cfg.skip
     return plan
 
 
@@ -355,8 +359,9 @@ def regenerate(
     Resumable: complete shards of this rank are skipped (see the module docstring).
     """
     rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
-    convs = list(records) if records is not None else load_source(cfg.source, limit=cfg.limit)
-    convs = convs[: cfg.limit] if records is not None and cfg.limit is not None else convs
+    end = None if cfg.limit is None else cfg.skip + cfg.limit
+    convs = list(records)[:end] if records is not None else load_source(cfg.source, limit=end)
+    convs = convs[cfg.skip:]
     out = Path(cfg.output_dir)
     if target is None:
         load_model_config(cfg.target)  # a bad model name fails before anything is written

@@ -278,3 +278,13 @@ def test_regen_report_counts_conversations_tokens_and_rates(tmp_path, target, to
     assert "| **all** | 5 |" in regen_report.markdown([part])
     with pytest.raises(UserError, match="no progress_rank"):
         regen_report.part_report(tmp_path, tokenizer)
+
+
+def test_skip_continues_past_an_earlier_limit(tmp_path, target):
+    convs = single_turn(7)
+    regenerate(cfg_for(tmp_path / "first", limit=4), target=target, records=convs)
+    regenerate(cfg_for(tmp_path / "rest", skip=4, limit=2), target=target, records=convs)
+    assert [c.id for c in load_regenerated(tmp_path / "first")] == ["q0", "q1", "q2", "q3"]
+    assert [c.id for c in load_regenerated(tmp_path / "rest")] == ["q4", "q5"]
+    assert json.loads((tmp_path / "rest" / "progress_rank0.json").read_text())["plan"]["skip"] == 4
+    assert "skip" not in json.loads((tmp_path / "first" / "progress_rank0.json").read_text())["plan"]

@@ -5,13 +5,13 @@
 set -euo pipefail
 bash scripts/jobs/regen_smollm2.sh
 R=outputs/regen/smollm2
-python scripts/regen_report.py $R/gsm8k $R/code $R/sharegpt --out results/regen_smollm2
-SOURCES="conversations:$R/gsm8k conversations:$R/code conversations:$R/sharegpt"
+python scripts/regen_report.py $R/gsm8k $R/code $R/sharegpt $R/sharegpt2 --out results/regen_smollm2
+SOURCES="conversations:$R/gsm8k conversations:$R/code conversations:$R/sharegpt conversations:$R/sharegpt2"
 VOCAB=outputs/vocab/smollm2_final_8192
 [ -f $VOCAB/draft_vocab.safetensors ] || python -m draftsmith.data.draft_vocab target=smollm2-135m-instruct \
   "sources=$SOURCES" size=8192 output=$VOCAB
 CACHES=""
-for PART in gsm8k code sharegpt; do
+for PART in gsm8k code sharegpt sharegpt2; do
   python -m draftsmith.data.features target=smollm2-135m-instruct source=conversations:$R/$PART \
     hidden_layers=[-1] max_length=384 threads=2 output_dir=outputs/features/smollm2_final_$PART --no-progress
   CACHES="${CACHES:+$CACHES + }outputs/features/smollm2_final_$PART"
