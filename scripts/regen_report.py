@@ -20,6 +20,7 @@ from pathlib import Path
 from draftsmith.data.sources import load_conversations
 from draftsmith.errors import UserError, exit_with
 from draftsmith.models.artifacts import read_json
+from draftsmith.models.zoo import resolve_model_path
 
 
 def read_ledgers(directory: Path) -> list[dict]:
@@ -70,8 +71,6 @@ def markdown(parts: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
-
-    from draftsmith.models.zoo import resolve_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="data.regenerate output directories")
