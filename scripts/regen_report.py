@@ -57,7 +57,11 @@ def part_report(directory: Path, tokenizer) -> dict:
 
 
 def markdown(parts: list[dict]) -> str:
-    lines = ["| source | conversations (planned) | dropped | answer tokens | cut at max_new_tokens | wall h | "
+    lines = [f"# Regeneration by {parts[0]['model']}", "",
+             "Greedy answers, first turn. Wall hours are the shards' own (`seconds` in each ledger): shards that "
+             "shared the CPU or were paused by `scripts/jobs/quiet.sh` count slower, so the median shard rate "
+             "is closer to the machine's.", "",
+             "| source | conversations (planned) | dropped | answer tokens | cut at max_new_tokens | wall h | "
              "answer tok/s (median shard) |", "|---|---|---|---|---|---|---|"]
     for p in parts:
         lines.append(f"| {p['source']} | {p['conversations']} ({p['planned']}) | {p['dropped'] or '-'} | "
