@@ -23,7 +23,7 @@ import torch
 from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
 from draftsmith.data.records import load_records
 from draftsmith.errors import UserError, exit_with
-from draftsmith.fileio import atomic_write_json
+from draftsmith.fileio import atomic_write_json, refuse_overwrite
 from draftsmith.models.target import load_model_config, load_tokenizer
 from draftsmith.models.vocab import VOCAB_FILE, DraftVocab
 
@@ -125,8 +125,7 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing draft vocabulary")
     config, flags = parse_command(parser, DraftVocabConfig, argv)
     out = Path(config.output)
-    if (out / VOCAB_FILE).exists() and not flags.overwrite:
-        raise UserError(f"{out / VOCAB_FILE} exists: pass --overwrite to replace it, or set output=<another dir>")
+    refuse_overwrite(out / VOCAB_FILE, flags.overwrite, "set output=<another dir>")
     vocab, report = build_draft_vocab(config)
     out.mkdir(parents=True, exist_ok=True)
     vocab.save(out)

@@ -4,6 +4,7 @@
 - `file_digest(path)`: (size, sha256) recorded when a file is written (checkpoints, shards) and
   compared before the file is trusted again (`verify_digest`).
 - `dir_lock(directory)`: an exclusive flock on `<dir>/.lock` (short critical sections, e.g. index merges).
+- `refuse_overwrite(path, overwrite)`: a user's earlier output is replaced only with --overwrite.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from draftsmith.errors import UserError
 
 
 def fsync_dir(path: Path) -> None:
@@ -97,3 +100,9 @@ def digest_mismatch(path: str | Path, expected: dict) -> str | None:
     if "sha256" in expected and file_digest(path)["sha256"] != expected["sha256"]:
         return f"{path} does not match the sha256 recorded when it was written"
     return None
+
+
+def refuse_overwrite(path: str | Path, overwrite: bool, instead: str = "set output=<another path>") -> None:
+    """One line naming `path` when it exists and --overwrite was not given (`instead`: the other way out)."""
+    if Path(path).exists() and not overwrite:
+        raise UserError(f"{path} exists: pass --overwrite to replace it, or {instead}")

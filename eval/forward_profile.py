@@ -24,7 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
-from draftsmith.errors import UserError, exit_with
+from draftsmith.errors import exit_with
+from draftsmith.fileio import refuse_overwrite
 from draftsmith.eval.latency import cpu_model, forward_seconds, mt_bench_context, write_document
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
@@ -122,8 +123,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     config, flags = parse_command(parser, ForwardProfileConfig, argv)
     out = Path(config.output) if config.output else None
-    if out is not None and out.exists() and not flags.overwrite:
-        raise UserError(f"{out} exists: pass --overwrite to replace it, or set output=<another path>")
+    if out is not None:
+        refuse_overwrite(out, flags.overwrite)
     if config.threads:
         torch.set_num_threads(config.threads)
     base = TargetModel.from_pretrained(config.target, dtype=config.dtype)

@@ -30,7 +30,7 @@ from draftsmith.config import check_config, command_parser, config_to_dict, opti
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
-from draftsmith.fileio import atomic_write, atomic_write_json
+from draftsmith.fileio import atomic_write, atomic_write_json, refuse_overwrite
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
@@ -204,8 +204,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     config, flags = parse_command(parser, LatencyConfig, argv)
     out = Path(config.output) if config.output else None
-    if out is not None and out.exists() and not flags.overwrite:
-        raise UserError(f"{out} exists: pass --overwrite to replace it, or set output=<another path>")
+    if out is not None:
+        refuse_overwrite(out, flags.overwrite)
     document = run_latency(config)
     write_document(out, document, format_curves(document))
     return document

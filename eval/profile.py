@@ -42,6 +42,7 @@ import torch
 
 from draftsmith.config import ConfigError, check_config, command_parser, config_to_dict, option, parse_command, section
 from draftsmith.errors import UserError, exit_with
+from draftsmith.fileio import refuse_overwrite
 from draftsmith.eval.arca import (RankRecorder, arca_paths, expected_accepted, interpolate_latency,
                                   load_rank_accuracy, refine_paths, replay_tau, save_profile, PROFILE_VERSION)
 from draftsmith.eval.bench import BenchConfig, format_table, load_prompts, machine_info, run_benchmark, sync
@@ -483,8 +484,7 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing profile file")
     config, flags = parse_command(parser, ProfileConfig, argv)
     out = Path(config.output or f"outputs/arca_profile_{Path(config.target).name}.json")
-    if out.exists() and not flags.overwrite:
-        raise UserError(f"{out} exists: pass --overwrite to replace it, or set output=<another path>")
+    refuse_overwrite(out, flags.overwrite)
     dtype = config.dtypes[0]
     target = TargetModel.from_pretrained(config.target, dtype=dtype, device=config.device)
     draft = TargetModel.from_pretrained(config.draft, dtype=dtype, device=config.device) if config.draft else None

@@ -15,8 +15,9 @@
 Each export is reloaded and checked for parity (same logits on a fixed seeded input) before it is
 moved into place with export_manifest.json and a model card (README.md); with `--bench-method` naming a
 dgf method, its tree shape is recorded as the export's tree, the one `dgf` decodes with by default. A
-failed check leaves no output directory. `--push-to-hub REPO` uploads the finished directory (the export stays on disk when
-the hub cannot be reached). Bad input ends in one line `error: ...` and exit status 2.
+failed check leaves no output directory. `--push-to-hub REPO` uploads the finished directory (the
+export stays on disk when the hub cannot be reached). Bad input ends in one line `error: ...` and exit
+status 2.
 """
 
 from __future__ import annotations

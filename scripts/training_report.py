@@ -5,7 +5,7 @@
 Reads the run's metrics.jsonl (the same scalars the run logged to W&B) and writes
 ``<out>.png`` (training loss and per-step top-1; held-out top-1 and tau through the bundled decoder),
 ``<out>.md`` (one row per evaluation, the wall-clock time of training) and ``<out>.json`` (every logged
-row, so the curves can be redrawn).
+row, so the curves can be redrawn); an existing report is replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from draftsmith.errors import UserError, exit_with
+from draftsmith.fileio import refuse_overwrite
 
 EVAL_COLUMNS = (("eval/step0_token_loss", "loss@1"), ("eval/step0_top1", "top1@1"), ("eval/step1_top1", "top1@2"),
                 ("eval/step2_top1", "top1@3"), ("eval/tau", "tau"), ("eval/tau_accept_depth1", "accept@1"),
@@ -82,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="the training run's output_dir (holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, required=True, help="path stem of the .png/.md/.json written")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing report")
     args = parser.parse_args(argv)
+    for suffix in (".png", ".md", ".json"):
+        refuse_overwrite(args.out.with_suffix(suffix), args.overwrite, "choose another --out")
     train, evals = read_metrics(args.run)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     title = args.run.name

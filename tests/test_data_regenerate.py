@@ -276,8 +276,12 @@ def test_regen_report_counts_conversations_tokens_and_rates(tmp_path, target, to
     assert part["answer_tokens"] == sum(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in replies)
     assert part["seconds"] > 0 and part["tokens_per_s"] == pytest.approx(part["answer_tokens"] / part["seconds"])
     assert "| **all** | 5 |" in regen_report.markdown([part])
-    with pytest.raises(UserError, match="no progress_rank"):
+    with pytest.raises(FileNotFoundError, match="neither progress_rank"):
         regen_report.part_report(tmp_path, tokenizer)
+    (tmp_path / "report.md").write_text("an earlier report")
+    with pytest.raises(UserError, match="report.md exists: pass --overwrite"):  # before any model is loaded
+        regen_report.main([str(tmp_path / "part"), "--out", str(tmp_path / "report")])
+    assert (tmp_path / "report.md").read_text() == "an earlier report"
 
 
 def test_skip_continues_past_an_earlier_limit(tmp_path, target):

@@ -26,6 +26,9 @@ def test_training_report_writes_curves_table_and_rows(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "20 optimizer steps, 160 sequences, 0.02 h" in table and "| 20 | - | 0.400 |" in table
     assert len(json.loads(out.with_suffix(".json").read_text())["train"]) == 2
+    with pytest.raises(UserError, match="training.png exists: pass --overwrite"):
+        training_report.main([str(tmp_path / "run"), "--out", str(out)])
+    assert training_report.main([str(tmp_path / "run"), "--out", str(out), "--overwrite"]) == 0
 
 
 def test_training_report_names_a_directory_without_metrics(tmp_path):

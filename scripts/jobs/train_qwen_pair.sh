@@ -7,7 +7,7 @@ set -euo pipefail
 bash scripts/jobs/regen_qwen15.sh
 R=outputs/regen/qwen15
 T=qwen2.5-coder-1.5b-instruct
-python scripts/regen_report.py $R/gsm8k $R/code $R/sharegpt --out results/regen_qwen15
+python scripts/regen_report.py $R/gsm8k $R/code $R/sharegpt --out results/regen_qwen15 --overwrite
 VOCAB=outputs/vocab/qwen15_final_32768
 [ -f $VOCAB/draft_vocab.safetensors ] || python -m draftsmith.data.draft_vocab target=$T \
   "sources=[conversations:$R/gsm8k,conversations:$R/code,conversations:$R/sharegpt]" size=32768 output=$VOCAB
@@ -22,11 +22,11 @@ LAUNCH="accelerate launch --num_processes 1 --num_machines 1 --mixed_precision n
 RESUME=""; [ -d outputs/dgf_qwen15_final/checkpoints ] && RESUME="--resume"
 $LAUNCH train/dgf.py --config train/configs/dgf_qwen15_final.yaml "data.feature_cache=$CACHES" \
   drafter.draft_vocab=$VOCAB drafter.head=slice $RESUME --no-progress
-python scripts/training_report.py outputs/dgf_qwen15_final --out results/qwen_pair_final/training_dgf
+python scripts/training_report.py outputs/dgf_qwen15_final --out results/qwen_pair_final/training_dgf --overwrite
 RESUME=""; [ -d outputs/distill_qwen_final/checkpoints ] && RESUME="--resume"
 $LAUNCH train/distill.py --config train/configs/distill_qwen_final.yaml "data.feature_cache=$CACHES" $RESUME \
   --no-progress
-python scripts/training_report.py outputs/distill_qwen_final --out results/qwen_pair_final/training_student
+python scripts/training_report.py outputs/distill_qwen_final --out results/qwen_pair_final/training_student --overwrite
 D=outputs/dgf_qwen15_final/final
 S=outputs/distill_qwen_final/final
 METHODS="plain hf-assisted lm-chain:budget=4 lm-chain:budget=4,model=$S dgf:path=$D,depth=4,topk=1,budget=4"
