@@ -23,12 +23,7 @@ from draftsmith.train.medusa import MedusaRecipeConfig, main
 from launch_utils import ACCELERATE_CONFIGS, REPO, TINY_YAML, accelerate_launch, run, save_tiny_model_dir, summaries
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SHIPPED = {"ddp_cpu.yaml": ("MULTI_GPU", 2, 1), "ddp_1gpu.yaml": ("NO", 1, 1), "ddp_8gpu.yaml": ("MULTI_GPU", 8, 1),

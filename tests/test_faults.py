@@ -24,12 +24,7 @@ from draftsmith.train.medusa import MedusaRecipeConfig, main
 from launch_utils import REPO, TINY_YAML, kill_when, ledger_shards, run, save_tiny_model_dir
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(output_dir, *overrides) -> MedusaRecipeConfig:

@@ -18,12 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "train" / "configs" / "distill_tiny.yaml"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(output_dir, *overrides) -> DistillRecipeConfig:
