@@ -5,13 +5,16 @@
 Reads the run's metrics.jsonl (the same scalars the run logged to W&B) and writes
 ``<out>.png`` (training loss and per-step top-1; held-out top-1 and tau through the bundled decoder),
 ``<out>.md`` (one row per evaluation, the wall-clock time of training) and ``<out>.json`` (every logged
-row, so the curves can be redrawn); an existing report is replaced only with ``--overwrite``.
+row, so the curves can be redrawn), and copies the run's offline W&B run directories (one per process
+start: a resumed run logs to the same run id) to ``<out>_wandb/`` (``wandb sync <out>_wandb/offline-run-*``
+uploads them); an existing report is replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from draftsmith.errors import UserError, exit_with
@@ -79,21 +82,34 @@ def markdown(train: list[dict], evals: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def copy_wandb_runs(run: Path, dest: Path) -> list[str]:
+    """Copy ``run``/wandb/offline-run-* to ``dest`` (replacing it); the names copied ([] when none)."""
+    sources = sorted(p for p in (run / "wandb").glob("offline-run-*") if p.is_dir() and not p.is_symlink())
+    if dest.exists():
+        shutil.rmtree(dest)
+    for source in sources:
+        shutil.copytree(source, dest / source.name, symlinks=True)
+    return [source.name for source in sources]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="the training run's output_dir (holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, required=True, help="path stem of the .png/.md/.json written")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report")
     args = parser.parse_args(argv)
-    for suffix in (".png", ".md", ".json"):
-        refuse_overwrite(args.out.with_suffix(suffix), args.overwrite, "choose another --out")
+    wandb_dest = args.out.with_name(args.out.name + "_wandb")
+    for path in [args.out.with_suffix(suffix) for suffix in (".png", ".md", ".json")] + [wandb_dest]:
+        refuse_overwrite(path, args.overwrite, "choose another --out")
     train, evals = read_metrics(args.run)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     title = args.run.name
     plot(train, evals, args.out.with_suffix(".png"), title)
     args.out.with_suffix(".md").write_text(markdown(train, evals, title))
     args.out.with_suffix(".json").write_text(json.dumps({"train": train, "eval": evals}, indent=1))
-    print(f"wrote {args.out}.png/.md/.json ({len(train)} training rows, {len(evals)} evaluations)")
+    wandb_runs = copy_wandb_runs(args.run, wandb_dest)
+    print(f"wrote {args.out}.png/.md/.json ({len(train)} training rows, {len(evals)} evaluations)"
+          + (f" and {len(wandb_runs)} offline W&B run(s) to {wandb_dest}" if wandb_runs else ""))
     return 0
 
 

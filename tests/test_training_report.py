@@ -31,6 +31,26 @@ def test_training_report_writes_curves_table_and_rows(tmp_path):
     assert training_report.main([str(tmp_path / "run"), "--out", str(out), "--overwrite"]) == 0
 
 
+def test_training_report_copies_the_offline_wandb_runs(tmp_path):
+    from draftsmith.scripts import training_report
+
+    write_run(tmp_path / "run")
+    for name in ("offline-run-20261124_110000-abc", "offline-run-20261124_120000-abc"):  # a run and its resume
+        (tmp_path / "run" / "wandb" / name / "files").mkdir(parents=True)
+        (tmp_path / "run" / "wandb" / name / "run-abc.wandb").write_bytes(b"records")
+    (tmp_path / "run" / "wandb" / "latest-run").symlink_to(tmp_path / "run" / "wandb" / name)
+    out = tmp_path / "results" / "training"
+    assert training_report.main([str(tmp_path / "run"), "--out", str(out)]) == 0
+    copied = tmp_path / "results" / "training_wandb"
+    assert sorted(p.name for p in copied.iterdir()) == ["offline-run-20261124_110000-abc",
+                                                       "offline-run-20261124_120000-abc"]
+    assert (copied / name / "run-abc.wandb").read_bytes() == b"records"
+    for suffix in (".png", ".md", ".json"):
+        out.with_suffix(suffix).unlink()
+    with pytest.raises(UserError, match="training_wandb exists: pass --overwrite"):
+        training_report.main([str(tmp_path / "run"), "--out", str(out)])
+
+
 def test_training_report_names_a_directory_without_metrics(tmp_path):
     from draftsmith.scripts import training_report
 
