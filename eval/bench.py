@@ -59,7 +59,7 @@ from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
 SUITES = {"mt-bench": "mt-bench", "gsm8k": "gsm8k:test", "humaneval": "humaneval"}
-SAMPLED_SUITES = ("gsm8k",)  # suites drawn as a seeded random sample (the others: the first N records)
+SAMPLED_SUITES = ("gsm8k",)  # suites drawn as a seeded random sample (the others: first N, categories round-robin)
 WARMUP_MESSAGES = [{"role": "user", "content": "Write two sentences about the sea."}]
 RESULTS_FILE = "bench.json"
 
@@ -124,14 +124,26 @@ def check_suites(suites: list[str]) -> None:
 
 
 def select_conversations(suite: str, num_prompts: int, seed: int) -> list:
-    """`num_prompts` records of one suite: a seeded random sample for GSM8K test, else the first N."""
+    """`num_prompts` records of one suite: a seeded random sample for GSM8K test, else the first N in
+    category round-robin order (MT-Bench's first 10 records are all `writing`: 10 prompts cover its 8
+    categories instead)."""
     conversations = load_source(SUITES.get(suite, suite))
     if not conversations:
         raise UserError(f"suite {suite!r} has no prompts")
     if suite in SAMPLED_SUITES:
         order = torch.randperm(len(conversations), generator=torch.Generator().manual_seed(seed)).tolist()
         conversations = [conversations[i] for i in order]
-    return conversations[:num_prompts]
+    return categories_round_robin(conversations)[:num_prompts]
+
+
+def categories_round_robin(conversations: list) -> list:
+    """The first record of each category (in order of first appearance), then the second of each, ...;
+    records without categories keep their order."""
+    by_category: dict = {}
+    for conversation in conversations:
+        by_category.setdefault(conversation.category, []).append(conversation)
+    columns = list(by_category.values())
+    return [column[rank] for rank in range(max(map(len, columns))) for column in columns if rank < len(column)]
 
 
 def turn_messages(conversation, answers: list[str]) -> list[dict]:

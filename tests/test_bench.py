@@ -135,6 +135,16 @@ def test_suite_errors(tiny_pair, tmp_path):
         run_benchmark(BenchConfig(methods=[parse_method("plain")], temperature=-1), target=target, progress=False)
 
 
+def test_mt_bench_prompts_cover_its_categories_before_repeating_one():
+    """MT-Bench's first 10 records are all `writing`; 10 bench prompts take one of each of its 8 categories
+    first. Suites without categories (HumanEval) keep their order."""
+    mt_bench = bench.select_conversations("mt-bench", 10, seed=0)
+    assert len({conversation.category for conversation in mt_bench[:8]}) == 8
+    assert [conversation.id for conversation in mt_bench[::8]] == ["mt-bench-81", "mt-bench-82"]
+    assert [c.id for c in bench.select_conversations("humaneval", 3, seed=0)] == ["HumanEval/0", "HumanEval/1",
+                                                                                  "HumanEval/2"]
+
+
 def test_cli_parses_new_flags():
     config, _ = bench.parse_config(["suites=mt-bench gsm8k", "temperature=1", "turns=1", "wandb=true",
                                     "plots=false"])
