@@ -129,7 +129,10 @@ def load_weights(file: Path) -> dict[str, torch.Tensor]:
 
 
 def float_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().float().cpu().contiguous() for name, t in module.state_dict().items()}
+    """The state dict on the CPU, floating tensors as float32; integer buffers (a draft vocabulary's
+    indices) keep their dtype: a float, let alone bfloat16, cannot hold every token id."""
+    return {name: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().contiguous()
+            for name, t in module.state_dict().items()}
 
 
 def load_state(module: torch.nn.Module, state: dict, file: Path, config_file: Path) -> None:
@@ -186,7 +189,8 @@ def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, dtype: torch.dt
     `out_dir` (created; files replaced)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.to(dtype) for name, tensor in float_state(model).items()}
+    state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+             for name, tensor in float_state(model).items()}
     save_file(state, str(out / DGF_WEIGHTS), metadata={"format": DGF_FORMAT})
     atomic_write_json(out / CONFIG_FILE, model.config.to_dict())
     drafter = {"file": DGF_WEIGHTS, "config": CONFIG_FILE, "dtype": dtype_name(dtype),

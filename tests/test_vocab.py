@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import tiny_model
 from draftsmith.data import draft_vocab
@@ -15,7 +16,7 @@ from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.drafters.dgf import DGFDrafter, load_dgf_drafter
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.drafters.medusa import MedusaDrafter, load_medusa_drafter
-from draftsmith.models.artifacts import read_manifest, save_dgf, save_medusa, target_block
+from draftsmith.models.artifacts import DGF_WEIGHTS, float_state, read_manifest, save_dgf, save_medusa, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
@@ -149,6 +150,26 @@ def test_dgf_vocab_and_multi_layer_drafters_are_lossless_and_reload(tiny, head, 
     loaded = load_dgf_drafter(tmp_path, target, depth=3, topk=3, budget=7)
     x, ids = torch.randn(1, 5, 48), torch.randint(0, 96, (1, 5))
     torch.testing.assert_close(loaded.model.logits(loaded.model(x, ids)), model.logits(model(x, ids)))
+
+
+def test_bfloat16_dgf_export_keeps_the_vocabulary_indices_exact(tiny, tmp_path):
+    """bfloat16 holds integers exactly only up to 256 (Qwen/SmolLM2 ids go to 49151 and beyond): the draft
+    vocabulary's index buffer is stored as integers, the weights in bfloat16."""
+    target, vocab = tiny
+    model = make_dgf(target, vocab, head="slice")
+    assert float_state(_buffer_module(torch.tensor([49151])))["ids"].tolist() == [49151]
+    save_dgf(model, tmp_path, target_block(target, "tiny", [-1], "float32"), dtype=torch.bfloat16)
+    stored = load_file(str(tmp_path / DGF_WEIGHTS))
+    assert stored["draft_to_target"].dtype == torch.int64
+    assert torch.equal(stored["draft_to_target"], vocab.draft_to_target)
+    assert {t.dtype for name, t in stored.items() if name != "draft_to_target"} == {torch.bfloat16}
+    load_dgf_drafter(tmp_path, target, depth=2, topk=1, budget=2)
+
+
+def _buffer_module(ids: torch.Tensor) -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.register_buffer("ids", ids)
+    return module
 
 
 def test_multi_layer_fusion_reads_every_layer(tiny):
