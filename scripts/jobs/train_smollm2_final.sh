@@ -27,7 +27,7 @@ BUNDLE=models/bundled/smollm2-135m-instruct-dgf
 F=outputs/dgf_smollm2_final/final
 TREES="dgf:path=$F,depth=2,topk=1,budget=2 dgf:path=$F,depth=3,topk=1,budget=3 dgf:path=$F,depth=4,topk=1,budget=4"
 TREES="$TREES dgf:path=$F,depth=3,topk=2,budget=5 dgf:path=$F,depth=4,topk=4,budget=8"
-scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=10 \
+[ -f results/dgf_smollm2_final/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=10 \
   max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" "methods=plain ngram $TREES" \
   output_dir=results/dgf_smollm2_final
 # Ship the tree shape with the best headline speedup (the export records it; `dgf` decodes with it by default).
