@@ -128,10 +128,10 @@ def load_weights(file: Path) -> dict[str, torch.Tensor]:
         raise ArtifactError(f"{file} is corrupt or truncated ({err})") from err
 
 
-def float_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict on the CPU, floating tensors as float32; integer buffers (a draft vocabulary's
+def float_state(module: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The state dict on the CPU, floating tensors in `dtype`; integer buffers (a draft vocabulary's
     indices) keep their dtype: a float, let alone bfloat16, cannot hold every token id."""
-    return {name: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().contiguous()
+    return {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).cpu().contiguous()
             for name, t in module.state_dict().items()}
 
 
@@ -189,9 +189,7 @@ def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, dtype: torch.dt
     `out_dir` (created; files replaced)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-             for name, tensor in float_state(model).items()}
-    save_file(state, str(out / DGF_WEIGHTS), metadata={"format": DGF_FORMAT})
+    save_file(float_state(model, dtype), str(out / DGF_WEIGHTS), metadata={"format": DGF_FORMAT})
     atomic_write_json(out / CONFIG_FILE, model.config.to_dict())
     drafter = {"file": DGF_WEIGHTS, "config": CONFIG_FILE, "dtype": dtype_name(dtype),
                "fusion": model.config.fusion,
