@@ -22,6 +22,7 @@ result). A failed check leaves no `<out>`.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass
@@ -94,10 +95,27 @@ class ParityError(UserError):
 # ---------------------------------------------------------------------------------------------
 
 
+def _tmp_of(out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    return out_dir.with_name(out_dir.name + ".tmp")
+
+
+def removes_tmp_on_error(export):
+    """An export that raises (a parity failure, a bad tokenizer, Ctrl-C) leaves no `<out>.tmp` behind."""
+    @functools.wraps(export)
+    def wrapped(source, out_dir, *args, **kwargs):
+        try:
+            return export(source, out_dir, *args, **kwargs)
+        except BaseException:
+            shutil.rmtree(_tmp_of(out_dir), ignore_errors=True)
+            raise
+    return wrapped
+
+
 def _fresh_tmp(out_dir: Path) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportExistsError(f"{out_dir} exists and is not empty: choose a new output directory or remove it")
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp = _tmp_of(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
@@ -105,14 +123,12 @@ def _fresh_tmp(out_dir: Path) -> Path:
 
 def _finish(tmp: Path, out_dir: Path, manifest: dict, reference: torch.Tensor, reloaded: torch.Tensor,
             tolerance: float, what: str) -> ExportResult:
-    """Compare logits, write the manifest, rename tmp -> out_dir (or remove tmp and raise)."""
+    """Compare logits, write the manifest, rename tmp -> out_dir (or raise: the export's wrapper removes tmp)."""
     if reference.shape != reloaded.shape:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise ParityError(f"{what}: reloaded logits have shape {tuple(reloaded.shape)}, the source's "
                           f"{tuple(reference.shape)}")
     diff = (reference.float() - reloaded.float()).abs().max().item()
     if not diff <= tolerance:  # NaN fails too
-        shutil.rmtree(tmp, ignore_errors=True)
         raise ParityError(f"{what}: reloaded export differs from the source by {diff:.3g} > {tolerance:g} in logits")
     manifest["parity"].update(max_abs_diff=diff, tolerance=tolerance, ok=True)
     manifest["files"] = sorted(p.name for p in tmp.iterdir()) + [EXPORT_MANIFEST]
@@ -260,6 +276,7 @@ def _student_tokenizer(source_path: Path, target, distilled: dict | None):
     return tokenizer
 
 
+@removes_tmp_on_error
 def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: str = "float32",
                    tree: dict | None = None, tolerance: float = 0.0, check_assisted: bool = True,
                    bench: dict | None = None) -> ExportResult:
@@ -305,7 +322,6 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
         plain = target.model.generate(prompt, **common)
         assisted = target.model.generate(prompt, assistant_model=reloaded.to(target.device), **common)
         if not torch.equal(plain, assisted):
-            shutil.rmtree(tmp, ignore_errors=True)
             raise ParityError("the target's greedy output with the exported student as assistant_model differs from "
                               "its plain greedy output")
         manifest["parity"]["assisted_generate"] = "greedy output with assistant_model == plain greedy (12 tokens)"
@@ -379,6 +395,7 @@ def _save_tokenizer(name: str | None, out: Path) -> bool:
     return True
 
 
+@removes_tmp_on_error
 def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
                   tolerance: float = 0.0, bench: dict | None = None) -> ExportResult:
     """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
@@ -489,6 +506,7 @@ def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: 
     return reloaded.attach_target(target_model)
 
 
+@removes_tmp_on_error
 def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str = "auto",
                tree: dict | None = None, tolerance: float = 0.0, bench: dict | None = None,
                dtype: str = "float32") -> ExportResult:
@@ -514,11 +532,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
         model.attach_target(target_model)
     out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
-    try:
-        reloaded = _write_dgf_layout(model, tmp, layout, source_manifest, target_model, stored)
-    except UserError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    reloaded = _write_dgf_layout(model, tmp, layout, source_manifest, target_model, stored)
     reloaded = reloaded.to(device=model.device, dtype=model.dtype)
     generator = torch.Generator().manual_seed(PARITY_SEED)
     layers = torch.randn(1, PARITY_TOKENS, len(config.layers_read), config.hidden_size, generator=generator)

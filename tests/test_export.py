@@ -173,6 +173,15 @@ def test_medusa_export_errors(tmp_path, monkeypatch):
     with pytest.raises(export.ParityError, match="differs"):
         export.export_medusa(tmp_path / "final", tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()
+    # any exception mid-export (here: the tokenizer copy) leaves no half-written `<out>.tmp` either
+
+    def broken(name, out):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "_save_tokenizer", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export.export_medusa(tmp_path / "final", tmp_path / "half")
+    assert not (tmp_path / "half").exists() and not (tmp_path / "half.tmp").exists()
 
 
 def export_cli(argv):
