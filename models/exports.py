@@ -177,7 +177,7 @@ def write_model_card(directory: Path, manifest: dict, source_manifest: dict | No
              f"# draftsmith {manifest['kind']} drafter ({manifest['layout']} layout)", "",
              f"- target: `{target.get('hub_id') or target.get('name')}` (draftsmith name `{target.get('name')}`, "
              f"vocab {target.get('vocab_size')}, hidden layers read {target.get('hidden_layers')})",
-             "- weights: safetensors, float32; trained against the draftsmith zoo copy of the target (its GGUF "
+             f"- weights: safetensors, {manifest.get('weights_dtype', 'float32')}; trained against the draftsmith zoo copy of the target (its GGUF "
              "quantisation, dequantised): against the upstream checkpoint acceptance can be a little lower, "
              "the output is unchanged (verification is lossless)",
              f"- training command: `{training.get('command', 'not recorded')}` ({training.get('steps')} steps)",
@@ -200,7 +200,8 @@ def bench_entry(path: str | Path | None, method: str | None) -> dict | None:
     if method not in summary:
         raise UserError(f"--bench-method {method!r} is not in {path}; its methods: {', '.join(summary)}")
     machine = results.get("machine", {})
-    where = f"{machine.get('cpu', machine.get('device', 'unknown machine'))}, {machine.get('threads', '?')} threads"
+    where = (f"{machine.get('device', 'an unrecorded device')} ({machine.get('processor', 'unrecorded processor')}, "
+             f"{machine.get('cpu_count', '?')} cores), {machine.get('torch_threads', '?')} threads")
     return {**summary[method], "method": method, "machine": where, "file": str(path)}
 
 
@@ -326,6 +327,7 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
                               "its plain greedy output")
         manifest["parity"]["assisted_generate"] = "greedy output with assistant_model == plain greedy (12 tokens)"
     manifest["target"]["hub_id"] = hub_id(target_name)
+    manifest["weights_dtype"] = dtype
     manifest["consumers"] = CONSUMERS["student"]
     write_model_card(tmp, manifest, distilled, bench)
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"student {source_path}")
@@ -549,6 +551,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     manifest["drafter"] = {"num_blocks": config.num_blocks, "fusion_act": config.fusion_act,
                            "feature_layers": config.layers_read, "draft_vocab_size": config.draft_vocab_size,
                            "parameters": model.num_parameters()}
+    manifest["weights_dtype"] = dtype
     manifest["consumers"] = CONSUMERS[layout]
     manifest["parity"]["embedding_and_head"] = "target" if target is not None else f"seeded stand-in ({PARITY_SEED})"
     write_model_card(tmp, manifest, source_manifest, bench)

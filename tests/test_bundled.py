@@ -97,4 +97,5 @@ def test_the_shipped_drafters_are_small_and_name_their_target():
         manifest = json.loads((path / "manifest.json").read_text())
         assert manifest["target"]["name"] == target_name and manifest["drafter"]["dtype"] == "bfloat16"
         assert sum(f.stat().st_size for f in path.iterdir()) < 16 * 2**20
-        assert "accelerate launch" in (path / "README.md").read_text()
+        card = (path / "README.md").read_text()
+        assert "accelerate launch" in card and "weights: safetensors, bfloat16" in card

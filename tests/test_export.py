@@ -244,13 +244,15 @@ def test_model_card_and_metadata_carry_target_training_and_measurements(tmp_path
 
     make_medusa_final(tmp_path / "final")
     bench_file = tmp_path / "bench.json"
-    bench_file.write_text(json.dumps({"machine": {"cpu": "test cpu", "threads": 2}, "summary": {
+    bench_file.write_text(json.dumps({"machine": {"device": "cpu", "processor": "test cpu", "cpu_count": 2,
+                                                     "torch_threads": 2}, "summary": {
         "medusa:x": {"tau": 2.5, "headline_speedup": 1.6, "headline_baseline": "plain-compiled"}}}))
     assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "fd"), "--bench", str(bench_file),
                        "--bench-method", "medusa:x"]) == 0
     card = (tmp_path / "fd" / "README.md").read_text()
     assert card.startswith("---\nbase_model: tiny-target\nlibrary_name: medusa\ntags:\n")
     assert "training command:" in card and "tau 2.50, speedup 1.60x vs plain-compiled" in card
+    assert "on cpu (test cpu, 2 cores), 2 threads" in card and "weights: safetensors, float32" in card
     with safe_open(str(tmp_path / "fd" / "medusa_lm_head.safetensors"), "pt") as f:
         metadata = f.metadata()
     assert metadata["target_vocab_fingerprint"] == "abc" and metadata["producer"] == "draftsmith"

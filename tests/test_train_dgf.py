@@ -156,6 +156,21 @@ def test_multi_layer_vocab_drafter_trains_resumes_and_decodes_losslessly(tmp_pat
     assert result.tokens == reference
 
 
+def test_init_from_continues_a_finished_run_and_refuses_another_architecture(tmp_path, tiny_vocab):
+    overrides = [f"drafter.draft_vocab={tiny_vocab}", "drafter.head=slice"]
+    main(tiny_cfg(tmp_path / "first", *overrides))
+    first = json.loads((tmp_path / "first/final/manifest.json").read_text())["eval"]["after"]
+    main(tiny_cfg(tmp_path / "longer", *overrides, f"drafter.init_from={tmp_path / 'first/final'}"))
+    longer = json.loads((tmp_path / "longer/final/manifest.json").read_text())["eval"]["before"]
+    assert longer["eval/top1"] == first["eval/top1"]
+    assert abs(longer["eval/step0_token_loss"] - first["eval/step0_token_loss"]) < 1e-6
+    with pytest.raises(ConfigError, match=r"num_blocks=2 \(this config: 1\)"):
+        main(tiny_cfg(tmp_path / "other", *overrides, "drafter.num_blocks=1",
+                      f"drafter.init_from={tmp_path / 'first/final'}"))
+    with pytest.raises(ConfigError, match="drafter.init_from=.*nowhere: not a train/dgf.py final/ directory"):
+        tiny_cfg(tmp_path / "other", *overrides, f"drafter.init_from={tmp_path / 'nowhere'}")
+
+
 def test_multi_layer_and_vocab_options_are_checked(tmp_path, tiny_vocab):
     with pytest.raises(ConfigError, match="drafter predicts no target feature"):
         tiny_cfg(tmp_path, "drafter.multi_layer=true")

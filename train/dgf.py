@@ -42,7 +42,7 @@ from draftsmith.config import ConfigError, config_to_dict, option, section
 from draftsmith.data.features import FeatureDataset, cache_parts, load_index
 from draftsmith.data.records import load_records, split_heldout
 from draftsmith.eval.drafters.dgf import DGFDrafter
-from draftsmith.models.artifacts import save_dgf, target_block
+from draftsmith.models.artifacts import MANIFEST_FILE, load_dgf, save_dgf, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel, eagle3_layers
 from draftsmith.models.vocab import DraftVocab
 from draftsmith.models.target import TargetModel
@@ -67,6 +67,8 @@ class DrafterConfig:
     layer_fusion: Literal["linear", "gated"] = option("linear", "several layers -> one feature: EAGLE-3's linear fc, "
                                                                 "or a per-dimension softmax gate over the layers")
     draft_vocab: str | None = option(None, "a data.draft_vocab directory: the drafter scores only that subset")
+    init_from: str | None = option(None, "a train/dgf.py final/ directory whose weights this run starts from (same "
+                                   "architecture and draft vocabulary; a longer run on top of a finished one)")
     head: Literal["target", "slice", "own"] = option("target", "output layer: the target's LM head (full vocabulary), "
                                                                "its frozen slice, or an own trainable head")
 
@@ -122,6 +124,8 @@ class DGFRecipeConfig(RunConfig):
             (self.loss.token_weight > 0 or not several, "loss.token_weight must be > 0 for a multi-layer drafter"),
             ((d.draft_vocab is None) == (d.head == "target"), "drafter.head: with drafter.draft_vocab choose slice or "
              "own; without one, target"),
+            (d.init_from is None or (Path(d.init_from) / MANIFEST_FILE).is_file(),
+             f"drafter.init_from={d.init_from}: not a train/dgf.py final/ directory (no {MANIFEST_FILE})"),
             (self.data.mode == "online" or self.data.feature_cache, "data.mode=offline needs data.feature_cache"),
             (self.data.max_length >= 4, "data.max_length must be >= 4"),
         ]
@@ -186,6 +190,20 @@ class DGFTrainModule(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+def start_from(drafter: DGFModel, path: str, target: TargetModel) -> None:
+    """Copy the weights of a finished run (`drafter.init_from`) into `drafter`; its architecture and draft
+    vocabulary must be this config's."""
+    source, _ = load_dgf(path, target=target)
+    theirs, ours = config_to_dict(source.config), config_to_dict(drafter.config)
+    differ = [f"{key}={theirs.get(key)!r} (this config: {ours.get(key)!r})" for key in sorted(set(theirs) | set(ours))
+              if theirs.get(key) != ours.get(key)]
+    if differ:
+        raise ConfigError(f"drafter.init_from={path}: its drafter differs from this config's: {', '.join(differ)}")
+    if drafter.config.draft_vocab_size and not torch.equal(source.draft_to_target.cpu(), drafter.draft_to_target.cpu()):
+        raise ConfigError(f"drafter.init_from={path}: its draft vocabulary differs from drafter.draft_vocab")
+    drafter.load_state_dict(source.state_dict())
+
+
 class DGFRecipe:
     """The feature-drafter behaviour; the run mechanics are the TrainingRun's."""
 
@@ -212,6 +230,8 @@ class DGFRecipe:
         drafter = DGFModel(self.dgf_config).to(run.device).attach_target(model)  # float32
         if self.vocab is not None:
             drafter.set_vocab(self.vocab).init_draft_head()  # a resumed run then loads its trained head
+        if d.init_from:  # a resumed run then loads its checkpoint over these weights
+            start_from(drafter, d.init_from, self.target)
         run.log.info("drafter: fusion=%s M=%d, %.2fM trainable parameters", d.fusion, d.num_blocks,
                      drafter.num_parameters() / 1e6)
         self.step_weights = unrolled_step_weights(cfg.loss.unroll_steps, cfg.loss.unroll_decay)
