@@ -25,14 +25,19 @@ EVAL_COLUMNS = (("eval/step0_token_loss", "loss@1"), ("eval/step0_top1", "top1@1
                 ("eval/tau_accept_depth2", "accept@2"), ("eval/tau_accept_depth3", "accept@3"))
 
 
+def last_per_step(rows: list[dict]) -> list[dict]:
+    """One row per step, the last logged (a resumed run logs again the steps after its checkpoint), in step order."""
+    return sorted({row["step"]: row for row in rows}.values(), key=lambda row: row["step"])
+
+
 def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
     """(training rows, evaluation rows) of ``run``/metrics.jsonl, in step order."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{run}: no metrics.jsonl (is it a training run's output_dir?)")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    train = [r for r in rows if "train/loss" in r]
-    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    train = last_per_step([r for r in rows if "train/loss" in r])
+    evals = last_per_step([r for r in rows if any(k.startswith("eval/") for k in r)])
     if not train:
         raise UserError(f"{path}: no training rows yet")
     return train, evals

@@ -31,6 +31,13 @@ def test_training_report_writes_curves_table_and_rows(tmp_path):
     assert training_report.main([str(tmp_path / "run"), "--out", str(out), "--overwrite"]) == 0
 
 
+def test_a_resumed_run_s_repeated_steps_are_one_row_each():
+    from draftsmith.scripts.training_report import last_per_step
+
+    rows = [{"step": 20, "x": 1}, {"step": 10, "x": 2}, {"step": 20, "x": 3}]  # step 20 logged again after a resume
+    assert last_per_step(rows) == [{"step": 10, "x": 2}, {"step": 20, "x": 3}]
+
+
 def test_training_report_copies_the_offline_wandb_runs(tmp_path):
     from draftsmith.scripts import training_report
 

@@ -18,9 +18,9 @@ for PART in gsm8k code sharegpt sharegpt2; do
 done
 DRAFTER=${DRAFTER:-"drafter.draft_vocab=$VOCAB drafter.head=slice"}
 RESUME=""; [ -d outputs/dgf_smollm2_final/checkpoints ] && RESUME="--resume"
-OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+[ -d outputs/dgf_smollm2_final/final ] || OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
   train/dgf.py --config train/configs/dgf_smollm2_final.yaml "data.feature_cache=$CACHES" $DRAFTER $RESUME --no-progress
-python scripts/training_report.py outputs/dgf_smollm2_final --out results/dgf_smollm2_final/training --overwrite
+[ -f results/dgf_smollm2_final/training.md ] || python scripts/training_report.py outputs/dgf_smollm2_final --out results/dgf_smollm2_final/training --overwrite
 BUNDLE=models/bundled/smollm2-135m-instruct-dgf
 # Chains and small trees: compiled T(4)/T(1) = 1.37 but T(8)/T(1) = 1.97 and T(16)/T(1) = 3.2 on this CPU
 # (results/latency/smollm2.md), so Dovetail's 16-node tree cannot pay here.
