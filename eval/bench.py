@@ -65,8 +65,9 @@ RESULTS_FILE = "bench.json"
 
 
 def default_methods(target: str) -> list[MethodSpec]:
-    """plain, our loop without a drafter, prompt lookup, and the drafter bundled for the target if any."""
-    specs = ["plain", "loop-plain", "ngram", "ngram:branches=3"] + (["dgf"] if has_bundled_drafter(target) else [])
+    """plain, prompt lookup (training-free) and the drafter bundled for the target if any (trained here); the
+    compiled backend adds plain-compiled."""
+    specs = ["plain", "ngram"] + (["dgf"] if has_bundled_drafter(target) else [])
     return [parse_method(spec) for spec in specs]
 
 
@@ -75,10 +76,10 @@ class BenchConfig:
     target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree / hf-assisted use by default")
     methods: list[MethodSpec] | None = option(None, "methods to compare (plain is always run); null: plain, "
-                                              "loop-plain, ngram, ngram:branches=3 + dgf (the target's bundled "
-                                              "drafter) where one is bundled")
-    suites: list[str] = option(factory=lambda: ["mt-bench"], help="mt-bench | gsm8k | humaneval | a source spec")
-    num_prompts: int = option(4, "prompts per suite", ge=1)
+                                              "ngram + dgf (the target's bundled drafter) where one is bundled")
+    suites: list[str] = option(factory=lambda: ["mt-bench", "gsm8k", "humaneval"],
+                               help="mt-bench | gsm8k | humaneval | a source spec")
+    num_prompts: int = option(3, "prompts per suite", ge=1)
     turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
     max_new_tokens: int = option(64, "new tokens per prompt", ge=1)
     temperature: float = option(0.0, "0 = greedy (token-exact check); > 0 = sampling (tau, tokens/s)", ge=0)

@@ -4,4 +4,5 @@
 #   (nohup nice -n 15 bash scripts/jobs/issue17.sh >> outputs/jobs/issue17.log 2>&1 &)
 set -euo pipefail
 bash scripts/jobs/train_smollm2_final.sh
+bash scripts/jobs/train_smollm2_long.sh
 bash scripts/jobs/train_qwen_pair.sh

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 17, SmolLM2: regenerated data -> draft vocabulary -> feature caches -> >= 1 h of training -> bench.
+# Issue 17, SmolLM2: regenerated data -> draft vocabulary -> feature caches -> >= 1 h of training -> bench
+# (scripts/jobs/train_smollm2_long.sh continues the drafter and ships it).
 # Every step resumes: rerun the script after an interruption. DRAFTER: the ablation's best variant
 # (single-layer DGF, 8k draft vocabulary, frozen sliced head: equal tau at a third of the draft step).
 set -euo pipefail
@@ -21,7 +22,6 @@ RESUME=""; [ -d outputs/dgf_smollm2_final/checkpoints ] && RESUME="--resume"
 [ -d outputs/dgf_smollm2_final/final ] || OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
   train/dgf.py --config train/configs/dgf_smollm2_final.yaml "data.feature_cache=$CACHES" $DRAFTER $RESUME --no-progress
 [ -f results/dgf_smollm2_final/training.md ] || python scripts/training_report.py outputs/dgf_smollm2_final --out results/dgf_smollm2_final/training --overwrite
-BUNDLE=models/bundled/smollm2-135m-instruct-dgf
 # Chains and small trees: compiled T(4)/T(1) = 1.37 but T(8)/T(1) = 1.97 and T(16)/T(1) = 3.2 on this CPU
 # (results/latency/smollm2.md), so Dovetail's 16-node tree cannot pay here.
 F=outputs/dgf_smollm2_final/final
@@ -30,9 +30,3 @@ TREES="$TREES dgf:path=$F,depth=3,topk=2,budget=5 dgf:path=$F,depth=4,topk=4,bud
 [ -f results/dgf_smollm2_final/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=10 \
   max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" "methods=plain ngram $TREES" \
   output_dir=results/dgf_smollm2_final
-# Ship the tree shape with the best headline speedup (the export records it; `dgf` decodes with it by default).
-BEST=$(python -c "import json; s=json.load(open('results/dgf_smollm2_final/bench.json'))['summary']; \
-print(max((m for m in s if m.startswith('dgf')), key=lambda m: s[m]['headline_speedup']))")
-[ -d $BUNDLE ] || python scripts/export.py dgf outputs/dgf_smollm2_final/final $BUNDLE --layout dgf --dtype bfloat16 \
-  --target smollm2-135m-instruct --bench results/dgf_smollm2_final/bench.json --bench-method "$BEST"
-scripts/jobs/quiet.sh bash scripts/jobs/readme_first_command.sh
