@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
+from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.errors import UserError, exit_with
-from draftsmith.fileio import refuse_overwrite
 from draftsmith.eval.bench import load_prompts
-from draftsmith.eval.latency import write_document
+from draftsmith.eval.latency import parse_document_command, write_document
 from draftsmith.models.artifacts import load_dgf, read_json
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.target import TargetModel
@@ -97,12 +96,7 @@ def format_top1(document: dict) -> str:
 
 
 def main(argv: list[str]) -> dict:
-    parser = command_parser("python -m draftsmith.eval.drafter_top1", __doc__.split("\n\n")[0], DrafterTop1Config)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    config, flags = parse_command(parser, DrafterTop1Config, argv)
-    out = Path(config.output) if config.output else None
-    if out is not None:
-        refuse_overwrite(out, flags.overwrite)
+    config, out = parse_document_command("draftsmith.eval.drafter_top1", __doc__, DrafterTop1Config, argv)
     if config.threads:
         torch.set_num_threads(config.threads)
     if not Path(config.bench).is_file():

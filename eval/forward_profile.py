@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command
+from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.errors import exit_with
-from draftsmith.fileio import refuse_overwrite
-from draftsmith.eval.latency import cpu_model, forward_seconds, mt_bench_context, write_document
+from draftsmith.eval.latency import (cpu_model, forward_seconds, mt_bench_context, parse_document_command,
+                                     write_document)
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
@@ -118,13 +117,7 @@ def format_profile(document: dict) -> str:
 
 
 def main(argv: list[str]) -> dict:
-    parser = command_parser("python -m draftsmith.eval.forward_profile", __doc__.split("\n\n")[0],
-                            ForwardProfileConfig)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    config, flags = parse_command(parser, ForwardProfileConfig, argv)
-    out = Path(config.output) if config.output else None
-    if out is not None:
-        refuse_overwrite(out, flags.overwrite)
+    config, out = parse_document_command("draftsmith.eval.forward_profile", __doc__, ForwardProfileConfig, argv)
     if config.threads:
         torch.set_num_threads(config.threads)
     base = TargetModel.from_pretrained(config.target, dtype=config.dtype)

@@ -199,13 +199,20 @@ def run_latency(config: LatencyConfig, progress: bool = True) -> dict:
             "machine_info": info, "curves": curves}
 
 
-def main(argv: list[str]) -> dict:
-    parser = command_parser("python -m draftsmith.eval.latency", __doc__.split("\n\n")[0], LatencyConfig)
+def parse_document_command(module: str, doc: str, config_cls, argv: list[str]):
+    """(config, output path or None) of a command that writes one JSON document to `config.output` (refused
+    when it exists, unless --overwrite)."""
+    parser = command_parser(f"python -m {module}", doc.split("\n\n")[0], config_cls)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    config, flags = parse_command(parser, LatencyConfig, argv)
+    config, flags = parse_command(parser, config_cls, argv)
     out = Path(config.output) if config.output else None
     if out is not None:
         refuse_overwrite(out, flags.overwrite)
+    return config, out
+
+
+def main(argv: list[str]) -> dict:
+    config, out = parse_document_command("draftsmith.eval.latency", __doc__, LatencyConfig, argv)
     document = run_latency(config)
     write_document(out, document, format_curves(document))
     return document
