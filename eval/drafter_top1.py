@@ -39,17 +39,16 @@ class DrafterTop1Config:
         check_config(self)
 
 
-def pair_hits(guess: torch.Tensor, greedy: torch.Tensor, prompt_length: int) -> tuple[int, int]:
+def pair_hits(guess: torch.Tensor, greedy: torch.Tensor, prompt_length: int) -> torch.Tensor:
     """guess (T-1,): the drafter's token for pair t = (f_t, x_{t+1}); greedy (T,): the target's argmax after
-    each position. Pair t is right when guess[t] == greedy[t+1]; counted for t in [P-1, T-2): from the pair
-    that drafts the first token after the prompt's own next token to the last one the sequence can check."""
+    each position. Pair t is right when guess[t] == greedy[t+1]; returned (bool) for t in [P-1, T-2): from the
+    pair that drafts the first token after the prompt's own next token to the last one the sequence can check."""
     region = slice(prompt_length - 1, greedy.shape[0] - 2)
-    hits = guess[region] == greedy[1:][region]
-    return int(hits.sum()), hits.numel()
+    return guess[region] == greedy[1:][region]
 
 
-def sequence_hits(drafter: DGFModel, target: TargetModel, ids: torch.Tensor, prompt_length: int) -> tuple[int, int]:
-    """(right, counted) pairs of one sequence (1, T) = prompt + greedy continuation."""
+def sequence_hits(drafter: DGFModel, target: TargetModel, ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """Which pairs of one sequence (1, T) = prompt + greedy continuation the drafter gets right (bool)."""
     with torch.inference_mode():
         out = target.model(ids.to(target.device), output_hidden_states=True)
         layers = torch.stack([out.hidden_states[i] for i in drafter.config.layers_read], dim=2)  # (1, T, k, H)
@@ -58,6 +57,22 @@ def sequence_hits(drafter: DGFModel, target: TargetModel, ids: torch.Tensor, pro
         if drafter.config.draft_vocab_size:
             guess = drafter.draft_to_target[guess]
     return pair_hits(guess.cpu(), out.logits.argmax(-1)[0].cpu(), prompt_length)
+
+
+def share(flags: torch.Tensor) -> float:
+    """The share of True in a bool tensor (NaN when empty)."""
+    return float(flags.float().mean()) if flags.numel() else float("nan")
+
+
+def hit_rates(hits: list[torch.Tensor]) -> dict:
+    """Top-1 over all pairs, and over the pairs right after a miss / after a hit: a decoding round starts after
+    a rejected draft (or a fully accepted chain), so the decoder samples positions after misses more often."""
+    after = [(h[1:], h[:-1]) for h in hits]
+    after_miss = torch.cat([now[~before] for now, before in after]) if after else torch.zeros(0, dtype=torch.bool)
+    after_hit = torch.cat([now[before] for now, before in after]) if after else torch.zeros(0, dtype=torch.bool)
+    every = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)
+    return {"top1": share(every), "positions": every.numel(), "top1_after_miss": share(after_miss),
+            "top1_after_hit": share(after_hit)}
 
 
 def decoder_acceptance(results: dict, drafter_dir: str) -> dict[str, dict[str, float]]:
@@ -73,13 +88,12 @@ def measure_top1(results: dict, drafter: DGFModel, target: TargetModel) -> dict[
              if entry["turn"] == 1}
     per_suite = {}
     for suite in config["suites"]:
-        right = counted = 0
+        hits = []
         for prompt in load_prompts(suite, config["num_prompts"], config["seed"], target.tokenizer):
             prompt_ids = torch.as_tensor(prompt["input_ids"]).reshape(-1).tolist()
             ids = torch.tensor([prompt_ids + plain[(suite, prompt["id"])]])
-            hits, total = sequence_hits(drafter, target, ids, len(prompt_ids))
-            right, counted = right + hits, counted + total
-        per_suite[suite] = {"top1": right / max(counted, 1), "positions": counted}
+            hits.append(sequence_hits(drafter, target, ids, len(prompt_ids)))
+        per_suite[suite] = hit_rates(hits)
     return per_suite
 
 
@@ -87,11 +101,13 @@ def format_top1(document: dict) -> str:
     accept = document["decoder_depth1_acceptance"]
     lines = [f"Teacher-forced top-1 of {document['drafter']} on the first-turn plain outputs of {document['bench']} "
              "(target features from one forward), beside the decoder's depth-1 acceptance (both turns).", "",
-             "| suite | positions | teacher-forced top-1 | " + " | ".join(f"acceptance@1 {m}" for m in accept) + " |",
-             "|---|---|---|" + "---|" * len(accept)]
+             "| suite | positions | teacher-forced top-1 | after a miss | after a hit | "
+             + " | ".join(f"acceptance@1 {m}" for m in accept) + " |",
+             "|---|---|---|---|---|" + "---|" * len(accept)]
     for suite, entry in document["suites"].items():
         cells = " | ".join(f"{accept[m].get(suite, float('nan')):.3f}" for m in accept)
-        lines.append(f"| {suite} | {entry['positions']} | {entry['top1']:.3f} | {cells} |")
+        lines.append(f"| {suite} | {entry['positions']} | {entry['top1']:.3f} | {entry['top1_after_miss']:.3f} | "
+                     f"{entry['top1_after_hit']:.3f} | {cells} |")
     return "\n".join(lines)
 
 

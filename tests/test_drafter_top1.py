@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_target_for
 from draftsmith.errors import run_main
 from draftsmith.eval.bench import BenchConfig, run_benchmark
-from draftsmith.eval.drafter_top1 import decoder_acceptance, main, measure_top1, pair_hits
+from draftsmith.eval.drafter_top1 import decoder_acceptance, hit_rates, main, measure_top1, pair_hits
 from draftsmith.eval.methods import parse_method
 from draftsmith.models.artifacts import load_dgf, save_dgf, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel
@@ -20,7 +20,15 @@ def test_pair_t_is_checked_against_the_target_token_after_x_t_plus_1():
     # prompt of 3 tokens, 3 generated: pairs t = 2, 3 draft positions 4, 5 (greedy[3], greedy[4])
     greedy = torch.tensor([10, 11, 12, 13, 14, 15])
     guess = torch.tensor([0, 0, 13, 99, 0])  # pair 2 right, pair 3 wrong; pairs 0-1 (prompt) and 4 are not counted
-    assert pair_hits(guess, greedy, prompt_length=3) == (1, 2)
+    assert pair_hits(guess, greedy, prompt_length=3).tolist() == [True, False]
+
+
+def test_hit_rates_split_by_the_previous_pair():
+    hits = [torch.tensor([True, True, False, True]), torch.tensor([False, False])]
+    rates = hit_rates(hits)
+    assert rates["positions"] == 6 and rates["top1"] == 0.5
+    assert rates["top1_after_hit"] == 0.5  # pairs after a hit: True, False
+    assert rates["top1_after_miss"] == 0.5  # pairs after a miss: True (first list), False (second)
 
 
 def test_top1_per_suite_beside_the_decoder_acceptance(smol_tokenizer, tmp_path):
