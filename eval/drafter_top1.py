@@ -67,10 +67,11 @@ def share(flags: torch.Tensor) -> float:
 def hit_rates(hits: list[torch.Tensor]) -> dict:
     """Top-1 over all pairs, and over the pairs right after a miss / after a hit: a decoding round starts after
     a rejected draft (or a fully accepted chain), so the decoder samples positions after misses more often."""
+    hits = hits or [torch.zeros(0, dtype=torch.bool)]
     after = [(h[1:], h[:-1]) for h in hits]
-    after_miss = torch.cat([now[~before] for now, before in after]) if after else torch.zeros(0, dtype=torch.bool)
-    after_hit = torch.cat([now[before] for now, before in after]) if after else torch.zeros(0, dtype=torch.bool)
-    every = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)
+    after_miss = torch.cat([now[~before] for now, before in after])
+    after_hit = torch.cat([now[before] for now, before in after])
+    every = torch.cat(hits)
     return {"top1": share(every), "positions": every.numel(), "top1_after_miss": share(after_miss),
             "top1_after_hit": share(after_hit)}
 
