@@ -9,8 +9,12 @@ R=outputs/regen/qwen15
 T=qwen2.5-coder-1.5b-instruct
 python scripts/regen_report.py $R/gsm8k $R/code $R/sharegpt --out results/regen_qwen15 --overwrite
 VOCAB=outputs/vocab/qwen15_final_32768
+# Token frequencies only: the 1.5B's few answers plus SmolLM2's 5,203 regenerated conversations (same prompt
+# sources), counted with the Qwen tokenizer, rank the 32k draft tokens better than ~200 answers alone.
+S=outputs/regen/smollm2
+SMOL="conversations:$S/gsm8k,conversations:$S/code,conversations:$S/sharegpt,conversations:$S/sharegpt2"
 [ -f $VOCAB/draft_vocab.safetensors ] || python -m draftsmith.data.draft_vocab target=$T \
-  "sources=[conversations:$R/gsm8k,conversations:$R/code,conversations:$R/sharegpt]" size=32768 output=$VOCAB
+  "sources=[conversations:$R/gsm8k,conversations:$R/code,conversations:$R/sharegpt,$SMOL]" size=32768 output=$VOCAB
 CACHES=""
 for PART in gsm8k code sharegpt; do
   python -m draftsmith.data.features target=$T source=conversations:$R/$PART hidden_layers=[-1] topk_logits=32 \
