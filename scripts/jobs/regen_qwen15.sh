@@ -11,4 +11,4 @@ OUT=${OUT:-outputs/regen/qwen15}
 COMMON="target=qwen2.5-coder-1.5b-instruct max_new_tokens=256 max_turns=1 batch_size=32 shard_size=32 threads=2"
 python -m draftsmith.data.regenerate $COMMON source=gsm8k:train limit=96 output_dir=$OUT/gsm8k --no-progress
 python -m draftsmith.data.regenerate $COMMON max_prompt_tokens=384 source=python-docstrings limit=64 output_dir=$OUT/code --no-progress
-python -m draftsmith.data.regenerate $COMMON max_prompt_tokens=384 source=sharegpt limit=64 output_dir=$OUT/sharegpt --no-progress
+python -m draftsmith.data.regenerate $COMMON max_prompt_tokens=384 source=sharegpt limit=32 output_dir=$OUT/sharegpt --no-progress

@@ -36,5 +36,5 @@ S=outputs/distill_qwen_final/final
 METHODS="plain hf-assisted lm-chain:budget=4 lm-chain:budget=4,model=$S dgf:path=$D,depth=4,topk=1,budget=4"
 METHODS="$METHODS dgf:path=$D,depth=4,topk=4,budget=8"
 scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=$T draft=qwen2.5-coder-0.5b-instruct backend=compiled \
-  threads=2 turns=1 num_prompts=4 max_new_tokens=64 "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" \
+  threads=2 turns=1 num_prompts=3 max_new_tokens=64 "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" \
   output_dir=results/qwen_pair_final
