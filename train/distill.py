@@ -479,7 +479,7 @@ class DistillRecipe:
 
     def drafter(self) -> LMDrafter:
         """The student as a chain drafter of 4 tokens (the bench's lm-chain), for tau at evaluation."""
-        return LMDrafter(self._student(), self.tokenizer, mode="chain", num_tokens=4, name="student")
+        return LMDrafter(self._student(), self.tokenizer, mode="chain", budget=4, name="student")
 
     # -- final --------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ python scripts/training_report.py outputs/distill_qwen_final --out results/qwen_
 D=outputs/dgf_qwen15_final/final
 S=outputs/distill_qwen_final/final
 METHODS="plain hf-assisted lm-chain:budget=4 lm-chain:budget=4,model=$S dgf:path=$D,depth=4,topk=1,budget=4"
-# no time for the dgf tree (topk=4,budget=8) this time
+METHODS="$METHODS dgf:path=$D,depth=4,topk=4,budget=8"
 scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=$T draft=qwen2.5-coder-0.5b-instruct backend=compiled \
   threads=2 turns=1 num_prompts=3 max_new_tokens=64 "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" \
   output_dir=results/qwen_pair_final
