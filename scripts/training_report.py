@@ -20,9 +20,13 @@ from pathlib import Path
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import refuse_overwrite
 
+# Held-out columns of every recipe (feature drafter / Medusa: token loss and top-1 per step; distilled student: its
+# divergence, cross-entropy and greedy agreement); a table shows those its run logged.
 EVAL_COLUMNS = (("eval/step0_token_loss", "loss@1"), ("eval/step0_top1", "top1@1"), ("eval/step1_top1", "top1@2"),
-                ("eval/step2_top1", "top1@3"), ("eval/tau", "tau"), ("eval/tau_accept_depth1", "accept@1"),
-                ("eval/tau_accept_depth2", "accept@2"), ("eval/tau_accept_depth3", "accept@3"))
+                ("eval/step2_top1", "top1@3"), ("eval/fkl", "fkl"), ("eval/rkl", "rkl"), ("eval/jsd", "jsd"),
+                ("eval/tvd", "tvd"), ("eval/ce", "ce"), ("eval/agreement", "agreement"), ("eval/tau", "tau"),
+                ("eval/tau_accept_depth1", "accept@1"), ("eval/tau_accept_depth2", "accept@2"),
+                ("eval/tau_accept_depth3", "accept@3"), ("eval/tau_accept_depth4", "accept@4"))
 
 
 def last_per_step(rows: list[dict]) -> list[dict]:
@@ -61,6 +65,10 @@ def plot(train: list[dict], evals: list[dict], out: Path, title: str) -> None:
         if any(key in r for r in evals):
             top1_ax.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], "o-",
                          label=f"held-out top-1, step {depth + 1}")
+    agreement = [r for r in evals if "eval/agreement" in r]  # a distilled student's top-1 against the target
+    if agreement:
+        top1_ax.plot([r["step"] for r in agreement], [r["eval/agreement"] for r in agreement], "o-",
+                     label="held-out greedy agreement with the target")
     top1_ax.set_xlabel("optimizer step"), top1_ax.set_title("top-1 accuracy"), top1_ax.legend(fontsize=7)
     tau_rows = [r for r in evals if "eval/tau" in r]
     tau_ax.plot([r["step"] for r in tau_rows], [r["eval/tau"] for r in tau_rows], "o-")
@@ -74,15 +82,16 @@ def plot(train: list[dict], evals: list[dict], out: Path, title: str) -> None:
 def markdown(train: list[dict], evals: list[dict], title: str) -> str:
     elapsed = max((r.get("train/elapsed_s") or 0.0) for r in train)
     last = train[-1]
+    columns = [(key, name) for key, name in EVAL_COLUMNS if any(key in row for row in evals)]
     lines = [f"# Training: {title}", "",
              f"{last['step']} optimizer steps, {last.get('train/samples_seen', '?')} sequences, "
              f"{elapsed / 3600:.2f} h of training (wall clock, the run's own `train/elapsed_s`); "
              f"final training loss {last['train/loss']:.3f}.", "",
-             "| step | " + " | ".join(name for _, name in EVAL_COLUMNS) + " |",
-             "|---" * (len(EVAL_COLUMNS) + 1) + "|"]
+             "| step | " + " | ".join(name for _, name in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
     for row in evals:
         cells = [f"{row[key]:.3f}" if isinstance(row.get(key), float) else str(row.get(key, "-"))
-                 for key, _ in EVAL_COLUMNS]
+                 for key, _ in columns]
         lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
