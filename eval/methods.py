@@ -30,7 +30,7 @@ from draftsmith.config import ConfigError, Parsable, config_from_dict, option
 from draftsmith.eval.arca import load_profile, profile_paths
 from draftsmith.eval.decoder import (DecodeConfig, DecodeResult, DrafterMethod, Method)
 from draftsmith.eval.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
-from draftsmith.eval.drafters.dgf import DGF_DEPTH, DGF_TOPK, load_dgf_drafter
+from draftsmith.eval.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
 from draftsmith.eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.drafters.medusa import load_medusa_drafter
@@ -428,8 +428,12 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     path = o.path if o.path is not None else bundled_drafter(ctx.target.name)
-    drafter = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget, name=spec.label,
-                               backend=ctx.backend, settings=ctx.settings)
+    key = ("dgf", str(path))
+    if key in ctx.models:  # the same drafter in another tree shape: one model, one engine per run
+        depth, topk, budget = drafter_tree(path, o.depth, o.topk, o.budget)
+        return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label), spec.label)
+    drafter = ctx.models[key] = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget,
+                                                 name=spec.label, backend=ctx.backend, settings=ctx.settings)
     ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)
 

@@ -212,6 +212,27 @@ def test_build_from_spec_and_option_errors(tmp_path):
         build_spec(f"dgf:{tmp_path / 'd'},g=4", target)
 
 
+def test_tree_shapes_of_one_drafter_share_its_weights_and_stay_lossless(trained, tmp_path):
+    """A bench run holds one model and one engine per drafter path (the 1.5B's compiled drafter is 2 GB);
+    decoding interleaved per prompt, as the bench does, both shapes reproduce plain greedy."""
+    from draftsmith.eval.methods import BuildContext, build_method
+
+    model, fitted = trained["llama"]
+    target = TargetModel(model, TinyTokenizer(96))
+    save_dgf(fitted, tmp_path / "d", target_block(target, "t", [-1]))
+    context = BuildContext(target)
+    chain = build_method(f"dgf:path={tmp_path / 'd'},depth=3,topk=1,budget=3", context).drafter
+    tree = build_method(f"dgf:path={tmp_path / 'd'},depth=3,topk=2,budget=5", context).drafter
+    assert chain.model is tree.model and chain.engine is tree.engine and len(context.drafter_engines) == 1
+    assert (chain.topk, chain.budget, tree.topk, tree.budget) == (1, 3, 2, 5)
+    for seed in range(2):
+        prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
+        reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+                                   do_sample=False)[0, prompt.shape[1]:].tolist()
+        for drafter in (chain, tree):
+            assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=16)).generate(prompt).tokens == reference
+
+
 VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1200
 PROMPT = torch.tensor([[1, 3, 0, 2, 1, 3]])
 

@@ -232,6 +232,12 @@ class Growth:
         return tree
 
 
+def same_weights(drafter: DGFDrafter, depth: int, topk: int, budget: int, name: str | None = None) -> DGFDrafter:
+    """Another tree shape over `drafter`'s model and engine (a bench comparing shapes holds one copy of the
+    weights and, compiled, one package: the engine keeps no decode state, each drafter its own cache)."""
+    return DGFDrafter(drafter.model, depth=depth, topk=topk, budget=budget, name=name, engine=drafter.engine)
+
+
 def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = None,
                  budget: int | None = None) -> tuple[int, int, int]:
     """(depth, topk, budget): the values given, else the tree the drafter was exported with (the
