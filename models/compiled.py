@@ -35,6 +35,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -302,7 +303,8 @@ class BucketGraphs:
                 self._compile(graph, path)
                 self.compile_s[graph.name] = time.perf_counter() - start
             start = time.perf_counter()
-            self.runners[graph] = aoti_load_package(str(path))
+            with temporary_directory(extraction_directory()):
+                self.runners[graph] = aoti_load_package(str(path))
             self.load_s[graph.name] = time.perf_counter() - start
 
     def release(self, sizes: tuple[int, ...] | None = None) -> None:
@@ -430,6 +432,44 @@ class CompiledEngine(BucketGraphs):
                 for start in range(0, input_ids.shape[1], self.buckets[-1])]
         return TargetOutput(logits=torch.cat([o.logits for o in outs], 1),
                             hidden={k: torch.cat([o.hidden[k] for o in outs], 1) for k in hidden_layers})
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def extraction_directory() -> Path:
+    """This process's folder for the AOTInductor loader, which unpacks every package (its weights included:
+    6.7 GB for the 1.5B) into a temporary folder that only a clean exit removes; a killed bench left 15 GB in
+    /tmp and the next one failed on a full disk. Folders of processes that are gone are removed first."""
+    root = draftsmith_cache() / "aoti-extract"
+    root.mkdir(parents=True, exist_ok=True)
+    for folder in root.iterdir():
+        if folder.name.isdigit() and int(folder.name) != os.getpid() and not process_alive(int(folder.name)):
+            shutil.rmtree(folder, ignore_errors=True)
+    mine = root / str(os.getpid())
+    mine.mkdir(exist_ok=True)
+    return mine
+
+
+@contextlib.contextmanager
+def temporary_directory(path: Path):
+    """TMPDIR (which the package loader reads) set to `path` for the block."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
 
 
 class CompiledDGFEngine(BucketGraphs):

@@ -170,6 +170,23 @@ def test_compiled_packages_are_cached_on_disk(tmp_path):
     assert other.directory != first.directory  # other weights, other packages
 
 
+def test_loaded_packages_unpack_under_the_cache_and_dead_runs_are_swept(tmp_path, monkeypatch):
+    """The loader unpacks each package (weights included) to a temporary folder a killed run never removes:
+    ours live under $DRAFTSMITH_CACHE/aoti-extract/<pid>, and the next load removes those of dead processes."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / "cache" / "aoti-extract" / gone.stdout.strip()
+    stale.mkdir(parents=True)
+    (stale / "weights.bin").write_bytes(b"x" * 1024)
+    engine = CompiledEngine(tiny_model("qwen2", seed=9, num_layers=1), ONE, cache_dir=tmp_path / "packages")
+    engine.prepare()
+    mine = tmp_path / "cache" / "aoti-extract" / str(__import__("os").getpid())
+    assert not stale.exists() and any(mine.iterdir()), "the loader did not unpack under our folder"
+
+
 def test_compiled_dgf_drafter_matches_eager_and_is_lossless(compiled_pair):
     eager, compiled, _ = compiled_pair
     torch.manual_seed(11)
