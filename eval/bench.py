@@ -445,7 +445,8 @@ def prepare_engines(context: BuildContext, progress: bool) -> dict:
         engine.prepare()
         report[str(engine.directory.name)] = {"model_type": engine.what, "buckets": list(engine.buckets),
                                               "capacity": engine.capacity, **engine.build_seconds(),
-                                              "compiled_buckets": sorted(engine.compile_s)}
+                                              "compiled_buckets": sorted(engine.compile_s),
+                                              "build_conditions": engine.build_conditions()}
     return report
 
 

@@ -228,6 +228,17 @@ def run_line(results: dict) -> str:
             + (f", load average at start {load[0]:.2f}" if load else ""))
 
 
+def build_line(conditions: dict | None) -> str:
+    """When and how busy the machine was while the packages were autotuned (a busy build keeps slow kernels)."""
+    if not conditions:
+        return ""
+    line = (f" Built {conditions['built']} at load average {conditions['load_average_1min']:.1f} "
+            f"({conditions['cpu_count']} cores), {conditions['available_memory_gb']:.1f} GB available")
+    busy = conditions["load_average_1min"] > 1.5 * conditions["cpu_count"] or 0 <= conditions["available_memory_gb"] < 1
+    return line + (": **built on a busy machine; its autotuned kernels may be slow: delete the folder and "
+                   "rebuild on a quiet one**." if busy else ".")
+
+
 def compile_lines(results: dict) -> list[str]:
     """Compile/load time of the compiled engines (never inside tokens/s) and where compiled greedy left
     HF eager greedy (float32 near-ties rounded differently by another kernel, with their margins)."""
@@ -235,7 +246,8 @@ def compile_lines(results: dict) -> list[str]:
     for key, info in (results.get("compile") or {}).items():
         lines.append(f"\nCompiled engine {info['model_type']} ({key}): compile {info['compile_s']:.1f} s "
                      f"(graphs {info['compiled_buckets'] or 'none: all cached'}), load {info['load_s']:.1f} s, "
-                     f"buckets {info['buckets']}, capacity {info['capacity']}.")
+                     f"buckets {info['buckets']}, capacity {info['capacity']}."
+                     + build_line(info.get("build_conditions")))
     differences = results.get("compiled_vs_hf") or []
     if "plain-compiled" in results["summary"] and results["config"].get("temperature", 0) == 0:
         prompts = results["summary"]["plain"]["prompts"]

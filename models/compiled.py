@@ -282,11 +282,17 @@ class BucketGraphs:
             program = torch.export.export(self.step, self.example(example_width), dynamic_shapes=axes, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp_{os.getpid()}_{path.stem}.pt2")  # AOTInductor wants the .pt2 ending
+        before = machine_load()
         with torch.no_grad(), scratch_inductor_cache(path.parent):
             aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={
                 "freezing": True, "max_autotune": self.autotune, "autotune_num_choices_displayed": 0,
                 "max_autotune_report_choices_stats": False, "cpp.enable_kernel_profile": self.settings.kernel_profile})
         tmp.replace(path)
+        after = machine_load()  # autotuning times kernels: a busy or swapping machine picks slow ones for good
+        path.with_suffix(".build.json").write_text(json.dumps({
+            "built": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_count": os.cpu_count(), "autotune": self.autotune,
+            "load_average_1min": max(before["load_average_1min"], after["load_average_1min"]),
+            "available_memory_gb": min(before["available_memory_gb"], after["available_memory_gb"])}))
 
     def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
         """Compile (first run) or load (later runs) the packages that forwards of `sizes` tokens use
@@ -323,6 +329,16 @@ class BucketGraphs:
     def build_seconds(self) -> dict[str, float]:
         """Seconds spent compiling and loading packages in this process."""
         return {"compile_s": sum(self.compile_s.values()), "load_s": sum(self.load_s.values())}
+
+    def build_conditions(self) -> dict | None:
+        """How busy the machine was while its packages were built (the worst graph), None when unrecorded."""
+        records = [json.loads(path.read_text()) for graph in self._graphs_of(None)
+                   if (path := (self.directory / f"{graph.name}.build.json")).is_file()]
+        if not records:
+            return None
+        return {"built": max(r["built"] for r in records), "cpu_count": records[0]["cpu_count"],
+                "load_average_1min": max(r["load_average_1min"] for r in records),
+                "available_memory_gb": min(r["available_memory_gb"] for r in records)}
 
     def _graphs_of(self, sizes: tuple[int, ...] | None) -> list[Graph]:
         sizes = self.buckets if sizes is None else sizes
@@ -432,6 +448,16 @@ class CompiledEngine(BucketGraphs):
                 for start in range(0, input_ids.shape[1], self.buckets[-1])]
         return TargetOutput(logits=torch.cat([o.logits for o in outs], 1),
                             hidden={k: torch.cat([o.hidden[k] for o in outs], 1) for k in hidden_layers})
+
+
+def machine_load() -> dict:
+    """1-minute load average and available memory (GB; Linux /proc/meminfo, else -1)."""
+    available = -1.0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) / 2 ** 20
+    return {"load_average_1min": os.getloadavg()[0], "available_memory_gb": round(available, 2)}
 
 
 def process_alive(pid: int) -> bool:

@@ -256,3 +256,13 @@ def test_bench_writes_each_conversation_and_a_rerun_continues(tiny_pair, prompts
     other = BenchConfig(**{**config.__dict__, "max_new_tokens": 7})
     with pytest.raises(ValueError, match="another config"):
         run_benchmark(other, target=target, draft=draft, progress=False)
+
+
+def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
+    from draftsmith.eval.report import build_line
+
+    quiet = {"built": "2026-11-24T21:00:00", "cpu_count": 2, "load_average_1min": 2.1, "available_memory_gb": 9.5}
+    assert build_line(quiet) == " Built 2026-11-24T21:00:00 at load average 2.1 (2 cores), 9.5 GB available."
+    assert "built on a busy machine" in build_line(quiet | {"available_memory_gb": 0.2})
+    assert "built on a busy machine" in build_line(quiet | {"load_average_1min": 4.0})
+    assert build_line(None) == ""
