@@ -106,3 +106,28 @@ def refuse_overwrite(path: str | Path, overwrite: bool, instead: str = "set outp
     """One line naming `path` when it exists and --overwrite was not given (`instead`: the other way out)."""
     if Path(path).exists() and not overwrite:
         raise UserError(f"{path} exists: pass --overwrite to replace it, or {instead}")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (the owner of a folder or file named after its pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` for the block (read by native code, e.g. torch's), restored afterwards."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

@@ -50,6 +50,7 @@ from transformers import StaticCache
 
 from draftsmith.config import ConfigError, check_config, option
 from draftsmith.errors import UserError
+from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.engine import TargetOutput
 from draftsmith.models.zoo import draftsmith_cache
@@ -193,16 +194,9 @@ def scratch_inductor_cache(parent: Path):
     """Inductor's working files for one build in a scratch directory beside the package, removed
     afterwards: an AOT build writes the frozen weights there too (gigabytes per build of a 1.5B model,
     which the package already holds)."""
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix=".inductor_", dir=parent) as scratch:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    with tempfile.TemporaryDirectory(prefix=".inductor_", dir=parent) as scratch, \
+            environment_variable("TORCHINDUCTOR_CACHE_DIR", scratch):
+        yield
 
 
 def pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -309,7 +303,7 @@ class BucketGraphs:
                 self._compile(graph, path)
                 self.compile_s[graph.name] = time.perf_counter() - start
             start = time.perf_counter()
-            with temporary_directory(extraction_directory()):
+            with environment_variable("TMPDIR", str(extraction_directory())):  # where the loader unpacks
                 self.runners[graph] = aoti_load_package(str(path))
             self.load_s[graph.name] = time.perf_counter() - start
 
@@ -460,16 +454,6 @@ def machine_load() -> dict:
     return {"load_average_1min": os.getloadavg()[0], "available_memory_gb": round(available, 2)}
 
 
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def extraction_directory() -> Path:
     """This process's folder for the AOTInductor loader, which unpacks every package (its weights included:
     6.7 GB for the 1.5B) into a temporary folder that only a clean exit removes; a killed bench left 15 GB in
@@ -482,20 +466,6 @@ def extraction_directory() -> Path:
     mine = root / str(os.getpid())
     mine.mkdir(exist_ok=True)
     return mine
-
-
-@contextlib.contextmanager
-def temporary_directory(path: Path):
-    """TMPDIR (which the package loader reads) set to `path` for the block."""
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(path)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
 
 
 class CompiledDGFEngine(BucketGraphs):

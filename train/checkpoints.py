@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import UserError
-from draftsmith.fileio import digest_mismatch, file_digest
+from draftsmith.fileio import digest_mismatch, file_digest, process_alive
 
 log = logging.getLogger(__name__)
 
@@ -193,16 +193,6 @@ def load_checkpoint(path: str | Path) -> dict:
 CORRUPT_SUFFIX = ".corrupt"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def recover_checkpoints(checkpoints_dir: str | Path) -> None:
     """Tidy what a killed `save_checkpoint` left behind (call from the process that saves).
 
@@ -218,7 +208,7 @@ def recover_checkpoints(checkpoints_dir: str | Path) -> None:
             if not entry.name.startswith(kind + STEP_PREFIX):
                 continue
             name, _, pid = entry.name[len(kind):].rpartition("_")
-            if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            if not pid.isdigit() or int(pid) == os.getpid() or process_alive(int(pid)):
                 continue
             final = root / name
             if kind == ".old_" and not final.exists() and checkpoint_step(final) is not None:
