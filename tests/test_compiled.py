@@ -175,6 +175,7 @@ def test_compiled_packages_are_cached_on_disk(tmp_path):
 def test_loaded_packages_unpack_under_the_cache_and_dead_runs_are_swept(tmp_path, monkeypatch):
     """The loader unpacks each package (weights included) to a temporary folder a killed run never removes:
     ours live under $DRAFTSMITH_CACHE/aoti-extract/<pid>, and the next load removes those of dead processes."""
+    import os
     import subprocess
     import sys
 
@@ -185,7 +186,7 @@ def test_loaded_packages_unpack_under_the_cache_and_dead_runs_are_swept(tmp_path
     (stale / "weights.bin").write_bytes(b"x" * 1024)
     engine = CompiledEngine(tiny_model("qwen2", seed=9, num_layers=1), ONE, cache_dir=tmp_path / "packages")
     engine.prepare()
-    mine = tmp_path / "cache" / "aoti-extract" / str(__import__("os").getpid())
+    mine = tmp_path / "cache" / "aoti-extract" / str(os.getpid())
     assert not stale.exists() and any(mine.iterdir()), "the loader did not unpack under our folder"
 
 

@@ -24,7 +24,8 @@ def test_training_report_writes_curves_table_and_rows(tmp_path):
     assert training_report.main([str(tmp_path / "run"), "--out", str(out)]) == 0
     assert out.with_suffix(".png").stat().st_size > 1000
     table = out.with_suffix(".md").read_text()
-    assert "20 optimizer steps, 160 sequences, 0.02 h" in table and "| step | top1@1 | tau | accept@1 |" in table and "| 20 | 0.400 | 1.800 | 0.600 |" in table
+    assert "20 optimizer steps, 160 sequences, 0.02 h" in table
+    assert "| step | top1@1 | tau | accept@1 |" in table and "| 20 | 0.400 | 1.800 | 0.600 |" in table
     assert len(json.loads(out.with_suffix(".json").read_text())["train"]) == 2
     with pytest.raises(UserError, match="training.png exists: pass --overwrite"):
         training_report.main([str(tmp_path / "run"), "--out", str(out)])
