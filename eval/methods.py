@@ -8,8 +8,9 @@ A method spec names a table entry and sets its options, parsed once by the stric
     medusa:outputs/run/final,budget=8       a first item without `=` is the entry's `path`
     pipeline:inner=(lm-chain:budget=4)      a nested method in parentheses
     minions:drafters=[(lm-chain:every=2),ngram]   a list of methods in brackets
+    union:drafters=[(dgf:depth=3,topk=1,budget=3),(ngram:budget=6)]   two trees in one verify
 
-Composite methods (pipeline, dovetail, hcmp, minions) receive the drafters the table built for
+Composite methods (pipeline, dovetail, hcmp, minions, union) receive the drafters the table built for
 their nested specs; ARCA profiles rebuild the profiled drafter at the chosen budget from its parsed
 spec. Every drafter's node budget is called `budget` (`eval.drafters.base.TREE_BUDGET`).
 """
@@ -36,6 +37,7 @@ from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.drafters.medusa import load_medusa_drafter
 from draftsmith.eval.drafters.minions import MinionsConfig, MinionsDrafter
 from draftsmith.eval.drafters.ngram import NGRAM_BUDGET, NgramDrafter
+from draftsmith.eval.drafters.union import UnionDrafter
 from draftsmith.eval.hcmp import LAYER_TYPES, HcmpConfig, HcmpPolicy
 from draftsmith.eval.pipeline import PipelinePolicy
 from draftsmith.eval.placement import DovetailPolicy
@@ -270,7 +272,7 @@ def inner_drafter(method: Method, what: str) -> Drafter:
     """The drafter of a built nested method (composites take drafters, not policies)."""
     if not isinstance(method, DrafterMethod) or method.drafter is None:
         raise ConfigError(f"{what}: {method.name!r} is not a drafter method (lm-chain, lm-tree, ngram, medusa, "
-                          "dgf, llmcad, minions)")
+                          "dgf, llmcad, minions, union)")
     return method.drafter
 
 
@@ -313,6 +315,8 @@ class LMTreeOptions:
 @dataclass
 class NgramOptions:
     n: int = option(3, "longest n-gram matched", ge=1)
+    min_n: int = option(1, "shortest n-gram matched (2-3: propose only on a real repeat, e.g. before a "
+                           "trained drafter in a union:mode=first cascade)", ge=1)
     budget: int = option(NGRAM_BUDGET, "tokens proposed per continuation", ge=1)
     branches: int = option(1, "distinct continuations merged into a trie", ge=1)
 
@@ -350,6 +354,19 @@ def default_minions_drafters() -> list:
 class MinionsOptions(MinionsConfig):
     drafters: list[MethodSpec] = option(factory=default_minions_drafters, help="sub-drafters (methods)")
     weights: list[float] | None = option(None, "initial weights, one per sub-drafter", gt=0)
+
+
+def default_union_drafters() -> list:
+    return [MethodSpec.from_config("dgf"), MethodSpec.from_config("ngram")]
+
+
+@dataclass
+class UnionOptions:
+    drafters: list[MethodSpec] = option(factory=default_union_drafters,
+                                        help="sub-drafters in priority order (default: the bundled dgf, then ngram)")
+    mode: Literal["union", "first"] = option("union", "union: one trie of every sub-drafter's tree; first: the "
+                                                      "first sub-drafter that proposes (a cascade)")
+    budget: int = option(TREE_BUDGET, "most nodes of the merged tree (union mode)", ge=1)
 
 
 @dataclass
@@ -415,8 +432,11 @@ def build_lm_tree(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 def build_ngram(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    return DrafterMethod(NgramDrafter(max_ngram=o.n, budget=o.budget, num_branches=o.branches, name=spec.label),
-                         spec.label)
+    if o.min_n > o.n:
+        raise ConfigError(f"{spec.label}: min_n={o.min_n} is larger than n={o.n}; need 1 <= min_n <= n")
+    drafter = NgramDrafter(max_ngram=o.n, min_ngram=o.min_n, budget=o.budget, num_branches=o.branches,
+                           name=spec.label)
+    return DrafterMethod(drafter, spec.label)
 
 
 def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
@@ -453,6 +473,12 @@ def build_minions(spec: MethodSpec, ctx: BuildContext) -> Method:
     drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in o.drafters]
     config = MinionsConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(MinionsConfig)})
     return DrafterMethod(MinionsDrafter(drafters, config, weights=o.weights, name=spec.label), spec.label)
+
+
+def build_union(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in o.drafters]
+    return DrafterMethod(UnionDrafter(drafters, o.mode, o.budget, name=spec.label), spec.label)
 
 
 def build_self_draft(spec: MethodSpec, ctx: BuildContext) -> Method:
@@ -519,6 +545,7 @@ METHODS: dict[str, MethodEntry] = {
     "dgf": MethodEntry(DGFOptions, build_dgf, "trained feature drafter (EAGLE / DGF), dynamic tree"),
     "llmcad": MethodEntry(LLMCadOptions, build_llmcad, "LLMCad: confidence-paced tree with fallback"),
     "minions": MethodEntry(MinionsOptions, build_minions, "Minions: weighted majority of several drafters"),
+    "union": MethodEntry(UnionOptions, build_union, "several drafters' trees merged in one verify (or a cascade)"),
     "self-draft": MethodEntry(SelfDraftConfig, build_self_draft, "Self-Draft: branches in the target's own forward"),
     "pipeline": MethodEntry(InnerOptions, build_pipeline, "pre-draft the next tree during verification"),
     "dovetail": MethodEntry(DovetailOptions, build_dovetail, "Dovetail placement: the drafter on another device"),

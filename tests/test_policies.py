@@ -17,6 +17,7 @@ from draftsmith.eval.drafters.medusa import MedusaDrafter
 from draftsmith.eval.drafters.minions import (LengthSelector, MinionsConfig, MinionsDrafter, acceptance_rate, fit_slope,
                                    majority_path, merge_proposals, update_weights, voted_drafters)
 from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.eval.drafters.union import UnionDrafter, credit_accepted, merge_trees
 from draftsmith.eval.methods import BuildContext, build_method
 from draftsmith.eval.pipeline import PipelinePolicy, first_child_nodes, reroot
 from draftsmith.eval.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
@@ -31,7 +32,7 @@ from test_decoder_sampling import PROMPT, SAMPLES, TEMPERATURE, VOCAB, exact_joi
 
 NEW_TOKENS = 24
 POLICIES = ["minions-path", "minions-tree", "llmcad", "llmcad-nofallback", "self-draft", "self-draft-corpus",
-            "pipeline-tree", "pipeline-chain"]
+            "pipeline-tree", "pipeline-chain", "union", "union-first"]
 
 
 def make_policy(kind, model, seed):
@@ -48,6 +49,13 @@ def make_policy(kind, model, seed):
                     LMDrafter(tiny_model(model.config.model_type, seed=seed + 40), mode="chain", name="other"),
                     NgramDrafter(name="ngram")]
         return MinionsDrafter(drafters, MinionsConfig(verify="tree", feedback="voted", budget=3 + seed))
+    if kind == "union":  # a tree, a chain and lookup in one trie; a small budget cuts it
+        drafters = [LMDrafter(shallow, mode="tree", depth=3, topk=2, budget=5, name="shallow"),
+                    LMDrafter(model, mode="chain", budget=3, name="self"), NgramDrafter(name="ngram")]
+        return UnionDrafter(drafters, budget=6 + seed)
+    if kind == "union-first":  # lookup on a 2-gram repeat, else the shallow chain
+        return UnionDrafter([NgramDrafter(min_ngram=2, name="ngram"), LMDrafter(shallow, mode="chain", name="shallow")],
+                            mode="first")
     if kind == "llmcad":
         return LLMCadDrafter(shallow, config=LLMCadConfig(alpha=0.001, threshold=0.1, budget=10))
     if kind == "llmcad-nofallback":
@@ -102,7 +110,7 @@ def test_eos_stops_like_generate(family):
         assert result.tokens == expected, kind
 
 
-@pytest.mark.parametrize("kind", ["minions-tree", "pipeline", pytest.param("llmcad", marks=pytest.mark.slow),
+@pytest.mark.parametrize("kind", ["minions-tree", "pipeline", "union", "union-first", pytest.param("llmcad", marks=pytest.mark.slow),
                                   pytest.param("self-draft", marks=pytest.mark.slow)])
 def test_sampling_matches_target_distribution(kind):
     from scipy.stats import chisquare
@@ -113,6 +121,12 @@ def test_sampling_matches_target_distribution(kind):
     if kind == "minions-tree":
         policy = MinionsDrafter([LMDrafter(other, mode="chain", budget=2), LMDrafter(model, mode="chain"),
                                  NgramDrafter(max_ngram=2)], MinionsConfig(verify="tree", budget=2))
+    elif kind == "union":  # greedy sub-proposals merged: point masses
+        policy = UnionDrafter([LMDrafter(other, mode="chain", budget=2), LMDrafter(model, mode="chain", budget=2),
+                               NgramDrafter(max_ngram=2)])
+    elif kind == "union-first":  # a sampled tree with q rows whenever lookup has no 2-gram match
+        policy = UnionDrafter([NgramDrafter(max_ngram=2, min_ngram=2),
+                               LMDrafter(model, mode="tree", depth=2, topk=2, beam=2)], mode="first")
     elif kind == "llmcad":
         policy = LLMCadDrafter(other, config=LLMCadConfig(threshold=0.2, budget=6, depth=2))
     elif kind == "self-draft":
@@ -130,6 +144,8 @@ def test_sampling_matches_target_distribution(kind):
     assert accepted_any > SAMPLES // 20, "drafts were (almost) never accepted: the test would prove little"
     if kind == "pipeline":
         assert policy.hits > SAMPLES // 20
+    if kind.startswith("union"):
+        assert min(policy.proposed) > 0, policy.summary()  # every sub-drafter's tree was verified
     keys = sorted(exact, key=exact.get, reverse=True)
     observed, expected, pool_o, pool_e = [], [], 0, 0.0
     for key in keys:
@@ -329,6 +345,38 @@ def test_reroot_and_first_child_path():
     assert reroot(tree, 5).size == 0
 
 
+# ------------------------------------------------------------------------------------- union
+
+def test_merge_trees_shares_prefixes_keeps_priority_and_cuts_at_budget():
+    first = DraftTree.from_parents(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0]))  # 5 -> {6, 7}
+    second = DraftTree.chain(torch.tensor([5, 6, 8, 9]))  # 5 -> 6 -> 8 -> 9
+    merged = merge_trees([first, second], budget=16)
+    assert merged.tokens == [5, 6, 7, 8, 9] and merged.parents == [-1, 0, 0, 1, 3]
+    assert merged.owners == [0, 0, 0, 1, 1]
+    cut = merge_trees([second, first], budget=4)  # priority to the chain; 7 does not fit
+    assert cut.tokens == [5, 6, 8, 9] and cut.parents == [-1, 0, 1, 2]
+    assert merge_trees([DraftTree.empty(), second], budget=2).tokens == [5, 6]
+    assert credit_accepted(merged, [5, 6, 8]) == [0, 0, 1]
+    assert credit_accepted(merged, [5, 7, 1]) == [0, 0]
+    assert credit_accepted(merged, [4]) == []
+
+
+def test_union_credits_each_drafter_and_first_mode_skips_later_drafters(family):
+    model = tiny_model(family, seed=1, num_layers=2)
+    target = TargetModel(model, tokenizer=None)
+    prompt = torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]])
+    union = make_policy("union", model, 0)
+    result = decoder_for(union, target, DecodeConfig(max_new_tokens=NEW_TOKENS)).generate(prompt)
+    summary = union.summary()
+    assert sum(summary["accepted_tokens"].values()) == result.stats.round_tokens - result.stats.verify_forwards
+    cascade = UnionDrafter([NgramDrafter(min_ngram=2, budget=3), NgramDrafter(budget=2, name="unigram")],
+                           mode="first")
+    repeat = cascade.propose(4, torch.tensor([3, 4, 5, 6, 7, 9, 3, 4]), None, None)  # "3 4" seen before
+    assert repeat.tokens.tolist() == [5, 6, 7]
+    fallback = cascade.propose(1, torch.tensor([1, 2, 3, 1]), None, None)  # only "1" repeats
+    assert fallback.tokens.tolist() == [2, 3] and cascade.proposed == [1, 1]
+
+
 # ------------------------------------------------------------------------------------- bench
 
 def test_bench_specs_build_each_policy():
@@ -351,6 +399,12 @@ def test_bench_specs_build_each_policy():
     assert (selfdraft.config.branches, selfdraft.config.length, selfdraft.config.candidates) == (2, 5, 3)
     pipeline = build_drafter("pipeline:inner=(lm-chain:budget=3,every=2)", target, None)
     assert isinstance(pipeline, PipelinePolicy) and pipeline.drafter.budget == 3
+    union = build_drafter("union:drafters=[(lm-chain:every=2),(ngram:min_n=2,budget=6)],mode=first", target, None)
+    assert isinstance(union, UnionDrafter) and union.mode == "first" and union.drafters[1].min_ngram == 2
+    with pytest.raises(ValueError, match="min_n=4 is larger than n=3"):
+        build_drafter("ngram:min_n=4", target, None)
+    with pytest.raises(ValueError, match="mode"):
+        build_drafter("union:drafters=[ngram],mode=all", target, None)
     with pytest.raises(ValueError, match="unknown option"):
         build_drafter("minions:drafters=[ngram],colour=red", target, None)
     with pytest.raises(ValueError, match="needs the bench's draft"):
