@@ -9,8 +9,9 @@ A method spec names a table entry and sets its options, parsed once by the stric
     pipeline:inner=(lm-chain:budget=4)      a nested method in parentheses
     minions:drafters=[(lm-chain:every=2),ngram]   a list of methods in brackets
     union:drafters=[(dgf:depth=3,topk=1,budget=3),(ngram:budget=6)]   two trees in one verify
+    cascade:drafters=[(ngram:min_n=2),dgf]   lookup on a repeat, else the trained drafter
 
-Composite methods (pipeline, dovetail, hcmp, minions, union) receive the drafters the table built for
+Composite methods (pipeline, dovetail, hcmp, minions, union, cascade) receive the drafters the table built for
 their nested specs; ARCA profiles rebuild the profiled drafter at the chosen budget from its parsed
 spec. Every drafter's node budget is called `budget` (`eval.drafters.base.TREE_BUDGET`).
 """
@@ -272,7 +273,7 @@ def inner_drafter(method: Method, what: str) -> Drafter:
     """The drafter of a built nested method (composites take drafters, not policies)."""
     if not isinstance(method, DrafterMethod) or method.drafter is None:
         raise ConfigError(f"{what}: {method.name!r} is not a drafter method (lm-chain, lm-tree, ngram, medusa, "
-                          "dgf, llmcad, minions, union)")
+                          "dgf, llmcad, minions, union, cascade)")
     return method.drafter
 
 
@@ -316,7 +317,7 @@ class LMTreeOptions:
 class NgramOptions:
     n: int = option(3, "longest n-gram matched", ge=1)
     min_n: int = option(1, "shortest n-gram matched (2-3: propose only on a real repeat, e.g. before a "
-                           "trained drafter in a union:mode=first cascade)", ge=1)
+                           "trained drafter in a cascade)", ge=1)
     budget: int = option(NGRAM_BUDGET, "tokens proposed per continuation", ge=1)
     branches: int = option(1, "distinct continuations merged into a trie", ge=1)
 
@@ -360,13 +361,22 @@ def default_union_drafters() -> list:
     return [MethodSpec.from_config("dgf"), MethodSpec.from_config("ngram")]
 
 
+def default_cascade_drafters() -> list:
+    return [MethodSpec.from_config("ngram:min_n=2"), MethodSpec.from_config("dgf")]
+
+
 @dataclass
 class UnionOptions:
     drafters: list[MethodSpec] = option(factory=default_union_drafters,
                                         help="sub-drafters in priority order (default: the bundled dgf, then ngram)")
-    mode: Literal["union", "first"] = option("union", "union: one trie of every sub-drafter's tree; first: the "
-                                                      "first sub-drafter that proposes (a cascade)")
-    budget: int = option(TREE_BUDGET, "most nodes of the merged tree (union mode)", ge=1)
+    budget: int = option(TREE_BUDGET, "most nodes of the merged tree", ge=1)
+
+
+@dataclass
+class CascadeOptions:
+    drafters: list[MethodSpec] = option(factory=default_cascade_drafters,
+                                        help="sub-drafters asked in order (default: prompt lookup on a repeated "
+                                             "2-gram, else the bundled dgf)")
 
 
 @dataclass
@@ -476,9 +486,13 @@ def build_minions(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 
 def build_union(spec: MethodSpec, ctx: BuildContext) -> Method:
-    o = spec.options
-    drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in o.drafters]
-    return DrafterMethod(UnionDrafter(drafters, o.mode, o.budget, name=spec.label), spec.label)
+    drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in spec.options.drafters]
+    return DrafterMethod(UnionDrafter(drafters, "union", spec.options.budget, name=spec.label), spec.label)
+
+
+def build_cascade(spec: MethodSpec, ctx: BuildContext) -> Method:
+    drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in spec.options.drafters]
+    return DrafterMethod(UnionDrafter(drafters, "first", name=spec.label), spec.label)
 
 
 def build_self_draft(spec: MethodSpec, ctx: BuildContext) -> Method:
@@ -545,7 +559,8 @@ METHODS: dict[str, MethodEntry] = {
     "dgf": MethodEntry(DGFOptions, build_dgf, "trained feature drafter (EAGLE / DGF), dynamic tree"),
     "llmcad": MethodEntry(LLMCadOptions, build_llmcad, "LLMCad: confidence-paced tree with fallback"),
     "minions": MethodEntry(MinionsOptions, build_minions, "Minions: weighted majority of several drafters"),
-    "union": MethodEntry(UnionOptions, build_union, "several drafters' trees merged in one verify (or a cascade)"),
+    "union": MethodEntry(UnionOptions, build_union, "several drafters' trees merged into one verified trie"),
+    "cascade": MethodEntry(CascadeOptions, build_cascade, "the first of several drafters that proposes"),
     "self-draft": MethodEntry(SelfDraftConfig, build_self_draft, "Self-Draft: branches in the target's own forward"),
     "pipeline": MethodEntry(InnerOptions, build_pipeline, "pre-draft the next tree during verification"),
     "dovetail": MethodEntry(DovetailOptions, build_dovetail, "Dovetail placement: the drafter on another device"),

@@ -73,9 +73,16 @@ def test_export_records_the_measured_tree_and_dgf_decodes_with_it(tiny_bundle, t
     assert build_spec(f"dgf:path={tmp_path / 'chain'},budget=2", target).budget == 2  # given wins
 
 
-def test_bench_defaults_add_the_bundled_drafter(tiny_bundle):
-    assert "dgf" in [m.label for m in bench.default_methods("tiny-bundled")]
-    assert "dgf" not in [m.label for m in bench.default_methods("tiny:llama")]
+def test_bench_defaults_add_the_bundled_drafter_alone_and_in_the_cascade(tiny_bundle):
+    target, _, _ = tiny_bundle
+    assert [m.label for m in bench.default_methods("tiny-bundled")] == ["plain", "ngram", "dgf", "cascade"]
+    assert [m.label for m in bench.default_methods("tiny:llama")] == ["plain", "ngram"]
+    cascade = build_spec("cascade", target)  # lookup on a repeated 2-gram, else the bundled drafter
+    assert [type(d).__name__ for d in cascade.drafters] == ["NgramDrafter", "DGFDrafter"]
+    prompt = torch.tensor([[3, 5, 7, 9, 3, 5, 7, 9, 3, 5]])
+    config = DecodeConfig(max_new_tokens=16, budget_limit=16)
+    plain = SpeculativeDecoder(target, None, config).generate(prompt).tokens
+    assert SpeculativeDecoder(target, cascade, config).generate(prompt).tokens == plain
 
 
 def test_no_bundled_drafter_is_one_clear_line(tiny_bundle, monkeypatch):

@@ -399,12 +399,14 @@ def test_bench_specs_build_each_policy():
     assert (selfdraft.config.branches, selfdraft.config.length, selfdraft.config.candidates) == (2, 5, 3)
     pipeline = build_drafter("pipeline:inner=(lm-chain:budget=3,every=2)", target, None)
     assert isinstance(pipeline, PipelinePolicy) and pipeline.drafter.budget == 3
-    union = build_drafter("union:drafters=[(lm-chain:every=2),(ngram:min_n=2,budget=6)],mode=first", target, None)
-    assert isinstance(union, UnionDrafter) and union.mode == "first" and union.drafters[1].min_ngram == 2
+    union = build_drafter("union:drafters=[(lm-chain:every=2),(ngram:budget=6)],budget=5", target, None)
+    assert isinstance(union, UnionDrafter) and union.mode == "union" and union.budget == 5
+    cascade = build_drafter("cascade:drafters=[(ngram:min_n=2),(lm-chain:every=2)]", target, None)
+    assert cascade.mode == "first" and cascade.drafters[0].min_ngram == 2
     with pytest.raises(ValueError, match="min_n=4 is larger than n=3"):
         build_drafter("ngram:min_n=4", target, None)
-    with pytest.raises(ValueError, match="mode"):
-        build_drafter("union:drafters=[ngram],mode=all", target, None)
+    with pytest.raises(ValueError, match="unknown option"):
+        build_drafter("union:drafters=[ngram],mode=first", target, None)
     with pytest.raises(ValueError, match="unknown option"):
         build_drafter("minions:drafters=[ngram],colour=red", target, None)
     with pytest.raises(ValueError, match="needs the bench's draft"):

@@ -5,15 +5,15 @@ the context repeats (MT-Bench's second turns, names, code identifiers), a traine
 fresh text. Verifying both proposals in one target forward keeps the better of the two per round
 for the price of a few more tree nodes.
 
-  mode=union  every sub-drafter proposes its own tree (its own shape and budget); the trees are
-              merged into a trie (a prefix two drafters share becomes one node). Sub-drafters come
-              in priority order: the first one's nodes go in first (and first among siblings),
-              later ones add the nodes they do not share; the merge stops at `budget` nodes, and
-              insertion order keeps the cut tree ancestor-closed.
-  mode=first  a cascade: the sub-drafters are asked in order and the first non-empty tree is the
-              proposal (the lookup when the context has a match, else the trained drafter, which
-              skips its forward that round). Sub-drafters that were not asked still `observe`
-              every committed token, so their state stays in step.
+  mode "union" (bench method `union`): every sub-drafter proposes its own tree (its own shape and
+      budget); the trees are merged into a trie (a prefix two drafters share becomes one node).
+      Sub-drafters come in priority order: the first one's nodes go in first (and first among
+      siblings), later ones add the nodes they do not share; the merge stops at `budget` nodes,
+      and insertion order keeps the cut tree ancestor-closed.
+  mode "first" (bench method `cascade`): the sub-drafters are asked in order and the first
+      non-empty tree is the proposal (the lookup when the context repeats a 2-gram, else the
+      trained drafter, which skips its forward that round). Sub-drafters that were not asked still
+      `observe` every committed token, so their state stays in step.
 
 Losslessness: in union mode the sub-drafters propose greedily (sampling None), so every node is a
 deterministic function of the context and the tree carries no q rows (point masses), which
