@@ -2,7 +2,7 @@
 # Issue 17, the data lever for SmolLM2: more chat and code answers (ShareGPT past the first 2400 prompts, the
 # LeetCode statements) -> their features -> the 1800-step drafter continued on all caches
 # (train/configs/dgf_smollm2_more.yaml) -> report -> goal bench beside the bundled (1800-step) drafter, same
-# settings as results/dgf_smollm2_long/bench.md. About 3 h of regeneration at ~53 answer tok/s, then ~20 min of
+# settings as results/dgf_smollm2_long/bench.md, each drafter also in a cascade / union with prompt lookup. About 3 h of regeneration at ~53 answer tok/s, then ~20 min of
 # features, ~1.5 h of training and ~40 min of bench on the 2-core CPU: two sessions; every step resumes or
 # skips when done, so rerun it. Re-bundling (scripts/export.py ... models/bundled/...) is a session's decision
 # on the bench's result, not this script's.
@@ -33,8 +33,13 @@ RESUME=""; [ -d outputs/dgf_smollm2_more/checkpoints ] && RESUME="--resume"
   --out results/dgf_smollm2_more/training
 OLD=outputs/dgf_smollm2_long/final
 NEW=outputs/dgf_smollm2_more/final
-METHODS="plain ngram dgf:path=$OLD,depth=2,topk=1,budget=2 dgf:path=$NEW,depth=2,topk=1,budget=2"
-METHODS="$METHODS dgf:path=$NEW,depth=3,topk=1,budget=3 dgf:path=$NEW,depth=3,topk=2,budget=5"
+OLD2="dgf:path=$OLD,depth=2,topk=1,budget=2"
+NEW2="dgf:path=$NEW,depth=2,topk=1,budget=2"
+# The drafters alone, then with prompt lookup (eval/drafters/union.py; outputs/probe/union2: the cascade was the
+# fastest of five combinations on 4 prompts per suite): the cascade for the old and the new drafter, the union.
+METHODS="plain ngram $OLD2 $NEW2 dgf:path=$NEW,depth=3,topk=2,budget=5"
+METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),($OLD2)] cascade:drafters=[(ngram:min_n=2),($NEW2)]"
+METHODS="$METHODS union:drafters=[($NEW2),ngram]"
 [ -f results/dgf_smollm2_more/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench \
   target=smollm2-135m-instruct threads=2 num_prompts=10 max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" \
   "methods=$METHODS" output_dir=results/dgf_smollm2_more
