@@ -8,6 +8,7 @@ import torch
 
 from draftsmith.eval.tree import DraftTree
 from draftsmith.eval.verify import logits_to_probs
+from draftsmith.models.target import check_same_tokenizer
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,29 @@ class Drafter:
     def summary(self) -> dict | None:
         """Internal state worth reporting (adaptive weights, thresholds); None for stateless drafters."""
         return None
+
+
+class CompositeDrafter(Drafter):
+    """A drafter built from sub-drafters (Minions, union, cascade): it reads the target layers any of them
+    reads, carries their common tokenizer, and passes begin / observe on to every one of them."""
+
+    def __init__(self, drafters: list[Drafter], what: str):
+        if not drafters:
+            raise ValueError(f"{what} needs at least one drafter")
+        self.drafters = drafters
+        self.hidden_layers = tuple(sorted({layer for d in drafters for layer in d.hidden_layers}))
+        tokenizers = [d.tokenizer for d in drafters if d.tokenizer is not None]
+        for other in tokenizers[1:]:
+            check_same_tokenizer(tokenizers[0], other, what=f"{what} sub-drafter")
+        self.tokenizer = tokenizers[0] if tokenizers else None
+
+    def begin(self, prompt_ids):
+        for drafter in self.drafters:
+            drafter.begin(prompt_ids)
+
+    def observe(self, tokens, hidden):
+        for drafter in self.drafters:
+            drafter.observe(tokens, {layer: hidden[layer] for layer in drafter.hidden_layers})
 
 
 class NoDrafter(Drafter):

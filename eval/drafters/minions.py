@@ -52,9 +52,8 @@ from typing import Literal
 import torch
 
 from draftsmith.config import ConfigError, check_config, option
-from draftsmith.eval.drafters.base import CHAIN_BUDGET, Drafter, Sampling
+from draftsmith.eval.drafters.base import CHAIN_BUDGET, CompositeDrafter, Drafter, Sampling
 from draftsmith.eval.tree import DraftTree
-from draftsmith.models.target import check_same_tokenizer
 
 
 @dataclass
@@ -234,25 +233,17 @@ def first_child_path(tree: DraftTree) -> list[int]:
 # The drafter
 # ---------------------------------------------------------------------------------------------
 
-class MinionsDrafter(Drafter):
+class MinionsDrafter(CompositeDrafter):
     """Weighted-majority merge of several drafters' proposals (see the module docstring)."""
 
     def __init__(self, drafters: list[Drafter], config: MinionsConfig | None = None,
                  weights: list[float] | None = None, name: str = "minions"):
-        if not drafters:
-            raise ValueError("Minions needs at least one drafter")
-        self.drafters = drafters
-        # Feature drafters (Medusa heads, ...) get the target hidden states they ask for.
-        self.hidden_layers = tuple(sorted({layer for d in drafters for layer in d.hidden_layers}))
+        super().__init__(drafters, what="Minions")
         self.config = config or MinionsConfig()
         self.name = name
         self.weights = list(weights) if weights is not None else [1.0] * len(drafters)
         if len(self.weights) != len(drafters):
             raise ValueError("one initial weight per drafter")
-        tokenizers = [d.tokenizer for d in drafters if d.tokenizer is not None]
-        for other in tokenizers[1:]:
-            check_same_tokenizer(tokenizers[0], other, what="Minions sub-drafter")
-        self.tokenizer = tokenizers[0] if tokenizers else None
         self.selector = LengthSelector(self.config)
         self.rates: list[list[float]] = [[] for _ in drafters]
         self.rounds = 0
@@ -265,13 +256,11 @@ class MinionsDrafter(Drafter):
         return self.selector.length
 
     def begin(self, prompt_ids):
-        for drafter in self.drafters:
-            drafter.begin(prompt_ids)
+        super().begin(prompt_ids)
         self._pending = None
 
     def observe(self, tokens, hidden):
-        for drafter in self.drafters:
-            drafter.observe(tokens, {layer: hidden[layer] for layer in drafter.hidden_layers})
+        super().observe(tokens, hidden)
         if self._pending is not None and self._pending.get("verify_end") is None:
             self._pending["verify_end"] = time.perf_counter()
             self._pending["accepted"] = tokens[1:].tolist()  # the root comes first

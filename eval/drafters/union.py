@@ -30,9 +30,8 @@ from typing import Literal
 
 import torch
 
-from draftsmith.eval.drafters.base import TREE_BUDGET, Drafter, Sampling
+from draftsmith.eval.drafters.base import TREE_BUDGET, CompositeDrafter, Drafter, Sampling
 from draftsmith.eval.tree import DraftTree
-from draftsmith.models.target import check_same_tokenizer
 
 UNION_MODES = ("union", "first")
 
@@ -78,33 +77,25 @@ def credit_accepted(merged: MergedProposal, accepted: list[int]) -> list[int]:
     return owners
 
 
-class UnionDrafter(Drafter):
+class UnionDrafter(CompositeDrafter):
     """Merged trees of several drafters, or the first that proposes (see the module docstring)."""
 
     def __init__(self, drafters: list[Drafter], mode: Literal["union", "first"] = "union",
                  budget: int = TREE_BUDGET, name: str = "union"):
-        if not drafters:
-            raise ValueError("union needs at least one drafter")
         if mode not in UNION_MODES:
             raise ValueError(f"union: mode {mode!r} is not one of {', '.join(UNION_MODES)}")
-        self.drafters, self.mode, self.budget, self.name = drafters, mode, budget, name
-        self.hidden_layers = tuple(sorted({layer for d in drafters for layer in d.hidden_layers}))
-        tokenizers = [d.tokenizer for d in drafters if d.tokenizer is not None]
-        for other in tokenizers[1:]:
-            check_same_tokenizer(tokenizers[0], other, what="union sub-drafter")
-        self.tokenizer = tokenizers[0] if tokenizers else None
+        super().__init__(drafters, what=name)
+        self.mode, self.budget, self.name = mode, budget, name
         self.proposed = [0] * len(drafters)  # rounds in which each sub-drafter's tree was used
         self.accepted = [0] * len(drafters)  # accepted draft tokens credited to each (first proposer)
         self._last: MergedProposal | None = None
 
     def begin(self, prompt_ids):
-        for drafter in self.drafters:
-            drafter.begin(prompt_ids)
+        super().begin(prompt_ids)
         self._last = None
 
     def observe(self, tokens, hidden):
-        for drafter in self.drafters:
-            drafter.observe(tokens, {layer: hidden[layer] for layer in drafter.hidden_layers})
+        super().observe(tokens, hidden)
         if self._last is not None:  # tokens = the round's root, then its accepted draft tokens
             for owner in credit_accepted(self._last, tokens[1:].tolist()):
                 self.accepted[owner] += 1
