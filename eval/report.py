@@ -10,6 +10,7 @@ Plots, written beside the run's JSON (`x.json` -> `x_<name>.png`):
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -156,8 +157,20 @@ def _speed_text(entry: dict) -> str:
 def format_table(results: dict) -> str:
     """Markdown: the summary table, then (for several suites / turns / categories) breakdowns, the compiled
     engines, and the run's settings and machine."""
-    return "\n".join(summary_lines(results) + breakdown_lines(results["summary"]) + compile_lines(results)
-                     + ["", run_line(results)])
+    return "\n".join(summary_lines(results) + breakdown_lines(results["summary"]) + policy_lines(results)
+                     + compile_lines(results) + ["", run_line(results)])
+
+
+def policy_lines(results: dict) -> list[str]:
+    """The end-of-run state of the adaptive and composite methods (weights, lengths, which sub-drafter's
+    tokens were accepted), as their `summary()` reported it."""
+    policies = results.get("policies") or {}
+    if not policies:
+        return []
+    lines = ["", "Method state at the end of the run:", ""]
+    for label, info in policies.items():
+        lines.append(f"- {label}: " + "; ".join(f"{key} {json.dumps(value)}" for key, value in info.items()))
+    return lines
 
 
 def summary_lines(results: dict) -> list[str]:

@@ -58,7 +58,7 @@ def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "run" / "bench.json"
     specs = ["plain", "hf-assisted", "lm-chain:budget=3", "lm-tree:depth=2,topk=2,budget=4",
-             "lm-tree:depth=3,topk=2,budget=8", "ngram"]
+             "lm-tree:depth=3,topk=2,budget=8", "ngram", "union:drafters=[(lm-chain:budget=2),ngram]"]
     config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}", "mt-bench"],
                          num_prompts=2, turns=2, max_new_tokens=8, output_dir=str(out.parent), **FAST_COMPILE)
     results = run_benchmark(config, target=target, draft=draft, progress=False)
@@ -102,6 +102,9 @@ def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
     markdown = out.with_suffix(".md").read_text()
     assert "| lm-chain:budget=3 |" in markdown and "Per suite" in markdown and "Per turn" in markdown
     assert "Tokens/s per category" in markdown
+    union = results["policies"]["union:drafters=[(lm-chain:budget=2),ngram]"]  # who proposed the accepted tokens
+    assert set(union["accepted_tokens"]) == {"lm-chain:budget=2", "ngram"}
+    assert "- union:drafters=[(lm-chain:budget=2),ngram]: mode \"union\"; rounds_proposed {" in markdown
     names = {p.split("/")[-1] for p in written["plots"]}
     assert names == {"bench_acceptance.png", "bench_category_tps.png", "bench_speedup_budget.png"}
     for path in written["plots"]:
