@@ -10,7 +10,10 @@ from draftsmith.eval.bench import first_difference
 from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.drafters.lm import LMDrafter
 from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.drafters.dgf import load_dgf_drafter
 from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.eval.drafters.union import UnionDrafter
+from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models import zoo
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -56,6 +59,11 @@ def smol_drafters(target):
         "tree-self": LMDrafter(model, tokenizer=target.tokenizer, mode="tree", depth=3, topk=2, budget=8),
         "ngram": NgramDrafter(num_branches=2),
         "medusa-untrained": MedusaDrafter(heads),
+        # the shipped drafter with prompt lookup: one merged trie, and the cascade the bench runs by default
+        "union-bundled": UnionDrafter([load_dgf_drafter(bundled_drafter(SMOL), target, depth=3, topk=2, budget=5),
+                                       NgramDrafter()]),
+        "cascade-bundled": UnionDrafter([NgramDrafter(min_ngram=2), load_dgf_drafter(bundled_drafter(SMOL), target)],
+                                        mode="first"),
     }
 
 
@@ -87,7 +95,8 @@ def test_mismatched_tokenizer_is_refused(smol):
 
 
 @pytest.mark.slow
-def test_smollm2_sampling_matches_target(smol):
+@pytest.mark.parametrize("kind", ["lm-tree", "cascade-bundled"])
+def test_smollm2_sampling_matches_target(smol, kind):
     """Real model, temperature 1: the joint law of (x1, x2) equals the target's.
 
     x1 comes from the prefill, x2 is the first token that goes through draft + verification.
@@ -104,6 +113,9 @@ def test_smollm2_sampling_matches_target(smol):
     cells = {(int(a), int(b)): float(p1[a] * p2[i, b])
              for i, a in enumerate(first) for b in torch.topk(p2[i], 5).indices}
     drafter = LMDrafter(layer_subset_student(smol.model, every_nth_layer(30, 2)), mode="tree", depth=2, topk=3)
+    if kind == "cascade-bundled":  # the shipped drafter's sampled tree (q rows) whenever lookup has no repeat
+        drafter = UnionDrafter([NgramDrafter(min_ngram=2), load_dgf_drafter(bundled_drafter(SMOL), smol, depth=2,
+                                                                            topk=3, budget=6)], mode="first")
     samples = 400
     counts = dict.fromkeys(cells, 0)
     for seed in range(samples):
