@@ -120,6 +120,23 @@ def test_offline_mode_from_feature_cache(tmp_path):
     assert abs(first_offline - first_online) < 0.05 * abs(first_online)
 
 
+def test_offline_caches_with_and_without_topk_logits_train_together(tmp_path):
+    """A cache with top-k logits beside one without: the final state is the soft target of both, so the
+    top-k fields are not loaded and the batches mix (they crashed with a KeyError in collate)."""
+    from draftsmith.data.features import FeatureCacheConfig, build_feature_cache
+    from draftsmith.data.records import load_records
+
+    target = TargetModel.from_pretrained("tiny:llama")
+    for name, topk in (("plain", 0), ("topk", 4)):
+        records = load_records("synthetic:12:0.3", max_length=20, model=target.model, seed=topk)
+        build_feature_cache(FeatureCacheConfig(target="tiny:llama", source=None, output_dir=str(tmp_path / name),
+                                               hidden_layers=(-1,), topk_logits=topk, progress=False),
+                            target=target, records=records)
+    summary = main(tiny_cfg(tmp_path / "run", "data.mode=offline", "loss.token_loss=soft",
+                            f"data.feature_cache={tmp_path / 'plain'} + {tmp_path / 'topk'}", "train.max_steps=2"))
+    assert summary["final"]
+
+
 @pytest.fixture
 def tiny_vocab(tmp_path):
     from draftsmith.models.vocab import DraftVocab

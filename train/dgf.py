@@ -242,9 +242,16 @@ class DGFRecipe:
         if cfg.data.mode == "online":
             return load_records(cfg.data.source, tokenizer=self.target.tokenizer, max_length=cfg.data.max_length,
                                 limit=cfg.data.limit, model=self.target.model, seed=cfg.data.seed)
-        records = []
+        records, fields = [], {}
         for cache_dir in cache_parts(cfg.data.feature_cache):
-            records.extend(self._load_cache(cache_dir))
+            part = self._load_cache(cache_dir)
+            records.extend(part)
+            fields[cache_dir] = sorted(part[0]) if part else None
+        held = {tuple(keys) for keys in fields.values() if keys is not None}
+        if len(held) > 1:
+            raise ConfigError("feature caches hold different fields, so their batches cannot be mixed: " + "; ".join(
+                f"{cache} {', '.join(keys)}" for cache, keys in fields.items() if keys is not None)
+                + ". Rebuild them with the same hidden_layers (and top-k logits where the final state is not cached)")
         if not records:
             raise ConfigError(f"feature cache {cfg.data.feature_cache} holds no record with trainable tokens")
         return records
@@ -269,7 +276,7 @@ class DGFRecipe:
                     "features": hidden[: len(self.layers)].transpose(0, 1)}  # (n, k, H)
             if final_at is not None:
                 item["final"] = hidden[final_at]
-            if "topk_values" in rec:
+            if final_at is None and "topk_values" in rec:  # top-k logits: the soft target only without the final state
                 item.update(topk_values=rec["topk_values"][:n], topk_indices=rec["topk_indices"][:n])
             if item["loss_mask"].sum() > 0:
                 records.append(item)
