@@ -11,9 +11,9 @@ A method spec names a table entry and sets its options, parsed once by the stric
     union:drafters=[(dgf:depth=3,topk=1,budget=3),(ngram:budget=6)]   two trees in one verify
     cascade:drafters=[(ngram:min_n=2),dgf]   lookup on a repeat, else the trained drafter
 
-Composite methods (pipeline, dovetail, hcmp, minions, union, cascade) receive the drafters the table built for
-their nested specs; ARCA profiles rebuild the profiled drafter at the chosen budget from its parsed
-spec. Every drafter's node budget is called `budget` (`eval.drafters.base.TREE_BUDGET`).
+Composite methods (pipeline, dovetail, hcmp, minions, union, cascade) receive the drafters the table
+built for their nested specs; ARCA profiles rebuild the profiled drafter at the chosen budget from its
+parsed spec. Every drafter's node budget is called `budget` (`eval.drafters.base.TREE_BUDGET`).
 """
 
 from __future__ import annotations
