@@ -6,7 +6,7 @@
 set -euo pipefail
 SCRATCH=$(mktemp -d /tmp/draftsmith_fresh.XXXXXX)
 trap 'rm -rf "$SCRATCH"' EXIT
-OUT=results/readme_first_command.md
+OUT=${OUT:-results/readme_first_command.md}  # OUT=... keeps another machine's file
 START=$(date +%s)
 DRAFTSMITH_CACHE=$SCRATCH bash scripts/install.sh > "$SCRATCH/install.log" 2>&1
 AFTER_INSTALL=$(date +%s)
