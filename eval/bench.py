@@ -56,7 +56,7 @@ from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.target import TargetModel
+from draftsmith.models.target import TargetModel, dtype_name
 
 SUITES = {"mt-bench": "mt-bench", "gsm8k": "gsm8k:test", "humaneval": "humaneval"}
 SAMPLED_SUITES = ("gsm8k",)  # suites drawn as a seeded random sample (the others: first N, categories round-robin)
@@ -424,6 +424,16 @@ def summarize(state: BenchState) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+def precision_note(dtype: torch.dtype) -> str | None:
+    """What a reduced-precision target means for the lossless check (None in fp32)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return (f"note: {dtype_name(dtype)}: a forward over w tokens is not row-for-row identical to w one-token "
+            "forwards, and near-ties can flip the argmax, so speculative outputs may differ from plain greedy "
+            "(each difference is reported as a MISMATCH; measured: results/goal_bench_smollm2.md); float32 "
+            "is the lossless setting")
+
+
 def load_models(config: BenchConfig, target: TargetModel | None, draft: TargetModel | None):
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -459,6 +469,8 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     written to progress.jsonl and a re-run of the same config continues from it (eval.bench_progress)."""
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target, draft = load_models(config, target, draft)
+    if progress and precision_note(target.dtype):
+        print(precision_note(target.dtype), flush=True)
     records = [(suite, conv) for suite in config.suites
                for conv in select_conversations(suite, config.num_prompts, config.seed)]
     context = BuildContext(target, draft, config.backend, config.compile)

@@ -269,3 +269,10 @@ def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
     assert "built on a busy machine" in build_line(quiet | {"available_memory_gb": 0.2})
     assert "built on a busy machine" in build_line(quiet | {"load_average_1min": 4.0})
     assert build_line(None) == ""
+
+
+def test_reduced_precision_bench_says_its_lossless_check_can_flag_near_ties():
+    from draftsmith.eval.bench import precision_note
+    assert precision_note(torch.float32) is None
+    note = precision_note(torch.bfloat16)
+    assert "bfloat16" in note and "MISMATCH" in note and "float32" in note
