@@ -469,8 +469,9 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     written to progress.jsonl and a re-run of the same config continues from it (eval.bench_progress)."""
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target, draft = load_models(config, target, draft)
-    if progress and precision_note(target.dtype):
-        print(precision_note(target.dtype), flush=True)
+    note = precision_note(target.dtype)
+    if progress and note:
+        print(note, flush=True)
     records = [(suite, conv) for suite in config.suites
                for conv in select_conversations(suite, config.num_prompts, config.seed)]
     context = BuildContext(target, draft, config.backend, config.compile)
