@@ -476,22 +476,27 @@ def build_llmcad(spec: MethodSpec, ctx: BuildContext) -> Method:
     return DrafterMethod(LLMCadDrafter(lm, config=config, name=spec.label), spec.label)
 
 
+def sub_drafters(spec: MethodSpec, subs: list[MethodSpec], ctx: BuildContext) -> list[Drafter]:
+    """The drafters of a composite's nested specs (minions, union, cascade), built by the table."""
+    return [inner_drafter(build_method(sub, ctx), spec.label) for sub in subs]
+
+
 def build_minions(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     if o.weights is not None and len(o.weights) != len(o.drafters):
         raise ConfigError(f"{spec.label}: {len(o.weights)} weights for {len(o.drafters)} drafters")
-    drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in o.drafters]
+    drafters = sub_drafters(spec, o.drafters, ctx)
     config = MinionsConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(MinionsConfig)})
     return DrafterMethod(MinionsDrafter(drafters, config, weights=o.weights, name=spec.label), spec.label)
 
 
 def build_union(spec: MethodSpec, ctx: BuildContext) -> Method:
-    drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in spec.options.drafters]
+    drafters = sub_drafters(spec, spec.options.drafters, ctx)
     return DrafterMethod(UnionDrafter(drafters, "union", spec.options.budget, name=spec.label), spec.label)
 
 
 def build_cascade(spec: MethodSpec, ctx: BuildContext) -> Method:
-    drafters = [inner_drafter(build_method(sub, ctx), spec.label) for sub in spec.options.drafters]
+    drafters = sub_drafters(spec, spec.options.drafters, ctx)
     return DrafterMethod(UnionDrafter(drafters, "first", name=spec.label), spec.label)
 
 

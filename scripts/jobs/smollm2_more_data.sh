@@ -7,6 +7,9 @@
 # skips when done, so rerun it. Re-bundling (scripts/export.py ... models/bundled/...) is a session's decision
 # on the bench's result, not this script's.
 #   (nohup nice -n 15 bash scripts/jobs/smollm2_more_data.sh >> outputs/jobs/smollm2_more.log 2>&1 &)
+# Needs the earlier runs' outputs (outputs/regen/smollm2/{gsm8k,code,sharegpt,sharegpt2}, their feature caches,
+# outputs/dgf_smollm2_long/final, outputs/vocab/smollm2_final_8192); they were lost with the checkout on 2026-11-25
+# (results/dgf_smollm2_more.md), so a rerun starts with scripts/jobs/train_smollm2_final.sh and train_smollm2_long.sh.
 set -euo pipefail
 R=outputs/regen/smollm2
 COMMON="target=smollm2-135m-instruct max_new_tokens=256 max_turns=1 batch_size=64 shard_size=128 threads=2"
