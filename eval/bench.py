@@ -49,7 +49,7 @@ from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench_progress import Progress
-from draftsmith.eval.decoder import DecodeConfig, DecodeStats, Method
+from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, Method
 from draftsmith.eval.latency import cpu_model
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.errors import UserError
-from draftsmith.eval.decoder import DecodeStats
+from draftsmith.eval.decode.decoder import DecodeStats
 
 PROGRESS_FILE = "progress.jsonl"
 PROGRESS_FORMAT = "draftsmith.bench-progress/1"

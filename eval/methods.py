@@ -29,20 +29,20 @@ import torch
 import yaml
 
 from draftsmith.config import ConfigError, Parsable, config_from_dict, option
-from draftsmith.eval.arca import load_profile, profile_paths
-from draftsmith.eval.decoder import (DecodeConfig, DecodeResult, DrafterMethod, Method)
-from draftsmith.eval.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
-from draftsmith.eval.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
-from draftsmith.eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.drafters.medusa import load_medusa_drafter
-from draftsmith.eval.drafters.minions import MinionsConfig, MinionsDrafter
-from draftsmith.eval.drafters.ngram import NGRAM_BUDGET, NgramDrafter
-from draftsmith.eval.drafters.union import UnionDrafter
-from draftsmith.eval.hcmp import LAYER_TYPES, HcmpConfig, HcmpPolicy
-from draftsmith.eval.pipeline import PipelinePolicy
-from draftsmith.eval.placement import DovetailPolicy
-from draftsmith.eval.selfdraft import SelfDraftConfig, SelfDraftPolicy
+from draftsmith.eval.policies.arca import load_profile, profile_paths
+from draftsmith.eval.decode.decoder import (DecodeConfig, DecodeResult, DrafterMethod, Method)
+from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
+from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
+from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.medusa import load_medusa_drafter
+from draftsmith.eval.decode.drafters.minions import MinionsConfig, MinionsDrafter
+from draftsmith.eval.decode.drafters.ngram import NGRAM_BUDGET, NgramDrafter
+from draftsmith.eval.decode.drafters.union import UnionDrafter
+from draftsmith.eval.policies.hcmp import LAYER_TYPES, HcmpConfig, HcmpPolicy
+from draftsmith.eval.policies.pipeline import PipelinePolicy
+from draftsmith.eval.policies.placement import DovetailPolicy
+from draftsmith.eval.policies.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.compiled import CompileSettings

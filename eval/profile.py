@@ -43,16 +43,16 @@ import torch
 from draftsmith.config import ConfigError, check_config, command_parser, config_to_dict, option, parse_command, section
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import refuse_overwrite
-from draftsmith.eval.arca import (RankRecorder, arca_paths, expected_accepted, interpolate_latency,
+from draftsmith.eval.policies.arca import (RankRecorder, arca_paths, expected_accepted, interpolate_latency,
                                   load_rank_accuracy, refine_paths, replay_tau, save_profile, PROFILE_VERSION)
 from draftsmith.eval.bench import BenchConfig, format_table, load_prompts, machine_info, run_benchmark, sync
 from draftsmith.eval.latency import context_ids
-from draftsmith.eval.decoder import DecodeConfig, Generation, SpeculativeDecoder
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.hcmp import HcmpConfig, hcmp_mode
+from draftsmith.eval.decode.decoder import DecodeConfig, Generation, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.eval.policies.hcmp import HcmpConfig, hcmp_mode
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, inner_drafter, parse_method
-from draftsmith.eval.placement import PlacedDrafter
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.policies.placement import PlacedDrafter
+from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel, dtype_name
 

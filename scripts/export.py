@@ -29,7 +29,7 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from draftsmith.errors import UserError, exit_with, one_line
-from draftsmith.eval.drafters.dgf import drafter_tree
+from draftsmith.eval.decode.drafters.dgf import drafter_tree
 from draftsmith.eval.methods import parse_method
 from draftsmith.models import exports as export
 

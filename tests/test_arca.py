@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from draftsmith.eval.arca import (arca_paths, expected_accepted, load_rank_accuracy, path_value, rank_accuracy_from_topk)
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.tree import tree_from_paths
+from draftsmith.eval.policies.arca import (arca_paths, expected_accepted, load_rank_accuracy, path_value, rank_accuracy_from_topk)
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.eval.decode.tree import tree_from_paths
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2], [0.4, 0.1]]

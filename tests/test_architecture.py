@@ -109,6 +109,23 @@ def test_no_import_cycles():
             assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("name", ["draftsmith.models.target", "draftsmith.data.sources", "draftsmith.eval.decoder"])
+@pytest.mark.parametrize("name", ["draftsmith.models.target", "draftsmith.data.sources", "draftsmith.eval.decode.decoder"])
 def test_layer_map_is_what_the_readme_says(name):
     assert name in all_modules()
+
+
+# Inside eval: the decode core <- the policies <- the harness (bench, methods, report, ...).
+EVAL_SUBLAYERS = (("draftsmith.eval.decode", ("draftsmith.eval.decode",)),
+                  ("draftsmith.eval.policies", ("draftsmith.eval.decode", "draftsmith.eval.policies")))
+
+
+@pytest.mark.parametrize("package,allowed", EVAL_SUBLAYERS)
+def test_decode_core_and_policies_import_only_below_them(package, allowed):
+    problems = []
+    for module, path in all_modules().items():
+        if not module.startswith(package):
+            continue
+        for name, _, line in project_imports(path):
+            if name.startswith("draftsmith.eval") and not name.startswith(allowed):
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {name}")
+    assert not problems, "\n".join(problems)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from conftest import build_spec, tiny_model
 from draftsmith.errors import UserError
 from draftsmith.eval import bench
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.models import bundled
 from draftsmith.models import exports as export
 from draftsmith.models.artifacts import save_dgf, target_block
@@ -59,7 +59,7 @@ def test_dgf_without_a_path_is_the_bundled_drafter_and_lossless(tiny_bundle):
 
 
 def test_export_records_the_measured_tree_and_dgf_decodes_with_it(tiny_bundle, tmp_path):
-    from draftsmith.eval.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree
+    from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree
     from draftsmith.scripts.export import measured_tree
 
     target, root, _ = tiny_bundle

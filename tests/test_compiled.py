@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.drafters.dgf import DGFDrafter
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.drafters.ngram import NgramDrafter
-from draftsmith.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import DGFDrafter
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.eval.decode.drafters.ngram import NgramDrafter
+from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
 from draftsmith.models.compiled import CompiledDGFEngine, CompiledEngine, CompileSettings, Graph, bucket_for
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads

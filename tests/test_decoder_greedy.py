@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.drafters.ngram import NgramDrafter
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.student import layer_subset_student
 from draftsmith.models.target import TargetModel

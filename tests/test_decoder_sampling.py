@@ -12,12 +12,12 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_model
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.drafters.dgf import DGFDrafter
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.drafters.ngram import NgramDrafter
-from draftsmith.eval.verify import logits_to_probs
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import DGFDrafter
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.eval.decode.drafters.ngram import NgramDrafter
+from draftsmith.eval.decode.verify import logits_to_probs
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel

@@ -9,10 +9,10 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import build_spec, tiny_model
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.drafters.dgf import DGFDrafter
-from draftsmith.eval.tree import ancestor_matrix
-from draftsmith.eval.verify import logits_to_probs
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import DGFDrafter
+from draftsmith.eval.decode.tree import ancestor_matrix
+from draftsmith.eval.decode.verify import logits_to_probs
 from draftsmith.models.artifacts import load_dgf, save_dgf, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel, family_classes
 from draftsmith.models.eagle_layouts import export_eagle, load_eagle

@@ -5,11 +5,11 @@ import torch
 from torch import nn
 
 from conftest import build_spec, tiny_model
-from draftsmith.eval.decoder import DecodeConfig
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.hcmp import (HcmpConfig, HcmpPlan, HcmpPolicy, SplitLinear, _Units, hcmp_mode,
+from draftsmith.eval.decode.decoder import DecodeConfig
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.policies.hcmp import (HcmpConfig, HcmpPlan, HcmpPolicy, SplitLinear, _Units, hcmp_mode,
                        merge_attention_partials, partial_attention)
-from draftsmith.eval.tree import node_depths, tree_attention_mask, tree_position_ids
+from draftsmith.eval.decode.tree import node_depths, tree_attention_mask, tree_position_ids
 from draftsmith.models.student import layer_subset_student
 from draftsmith.models.engine import additive_mask
 from draftsmith.models.target import TargetModel
@@ -96,7 +96,7 @@ def test_split_forward_equals_unsplit(family, ratios, threads):
 
 
 def test_hcmp_is_really_used(monkeypatch):
-    import draftsmith.eval.hcmp as hcmp
+    import draftsmith.eval.policies.hcmp as hcmp
 
     calls = []
     original = hcmp.partial_attention

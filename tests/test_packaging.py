@@ -32,7 +32,7 @@ def test_wheel_has_one_top_level_name(wheel):
         names = archive.namelist()
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top == {"draftsmith"}
-    for module in ("draftsmith/eval/decoder.py", "draftsmith/eval/drafters/lm.py", "draftsmith/models/target.py",
+    for module in ("draftsmith/eval/decode/decoder.py", "draftsmith/eval/decode/drafters/lm.py", "draftsmith/models/target.py",
                    "draftsmith/train/runtime.py", "draftsmith/train/configs/medusa_tiny.yaml"):
         assert module in names, module
 
@@ -44,8 +44,8 @@ def test_installed_wheel_decodes_outside_the_checkout(wheel, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     code = (
         "import draftsmith, torch\n"
-        "from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder\n"
-        "from draftsmith.eval.drafters.ngram import NgramDrafter\n"
+        "from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder\n"
+        "from draftsmith.eval.decode.drafters.ngram import NgramDrafter\n"
         "from draftsmith.models.target import TargetModel\n"
         f"assert draftsmith.__file__.startswith({str(site)!r}), draftsmith.__file__\n"
         "target = TargetModel.from_pretrained('tiny:llama')\n"

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from conftest import build_spec, tiny_model
-from draftsmith.eval.decoder import DecodeConfig, DecodeStats
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.hcmp import HcmpPolicy
-from draftsmith.eval.placement import DovetailPolicy, PlacedDrafter, move_drafter, tensor_bytes
+from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.eval.policies.hcmp import HcmpPolicy
+from draftsmith.eval.policies.placement import DovetailPolicy, PlacedDrafter, move_drafter, tensor_bytes
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.student import layer_subset_student
 from draftsmith.models.target import TargetModel

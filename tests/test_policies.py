@@ -9,20 +9,20 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from draftsmith.eval.decoder import DecodeConfig, DrafterMethod, Method, SpeculativeDecoder
-from draftsmith.eval.drafters.base import Drafter
-from draftsmith.eval.drafters.llmcad import LLMCadConfig, LLMCadDrafter, pacer_pick, update_alpha
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.drafters.minions import (LengthSelector, MinionsConfig, MinionsDrafter, acceptance_rate, fit_slope,
+from draftsmith.eval.decode.decoder import DecodeConfig, DrafterMethod, Method, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.base import Drafter
+from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter, pacer_pick, update_alpha
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.eval.decode.drafters.minions import (LengthSelector, MinionsConfig, MinionsDrafter, acceptance_rate, fit_slope,
                                    majority_path, merge_proposals, update_weights, voted_drafters)
-from draftsmith.eval.drafters.ngram import NgramDrafter
-from draftsmith.eval.drafters.union import UnionDrafter, credit_accepted, merge_trees
+from draftsmith.eval.decode.drafters.ngram import NgramDrafter
+from draftsmith.eval.decode.drafters.union import UnionDrafter, credit_accepted, merge_trees
 from draftsmith.eval.methods import BuildContext, build_method
-from draftsmith.eval.pipeline import PipelinePolicy, first_child_nodes, reroot
-from draftsmith.eval.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
+from draftsmith.eval.policies.pipeline import PipelinePolicy, first_child_nodes, reroot
+from draftsmith.eval.policies.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
                             selfdraft_mask, selfdraft_positions)
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.student import layer_subset_student
 from draftsmith.models.target import TargetModel

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from conftest import build_spec, tiny_model, tiny_target_for
-from draftsmith.eval.arca import RankRecorder, load_profile, refine_paths, replay_tau, save_profile
-from draftsmith.eval.decoder import DecodeConfig
-from draftsmith.eval.drafters.base import Drafter
-from draftsmith.eval.hcmp import HcmpPolicy
+from draftsmith.eval.policies.arca import RankRecorder, load_profile, refine_paths, replay_tau, save_profile
+from draftsmith.eval.decode.decoder import DecodeConfig
+from draftsmith.eval.decode.drafters.base import Drafter
+from draftsmith.eval.policies.hcmp import HcmpPolicy
 from draftsmith.eval.methods import BuildContext, build_method, parse_method
 from draftsmith.eval.profile import (ProfileConfig, measure_verify_latency, measured_budgets, random_tree, run_profile,
                                     settings_of)
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 

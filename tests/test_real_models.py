@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from draftsmith.eval.bench import first_difference
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.drafters.medusa import MedusaDrafter
-from draftsmith.eval.drafters.dgf import load_dgf_drafter
-from draftsmith.eval.drafters.ngram import NgramDrafter
-from draftsmith.eval.drafters.union import UnionDrafter
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
+from draftsmith.eval.decode.drafters.ngram import NgramDrafter
+from draftsmith.eval.decode.drafters.union import UnionDrafter
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models import zoo
 from draftsmith.models.compiled import CompileSettings

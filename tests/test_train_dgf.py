@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.drafters.dgf import load_dgf_drafter
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
 from draftsmith.config import ConfigError, load_config
 from draftsmith.train.runtime import MetricsFile
 from draftsmith.models.target import TargetModel

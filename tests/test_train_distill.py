@@ -165,8 +165,8 @@ def test_refuses_student_with_other_tokenizer(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_smollm2_layer_student_exports_as_draft(tmp_path):
     """Real model: a SmolLM2 every-2-layers student, exported, loads as a bench --draft and decodes losslessly."""
-    from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-    from draftsmith.eval.drafters.lm import LMDrafter
+    from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+    from draftsmith.eval.decode.drafters.lm import LMDrafter
     from draftsmith.models.target import TargetModel
     from draftsmith.models.zoo import is_fetched
 

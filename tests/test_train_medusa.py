@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.models.target import TargetModel
 from draftsmith.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from draftsmith.config import ConfigError, load_config
@@ -22,7 +22,7 @@ from draftsmith.train.runtime import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import batch_indices, load_records, read_records, split_heldout, write_records
 from draftsmith.train.rng import rng_state, set_rng_state
-from draftsmith.eval.drafters.medusa import load_medusa_drafter
+from draftsmith.eval.decode.drafters.medusa import load_medusa_drafter
 from draftsmith.train.medusa import MedusaRecipeConfig, cli, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -341,8 +341,8 @@ def test_medusa2_names_bad_lora_modules(tmp_path):
 def test_vocab_heads_train_resume_and_decode_losslessly(tmp_path, head):
     """heads.draft_vocab: the heads score 48 of the 96 tiny tokens; distillation on the draft vocabulary;
     exact resume; the saved heads decode losslessly through load_medusa_drafter."""
-    from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-    from draftsmith.eval.drafters.medusa import load_medusa_drafter
+    from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+    from draftsmith.eval.decode.drafters.medusa import load_medusa_drafter
     from draftsmith.models.vocab import DraftVocab
 
     vocab_dir = tmp_path / "vocab"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from draftsmith.eval.tree import (DraftTree, ancestor_matrix, chain_paths, node_depths, path_to_root, select_top_nodes,
+from draftsmith.eval.decode.tree import (DraftTree, ancestor_matrix, chain_paths, node_depths, path_to_root, select_top_nodes,
                        subtree, tree_attention_mask, tree_from_paths, tree_position_ids)
 from draftsmith.models.engine import commit_kv
 from draftsmith.models.target import TargetModel

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from draftsmith.eval.drafters.base import Sampling, draw_children
-from draftsmith.eval.tree import DraftTree
-from draftsmith.eval.verify import logits_to_probs, verify_greedy, verify_sampling
+from draftsmith.eval.decode.drafters.base import Sampling, draw_children
+from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.eval.decode.verify import logits_to_probs, verify_greedy, verify_sampling
 
 PARENTS = torch.tensor([-1, -1, 0, 1, 2])  # root -> a -> c -> e ; root -> b -> d
 

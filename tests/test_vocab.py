@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model
 from draftsmith.data import draft_vocab
-from draftsmith.eval.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.drafters.dgf import DGFDrafter, load_dgf_drafter
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.drafters.medusa import MedusaDrafter, load_medusa_drafter
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import DGFDrafter, load_dgf_drafter
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter, load_medusa_drafter
 from draftsmith.models.artifacts import DGF_WEIGHTS, float_state, read_manifest, save_dgf, save_medusa, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads

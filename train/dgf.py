@@ -41,7 +41,7 @@ from torch import nn
 from draftsmith.config import ConfigError, config_to_dict, option, section
 from draftsmith.data.features import FeatureDataset, cache_parts, load_index
 from draftsmith.data.records import load_records, split_heldout
-from draftsmith.eval.drafters.dgf import DGFDrafter
+from draftsmith.eval.decode.drafters.dgf import DGFDrafter
 from draftsmith.models.artifacts import MANIFEST_FILE, load_dgf, save_dgf, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel, eagle3_layers
 from draftsmith.models.vocab import DraftVocab

@@ -52,7 +52,7 @@ from torch import nn
 from draftsmith.config import ConfigError, config_to_dict, option, section
 from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset, cache_parts
 from draftsmith.data.records import collate, load_records, spec_needs_model, split_heldout
-from draftsmith.eval.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.models.artifacts import read_student_manifest, write_student_manifest
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_model_config, load_tokenizer,

@@ -32,7 +32,7 @@ from torch import nn
 
 from draftsmith.config import ConfigError, config_to_dict, option, section
 from draftsmith.data.records import collate, load_records, split_heldout
-from draftsmith.eval.drafters.medusa import MedusaDrafter
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.models.artifacts import save_medusa, target_block
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
 from draftsmith.models.vocab import DraftVocab

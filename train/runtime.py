@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from draftsmith.config import (command_parser, config_to_dict, flatten_dict, option, parse_command,
                                save_config)
 from draftsmith.data.records import batch_indices
-from draftsmith.eval.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
+from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
 from draftsmith.errors import UserError, run_main
 from draftsmith.fileio import atomic_write
 from draftsmith.models.target import resolve_device

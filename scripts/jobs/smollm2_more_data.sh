@@ -38,7 +38,7 @@ OLD=outputs/dgf_smollm2_long/final
 NEW=outputs/dgf_smollm2_more/final
 OLD2="dgf:path=$OLD,depth=2,topk=1,budget=2"
 NEW2="dgf:path=$NEW,depth=2,topk=1,budget=2"
-# The drafters alone, then with prompt lookup (eval/drafters/union.py; outputs/probe/union2: the cascade was the
+# The drafters alone, then with prompt lookup (eval/decode/drafters/union.py; outputs/probe/union2: the cascade was the
 # fastest of five combinations on 4 prompts per suite): the cascade for the old and the new drafter, the union.
 METHODS="plain ngram $OLD2 $NEW2 dgf:path=$NEW,depth=3,topk=2,budget=5"
 METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),($OLD2)] cascade:drafters=[(ngram:min_n=2),($NEW2)]"

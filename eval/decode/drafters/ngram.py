@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.drafters.base import Drafter
-from draftsmith.eval.tree import DraftTree, trie
+from draftsmith.eval.decode.drafters.base import Drafter
+from draftsmith.eval.decode.tree import DraftTree, trie
 
 
 NGRAM_BUDGET = 5  # tokens proposed after a match

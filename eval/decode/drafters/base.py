@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.eval.tree import DraftTree
-from draftsmith.eval.verify import logits_to_probs
+from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.eval.decode.verify import logits_to_probs
 from draftsmith.models.target import check_same_tokenizer
 
 

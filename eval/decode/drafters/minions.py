@@ -2,7 +2,7 @@
 
 Spec: Minions (`../shared/papers/004_cc3881eab17c5404.txt`), section 3.2 (majority-voted
 speculator) and 3.3 (adaptive speculation length selector). The pipeline of section 3.4 is
-`eval/pipeline.py` (it wraps any drafter, this one included).
+`eval/policies/pipeline.py` (it wraps any drafter, this one included).
 
 Per round (batch size 1 here; the paper's "batch of outputs" is one round):
   1. every sub-drafter (any `Drafter`: LM chains over small models, layer-subset students,
@@ -52,8 +52,8 @@ from typing import Literal
 import torch
 
 from draftsmith.config import ConfigError, check_config, option
-from draftsmith.eval.drafters.base import CHAIN_BUDGET, CompositeDrafter, Drafter, Sampling
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, CompositeDrafter, Drafter, Sampling
+from draftsmith.eval.decode.tree import DraftTree
 
 
 @dataclass

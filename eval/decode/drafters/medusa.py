@@ -15,8 +15,8 @@ from typing import Literal
 
 from peft import PeftModel
 
-from draftsmith.eval.drafters.base import Drafter, Sampling, draw_children
-from draftsmith.eval.tree import DraftTree, tree_from_paths
+from draftsmith.eval.decode.drafters.base import Drafter, Sampling, draw_children
+from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 from draftsmith.models.artifacts import ACCURACY_FILE, ArtifactError, load_medusa_heads
 from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaHeads, arca_paths, load_rank_accuracy
 

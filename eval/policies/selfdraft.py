@@ -43,8 +43,8 @@ import torch
 
 from draftsmith.config import ConfigError, check_config, option
 from draftsmith.data.sources import load_source
-from draftsmith.eval.decoder import DecodeConfig, DecodeResult, Generation, Method
-from draftsmith.eval.tree import DraftTree, ancestor_matrix, trie
+from draftsmith.eval.decode.decoder import DecodeConfig, DecodeResult, Generation, Method
+from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, trie
 from draftsmith.models.target import TargetModel
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.eval.drafters.base import CHAIN_BUDGET, Drafter, Sampling, draw_children
-from draftsmith.eval.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
+from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, Drafter, Sampling, draw_children
+from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
 from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
 

@@ -23,9 +23,9 @@ import copy
 import torch
 from torch import nn
 
-from draftsmith.eval.decoder import DecodeResult, Method, SpeculativeDecoder
-from draftsmith.eval.drafters.base import Drafter, Sampling
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.decode.decoder import DecodeResult, Method, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.base import Drafter, Sampling
+from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.target import resolve_device
 
 

@@ -33,9 +33,9 @@ import torch
 
 from draftsmith.config import check_config, option
 from draftsmith.errors import UserError
-from draftsmith.eval.drafters.base import Drafter, NoDrafter, Sampling
-from draftsmith.eval.tree import DraftTree, tree_attention_mask, tree_position_ids
-from draftsmith.eval.verify import verify_greedy, verify_sampling
+from draftsmith.eval.decode.drafters.base import Drafter, NoDrafter, Sampling
+from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
+from draftsmith.eval.decode.verify import verify_greedy, verify_sampling
 from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.eval.drafters.base import TREE_BUDGET, Drafter, Sampling, draw_children
-from draftsmith.eval.tree import DraftTree, select_top_nodes, subtree
+from draftsmith.eval.decode.drafters.base import TREE_BUDGET, Drafter, Sampling, draw_children
+from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
 from draftsmith.models.compiled import CompiledDGFEngine, CompileSettings
 from draftsmith.models.dgf import DGFModel, EagerDGFEngine

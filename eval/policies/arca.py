@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 from draftsmith.errors import UserError
-from draftsmith.eval.drafters.base import Drafter
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.decode.drafters.base import Drafter
+from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.fileio import atomic_write
 from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, arca_paths, expected_accepted, load_rank_accuracy,
                                       path_value, rank_accuracy_from_topk)

@@ -35,9 +35,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.eval.decoder import DecodeConfig, DecodeResult, Generation, Method, Round
-from draftsmith.eval.drafters.base import Drafter
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.decode.decoder import DecodeConfig, DecodeResult, Generation, Method, Round
+from draftsmith.eval.decode.drafters.base import Drafter
+from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 

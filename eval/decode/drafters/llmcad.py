@@ -40,9 +40,9 @@ import torch
 from transformers import PreTrainedModel
 
 from draftsmith.config import ConfigError, check_config, option
-from draftsmith.eval.drafters.base import TREE_BUDGET, Sampling
-from draftsmith.eval.drafters.lm import LMDrafter
-from draftsmith.eval.tree import DraftTree, ancestor_matrix
+from draftsmith.eval.decode.drafters.base import TREE_BUDGET, Sampling
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix
 
 
 @dataclass

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.decode.tree import DraftTree
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

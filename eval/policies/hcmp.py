@@ -39,8 +39,8 @@ from torch import nn
 from transformers import AttentionInterface
 
 from draftsmith.errors import UserError
-from draftsmith.eval.decoder import DecodeResult, Method, SpeculativeDecoder
-from draftsmith.eval.drafters.base import Drafter
+from draftsmith.eval.decode.decoder import DecodeResult, Method, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.models.target import resolve_device
 
 LAYER_TYPES = ("qkv", "o", "mlp", "attention")

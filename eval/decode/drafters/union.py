@@ -30,8 +30,8 @@ from typing import Literal
 
 import torch
 
-from draftsmith.eval.drafters.base import TREE_BUDGET, CompositeDrafter, Drafter, Sampling
-from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.decode.drafters.base import TREE_BUDGET, CompositeDrafter, Drafter, Sampling
+from draftsmith.eval.decode.tree import DraftTree
 
 UNION_MODES = ("union", "first")
 
