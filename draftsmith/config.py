@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
 import json
 import math
 import types
@@ -88,7 +89,19 @@ def join_path(path: str, key: str | int) -> str:
 
 
 def type_name(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return " | ".join(str(member.value) for member in tp)
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce_enum(value: Any, tp: type[enum.Enum], path: str) -> enum.Enum:
+    """A member of an Enum of text values (`backend=compiled` -> Backend.COMPILED)."""
+    if isinstance(value, tp):
+        return value
+    choices = [member.value for member in tp]
+    if value not in choices:
+        raise ConfigError(f"{path}: {value!r} is not one of {choices}")
+    return tp(value)
 
 
 def _coerce_union(value: Any, tp: Any, path: str) -> Any:
@@ -162,6 +175,8 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         return value
     if isinstance(tp, type) and issubclass(tp, Parsable):
         return value if isinstance(value, tp) else tp.from_config(value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _coerce_enum(value, tp, path)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return value if isinstance(value, tp) else config_from_dict(tp, value, path)
     origin = typing.get_origin(tp)
@@ -248,9 +263,21 @@ def config_from_dict(cls: type[T], data: Any, path: str = "", noun: str = "confi
 def check_config(cfg: Any, path: str = "") -> None:
     """Check the declared bounds of every field of a config instance (programmatic configs call it in
     __post_init__, so a bad value is refused wherever the config is built)."""
+    hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         check_bounds(value, f.metadata.get("bounds", {}), join_path(path, f.name))
+        enum_type = _enum_of(hints.get(f.name))
+        if enum_type is not None and value is not None:  # a programmatic config may pass the text value
+            items = [_coerce_enum(item, enum_type, join_path(path, f.name)) for item in
+                     (value if isinstance(value, list) else [value])]
+            setattr(cfg, f.name, items if isinstance(value, list) else items[0])
+
+
+def _enum_of(tp: Any) -> type[enum.Enum] | None:
+    """The Enum of an annotation `E`, `E | None` or `list[E]` (else None)."""
+    candidates = [tp, *typing.get_args(tp)]
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, enum.Enum)), None)
 
 
 def config_to_dict(cfg: Any) -> dict:

@@ -56,6 +56,7 @@ from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel, dtype_name
 
 SUITES = {"mt-bench": "mt-bench", "gsm8k": "gsm8k:test", "humaneval": "humaneval"}
@@ -88,8 +89,8 @@ class BenchConfig:
     threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
     seed: int = option(0, "sampling seed and GSM8K sample seed")
     budget_limit: int = option(63, "the largest tree a drafter may propose (+ the root: the largest bucket)", ge=0)
-    backend: Literal["eager", "compiled"] = option("compiled", "engine of our methods: compiled (static shapes, "
-                                                               "AOT-compiled graphs, cached on disk) or eager")
+    backend: Backend = option(Backend.COMPILED, "engine of our methods: compiled (static shapes, AOT-compiled "
+                                                "graphs, cached on disk) or eager")
     compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
     strict: bool = option(False, "stop at the first output that differs from plain greedy")
     output_dir: str | None = option(None, "where bench.json, bench.md and the plots go (null: print only)")
@@ -105,9 +106,9 @@ class BenchConfig:
         names = [spec.name for spec in self.methods]
         if "plain" not in names:
             self.methods.insert(0, parse_method("plain"))  # the reference for losslessness and speedup
-        if self.backend == "compiled" and "plain-compiled" not in names:
+        if self.backend is Backend.COMPILED and "plain-compiled" not in names:
             self.methods.insert(1, parse_method("plain-compiled"))  # the compiled methods' reference
-        if self.backend == "compiled" and self.budget_limit + 1 > max(self.compile.buckets):
+        if self.backend is Backend.COMPILED and self.budget_limit + 1 > max(self.compile.buckets):
             raise ConfigError(f"budget_limit: {self.budget_limit} plus the root must fit the largest compiled bucket "
                               f"({max(self.compile.buckets)}); lower budget_limit or add a bucket")
 
@@ -217,12 +218,12 @@ class BenchState:
     runs: dict
     rows: list
 
-    def backend_of(self, method: Method) -> str:
+    def backend_of(self, method: Method) -> Backend:
         return method.backend or self.config.backend
 
 
 # The plain baseline each backend's methods must reproduce token for token at temperature 0.
-REFERENCE = {"eager": "plain", "compiled": "plain-compiled"}
+REFERENCE = {Backend.EAGER: "plain", Backend.COMPILED: "plain-compiled"}
 
 
 def build_methods(config: BenchConfig, context: BuildContext) -> dict[str, Method]:
@@ -267,11 +268,11 @@ def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], inp
         row[label] = {"seconds": seconds, "new_tokens": len(tokens), "tokens": tokens,
                       "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
                       "tau": stats.tau if stats else 1.0}
-    if state.config.temperature == 0 and len(references) == 2 and references["eager"] != references["compiled"]:
-        row["compiled_vs_hf"] = first_difference(state.context.target, input_ids, references["eager"],
-                                                 references["compiled"])
+    if state.config.temperature == 0 and len(references) == 2 and references[Backend.EAGER] != references[Backend.COMPILED]:
+        row["compiled_vs_hf"] = first_difference(state.context.target, input_ids, references[Backend.EAGER],
+                                                 references[Backend.COMPILED])
     state.rows.append(row)
-    return references.get("eager")
+    return references.get(Backend.EAGER)
 
 
 @torch.inference_mode()

@@ -26,6 +26,7 @@ from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.errors import exit_with
 from draftsmith.eval.latency import (cpu_model, forward_seconds, mt_bench_context, parse_document_command,
                                      write_document)
+from draftsmith.models.engine import Backend
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
@@ -35,7 +36,7 @@ CATEGORIES = ("gemm", "lm_head", "attention", "other_kernels", "python_dispatch"
 @dataclass
 class ForwardProfileConfig:
     target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
-    backends: list[Literal["eager", "compiled"]] = option(factory=lambda: ["eager", "compiled"], help="engines")
+    backends: list[Backend] = option(factory=lambda: list(Backend), help="engines")
     dtype: str = option("float32", "dtype of the target")
     width: int = option(8, "new tokens in the profiled forward", ge=1, le=64)
     context_tokens: int = option(256, "KV-cache length the forward attends over", ge=1)
@@ -76,7 +77,7 @@ def profiled_forward(target: TargetModel, cache, past: int, width: int, vocab: i
 
 
 @torch.inference_mode()
-def profile_backend(config: ForwardProfileConfig, base: TargetModel, backend: str) -> dict:
+def profile_backend(config: ForwardProfileConfig, base: TargetModel, backend: Backend) -> dict:
     settings = CompileSettings(buckets=[config.width], capacity=config.capacity, kernel_profile=True)
     target = base.with_backend(backend, settings)
     target.prepare((config.width,))

@@ -32,6 +32,7 @@ from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write, atomic_write_json, refuse_overwrite
 from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel
 
 DEFAULT_WIDTHS = [1, 2, 4, 8, 16, 32, 64]
@@ -40,7 +41,7 @@ DEFAULT_WIDTHS = [1, 2, 4, 8, 16, 32, 64]
 @dataclass
 class LatencyConfig:
     target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
-    backends: list[Literal["eager", "compiled"]] = option(factory=lambda: ["eager", "compiled"],
+    backends: list[Backend] = option(factory=lambda: list(Backend),
                                                            help="engines measured")
     dtypes: list[str] = option(factory=lambda: ["float32"], help="dtypes measured (float32 | bfloat16 | float16)")
     widths: list[int] = option(factory=lambda: list(DEFAULT_WIDTHS), help="new tokens per forward", ge=1)
@@ -55,7 +56,7 @@ class LatencyConfig:
 
     def __post_init__(self):
         check_config(self)
-        if max(self.widths) > max(self.compile.buckets) and "compiled" in self.backends:
+        if max(self.widths) > max(self.compile.buckets) and Backend.COMPILED in self.backends:
             raise UserError(f"widths: {max(self.widths)} exceeds the largest compiled bucket "
                             f"{max(self.compile.buckets)}")
 

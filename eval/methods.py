@@ -46,6 +46,7 @@ from draftsmith.eval.policies.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
 from draftsmith.models.target import TargetModel
 
@@ -176,13 +177,13 @@ class BuildContext:
 
     target: TargetModel
     draft: TargetModel | None = None
-    backend: str = "eager"
+    backend: Backend = Backend.EAGER
     settings: CompileSettings = field(default_factory=CompileSettings)
     models: dict = field(default_factory=dict)
     engines: dict = field(default_factory=dict)  # (id(module), backend) -> TargetModel
     drafter_engines: list = field(default_factory=list)  # feature drafters' own engines (built with them)
 
-    def engine(self, lm: TargetModel, backend: str | None = None) -> TargetModel:
+    def engine(self, lm: TargetModel, backend: Backend | None = None) -> TargetModel:
         """`lm` driven by `backend` (default: the run's), built once per model and backend."""
         backend = backend or self.backend
         key = (id(lm.model), backend)
@@ -234,13 +235,13 @@ class BuildContext:
     def compiled_engines(self) -> list:
         """Every compiled engine of the run (targets, LM drafters, feature drafters), to build before timing."""
         engines = [lm.engine for lm in self.engines.values()] + self.drafter_engines
-        return [engine for engine in engines if engine.name == "compiled"]
+        return [engine for engine in engines if engine.name is Backend.COMPILED]
 
 
 class HFGenerate(Method):
     """HF `generate` of the target (greedy, or sampling with top_k=0, top_p=1), optionally assisted."""
 
-    backend = "eager"
+    backend = Backend.EAGER
 
     def __init__(self, name: str, assistant=None):
         self.name, self.assistant = name, assistant
@@ -421,7 +422,7 @@ def build_loop_plain(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 
 def build_plain_compiled(spec: MethodSpec, ctx: BuildContext) -> Method:
-    return DrafterMethod(None, spec.label, backend="compiled")
+    return DrafterMethod(None, spec.label, backend=Backend.COMPILED)
 
 
 def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
@@ -530,7 +531,7 @@ def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
     if budget == 0:
         raise ConfigError(f"{spec.label}: budget 0 is plain decoding: use the plain or loop-plain method")
     drafter_spec = parse_method(profile["drafter"], f"{spec.options.path}: drafter")
-    backend = profile["best"]["backend"]
+    backend = Backend(profile["best"]["backend"])
     ctx = replace(ctx, backend=backend)  # an LM drafter runs on the engine the profile picked (models shared)
     if drafter_spec.name == "medusa":
         o = drafter_spec.options

@@ -54,6 +54,7 @@ from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, inne
 from draftsmith.eval.policies.placement import PlacedDrafter
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel, dtype_name
 
 DEFAULT_BUDGETS = [0, 1, 2, 4, 8, 16, 32, 64]
@@ -65,7 +66,7 @@ class ProfileConfig:
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree use by default")
     drafter: MethodSpec = option(parse_method("lm-tree:every=2,depth=5,topk=4"),
                                  "the drafter method (its budget is what the profile varies)")
-    backends: list[Literal["eager", "compiled"]] = option(factory=lambda: ["eager", "compiled"],
+    backends: list[Backend] = option(factory=lambda: list(Backend),
                                                            help="engines measured (the pick is one of them)")
     dtypes: list[str] = option(factory=lambda: ["float32"], help="dtypes measured (the first calibrates)")
     compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
@@ -99,7 +100,7 @@ class ProfileConfig:
     def __post_init__(self):
         check_config(self)
         self.budgets = sorted(set([0] + list(self.budgets)))  # T(0) = T_T, the plain decoding step
-        if "compiled" in self.backends and self.calibration_budget + 1 > max(self.compile.buckets):
+        if Backend.COMPILED in self.backends and self.calibration_budget + 1 > max(self.compile.buckets):
             raise ConfigError(f"calibration_budget: {self.calibration_budget} plus the root must fit the largest "
                               f"compiled bucket ({max(self.compile.buckets)})")
 
@@ -108,7 +109,7 @@ class ProfileConfig:
 class Setting:
     """One way to run the target that the profile measures: engine, dtype, optional HCMP split."""
 
-    backend: str
+    backend: Backend
     dtype: str
     hcmp_ratio: float | None = None
     padded: bool = False  # compiled with one graph per bucket: T(b) is flat inside a bucket
@@ -121,14 +122,14 @@ class Setting:
     @property
     def step(self) -> bool:
         """T(b) is flat inside a bucket (compiled, padded graphs), else it is interpolated."""
-        return self.backend == "compiled" and self.padded
+        return self.backend is Backend.COMPILED and self.padded
 
 
 def settings_of(config: ProfileConfig) -> list[Setting]:
     padded = not config.compile.shared_width
     settings = [Setting(backend, dtype, padded=padded) for dtype in config.dtypes for backend in config.backends]
     if config.placement == "hcmp":
-        settings += [Setting("eager", config.dtypes[0], ratio) for ratio in config.hcmp_ratios]
+        settings += [Setting(Backend.EAGER, config.dtypes[0], ratio) for ratio in config.hcmp_ratios]
     return settings
 
 

@@ -52,7 +52,7 @@ from draftsmith.config import ConfigError, check_config, option
 from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel
-from draftsmith.models.engine import TargetOutput
+from draftsmith.models.engine import Backend, TargetOutput
 from draftsmith.models.zoo import draftsmith_cache
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class BucketGraphs:
     once per machine (cached on disk), loaded per process. The static-cache bookkeeping (commit,
     truncate, masks) is shared by the engines below."""
 
-    name = "compiled"
+    name = Backend.COMPILED
 
     def __init__(self, step: nn.Module, kv: list[torch.Tensor], fingerprint: str, settings: CompileSettings,
                  dtype: torch.dtype, device: torch.device, what: str, cache_dir: str | Path | None = None):

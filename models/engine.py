@@ -10,10 +10,22 @@ shape, compiled engine with the same interface.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+
+class Backend(str, enum.Enum):
+    """How a model's forwards run; resolved once at the entry point (a command's `backend=`), keyed in the one
+    table of engines (`models.target.ENGINES`) and in every result."""
+
+    EAGER = "eager"  # HF forward with a growing DynamicCache
+    COMPILED = "compiled"  # models.compiled: static shapes, AOT-compiled graphs
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -58,7 +70,7 @@ def commit_kv(cache: DynamicCache, keep: torch.Tensor) -> None:
 class EagerBuild:
     """What every eager engine shares: nothing to build or free, a DynamicCache that grows by each forward."""
 
-    name = "eager"
+    name = Backend.EAGER
 
     def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
         """Nothing to build ahead of time (a compiled engine builds or loads its graphs here)."""

@@ -22,11 +22,13 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from draftsmith.errors import UserError
-from draftsmith.models.compiled import CompileSettings, CompiledEngine
-from draftsmith.models.engine import EagerEngine, TargetOutput
+from draftsmith.models.compiled import CompiledDGFEngine, CompileSettings, CompiledEngine
+from draftsmith.models.dgf import DGFModel, EagerDGFEngine
+from draftsmith.models.engine import Backend, EagerEngine, TargetOutput
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm, parse_tiny_spec
 from draftsmith.models.zoo import REGISTRY, resolve_model_path
 
@@ -108,9 +110,18 @@ def load_model_config(name_or_path: str):
     return from_hub_or_dir(AutoConfig, name_or_path, resolve_model_path(name_or_path))
 
 
-# backend name -> engine factory (model, compile settings): the one table of engines
-ENGINES = {"eager": lambda model, settings: EagerEngine(model),
-           "compiled": lambda model, settings: CompiledEngine(model, settings)}
+# (backend, what runs) -> engine factory (model, compile settings): the one table of engines. A stock HF causal
+# LM (target, draft LM) and a feature drafter (models.dgf) each have an eager and a compiled engine.
+ENGINES = {(Backend.EAGER, PreTrainedModel): lambda model, settings: EagerEngine(model),
+           (Backend.COMPILED, PreTrainedModel): lambda model, settings: CompiledEngine(model, settings),
+           (Backend.EAGER, DGFModel): lambda model, settings: EagerDGFEngine(model),
+           (Backend.COMPILED, DGFModel): lambda model, settings: CompiledDGFEngine(model, settings)}
+
+
+def make_engine(model: nn.Module, backend: Backend, settings: CompileSettings | None = None):
+    """The engine that runs `model` (an HF causal LM or a DGFModel) on `backend`, from ENGINES."""
+    kind = DGFModel if isinstance(model, DGFModel) else PreTrainedModel
+    return ENGINES[(Backend(backend), kind)](model, settings)
 
 
 class TargetModel:
@@ -128,7 +139,7 @@ class TargetModel:
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str | torch.dtype = "float32",
                         device: str | torch.device | None = None, gguf_file: str | None = None,
-                        attn_implementation: str = "sdpa", backend: str = "eager",
+                        attn_implementation: str = "sdpa", backend: Backend = Backend.EAGER,
                         settings: CompileSettings | None = None) -> "TargetModel":
         """Load by zoo name, local dir or hub id (and optionally a GGUF file inside that dir), or build a
         tiny random model for `tiny:<family>[:<seed>]` (models.tiny); `backend` picks the engine."""
@@ -145,17 +156,17 @@ class TargetModel:
             loaded = cls(model.to(resolve_device(device)), tokenizer, name=name_or_path)
         return loaded.with_backend(backend, settings)
 
-    def with_backend(self, backend: str, settings: CompileSettings | None = None) -> "TargetModel":
+    def with_backend(self, backend: Backend, settings: CompileSettings | None = None) -> "TargetModel":
         """This model (same module, same weights) driven by another engine; `self` when it already is."""
-        if backend not in ENGINES:
-            raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(ENGINES)}")
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend must be a models.engine.Backend, got {backend!r}")
         if backend == self.engine.name:
             return self
-        engine = ENGINES[backend](self.model, settings)
+        engine = make_engine(self.model, backend, settings)
         return TargetModel(self.model, self.tokenizer, name=self.name, engine=engine)
 
     @property
-    def backend(self) -> str:
+    def backend(self) -> Backend:
         return self.engine.name
 
     @property

@@ -14,6 +14,7 @@ from draftsmith.eval.methods import BuildContext, build_method, parse_method
 from draftsmith.eval.profile import (ProfileConfig, measure_verify_latency, measured_budgets, random_tree, run_profile,
                                     settings_of)
 from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.models.engine import Backend
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 
@@ -93,7 +94,7 @@ def test_profile_round_trip_and_decoding(tmp_path, smol_tokenizer, placement):
     loaded = load_profile(path)
     assert loaded["trees"] == {w: p for w, p in profile["trees"].items()}
     assert loaded["best"] == json.loads(json.dumps(profile["best"]))
-    context = BuildContext(target, None, "eager", config.compile)
+    context = BuildContext(target, None, Backend.EAGER, config.compile)
     method = build_method(parse_method(f"arca:{path},budget=4"), context)
     assert method.backend == loaded["best"]["backend"]  # the engine the profile picked
     assert isinstance(method, HcmpPolicy) == (loaded["best"]["placement"] == "hcmp")

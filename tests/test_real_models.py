@@ -18,6 +18,7 @@ from draftsmith.models import zoo
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.student import every_nth_layer, layer_subset_student
+from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 SMOL = "smollm2-135m-instruct"
@@ -170,9 +171,9 @@ def test_smollm2_compiled_greedy_equivalence(smol):
     """The compiled backend (default buckets, autotuned; packages cached after the first run): every
     drafter on the compiled path reproduces compiled plain greedy; compiled plain equals HF eager
     greedy up to near-ties."""
-    compiled = smol.with_backend("compiled")
+    compiled = smol.with_backend(Backend.COMPILED)
     student = TargetModel(layer_subset_student(smol.model, every_nth_layer(smol.num_layers, 2)), smol.tokenizer)
-    student = student.with_backend("compiled")
+    student = student.with_backend(Backend.COMPILED)
     torch.manual_seed(0)
     heads = MedusaHeads(MedusaConfig(smol.config.hidden_size, smol.config.vocab_size, num_heads=4))
     heads.init_lm_heads(smol.model.lm_head.weight)
@@ -197,7 +198,7 @@ def test_qwen_coder_pair_compiled_greedy_equivalence():
         need(name)
     settings = CompileSettings()
     target = TargetModel.from_pretrained("qwen2.5-coder-1.5b-instruct", dtype="float32")
-    compiled = target.with_backend("compiled", settings)
+    compiled = target.with_backend(Backend.COMPILED, settings)
     draft = TargetModel.from_pretrained("qwen2.5-coder-0.5b-instruct", dtype="float32").with_backend(
         "compiled", settings)
     config = DecodeConfig(max_new_tokens=24, budget_limit=15)

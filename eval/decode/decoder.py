@@ -36,6 +36,7 @@ from draftsmith.errors import UserError
 from draftsmith.eval.decode.drafters.base import Drafter, NoDrafter, Sampling
 from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
 from draftsmith.eval.decode.verify import verify_greedy, verify_sampling
+from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 
@@ -291,7 +292,7 @@ class Method:
 
     name = "method"
     drafter: Drafter | None = None
-    backend: str | None = None  # the engine this method's target needs (None: the run's backend)
+    backend: Backend | None = None  # the engine this method's target needs (None: the run's backend)
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig):
         raise NotImplementedError
@@ -303,7 +304,7 @@ class Method:
 class DrafterMethod(Method):
     """A drafter run by the SpeculativeDecoder (None: our loop without a drafter)."""
 
-    def __init__(self, drafter: Drafter | None, name: str, backend: str | None = None):
+    def __init__(self, drafter: Drafter | None, name: str, backend: Backend | None = None):
         self.drafter, self.name, self.backend = drafter, name, backend
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig) -> SpeculativeDecoder:

@@ -17,6 +17,7 @@ from draftsmith.errors import UserError
 from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.fileio import atomic_write
+from draftsmith.models.engine import Backend
 from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, arca_paths, expected_accepted, load_rank_accuracy,
                                       path_value, rank_accuracy_from_topk)
 
@@ -186,7 +187,7 @@ def load_profile(path: str | Path) -> dict:
         doc["best"]["budget"] = doc["best"].pop("width", None)
         doc["version"] = 2
     if doc.get("version") == 2 and "best" in doc:  # measured on the eager engine in one dtype
-        doc["best"].setdefault("backend", "eager")
+        doc["best"].setdefault("backend", Backend.EAGER.value)
         doc["best"].setdefault("dtype", doc.get("config", {}).get("dtype", "float32"))
         doc["version"] = PROFILE_VERSION
     for key in ("version", "drafter", "best", "trees", "budgets"):

@@ -41,6 +41,7 @@ from transformers import AttentionInterface
 from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeResult, Method, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import Drafter
+from draftsmith.models.engine import Backend
 from draftsmith.models.target import resolve_device
 
 LAYER_TYPES = ("qkv", "o", "mlp", "attention")
@@ -329,7 +330,7 @@ class HcmpDecoder:
 class HcmpPolicy(Method):
     """A decoding method: any drafter (or none: plain decoding), the target split across two units."""
 
-    backend = "eager"  # the split replaces the eager module's layers; a compiled graph would not see it
+    backend = Backend.EAGER  # the split replaces the eager module's layers; a compiled graph would not see it
 
     def __init__(self, drafter: Drafter | None, config: HcmpConfig, name: str = "hcmp"):
         self.drafter, self.config, self.name = drafter, config, name

@@ -31,18 +31,15 @@ from draftsmith.errors import UserError
 from draftsmith.eval.decode.drafters.base import TREE_BUDGET, Drafter, Sampling, draw_children
 from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
-from draftsmith.models.compiled import CompiledDGFEngine, CompileSettings
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
 from draftsmith.models.dgf import DGFModel, EagerDGFEngine
 from draftsmith.models.exports import EXPORT_MANIFEST, read_export_manifest
+from draftsmith.models.target import make_engine
 from draftsmith.models.vocab import DraftVocab
 
 
 DGF_DEPTH, DGF_TOPK = 7, 10  # Dovetail's dynamic tree: depth 7, top-k 10 (and g = TREE_BUDGET = 16)
-
-
-# backend -> the drafter's engine (model, compile settings)
-DGF_ENGINES = {"eager": lambda model, settings: EagerDGFEngine(model),
-               "compiled": lambda model, settings: CompiledDGFEngine(model, settings)}
 
 
 class DGFDrafter(Drafter):
@@ -250,12 +247,12 @@ def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = 
 
 
 def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: int | None = None,
-                     budget: int | None = None, name: str | None = None, backend: str = "eager",
+                     budget: int | None = None, name: str | None = None, backend: Backend = Backend.EAGER,
                      settings: CompileSettings | None = None) -> DGFDrafter:
     """A DGFDrafter for `target` from a recipe's final/ directory or a dgf-layout export (refuses another
     target's drafter); tree shape as `drafter_tree`. The drafter runs in the target's dtype on the
     target's device, on the `backend` engine."""
     model, _ = load_dgf(path, target, dtype=target.dtype)
-    engine = DGF_ENGINES[backend](model.eval(), settings)
+    engine = make_engine(model.eval(), backend, settings)
     depth, topk, budget = drafter_tree(path, depth, topk, budget)
     return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine)
