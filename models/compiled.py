@@ -52,7 +52,7 @@ from draftsmith.config import ConfigError, check_config, option
 from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel
-from draftsmith.models.engine import Backend, TargetOutput
+from draftsmith.models.engine import Backend, TargetOutput, with_cache
 from draftsmith.models.zoo import draftsmith_cache
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class StepModule(nn.Module):
     def forward(self, input_ids, position_ids, mask, past, *kv):
         point_cache(self.cache, past, kv)
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+                         **with_cache(self.cache), use_cache=True, output_hidden_states=True)
         return out.logits, torch.stack(out.hidden_states)
 
 
@@ -128,7 +128,7 @@ class DGFStepModule(nn.Module):
         hidden = self.model.fusion(features, self.embedding(input_ids).to(features.dtype))
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
         for layer in self.model.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=self.cache,
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, **with_cache(self.cache),
                            use_cache=True, position_embeddings=position_embeddings)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
@@ -409,7 +409,7 @@ class CompiledEngine(BucketGraphs):
         self.model = model.eval()
         device = model.device
         cache, kv = static_cache(model.config, settings.capacity, lambda c: model(
-            input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=c, use_cache=True))
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **with_cache(c), use_cache=True))
         super().__init__(StepModule(model, cache), kv, model_fingerprint(model, model.config.to_dict()), settings,
                          model.dtype, device, model.config.model_type, cache_dir)
 

@@ -67,7 +67,7 @@ from torch import nn
 from transformers import AutoConfig, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-from draftsmith.models.engine import EagerBuild, additive_mask
+from draftsmith.models.engine import EagerBuild, additive_mask, with_cache
 from draftsmith.models.vocab import DraftVocab
 
 FUSIONS = ("linear", "dgf", "eagle3")
@@ -236,12 +236,13 @@ class Eagle3FirstBlock(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.hidden_norm = type(layer.post_attention_layernorm)(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache: bool = False, position_embeddings=None, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, use_cache: bool = False,
+                position_embeddings=None, **kwargs) -> torch.Tensor:
+        """`kwargs` carries the KV cache under this transformers' name for it (models.engine.CACHE_KEYWORD)."""
         embeddings, features = hidden_states.chunk(2, dim=-1)  # (B, T, H) each
         normed = torch.cat([self.input_layernorm(embeddings), self.hidden_norm(features)], dim=-1)  # (B, T, 2H)
         attended, _ = self.self_attn(hidden_states=normed, attention_mask=attention_mask, position_ids=position_ids,
-                                     past_key_values=past_key_values, use_cache=use_cache,
+                                     use_cache=use_cache,
                                      position_embeddings=position_embeddings, **kwargs)
         hidden = features + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -417,7 +418,7 @@ class DGFModel(nn.Module):
         hidden = self.fusion(features.to(self.dtype), self.embed(input_ids).to(features.device))  # (B, T, H)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, **with_cache(cache),
                            use_cache=cache is not None, position_embeddings=position_embeddings)
             if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
                 hidden = hidden[0]

@@ -11,10 +11,26 @@ shape, compiled engine with the same interface.
 from __future__ import annotations
 
 import enum
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+
+def _cache_keyword() -> str:
+    """The name transformers gives the KV cache argument of models, decoder layers and attention: `cache` from
+    5.2x on (`past_key_values` is then deprecated and warns), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(LlamaDecoderLayer.forward).parameters else "past_key_values"
+
+
+CACHE_KEYWORD = _cache_keyword()
+
+
+def with_cache(cache) -> dict:
+    """The keyword argument that hands `cache` to a model, decoder layer or attention of this transformers."""
+    return {CACHE_KEYWORD: cache}
 
 
 class Backend(str, enum.Enum):
@@ -111,7 +127,7 @@ class EagerEngine(EagerBuild):
                 position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
                 hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         mask = None if allowed is None else additive_mask(allowed, self.model.dtype)
-        out = self.model(input_ids=input_ids, past_key_values=cache, position_ids=position_ids,
+        out = self.model(input_ids=input_ids, **with_cache(cache), position_ids=position_ids,
                          attention_mask=mask, use_cache=cache is not None,
                          output_hidden_states=bool(hidden_layers))
         hidden = {layer: out.hidden_states[layer] for layer in hidden_layers}

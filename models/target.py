@@ -5,7 +5,7 @@ No modeling code is copied. Tree verification is one ordinary forward call of th
     the dtype's minimum elsewhere (transformers passes a 4D mask through unchanged, and additive
     float masks work for both the eager and the sdpa attention implementations);
   - `position_ids`: past + depth of each tree node, so siblings share a position;
-  - `past_key_values`: the engine's KV cache holding the committed prefix.
+  - the KV cache (`cache=`, `past_key_values=` before transformers 5.2x): the engine's KV cache holding the committed prefix.
 After verification only the accepted path is kept (`commit`). Engines: `models.engine.EagerEngine`
 (a growing DynamicCache, the default) and `models.compiled.CompiledEngine` (backend="compiled":
 a preallocated cache, inputs padded to buckets, one AOT-compiled graph per bucket).
