@@ -41,14 +41,17 @@ the source spec ``conversations:<dir>``).
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import logging
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -58,9 +61,11 @@ from draftsmith.data.chat import end_of_turn_candidates, prompt_ids, render_text
 from draftsmith.data.shards import (ShardLedger, chunk, fingerprint, parse_job_command, rank_items,
                                     resolve_rank_device, resolve_rank_world)
 from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, load_source
-from draftsmith.errors import exit_with
+from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
+from draftsmith.models.llamacpp import CONVERTER_TYPES, LlamaServer, ServerSettings, cached_gguf
 from draftsmith.models.target import TargetModel, load_model_config, resolve_dtype
+from draftsmith.models.zoo import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -82,26 +87,43 @@ class RegenerateConfig:
     temperature: float = option(0.0, "0 = greedy; > 0 samples at this temperature", ge=0)
     top_p: float = option(1.0, "nucleus sampling mass (ignored when greedy)", gt=0, le=1)
     top_k: int = option(0, "top-k sampling (0: off; ignored when greedy)", ge=0)
-    batch_size: int = option(8, "conversations generated together (left-padded)", ge=1)
+    engine: Literal["pytorch", "llamacpp"] = option(
+        "pytorch", "who generates: pytorch (HF generate, left-padded batches) or llamacpp (the built llama.cpp's "
+                   "server on loopback, `batch_size` parallel slots, the target converted once to GGUF in `dtype`; "
+                   "build it with `python -m draftsmith.models.llamacpp build`)")
+    batch_size: int = option(8, "conversations generated together (pytorch: left-padded; llamacpp: server slots)",
+                             ge=1)
     shard_size: int = option(256, "conversations per shard (the unit of resuming)", ge=1)
     limit: int | None = option(None, "keep the first N records of the source (before sharding across ranks)", ge=1)
     skip: int = option(0, "drop the source's first N records before `limit` (continue past an earlier run's "
                           "limit in another output_dir)", ge=0)
     seed: int = option(0, "sampling seed; every shard reseeds with (seed, rank, shard index)")
-    dtype: str = option("float32", "the target's compute dtype")
+    dtype: str = option("float32", "the target's compute dtype (llamacpp: its GGUF type, also q8_0)")
     device: str | None = option(None, "null = cpu, auto = cuda when present")
     rank: int | None = option(None, "null: RANK from the environment, else 0", ge=0)
     world_size: int | None = option(None, "null: WORLD_SIZE from the environment, else 1", ge=1)
     filter_wrong: bool = option(False, "drop replies a checker marks wrong (GSM8K); else keep them marked")
     max_prompt_tokens: int | None = option(None, "a turn with a longer prompt ends the replay there (null: the "
-                                                 "context length minus max_new_tokens)", ge=1)
+                                                 "context length minus max_new_tokens; engine=llamacpp: 1024, "
+                                                 "the size of its slots)", ge=1)
     max_turns: int | None = option(None, "regenerate at most this many assistant replies per conversation", ge=1)
     max_shards: int | None = option(None, "stop after this many shards in this call (the rerun continues)", ge=1)
     threads: int | None = option(None, "torch CPU threads (null: torch's default)", ge=1)
+    compress: bool = option(False, "gzip each shard (shard_*.jsonl.gz): the compact form a job commits to git")
     progress: bool = option(True, "progress bar on stderr")
 
     def __post_init__(self) -> None:
         check_config(self)
+        if self.engine == "llamacpp":
+            if self.dtype not in CONVERTER_TYPES:
+                raise UserError(f"dtype={self.dtype}: engine=llamacpp converts the target to one of "
+                                f"{', '.join(CONVERTER_TYPES)}")
+            if self.device not in (None, "cpu"):
+                raise UserError(f"device={self.device}: engine=llamacpp runs on the CPU here; unset device")
+            if self.rank not in (None, 0) or self.world_size not in (None, 1):
+                raise UserError("engine=llamacpp runs one server for the whole job; unset rank and world_size")
+        elif self.dtype == "q8_0":
+            raise UserError("dtype=q8_0 is a GGUF type: set engine=llamacpp, or a torch dtype (float32, bfloat16)")
 
 
 
@@ -167,6 +189,7 @@ class GenerationBackend:
     tokenizer: Any
     stop_ids: list[int]
     pad_id: int
+    server: LlamaServer | None = None  # engine=llamacpp: replies come from this server, not from `model`
 
 
 def make_backend(model: Any, tokenizer: Any) -> GenerationBackend:
@@ -196,6 +219,8 @@ def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[
 def generate_replies(backend: GenerationBackend, prompts: list[list[int]], cfg: RegenerateConfig) -> list[tuple[str, bool]]:
     """One batched ``generate`` call: (reply text, finished) per prompt; finished = a stop token
     was produced within ``max_new_tokens``."""
+    if backend.server is not None:
+        return server_replies(backend, prompts, cfg)
     from transformers import GenerationConfig
 
     model = backend.model
@@ -220,6 +245,18 @@ def generate_replies(backend: GenerationBackend, prompts: list[list[int]], cfg: 
         body = row if cut is None else row[:cut]
         replies.append((backend.tokenizer.decode(body, skip_special_tokens=True).strip(), cut is not None))
     return replies
+
+
+def server_replies(backend: GenerationBackend, prompts: list[list[int]], cfg: RegenerateConfig) -> list[tuple[str, bool]]:
+    """The replies of llama-server's parallel slots: every prompt in flight at once, `batch_size` decoding."""
+    def one(ids: list[int]) -> tuple[str, bool]:
+        reply = backend.server.complete(ids, cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                                        top_p=cfg.top_p, top_k=cfg.top_k)
+        tokens = [t for t in reply.get("tokens", []) if t not in backend.stop_ids]
+        return backend.tokenizer.decode(tokens, skip_special_tokens=True).strip(), reply.get("stop_type") == "eos"
+
+    with ThreadPoolExecutor(max_workers=cfg.batch_size) as pool:
+        return list(pool.map(one, prompts))
 
 
 def replay_batch(
@@ -278,7 +315,12 @@ def _shard_name(rank: int, index: int, suffix: str) -> str:
     return f"shard_{rank}_{index:05d}.{suffix}"
 
 
-def _default_max_prompt(model: Any, max_new_tokens: int) -> int | None:
+LLAMACPP_DEFAULT_MAX_PROMPT = 1024  # every server slot holds this many prompt tokens plus max_new_tokens
+
+
+def _default_max_prompt(model: Any, max_new_tokens: int, engine: str = "pytorch") -> int | None:
+    if engine == "llamacpp":
+        return LLAMACPP_DEFAULT_MAX_PROMPT
     ctx = getattr(model.config, "max_position_embeddings", None)
     return None if ctx is None else max(1, int(ctx) - max_new_tokens)
 
@@ -306,6 +348,8 @@ def regen_plan(cfg: RegenerateConfig, convs: Sequence[Conversation], given: bool
         plan["max_turns"] = cfg.max_turns
     if cfg.skip:  # absent from plans that start at the source's first record (as before the option)
         plan["skip"] = cfg.skip
+    if cfg.engine != "pytorch":  # absent from plans generated with HF generate (as before the option)
+        plan["engine"] = cfg.engine
     return plan
 
 
@@ -313,7 +357,8 @@ def mark_conversation(cfg: RegenerateConfig, conv: Conversation, item: int, orig
                       checkers: Mapping) -> bool:
     """Record where a regenerated conversation came from; False when a checker drops it (filter_wrong)."""
     mark = {"model": cfg.target, "item": item, "original_id": original.id, "turns": info["turns"],
-            "truncated": info["truncated"], "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+            "truncated": info["truncated"], "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
+            "engine": cfg.engine, "dtype": cfg.dtype}
     if info["context_cut"]:
         mark["context_cut"] = True
     check = checkers.get(conv.source)
@@ -331,8 +376,9 @@ def regenerate_shard(cfg: RegenerateConfig, backend: GenerationBackend, convs: S
     """The JSONL lines of one shard and what was dropped (reason -> count)."""
     lines: list[str] = []
     dropped: Counter = Counter()
-    for start in range(0, len(items), cfg.batch_size):
-        batch_items = items[start: start + cfg.batch_size]
+    step = len(items) if backend.server is not None else cfg.batch_size  # the server's slots take a queue
+    for start in range(0, len(items), step):
+        batch_items = items[start: start + step]
         for item, (conv, info) in zip(batch_items, replay_batch(backend, [convs[i] for i in batch_items], cfg,
                                                                 max_prompt)):
             bar.update(1)
@@ -343,6 +389,11 @@ def regenerate_shard(cfg: RegenerateConfig, backend: GenerationBackend, convs: S
             else:
                 dropped["wrong_answer"] += 1
     return lines, dropped
+
+
+def write_lines(path: Path, lines: list[str], compress: bool) -> None:
+    data = "".join(lines).encode("utf-8")
+    path.write_bytes(gzip.compress(data, compresslevel=9, mtime=0) if compress else data)
 
 
 def regenerate(
@@ -378,14 +429,18 @@ def regenerate(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if target is None:
-        target = TargetModel.from_pretrained(cfg.target, dtype=resolve_dtype(cfg.dtype),
+        dtype = "float32" if cfg.engine == "llamacpp" else cfg.dtype  # llamacpp: only the tokenizer is used
+        target = TargetModel.from_pretrained(cfg.target, dtype=resolve_dtype(dtype),
                                              device=resolve_rank_device(cfg.device))
     backend = make_backend(target.model, target.tokenizer)
     max_prompt = cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else _default_max_prompt(
-        target.model, cfg.max_new_tokens)
+        target.model, cfg.max_new_tokens, cfg.engine)
     done_items = sum(len(shards[k]) for k in range(len(shards)) if k not in todo)
-    with tqdm(total=len(mine), initial=done_items, desc=f"regenerate rank {rank}/{world}", unit="conv",
-              disable=not cfg.progress, file=sys.stderr) as bar:
+    with contextlib.ExitStack() as stack, tqdm(total=len(mine), initial=done_items, unit="conv",
+                                               desc=f"regenerate rank {rank}/{world}", disable=not cfg.progress,
+                                               file=sys.stderr) as bar:
+        if cfg.engine == "llamacpp":
+            backend.server = stack.enter_context(start_server(cfg, target, max_prompt))
         for k in todo:
             if cfg.max_shards is not None and result.shards_written >= cfg.max_shards:
                 result.stopped_early = True
@@ -394,8 +449,8 @@ def regenerate(
             torch.manual_seed(cfg.seed * 1_000_003 + rank * 100_003 + k)  # a redone shard is the same shard
             lines, dropped = regenerate_shard(cfg, backend, convs, shards[k], max_prompt,
                                               CHECKERS if checkers is None else checkers, bar)
-            name = _shard_name(rank, k, "jsonl")
-            atomic_write(out / name, lambda p: p.write_text("".join(lines), encoding="utf-8"))
+            name = _shard_name(rank, k, "jsonl.gz" if cfg.compress else "jsonl")
+            atomic_write(out / name, lambda p: write_lines(p, lines, cfg.compress))
             ledger.commit({"file": name, "index": k, "n_items": len(shards[k]), "n_written": len(lines),
                            "first_item": shards[k][0], "dropped": dict(dropped),
                            "seconds": round(time.perf_counter() - t0, 3)})
@@ -404,6 +459,15 @@ def regenerate(
             result.dropped.update(dropped)
     ledger.finish()
     return result
+
+
+def start_server(cfg: RegenerateConfig, target: Any, max_prompt: int | None) -> LlamaServer:
+    """llama-server over the target's GGUF (converted once into the cache), `batch_size` slots."""
+    model_dir = Path(resolve_model_path(cfg.target))
+    gguf = cached_gguf(model_dir, model_dir.name, cfg.dtype)
+    context = max_prompt + cfg.max_new_tokens + 8
+    settings = ServerSettings(model=gguf, slots=cfg.batch_size, context_per_slot=context, threads=cfg.threads or 2)
+    return LlamaServer(settings, log_path=Path(cfg.output_dir) / "llama-server.log")
 
 
 # ---------------------------------------------------------------------------

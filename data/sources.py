@@ -440,7 +440,8 @@ def load_regenerated(path: str | Path, limit: int | None = None, require_complet
         log.warning("%s; loading the complete shards", msg)
     convs: list[Conversation] = []
     for entry in index["shards"]:
-        with open(d / entry["file"], encoding="utf-8") as f:
+        opener = gzip.open if entry["file"].endswith(".gz") else open
+        with opener(d / entry["file"], "rt", encoding="utf-8") as f:
             convs += [Conversation.from_dict(json.loads(line)) for line in f if line.strip()]
     convs.sort(key=lambda c: c.meta["regenerated"]["item"])
     return convs[:limit] if limit is not None else convs

@@ -11,6 +11,14 @@
     python scripts/export.py dgf <final> exports/sglang --layout sglang   # EAGLE-3 for SGLang
     python scripts/export.py dgf <final> models/bundled/smollm2-135m-instruct-dgf --layout dgf \
         --dtype bfloat16 --target smollm2-135m-instruct   # how the bundled drafter is made
+    python scripts/export.py gguf smollm2-135m-instruct exports/smollm2-q8_0.gguf --type q8_0
+                                                      # llama.cpp: a target, draft model or student as GGUF
+    python scripts/export.py gguf exports/eagle3 exports/eagle3.gguf --target smollm2-135m-instruct
+                                                      # llama.cpp: an EAGLE-3 export (--spec-type draft-eagle3)
+
+GGUF files are written by the pinned llama.cpp's own converter (`python -m draftsmith.models.llamacpp build`
+once) and are kept only after llama.cpp has loaded and decoded them: plain greedy decoding for a model, and
+for an EAGLE-3 drafter speculative decoding of its target whose output must equal the target's plain output.
 
 Each export is reloaded and checked for parity (same logits on a fixed seeded input) before it is
 moved into place with export_manifest.json and a model card (README.md); with `--bench-method` naming a
@@ -31,7 +39,10 @@ from huggingface_hub import HfApi
 from draftsmith.errors import UserError, exit_with, one_line
 from draftsmith.eval.decode.drafters.dgf import drafter_tree
 from draftsmith.eval.methods import parse_method
+from draftsmith.fileio import refuse_overwrite
 from draftsmith.models import exports as export
+from draftsmith.models import llamacpp
+from draftsmith.models.zoo import resolve_model_path
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -47,6 +58,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     dgf.add_argument("--layout", default="auto", choices=list(export.DGF_LAYOUTS))
     dgf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                      help="stored weights (layout dgf; bfloat16 halves a bundled drafter)")
+    gguf = sub.add_parser("gguf", help="HF causal LM or EAGLE-3 export -> one GGUF file, decoded in llama.cpp")
+    gguf.add_argument("--type", default="float32", choices=list(llamacpp.GGUF_TYPES), help="GGUF tensor type")
+    gguf.add_argument("--target", help="EAGLE-3 only: the target's zoo name or model directory")
+    gguf.add_argument("--overwrite", action="store_true", help="replace an existing GGUF file")
+    gguf.add_argument("source", help="zoo name or model directory")
+    gguf.add_argument("out", help="the .gguf file to write")
     for p in (student, medusa, dgf):
         p.add_argument("source")
         p.add_argument("out")
@@ -55,7 +72,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.add_argument("--bench", metavar="BENCH_JSON", help="a bench.json whose tau and speedup go into the model card")
         p.add_argument("--bench-method", metavar="LABEL", help="the method of --bench measured for this drafter")
     args = parser.parse_args(argv)
-    if not args.tolerance >= 0:
+    if args.kind != "gguf" and not args.tolerance >= 0:
         raise UserError(f"--tolerance {args.tolerance}: must be >= 0")
     return args
 
@@ -85,8 +102,22 @@ def measured_tree(source: str, bench_method: str | None) -> dict | None:
     return {"depth": depth, "topk": topk, "g": budget}
 
 
+def export_gguf(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.suffix != ".gguf":
+        raise UserError(f"{out}: a GGUF export is one file ending in .gguf")
+    refuse_overwrite(out, args.overwrite, instead="pass --overwrite or another path")
+    target = Path(resolve_model_path(args.target)) if args.target else None
+    result = llamacpp.export_gguf(Path(resolve_model_path(args.source)), out, args.type, target)
+    print(json.dumps(result, indent=2))
+    print(f"exported {result['kind']} to {out} ({args.type}); llama.cpp {result['llama_cpp']} decoded it")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if args.kind == "gguf":
+        return export_gguf(args)
     bench = export.bench_entry(args.bench, args.bench_method)
     if args.kind == "student":
         result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,

@@ -1,0 +1,154 @@
+"""llama.cpp as a real part: the pinned build is found, our exports load and decode in it, and its speculative
+output (n-gram, draft model, EAGLE-3) equals its own plain greedy output; regeneration through its server.
+
+The end-to-end tests need the build (`python -m draftsmith.models.llamacpp build`, ~15-25 min on 2 cores). CI
+builds it first and sets DRAFTSMITH_REQUIRE_LLAMACPP=1, so there a missing build fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.errors import run_main
+from draftsmith.models import llamacpp
+from draftsmith.models.artifacts import save_dgf, target_block
+from draftsmith.models.dgf import DGFConfig, DGFModel
+from draftsmith.models.exports import export_dgf
+from draftsmith.models.target import TargetModel
+from draftsmith.models.tiny import build_tiny_causal_lm
+from draftsmith.scripts import export as export_cli
+
+
+def require_build() -> None:
+    if llamacpp.is_built():
+        return
+    if os.environ.get("DRAFTSMITH_REQUIRE_LLAMACPP", "") not in ("", "0"):
+        pytest.fail("DRAFTSMITH_REQUIRE_LLAMACPP is set but llama.cpp is not built")
+    pytest.skip("llama.cpp is not built (python -m draftsmith.models.llamacpp build)")
+
+
+def test_not_built_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    assert run_main(llamacpp.main, ["where"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: llama.cpp b11434 is not built") and err.count("\n") == 1
+    with pytest.raises(llamacpp.NotBuiltError):
+        llamacpp.tool("llama-server")
+    assert run_main(llamacpp.main, ["bild"]) == 2
+
+
+def test_native_build_turns_amx_off_where_the_cpu_lists_it():
+    assert "-mno-amx-tile" in " ".join(llamacpp.cmake_arguments(amx_off=True))
+    assert "amx" not in " ".join(llamacpp.cmake_arguments(amx_off=False))
+    assert "-DGGML_NATIVE=ON" in llamacpp.cmake_arguments(amx_off=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(smol_tokenizer, tmp_path_factory):
+    """A tiny random Llama target with SmolLM2's tokenizer, its GGUF, a tiny draft model and a tiny EAGLE-3
+    drafter exported in the speculators layout."""
+    require_build()
+    root = tmp_path_factory.mktemp("llamacpp")
+    dirs = {}
+    for name, seed in (("target", 1), ("draft", 2)):
+        model = build_tiny_causal_lm("llama", seed=seed, vocab_size=len(smol_tokenizer), hidden_size=64, num_layers=4)
+        model.config.bos_token_id, model.config.eos_token_id = smol_tokenizer.bos_token_id, smol_tokenizer.eos_token_id
+        model.save_pretrained(root / name)
+        smol_tokenizer.save_pretrained(root / name)
+        dirs[name] = (root / name, model)
+    target_dir, target_model = dirs["target"]
+    target = TargetModel(target_model, smol_tokenizer, name=str(target_dir))
+    torch.manual_seed(0)
+    config = DGFConfig.for_target(target_model.config, fusion="eagle3", feature_layers=[1, 2, 3], num_blocks=1)
+    drafter = DGFModel(config).attach_target(target_model).eval()
+    save_dgf(drafter, root / "final", target_block(target, target.name, [1, 2, 3]))
+    export_dgf(root / "final", root / "eagle3", target=target, layout="speculators")
+    return {"root": root, "target": target_dir, "draft": dirs["draft"][0], "eagle3": root / "eagle3",
+            "target_model": target}
+
+
+def export(argv: list[str], capsys) -> dict:
+    code = run_main(export_cli.main, argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out[: out.rindex("}") + 1])
+
+
+def test_gguf_exports_decode_in_llamacpp_and_speculation_is_lossless(tiny_pair, capsys):
+    root = tiny_pair["root"]
+    target = export(["gguf", str(tiny_pair["target"]), str(root / "target.gguf")], capsys)
+    assert target["kind"] == "causal-lm" and target["check"]["plain_tokens"] > 0
+    export(["gguf", str(tiny_pair["draft"]), str(root / "draft-q8_0.gguf"), "--type", "q8_0"], capsys)
+    eagle = export(["gguf", str(tiny_pair["eagle3"]), str(root / "eagle3.gguf"), "--target", str(tiny_pair["target"])],
+                   capsys)
+    assert eagle["kind"] == "eagle3" and eagle["check"]["identical_to_plain"] and eagle["check"]["drafted"] > 0
+    prompt = llamacpp.check_prompt_ids(tiny_pair["target"])
+    simple = ("--spec-type", "draft-simple")
+    for speculative in (("--spec-type", "ngram-simple"), ("-md", str(root / "draft-q8_0.gguf"), *simple),
+                        ("-md", str(root / "eagle3.gguf"), "--spec-type", "draft-eagle3")):
+        check = llamacpp.decode_check(root / "target.gguf", prompt, speculative)
+        assert check["identical_to_plain"], speculative
+    self_draft = llamacpp.decode_check(root / "target.gguf", prompt, ("-md", str(root / "target.gguf"), *simple))
+    assert self_draft["accepted"] == self_draft["drafted"] > 0  # the target drafting for itself: all accepted
+
+
+def test_llamacpp_plain_greedy_equals_ours_in_float32(tiny_pair):
+    target = tiny_pair["target_model"]
+    gguf = llamacpp.cached_gguf(tiny_pair["target"], "tiny-target")
+    prompt = llamacpp.check_prompt_ids(tiny_pair["target"])
+    settings = llamacpp.ServerSettings(model=gguf, slots=1, context_per_slot=256)
+    with llamacpp.LlamaServer(settings, log_path=tiny_pair["root"] / "plain.log") as server:
+        theirs = server.complete(prompt, 16)["tokens"]
+    with torch.inference_mode():
+        ours = target.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+    assert theirs == ours.tolist()
+
+
+def test_gguf_export_refusals_are_one_line(tiny_pair, tmp_path, capsys):
+    existing = tmp_path / "x.gguf"
+    existing.write_bytes(b"")
+    cases = [(["gguf", str(tiny_pair["target"]), str(existing)], "exists"),
+             (["gguf", str(tiny_pair["target"]), str(tmp_path / "x.bin")], "ending in .gguf"),
+             (["gguf", str(tiny_pair["eagle3"]), str(tmp_path / "e.gguf")], "give its target"),
+             (["gguf", str(tiny_pair["target"]), str(tmp_path / "t.gguf"), "--target", str(tiny_pair["target"])],
+              "only for EAGLE-3")]
+    for argv, words in cases:
+        assert run_main(export_cli.main, argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
+def test_regeneration_through_the_llamacpp_server_resumes(tiny_pair, tmp_path):
+    from draftsmith.data.regenerate import RegenerateConfig, regenerate
+    from draftsmith.data.sources import load_regenerated
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say something about {w}."}) + "\n"
+                               for w in ("rain", "bread", "maps", "owls", "glass")))
+    config = dict(target=str(tiny_pair["target"]), source=f"jsonl:{prompts}", output_dir=str(tmp_path / "regen"),
+                  engine="llamacpp", batch_size=3, shard_size=2, max_new_tokens=12, compress=True, progress=False)
+    first = regenerate(RegenerateConfig(**config, max_shards=1))
+    assert first.shards_written == 1 and first.stopped_early
+    rest = regenerate(RegenerateConfig(**config))
+    assert (rest.shards_skipped, rest.shards_written) == (1, 2)
+    convs = load_regenerated(tmp_path / "regen")
+    assert len(convs) == 5 and all(c.meta["regenerated"]["engine"] == "llamacpp" for c in convs)
+    assert sorted(p.name for p in (tmp_path / "regen").glob("shard_*"))[0] == "shard_0_00000.jsonl.gz"
+
+
+@pytest.mark.parametrize("options,words", [({"dtype": "q4_k_m"}, "converts the target to one of"),
+                                           ({"device": "cuda"}, "runs on the CPU"),
+                                           ({"world_size": 2}, "one server")])
+def test_regeneration_engine_options_are_checked(options, words):
+    from draftsmith.data.regenerate import RegenerateConfig
+    from draftsmith.errors import UserError
+
+    with pytest.raises(UserError, match=words):
+        RegenerateConfig(target="tiny:llama", source="gsm8k", output_dir="x", engine="llamacpp", **options)
+    with pytest.raises(UserError, match="GGUF type"):
+        RegenerateConfig(target="tiny:llama", source="gsm8k", output_dir="x", dtype="q8_0")
