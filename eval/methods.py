@@ -117,10 +117,15 @@ class MethodSpec(Parsable):
     label: str
 
     @classmethod
+    def entry(cls, name: str, path: str) -> "MethodEntry":
+        """The table entry a name refers to (another engine's spec type looks names up in its own table)."""
+        return lookup(name, path)
+
+    @classmethod
     def from_config(cls, value: Any, path: str = "method") -> "MethodSpec":
         if isinstance(value, str):
             name, _, rest = value.strip().partition(":")
-            entry = lookup(name, path)
+            entry = cls.entry(name, path)
             try:
                 raw = parse_compact(rest, entry.options)
             except ConfigError as err:
@@ -128,7 +133,7 @@ class MethodSpec(Parsable):
             return cls._build(name, entry, raw, value.strip(), path)
         if isinstance(value, Mapping) and len(value) == 1:
             (name, raw), = value.items()
-            entry = lookup(str(name), path)
+            entry = cls.entry(str(name), path)
             label = str(name) + (":" + ",".join(f"{k}={v}" for k, v in (raw or {}).items()) if raw else "")
             return cls._build(str(name), entry, raw or {}, label, path)
         raise ConfigError(f"{path}: a method is `name[:key=value,...]` or a one-key mapping, got {value!r}")
@@ -146,7 +151,7 @@ class MethodSpec(Parsable):
         options = dataclasses.replace(self.options, **changes)
         extra = ",".join(f"{key}={value}" for key, value in changes.items())
         label = self.label + ("," if ":" in self.label else ":") + extra
-        return MethodSpec(self.name, options, label)
+        return type(self)(self.name, options, label)
 
     def __str__(self) -> str:
         return self.label

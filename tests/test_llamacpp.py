@@ -152,3 +152,36 @@ def test_regeneration_engine_options_are_checked(options, words):
         RegenerateConfig(target="tiny:llama", source="gsm8k", output_dir="x", engine="llamacpp", **options)
     with pytest.raises(UserError, match="GGUF type"):
         RegenerateConfig(target="tiny:llama", source="gsm8k", output_dir="x", dtype="q8_0")
+
+
+def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
+    """The llama.cpp bench: plain, an n-gram mode, a draft model and the EAGLE-3 export on the same prompt ids,
+    every speculative output compared with llama.cpp's plain one."""
+    from draftsmith.eval import llamacpp_bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Count to five.", "Name a colour.")))
+    out = tmp_path / "llamacpp.json"
+    document = llamacpp_bench.main([f"target={tiny_pair['target']}", f"suites=[jsonl:{prompts}]", "num_prompts=2",
+                                    "max_new_tokens=12", "pytorch_baselines=false", f"output={out}",
+                                    f"methods=ngram draft:{tiny_pair['target']} eagle3:{tiny_pair['eagle3']}"])
+    summary = document["summary"]
+    assert list(summary) == ["plain", "ngram", f"draft:{tiny_pair['target']}", f"eagle3:{tiny_pair['eagle3']}"]
+    assert all(entry["differs_from_plain"] == [] for entry in summary.values())
+    assert summary[f"draft:{tiny_pair['target']}"]["acceptance"] == 1.0  # the target drafting for itself
+    assert out.is_file() and out.with_suffix(".md").read_text().startswith("llama.cpp b11434")
+    assert "| plain |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,words", [(["methods=ngram:kind=ngram-mod,n=4"], "read only by kind=ngram-simple"),
+                                        (["methods=lookahead"], "unknown llama.cpp method"),
+                                        (["target_type=q3"], "target_type"),
+                                        (["methods=ngram ngram"], "names a method twice")])
+def test_llamacpp_bench_refusals(argv, words, capsys):
+    from draftsmith.eval import llamacpp_bench
+
+    if "kind=ngram-mod" in argv[0]:
+        require_build()
+    assert run_main(llamacpp_bench.main, argv + ["pytorch_baselines=false", "num_prompts=1"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err

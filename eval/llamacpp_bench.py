@@ -1,0 +1,312 @@
+"""The bench in llama.cpp: its plain decoding, n-gram modes, draft models and this toolkit's drafters (EAGLE-3
+exports, students), on the PyTorch bench's prompts and chat template, greedy, the same thread count.
+
+    python -m draftsmith.eval.llamacpp_bench target=smollm2-135m-instruct target_type=q8_0 \\
+        methods="ngram ngram:kind=ngram-map-k draft:qwen2.5-coder-0.5b-instruct,type=q8_0" \\
+        num_prompts=10 output=results/llamacpp/smollm2_q8_0.json
+
+Every method is one `llama-server` on loopback (one slot, `threads` threads) over the target's GGUF (converted once
+into the cache by llama.cpp's own converter). The prompts go in as token ids rendered by our chat template, so both
+engines see the same ids. Methods run back to back on each prompt turn (interleaved, after a warm-up request each);
+when the servers do not fit in memory together they run one after another, and the table says so. Time is the
+server's own prompt + generation time (no HTTP). Per method: tokens/s, speedup against llama.cpp's plain decoding of
+the same GGUF in the same run (ratio of total times, and the mean of per-prompt ratios with a 95% interval),
+drafted and accepted tokens, the mean accepted length (tokens per target step: generated / (generated - accepted))
+and whether each output equals llama.cpp's plain output token for token (a quantized target may differ; the
+table counts it per method and the JSON lists the prompts). With `pytorch_baselines=true` the toolkit's own plain
+baselines (HF `generate` and the compiled forward, fp32) run on the same prompts after, for where each engine
+stands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from draftsmith.config import ConfigError, check_config, option
+from draftsmith.errors import UserError, exit_with
+from draftsmith.eval.bench import (BenchConfig, SUITES, check_suites, mean_ci, num_turns, run_benchmark,
+                                   select_conversations, turn_input_ids)
+from draftsmith.eval.latency import cpu_model, parse_document_command, write_document
+from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
+from draftsmith.models import llamacpp
+from draftsmith.models.target import load_tokenizer
+from draftsmith.models.zoo import resolve_model_path
+
+# ---------------------------------------------------------------------------------------------
+# Methods: one table, the same spec grammar as the PyTorch bench's
+# ---------------------------------------------------------------------------------------------
+
+NGRAM_KINDS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+@dataclass
+class PlainOptions:
+    pass
+
+
+@dataclass
+class NgramOptions:
+    kind: Literal["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"] = option(
+        "ngram-simple", "llama.cpp's n-gram mode (--spec-type)")
+    n: int = option(3, "ngram-simple: the length of the looked-up n-gram (--spec-ngram-simple-size-n)", ge=1)
+    m: int = option(5, "ngram-simple: the length of the drafted m-gram (--spec-ngram-simple-size-m)", ge=1)
+
+
+@dataclass
+class DraftOptions:
+    path: str = option(help="draft model: zoo name, HF model directory or .gguf file")
+    type: str = option("float32", "GGUF type the draft is converted to (not read for a .gguf path)")
+    n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
+
+
+@dataclass
+class Eagle3Options:
+    path: str = option(help="an EAGLE-3 export (scripts/export.py dgf ... --layout speculators) or its .gguf")
+    n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
+
+
+def ngram_arguments(options: NgramOptions, ctx: "RunContext") -> tuple[str, ...]:
+    args = ("--spec-type", options.kind)
+    if options.kind == "ngram-simple":
+        args += ("--spec-ngram-simple-size-n", str(options.n), "--spec-ngram-simple-size-m", str(options.m))
+    elif (options.n, options.m) != (3, 5):
+        raise UserError(f"ngram:kind={options.kind}: n and m are read only by kind=ngram-simple")
+    return args
+
+
+def draft_arguments(options: DraftOptions, ctx: "RunContext") -> tuple[str, ...]:
+    if options.path.endswith(".gguf"):
+        if options.type != "float32":
+            raise UserError(f"draft:{options.path}: type is not read for a .gguf draft (it is already converted)")
+        gguf = Path(options.path)
+    else:
+        directory = Path(resolve_model_path(options.path))
+        gguf = llamacpp.cached_gguf(directory, directory.name, options.type)
+    return ("-md", str(gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(options.n_max))
+
+
+def eagle3_arguments(options: Eagle3Options, ctx: "RunContext") -> tuple[str, ...]:
+    if options.path.endswith(".gguf"):
+        gguf = Path(options.path)
+    else:
+        gguf = llamacpp.draftsmith_cache() / "gguf" / f"eagle3-{llamacpp.model_dir_key(Path(options.path))}.gguf"
+        if not gguf.is_file():
+            llamacpp.export_gguf(Path(options.path), gguf, "float32", ctx.target_dir)
+    return ("-md", str(gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(options.n_max))
+
+
+LLAMACPP_METHODS: dict[str, MethodEntry] = {
+    "plain": MethodEntry(PlainOptions, lambda options, ctx: (), "llama.cpp's plain greedy decoding (the baseline)"),
+    "ngram": MethodEntry(NgramOptions, ngram_arguments, "llama.cpp's training-free n-gram drafting"),
+    "draft": MethodEntry(DraftOptions, draft_arguments, "a draft model (draft-simple): the 0.5B, a student"),
+    "eagle3": MethodEntry(Eagle3Options, eagle3_arguments, "an EAGLE-3 drafter trained here (draft-eagle3)"),
+}
+
+
+class LlamaCppMethodSpec(MethodSpec):
+    """A llama.cpp bench method: `plain`, `ngram[:kind=..,n=..,m=..]`, `draft:<model>[,type=..]`, `eagle3:<dir>`."""
+
+    @classmethod
+    def entry(cls, name: str, path: str) -> MethodEntry:
+        if name not in LLAMACPP_METHODS:
+            raise ConfigError(f"{path}: unknown llama.cpp method {name!r}; methods: {', '.join(LLAMACPP_METHODS)}")
+        return LLAMACPP_METHODS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaCppBenchConfig:
+    target: str = option("smollm2-135m-instruct", "the target: zoo name or HF model directory")
+    target_type: str = option("float32", f"the target's GGUF type: {', '.join(llamacpp.GGUF_TYPES)}")
+    methods: list[LlamaCppMethodSpec] = option(factory=lambda: [LlamaCppMethodSpec.from_config("ngram")],
+                                               help="methods beside plain (always run): plain | ngram | draft | eagle3")
+    suites: list[str] = option(factory=lambda: list(SUITES), help="mt-bench | gsm8k | humaneval | a source spec")
+    num_prompts: int = option(3, "prompts per suite", ge=1)
+    turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
+    max_new_tokens: int = option(128, "new tokens per turn", ge=1)
+    seed: int = option(0, "GSM8K sample seed")
+    threads: int = option(2, "llama.cpp threads (generation and prompt)", ge=1)
+    pytorch_baselines: bool = option(True, "also time the toolkit's plain baselines (HF generate, compiled) on the "
+                                           "same prompts, fp32")
+    output: str | None = option(None, "where the JSON goes (the table beside it as .md); null: print only")
+
+    def __post_init__(self) -> None:
+        check_config(self)
+        check_suites(self.suites)
+        if self.target_type not in llamacpp.GGUF_TYPES:
+            raise ConfigError(f"target_type: {self.target_type!r} is not one of {list(llamacpp.GGUF_TYPES)}")
+        labels = [str(spec) for spec in self.methods]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"methods: {labels} names a method twice")
+        if "plain" not in labels:
+            self.methods.insert(0, LlamaCppMethodSpec.from_config("plain"))
+
+
+@dataclass
+class RunContext:
+    target_dir: Path
+    target_gguf: Path
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def server_settings(config: LlamaCppBenchConfig, ctx: RunContext, spec: LlamaCppMethodSpec) -> llamacpp.ServerSettings:
+    extra = LLAMACPP_METHODS[spec.name].build(spec.options, ctx)
+    context = 4096
+    return llamacpp.ServerSettings(model=ctx.target_gguf, slots=1, context_per_slot=context, threads=config.threads,
+                                   extra_arguments=tuple(extra))
+
+
+def fits_together(settings: list[llamacpp.ServerSettings]) -> bool:
+    """Whether every server's files fit in memory at once (with room to spare), so methods can interleave."""
+    files = [s.model for s in settings] + [Path(a) for s in settings for a in s.extra_arguments if a.endswith(".gguf")]
+    need = sum(f.stat().st_size for f in files) * 1.3
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return need < 0.7 * available
+
+
+def one_request(server: llamacpp.LlamaServer, ids: list[int], max_new_tokens: int) -> dict:
+    reply = server.complete(ids, max_new_tokens)
+    timings = reply.get("timings", {})
+    seconds = (timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0)) / 1000
+    return {"tokens": reply["tokens"], "seconds": seconds, "new_tokens": timings.get("predicted_n", len(reply["tokens"])),
+            "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
+
+
+def prompt_turns(config: LlamaCppBenchConfig, tokenizer) -> list[tuple[str, object]]:
+    return [(suite, conv) for suite in config.suites
+            for conv in select_conversations(suite, config.num_prompts, config.seed)]
+
+
+def run_turns(config: LlamaCppBenchConfig, servers: dict, tokenizer, rows: list) -> None:
+    """Each method on each prompt turn, back to back; turn k + 1 continues from llama.cpp plain's answer."""
+    for suite, conv in prompt_turns(config, tokenizer):
+        answers: list[str] = []
+        for turn in range(1, num_turns(conv, config.turns) + 1):
+            ids = turn_input_ids(tokenizer, conv, answers)[0].tolist()
+            row = {"suite": suite, "id": conv.id, "turn": turn, "prompt_tokens": len(ids), "runs": {}}
+            for label, server in servers.items():
+                row["runs"][label] = one_request(server, ids, config.max_new_tokens)
+            rows.append(row)
+            plain = row["runs"]["plain"]["tokens"]
+            answers.append(tokenizer.decode(plain, skip_special_tokens=True).strip())
+
+
+def warm_up(server: llamacpp.LlamaServer, tokenizer) -> None:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write two sentences about the sea."}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    server.complete(list(ids), 16)
+
+
+def run_methods(config: LlamaCppBenchConfig, ctx: RunContext, tokenizer, log_dir: Path) -> tuple[list, bool]:
+    """(rows, interleaved): all servers at once when they fit in memory, else one method after another."""
+    settings = {str(spec): server_settings(config, ctx, spec) for spec in config.methods}
+    interleaved = fits_together(list(settings.values()))
+    groups = [list(settings)] if interleaved else [["plain", label] for label in settings if label != "plain"]
+    rows: list = []
+    for group in groups or [["plain"]]:
+        with contextlib.ExitStack() as stack:
+            servers = {label: stack.enter_context(llamacpp.LlamaServer(
+                settings[label], log_path=log_dir / f"server-{index}.log")) for index, label in enumerate(group)}
+            for server in servers.values():
+                warm_up(server, tokenizer)
+            group_rows: list = []
+            run_turns(config, servers, tokenizer, group_rows)
+        rows = merge_rows(rows, group_rows)
+    return rows, interleaved
+
+
+def merge_rows(rows: list, more: list) -> list:
+    if not rows:
+        return more
+    for row, extra in zip(rows, more):
+        row["runs"].update({label: run for label, run in extra["runs"].items() if label != "plain"})
+    return rows
+
+
+def summarize(rows: list, labels: list[str]) -> dict:
+    summary = {}
+    for label in labels:
+        runs = [row["runs"][label] for row in rows]
+        plain = [row["runs"]["plain"] for row in rows]
+        seconds, new = sum(r["seconds"] for r in runs), sum(r["new_tokens"] for r in runs)
+        drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
+        ratio, half = mean_ci([p["seconds"] / r["seconds"] for r, p in zip(runs, plain) if r["seconds"] > 0])
+        differs = [f"{row['suite']}/{row['id']}/t{row['turn']}" for row in rows
+                   if row["runs"][label]["tokens"] != row["runs"]["plain"]["tokens"]]
+        summary[label] = {"tokens_per_s": new / seconds if seconds else float("nan"),
+                          "speedup": sum(p["seconds"] for p in plain) / seconds if seconds else float("nan"),
+                          "speedup_per_prompt": ratio, "speedup_ci95": half, "drafted": drafted, "accepted": accepted,
+                          "acceptance": accepted / drafted if drafted else None,
+                          "mean_accepted_length": new / (new - accepted) if new > accepted else None,
+                          "differs_from_plain": differs, "prompts": len(runs)}
+    return summary
+
+
+def pytorch_baselines(config: LlamaCppBenchConfig) -> dict:
+    """tokens/s of the toolkit's plain baselines (fp32) on the same prompts."""
+    bench = BenchConfig(target=config.target, methods=[parse_method("plain")], suites=list(config.suites),
+                        num_prompts=config.num_prompts, turns=config.turns, max_new_tokens=config.max_new_tokens,
+                        seed=config.seed, threads=config.threads, plots=False)
+    results = run_benchmark(bench, progress=False)
+    return {label: {"tokens_per_s": entry["tokens_per_s"]} for label, entry in results["summary"].items()}
+
+
+def run_llamacpp_bench(config: LlamaCppBenchConfig, log_dir: Path) -> dict:
+    llamacpp.require_built()
+    target_dir = Path(resolve_model_path(config.target))
+    ctx = RunContext(target_dir, llamacpp.cached_gguf(target_dir, target_dir.name, config.target_type))
+    tokenizer = load_tokenizer(config.target)
+    started = time.time()
+    rows, interleaved = run_methods(config, ctx, tokenizer, log_dir)
+    labels = [str(spec) for spec in config.methods]
+    document = {"config": dataclasses.asdict(config) | {"methods": labels}, "llama_cpp": llamacpp.build_info(),
+                "machine": {"cpu": cpu_model(), "threads": config.threads, "target_gguf": str(ctx.target_gguf)},
+                "interleaved": interleaved, "seconds": round(time.time() - started, 1),
+                "summary": summarize(rows, labels), "rows": rows}
+    if config.pytorch_baselines:
+        document["pytorch"] = pytorch_baselines(config)
+    return document
+
+
+def format_table(document: dict) -> str:
+    config, machine = document["config"], document["machine"]
+    order = "interleaved per prompt turn" if document["interleaved"] else "one method after another (memory)"
+    lines = [f"llama.cpp {document['llama_cpp']['release']} | target {config['target']} ({config['target_type']}) | "
+             f"{machine['cpu']}, {machine['threads']} threads | {document['summary']['plain']['prompts']} prompt "
+             f"turns, {config['max_new_tokens']} new tokens, greedy | {order}", "",
+             "| method | tokens/s | speedup vs llama.cpp plain | per-prompt (95% CI) | accepted / drafted | "
+             "mean accepted length | outputs = plain |", "|---|---|---|---|---|---|---|"]
+    for label, entry in document["summary"].items():
+        rate = "-" if entry["acceptance"] is None else f"{entry['accepted']}/{entry['drafted']} ({entry['acceptance']:.2f})"
+        length = "-" if entry["mean_accepted_length"] is None else f"{entry['mean_accepted_length']:.2f}"
+        same = f"{entry['prompts'] - len(entry['differs_from_plain'])}/{entry['prompts']}"
+        lines.append(f"| {label} | {entry['tokens_per_s']:.1f} | {entry['speedup']:.2f}x | "
+                     f"{entry['speedup_per_prompt']:.2f}x ± {entry['speedup_ci95']:.2f} | {rate} | {length} | {same} |")
+    for label, entry in document.get("pytorch", {}).items():
+        lines.append(f"| PyTorch {label} (fp32, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | - | - |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> dict:
+    config, out = parse_document_command("draftsmith.eval.llamacpp_bench", __doc__, LlamaCppBenchConfig, argv)
+    document = run_llamacpp_bench(config, llamacpp.home() / "bench-logs")
+    write_document(out, document, format_table(document))
+    return document
+
+
+if __name__ == "__main__":
+    exit_with(main)
