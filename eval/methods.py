@@ -32,6 +32,7 @@ from draftsmith.config import ConfigError, Parsable, config_from_dict, option
 from draftsmith.eval.policies.arca import load_profile, profile_paths
 from draftsmith.eval.decode.decoder import (DecodeConfig, DecodeResult, DrafterMethod, Method)
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
+from draftsmith.models.trees import LM_TREE
 from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
 from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -310,8 +311,8 @@ class LMChainOptions:
 @dataclass
 class LMTreeOptions:
     budget: int = option(TREE_BUDGET, "draft nodes per round (the best by cumulative log-probability)", ge=1)
-    depth: int = option(4, "tree depth", ge=1)
-    topk: int = option(3, "children per expanded node", ge=1)
+    depth: int = option(LM_TREE.depth, "tree depth", ge=1)
+    topk: int = option(LM_TREE.topk, "children per expanded node", ge=1)
     beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)
     model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)

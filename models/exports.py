@@ -41,6 +41,7 @@ from draftsmith.models import eagle_layouts
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths, load_rank_accuracy
 from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
+from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC
 from draftsmith.models.zoo import REGISTRY
 
 EXPORT_MANIFEST = "export_manifest.json"
@@ -191,20 +192,6 @@ def write_model_card(directory: Path, manifest: dict, source_manifest: dict | No
     (directory / MODEL_CARD).write_text("\n".join(lines))
 
 
-def bench_entry(path: str | Path | None, method: str | None) -> dict | None:
-    """The summary entry of `method` in a bench.json (for the model card); None without a path."""
-    if path is None:
-        return None
-    results = read_json(Path(path), "bench results")
-    summary = results.get("summary", {})
-    if method not in summary:
-        raise UserError(f"--bench-method {method!r} is not in {path}; its methods: {', '.join(summary)}")
-    machine = results.get("machine", {})
-    where = (f"{machine.get('device', 'an unrecorded device')} ({machine.get('processor', 'unrecorded processor')}, "
-             f"{machine.get('cpu_count', '?')} cores), {machine.get('torch_threads', '?')} threads")
-    return {**summary[method], "method": method, "machine": where, "file": str(path)}
-
-
 def read_export_manifest(path: str | Path) -> dict:
     file = Path(path) / EXPORT_MANIFEST
     if not file.is_file():
@@ -313,7 +300,7 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
              "hidden_size": getattr(target.config, "hidden_size", None) if target is not None else None,
              "hidden_layers": []}  # a standalone LM: it reads no target hidden state
     manifest = _base_manifest("student", "hf", source_path, block, None,
-                              tree or {"bench_methods": ["lm-chain:k=4", "lm-tree:depth=4,topk=3,budget=16"]})
+                              tree or {"bench_methods": [LM_CHAIN_SPEC, LM_TREE_SPEC]})
     manifest["student"] = {"model_type": model.config.model_type, "num_hidden_layers": model.config.num_hidden_layers,
                            "parameters": sum(p.numel() for p in model.parameters()), "dtype": dtype,
                            "distillation": distilled.get("training") if distilled else None}
@@ -547,7 +534,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     block["hidden_layers"] = manifest_layers(want) or config.layers_read
     block["hub_id"] = hub_id(want.get("name"))
     manifest = _base_manifest({"dgf": "dgf"}.get(config.fusion, "eagle"), LAYOUT_NAMES[layout], source, block,
-                              config.fusion, tree or source_manifest.get("tree") or {"depth": 7, "topk": 10, "g": 16})
+                              config.fusion, tree or source_manifest.get("tree") or DGF_TREE.to_manifest())
     manifest["drafter"] = {"num_blocks": config.num_blocks, "fusion_act": config.fusion_act,
                            "feature_layers": config.layers_read, "draft_vocab_size": config.draft_vocab_size,
                            "parameters": model.num_parameters()}

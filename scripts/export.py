@@ -41,7 +41,9 @@ from draftsmith.eval.decode.drafters.dgf import drafter_tree
 from draftsmith.eval.methods import parse_method
 from draftsmith.fileio import refuse_overwrite
 from draftsmith.models import exports as export
+from draftsmith.models.artifacts import read_json
 from draftsmith.models import llamacpp
+from draftsmith.models.trees import TreeShape
 from draftsmith.models.zoo import resolve_model_path
 
 
@@ -77,6 +79,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def bench_entry(path: str | Path | None, method: str | None) -> dict | None:
+    """The summary entry of `method` in a bench.json (for the model card); None without a path."""
+    if path is None:
+        return None
+    results = read_json(Path(path), "bench results")
+    summary = results.get("summary", {})
+    if method not in summary:
+        raise UserError(f"--bench-method {method!r} is not in {path}; its methods: {', '.join(summary)}")
+    machine = results.get("machine", {})
+    where = (f"{machine.get('device', 'an unrecorded device')} ({machine.get('processor', 'unrecorded processor')}, "
+             f"{machine.get('cpu_count', '?')} cores), {machine.get('torch_threads', '?')} threads")
+    return {**summary[method], "method": method, "machine": where, "file": str(path)}
+
+
 def push_to_hub(out: Path, repo: str) -> None:
     """Upload the export; a hub that cannot be reached is one line, the export stays where it is."""
     try:
@@ -99,7 +115,7 @@ def measured_tree(source: str, bench_method: str | None) -> dict | None:
         return None
     o = spec.options
     depth, topk, budget = drafter_tree(o.path or source, o.depth, o.topk, o.budget)
-    return {"depth": depth, "topk": topk, "g": budget}
+    return TreeShape(depth, topk, budget).to_manifest()
 
 
 def export_gguf(args: argparse.Namespace) -> int:
@@ -118,7 +134,7 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.kind == "gguf":
         return export_gguf(args)
-    bench = export.bench_entry(args.bench, args.bench_method)
+    bench = bench_entry(args.bench, args.bench_method)
     if args.kind == "student":
         result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,
                                        tolerance=args.tolerance, bench=bench)

@@ -66,7 +66,7 @@ def test_export_records_the_measured_tree_and_dgf_decodes_with_it(tiny_bundle, t
     source = root / "final"
     assert drafter_tree(source) == (DGF_DEPTH, DGF_TOPK, 16)  # a training final/: Dovetail's tree
     tree = measured_tree(str(source), f"dgf:path={source},depth=3,topk=1,budget=3")
-    assert tree == {"depth": 3, "topk": 1, "g": 3} and measured_tree(str(source), "ngram") is None
+    assert tree == {"depth": 3, "topk": 1, "budget": 3} and measured_tree(str(source), "ngram") is None
     export.export_dgf(source, tmp_path / "chain", target=target, layout="dgf", tree=tree)
     drafter = build_spec(f"dgf:path={tmp_path / 'chain'}", target)
     assert (drafter.depth, drafter.topk, drafter.budget) == (3, 1, 3)

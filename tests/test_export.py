@@ -228,7 +228,7 @@ def test_dgf_export_round_trip(tmp_path, fusion, layout):
     manifest = result.manifest
     assert manifest["layout"] == layout and manifest["fusion"] == fusion and result.max_abs_diff == 0.0
     assert manifest["target"]["hidden_layers"] == [-1] and manifest["target"]["name"] == "tiny-llama"
-    assert manifest["tree"] == {"depth": 7, "topk": 10, "g": 16} and manifest["parity"]["embedding_and_head"] == "target"
+    assert manifest["tree"] == {"depth": 7, "topk": 10, "budget": 16} and manifest["parity"]["embedding_and_head"] == "target"
     names = {p.name for p in (tmp_path / "out").iterdir()}
     assert ("model.safetensors" in names) if fusion == "linear" else ("dgf.safetensors" in names)
     # without a target the parity check runs through a seeded stand-in embedding / head

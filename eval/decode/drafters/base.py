@@ -9,6 +9,7 @@ import torch
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.eval.decode.verify import logits_to_probs
 from draftsmith.models.target import check_same_tokenizer
+from draftsmith.models.trees import CHAIN_BUDGET, TREE_BUDGET  # noqa: F401  (re-exported: drafters import them here)
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,6 @@ class Sampling:
         return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
 
 
-TREE_BUDGET = 16  # draft nodes per round, the default of every tree drafter (Dovetail's g = 16)
-CHAIN_BUDGET = 4  # draft tokens per round of chain drafters
 
 
 class Drafter:

@@ -36,10 +36,11 @@ from draftsmith.models.engine import Backend
 from draftsmith.models.dgf import DGFModel, EagerDGFEngine
 from draftsmith.models.exports import EXPORT_MANIFEST, read_export_manifest
 from draftsmith.models.target import make_engine
+from draftsmith.models.trees import DGF_TREE, TreeShape
 from draftsmith.models.vocab import DraftVocab
 
 
-DGF_DEPTH, DGF_TOPK = 7, 10  # Dovetail's dynamic tree: depth 7, top-k 10 (and g = TREE_BUDGET = 16)
+DGF_DEPTH, DGF_TOPK = DGF_TREE.depth, DGF_TREE.topk  # Dovetail's dynamic tree (models/trees.py)
 
 
 class DGFDrafter(Drafter):
@@ -240,10 +241,10 @@ def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = 
     """(depth, topk, budget): the values given, else the tree the drafter was exported with (the
     export manifest's `tree`: the shape its bench measured best), else Dovetail's 7 / 10 / 16."""
     exported = Path(path) / EXPORT_MANIFEST
-    tree = (read_export_manifest(path).get("tree") or {}) if exported.is_file() else {}
-    return (depth if depth is not None else int(tree.get("depth", DGF_DEPTH)),
-            topk if topk is not None else int(tree.get("topk", DGF_TOPK)),
-            budget if budget is not None else int(tree.get("g", TREE_BUDGET)))
+    tree = TreeShape.from_manifest((read_export_manifest(path).get("tree") or {}) if exported.is_file() else {},
+                                   DGF_TREE)
+    return (depth if depth is not None else tree.depth, topk if topk is not None else tree.topk,
+            budget if budget is not None else tree.budget)
 
 
 def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: int | None = None,

@@ -25,12 +25,14 @@ from transformers import PreTrainedModel
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, Drafter, Sampling, draw_children
 from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
 from draftsmith.models.target import TargetModel
+from draftsmith.models.trees import LM_TREE
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
 
 
 class LMDrafter(Drafter):
     def __init__(self, model: PreTrainedModel | TargetModel, tokenizer=None, mode: str = "chain",
-                 budget: int = CHAIN_BUDGET, depth: int = 4, topk: int = 4, beam: int | None = None,
+                 budget: int = CHAIN_BUDGET, depth: int = LM_TREE.depth, topk: int = LM_TREE.topk,
+                 beam: int | None = None,
                  name: str | None = None, vocab: DraftVocab | None = None):
         if mode not in ("chain", "tree"):
             raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
