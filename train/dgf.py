@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -49,7 +49,8 @@ from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                                      topk_soft_cross_entropy, unrolled_step_weights)
-from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
+from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
+                                     TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, recipe_cli)
 
 
@@ -204,7 +205,35 @@ def start_from(drafter: DGFModel, path: str, target: TargetModel) -> None:
     drafter.load_state_dict(source.state_dict())
 
 
-class DGFRecipe:
+class StepFeatures(NamedTuple):
+    """The target's features of a batch: the layers the drafter reads (B, T, k, H), the final state or None."""
+
+    layers: torch.Tensor
+    final: torch.Tensor | None
+
+
+class StepPairs(NamedTuple):
+    """The (row, position) pairs one unrolled step trains on: `next_positions` = t + 1, whose feature and token
+    distribution the pair predicts; `labels` = the data tokens x_{t+2}; `predicted` = the drafter's features."""
+
+    rows: torch.Tensor
+    next_positions: torch.Tensor
+    labels: torch.Tensor
+    predicted: torch.Tensor
+
+
+class StepLosses(NamedTuple):
+    """One unrolled step's results: the weighted loss (with graph), its feature and token parts (detached),
+    correct top-1 guesses and the number of valid pairs."""
+
+    loss: torch.Tensor
+    feature_loss: torch.Tensor
+    token_loss: torch.Tensor
+    correct: torch.Tensor
+    valid: torch.Tensor
+
+
+class DGFRecipe(RecipeBase):
     """The feature-drafter behaviour; the run mechanics are the TrainingRun's."""
 
     def __init__(self, cfg: DGFRecipeConfig, run: TrainingRun):
@@ -341,26 +370,26 @@ class DGFRecipe:
             valid[:, :j] = False  # a step-j chain needs a true prefix ending at t - j >= 0
             rows, cols = valid.nonzero(as_tuple=True)
             norm = normalizers[j] if normalizers is not None else valid.sum().clamp(min=1)
-            results.append(self._step_losses(batch, layers, final, pred[rows, cols], labels[rows, cols], rows,
-                                             cols + 1, norm) + (valid.sum(),))
+            pairs = StepPairs(rows=rows, next_positions=cols + 1, labels=labels[rows, cols], predicted=pred[rows, cols])
+            results.append(self._step_losses(batch, StepFeatures(layers, final), pairs, norm))
         return results
 
-    def _step_losses(self, batch, layers, final, pred, label, rows, nxt, norm) -> tuple:
-        """(loss, feature loss, token loss, correct) of one unrolled step at the selected pairs; `nxt` =
-        the positions t + 1 whose feature / distribution the pairs predict."""
+    def _step_losses(self, batch, features: "StepFeatures", pairs: "StepPairs", norm) -> StepLosses:
+        """The losses of one unrolled step at the selected pairs (see StepPairs)."""
         cfg, drafter = self.cfg, self.run.unwrapped().drafter
+        rows, nxt, label, pred = pairs.rows, pairs.next_positions, pairs.labels, pairs.predicted
         ones = torch.ones_like(rows)
         feat_loss = pred.new_zeros(())
         if not self.dgf_config.multi_layer:
-            feat_loss = feature_regression_loss(pred, layers[rows, nxt, 0], ones, norm)
+            feat_loss = feature_regression_loss(pred, features.layers[rows, nxt, 0], ones, norm)
         logits = drafter.logits(pred)  # (N, V) or (N, draft vocabulary)
         draft_label = label if self.vocab is None else self.vocab.to_draft(label).masked_fill(
             self.vocab.to_draft(label) < 0, IGNORE_INDEX)  # a token outside the subset: no CE target
         if cfg.loss.token_loss == "hard":
             token_loss = hard_cross_entropy(logits, draft_label, norm)
-        elif final is not None:
+        elif features.final is not None:
             with torch.no_grad():
-                target_logp = self._target_logprobs(final[rows, nxt])
+                target_logp = self._target_logprobs(features.final[rows, nxt])
             token_loss = soft_cross_entropy(logits, target_logp, ones, norm)
         else:
             indices, values, inside = self._topk_on_draft_vocab(batch["topk_indices"][rows, nxt],
@@ -369,7 +398,7 @@ class DGFRecipe:
         loss = cfg.loss.feature_weight * feat_loss + cfg.loss.token_weight * token_loss
         guess = logits.argmax(-1)
         correct = ((guess if self.vocab is None else self.vocab.to_target(guess)) == label).sum()  # vs every label
-        return loss, feat_loss.detach(), token_loss.detach(), correct
+        return StepLosses(loss, feat_loss.detach(), token_loss.detach(), correct, valid=rows.new_tensor(rows.numel()))
 
     def _topk_on_draft_vocab(self, indices: torch.Tensor, values: torch.Tensor):
         """Cached top-k target logits (N, k) -> draft-vocabulary indices, values (-inf outside the subset) and
@@ -402,8 +431,9 @@ class DGFRecipe:
 
         def backward_one(batch) -> torch.Tensor:
             results = self._losses(batch, steps, norm, noise=True)
-            run.backward(sum(weights[j] * r[0] for j, r in enumerate(results)))
-            return torch.stack([torch.stack([r[0].detach(), r[1], r[2], r[3].float()]) for r in results])
+            run.backward(sum(weights[j] * r.loss for j, r in enumerate(results)))
+            return torch.stack([torch.stack([r.loss.detach(), r.feature_loss, r.token_loss, r.correct.float()])
+                                for r in results])
 
         sums = run.accumulate(batches, backward_one)  # (steps, 4): loss, feature, token, correct
         metrics = run.optimizer_step((weights * sums[:, 0]).sum())
@@ -427,11 +457,11 @@ class DGFRecipe:
         starts = list(range(0, len(self.heldout_records), size))
         for start, real in even_shard(starts, run.accelerator.process_index, run.world):
             batch = self._collate(self.heldout_records[start:start + size])
-            for j, (_, feat, token, correct, valid) in enumerate(self._losses(batch, steps, None, noise=False)):
+            for j, step in enumerate(self._losses(batch, steps, None, noise=False)):
                 if real:
-                    n = float(valid)
-                    sums[j] += torch.tensor([float(feat) * n, float(token) * n, float(correct), n],
-                                            dtype=torch.float64, device=run.device)
+                    n = float(step.valid)
+                    sums[j] += torch.tensor([float(step.feature_loss) * n, float(step.token_loss) * n,
+                                             float(step.correct), n], dtype=torch.float64, device=run.device)
         sums = run.reduce_sum(sums)
         metrics = {"eval/tokens": int(sums[0, 3])}
         for j in range(steps):

@@ -59,7 +59,8 @@ from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_mo
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import KD_KINDS, kd_loss, kd_mask
-from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
+from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
+                                     TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, record_prompt, recipe_cli)
 
 TOPK_FIELDS = ("topk_values", "topk_indices", "logsumexp")
@@ -296,7 +297,7 @@ def collate_distill(records: list[dict], pad_id: int) -> dict[str, torch.Tensor]
 # ---------------------------------------------------------------------------------------------
 
 
-class DistillRecipe:
+class DistillRecipe(RecipeBase):
     """The distillation behaviour; the run mechanics are the TrainingRun's."""
 
     def __init__(self, cfg: DistillRecipeConfig, run: TrainingRun):

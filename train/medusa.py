@@ -40,7 +40,8 @@ from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss,
                                      rank_hits, teacher_positions)
-from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig, TrainingRun,
+from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
+                                     TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, recipe_cli)
 
 LORA_DIR = "target_lora"
@@ -176,7 +177,7 @@ def add_lora(cfg: Medusa2Config, model):
     return model, lora
 
 
-class MedusaRecipe:
+class MedusaRecipe(RecipeBase):
     """The Medusa behaviour; the run mechanics are the TrainingRun's."""
 
     def __init__(self, cfg: MedusaRecipeConfig, run: TrainingRun):

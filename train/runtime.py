@@ -136,7 +136,7 @@ class LoggingConfig:
 
 
 class Recipe(Protocol):
-    """What a recipe gives the run (see the module docstring)."""
+    """What a recipe gives the run (see the module docstring); `RecipeBase` has the optional parts."""
 
     train_records: list
 
@@ -145,6 +145,22 @@ class Recipe(Protocol):
     def evaluate(self) -> dict: ...
 
     def write_final(self, directory: Path) -> None: ...
+
+    def checkpoint_extra(self) -> dict: ...
+
+    def restore_extra(self, extra: dict) -> None: ...
+
+
+class RecipeBase:
+    """The parts of the Recipe protocol most recipes leave as they are: no state beyond the model, optimizer,
+    RNG and batch order (which the run checkpoints itself)."""
+
+    def checkpoint_extra(self) -> dict:
+        """Recipe state to put in a checkpoint."""
+        return {}
+
+    def restore_extra(self, extra: dict) -> None:
+        """Take back what `checkpoint_extra` saved."""
 
 
 def lr_factor(optim: OptimConfig, max_steps: int, hold_steps: int = 0) -> Callable[[int], float]:
@@ -553,9 +569,7 @@ class TrainingRun:
 
     def _start(self, recipe: Recipe) -> None:
         if self.resume_state is not None:
-            extra = self.restore(len(recipe.train_records))
-            if hasattr(recipe, "restore_extra"):
-                recipe.restore_extra(extra)
+            recipe.restore_extra(self.restore(len(recipe.train_records)))
             self.metrics.drop_after(self.step)  # the steps after the checkpoint are redone and logged again
         else:
             seed_everything(self.cfg.train.seed + self.accelerator.process_index)
@@ -613,7 +627,7 @@ class TrainingRun:
 
     @staticmethod
     def _extra(recipe: Recipe) -> dict:
-        return recipe.checkpoint_extra() if hasattr(recipe, "checkpoint_extra") else {}
+        return recipe.checkpoint_extra()
 
     def _stop_requested(self) -> bool:
         flag = torch.tensor(float(self.stop.signal is not None), device=self.device)
