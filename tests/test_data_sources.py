@@ -1,4 +1,4 @@
-"""data/sources.py: every loader on small files written here, plus the real bundled data."""
+"""data/sources/: every loader on small files written here, plus the real bundled data."""
 
 from __future__ import annotations
 

