@@ -226,12 +226,11 @@ def static_cache(config, capacity: int, initialise) -> tuple[StaticCache, list[t
     return cache, [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
 
 
-class BucketGraphs:
-    """One AOTInductor package per bucket of a step module whose last inputs are the KV tensors; built
-    once per machine (cached on disk), loaded per process. The static-cache bookkeeping (commit,
-    truncate, masks) is shared by the engines below."""
-
-    name = Backend.COMPILED
+class GraphPackages:
+    """Job 1 of a compiled engine: the AOTInductor packages of a step module (whose last inputs are the KV
+    tensors), built once per machine (cached on disk under a key of the model, settings and versions) and loaded
+    per process. One package per bucket width, or, with `shared_width`, one package whose width is dynamic up to
+    the largest bucket (every forward runs on it)."""
 
     def __init__(self, step: nn.Module, kv: list[torch.Tensor], fingerprint: str, settings: CompileSettings,
                  dtype: torch.dtype, device: torch.device, what: str, cache_dir: str | Path | None = None):
@@ -338,7 +337,17 @@ class BucketGraphs:
         sizes = self.buckets if sizes is None else sizes
         return sorted({self.graph_for(min(size, self.buckets[-1])) for size in sizes}, key=lambda g: g.name)
 
-    # -- the static cache ----------------------------------------------------------------------
+
+
+class StaticKVBook:
+    """Job 2 of a compiled engine: the bookkeeping of its preallocated KV cache (`capacity` slots): new caches,
+    commit (keep the accepted path), truncate, and the additive masks of padded forwards."""
+
+    capacity: int
+    buckets: tuple[int, ...]
+    kv: list[torch.Tensor]
+    dtype: torch.dtype
+    device: torch.device
 
     def new_cache(self, max_length: int | None = None) -> StaticKV:
         """A fresh preallocated cache (its own tensors: two requests, e.g. a drafter and its target, never
@@ -377,6 +386,14 @@ class BucketGraphs:
         mask[pad, past + pad] = True
         out = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
         return out.masked_fill_(~mask, torch.finfo(self.dtype).min)[None, None]
+
+
+
+class BucketGraphs(GraphPackages, StaticKVBook):
+    """A compiled engine's base: its graphs (GraphPackages) and its static cache (StaticKVBook), joined where a
+    forward of n tokens picks its graph, pads to its width and masks the padding."""
+
+    name = Backend.COMPILED
 
     def padded(self, cache: StaticKV, n: int, position_ids: torch.Tensor | None,
                allowed: torch.Tensor | None) -> tuple[object, int, torch.Tensor, torch.Tensor]:
