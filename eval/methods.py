@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from draftsmith.config import ConfigError, Parsable, config_from_dict, option
+from draftsmith.specs import SpecError, split_items, split_top
 from draftsmith.eval.policies.arca import load_profile, profile_paths
 from draftsmith.eval.decode.decoder import (DecodeConfig, DecodeResult, DrafterMethod, Method)
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
@@ -56,24 +57,6 @@ from draftsmith.models.target import TargetModel
 # ---------------------------------------------------------------------------------------------
 
 
-def split_top(text: str, sep: str = ",") -> list[str]:
-    """Split at `sep` outside () and [] (`a,b=(c,d),e=[f,g]` -> 3 items)."""
-    items, depth, current = [], 0, []
-    for char in text:
-        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(char, 0)
-        if depth < 0:
-            raise ConfigError(f"unbalanced brackets in {text!r}")
-        if char == sep and depth == 0:
-            items.append("".join(current).strip())
-            current = []
-        else:
-            current.append(char)
-    if depth != 0:
-        raise ConfigError(f"unbalanced brackets in {text!r}")
-    items.append("".join(current).strip())
-    return [item for item in items if item]
-
-
 def unwrap(text: str) -> str:
     """`(lm-chain:budget=4)` -> `lm-chain:budget=4` (a nested method spec)."""
     return text[1:-1].strip() if text.startswith("(") and text.endswith(")") else text
@@ -96,16 +79,15 @@ def parse_compact(text: str, options_cls: type) -> dict:
     """`depth=4,topk=3` (the part after `name:`) -> raw option values for `options_cls`."""
     hints = typing.get_type_hints(options_cls)
     names = [f.name for f in dataclasses.fields(options_cls)]
-    raw: dict[str, Any] = {}
-    for index, item in enumerate(split_top(text)):
-        key, eq, value = item.partition("=")
-        if not eq or any(c in key for c in "([:"):
-            if index == 0 and "path" in names:
-                raw["path"] = item
-                continue
-            raise ConfigError(f"option {item!r}: use key=value (options: {', '.join(names)})")
-        key = key.strip()
-        raw[key] = raw_value(value.strip(), hints.get(key, str))
+    try:
+        first, options = split_items(text)
+    except SpecError as err:
+        raise ConfigError(f"{err} (options: {', '.join(names)})") from None
+    raw: dict[str, Any] = {key: raw_value(value, hints.get(key, str)) for key, value in options.items()}
+    if first is not None:
+        if "path" not in names:
+            raise ConfigError(f"option {first!r}: use key=value (options: {', '.join(names)})")
+        raw["path"] = first
     return raw
 
 

@@ -142,7 +142,7 @@ class TargetModel:
                         attn_implementation: str = "sdpa", backend: Backend = Backend.EAGER,
                         settings: CompileSettings | None = None) -> "TargetModel":
         """Load by zoo name, local dir or hub id (and optionally a GGUF file inside that dir), or build a
-        tiny random model for `tiny:<family>[:<seed>]` (models.tiny); `backend` picks the engine."""
+        tiny random model for `tiny:<family>[,seed=N]` (models.tiny); `backend` picks the engine."""
         tiny = parse_tiny_spec(name_or_path)
         if tiny is not None:
             model = build_tiny_causal_lm(tiny.family, seed=tiny.seed, dtype=resolve_dtype(dtype))

@@ -2,7 +2,7 @@
 
 No files and no network: a Llama or Qwen2 model with a few layers, a fixed seed, sdpa attention and
 an untied LM head, plus a stand-in tokenizer whose token i is the string `<i>`. Every command that
-takes a model name takes `tiny:llama` / `tiny:qwen2:1` too (`models.target.TargetModel.from_pretrained`).
+takes a model name takes `tiny:llama` / `tiny:qwen2,seed=1` too (`models.target.TargetModel.from_pretrained`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from draftsmith.errors import UserError
+from draftsmith.specs import SpecError, parse_spec
 
 TINY_PREFIX = "tiny:"
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -69,10 +70,16 @@ class TinySpec:
 
 
 def parse_tiny_spec(spec: str) -> TinySpec | None:
-    """`tiny:llama` -> TinySpec("llama", 0), `tiny:qwen2:3` -> seed 3; None for any other model name."""
+    """`tiny:llama` -> TinySpec("llama", 0), `tiny:qwen2,seed=3` -> seed 3 (the toolkit's one spec grammar,
+    draftsmith/specs.py); None for any other model name."""
     if not spec.startswith(TINY_PREFIX):
         return None
-    family, _, seed = spec[len(TINY_PREFIX):].partition(":")
-    if seed and not seed.isdigit():
-        raise UserError(f"bad tiny model {spec!r}: expected tiny:<family>[:<seed>] with an integer seed")
-    return TinySpec(family, int(seed or 0))
+    usage = "expected tiny:<family>[,seed=<integer>]"
+    try:
+        parsed = parse_spec(spec)
+    except SpecError as err:
+        raise UserError(f"bad tiny model {spec!r}: {err}; {usage}") from None
+    seed = parsed.options.pop("seed", "0")
+    if parsed.first is None or parsed.options or not seed.isdigit():
+        raise UserError(f"bad tiny model {spec!r}: {usage}")
+    return TinySpec(parsed.first, int(seed))

