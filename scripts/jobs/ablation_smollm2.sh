@@ -26,4 +26,4 @@ done
 METHODS="plain plain-compiled"
 for NAME in $ORDER; do METHODS="$METHODS dgf:path=$OUT/$NAME/final"; done
 python -m draftsmith.eval.bench target=smollm2-135m-instruct backend=eager threads=2 turns=1 num_prompts=5 \
-  max_new_tokens=64 "suites=[gsm8k,mt-bench]" "methods=[${METHODS// /,}]" output_dir=results/ablation_vocab_smollm2
+  max_new_tokens=64 "suites=[gsm8k,mt-bench]" "methods=[${METHODS// /,}]" output_dir=results/archive/ablation_vocab_smollm2

@@ -9,4 +9,4 @@ METHODS="plain lm-chain:budget=4 lm-chain:budget=4,vocab=$V32 lm-chain:budget=4,
 METHODS="$METHODS lm-tree:depth=4,topk=3,budget=16 lm-tree:depth=4,topk=3,budget=16,vocab=$V8"
 python -m draftsmith.eval.bench target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \
   backend=eager threads=2 turns=1 num_prompts=2 max_new_tokens=64 "suites=[gsm8k,mt-bench]" \
-  "methods=$METHODS" output_dir=results/ablation_vocab_qwen
+  "methods=$METHODS" output_dir=results/archive/ablation_vocab_qwen

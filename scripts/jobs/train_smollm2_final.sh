@@ -21,12 +21,12 @@ DRAFTER=${DRAFTER:-"drafter.draft_vocab=$VOCAB drafter.head=slice"}
 RESUME=""; [ -d outputs/dgf_smollm2_final/checkpoints ] && RESUME="--resume"
 [ -d outputs/dgf_smollm2_final/final ] || OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
   train/dgf.py --config train/configs/dgf_smollm2_final.yaml "data.feature_cache=$CACHES" $DRAFTER $RESUME --no-progress
-[ -f results/dgf_smollm2_final/training.md ] || python scripts/training_report.py outputs/dgf_smollm2_final --out results/dgf_smollm2_final/training --overwrite
+[ -f results/archive/dgf_smollm2_final/training.md ] || python scripts/training_report.py outputs/dgf_smollm2_final --out results/archive/dgf_smollm2_final/training --overwrite
 # Chains and small trees: compiled T(4)/T(1) = 1.37 but T(8)/T(1) = 1.97 and T(16)/T(1) = 3.2 on this CPU
 # (results/latency/smollm2.md), so Dovetail's 16-node tree cannot pay here.
 F=outputs/dgf_smollm2_final/final
 TREES="dgf:path=$F,depth=2,topk=1,budget=2 dgf:path=$F,depth=3,topk=1,budget=3 dgf:path=$F,depth=4,topk=1,budget=4"
 TREES="$TREES dgf:path=$F,depth=3,topk=2,budget=5 dgf:path=$F,depth=4,topk=4,budget=8"
-[ -f results/dgf_smollm2_final/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=10 \
+[ -f results/archive/dgf_smollm2_final/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=10 \
   max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" "methods=plain ngram $TREES" \
-  output_dir=results/dgf_smollm2_final
+  output_dir=results/archive/dgf_smollm2_final

@@ -1,8 +1,0 @@
-#!/usr/bin/env bash
-# Issue 17's CPU work in order, each part resuming where it stopped: SmolLM2 (data -> drafter -> bench ->
-# bundled drafter -> the README's first command timed), then the Qwen pair. Run in the background:
-#   (nohup nice -n 15 bash scripts/jobs/issue17.sh >> outputs/jobs/issue17.log 2>&1 &)
-set -euo pipefail
-bash scripts/jobs/train_smollm2_final.sh
-bash scripts/jobs/train_smollm2_long.sh
-bash scripts/jobs/train_qwen_pair.sh

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 34: SmolLM2-135M-Instruct in llama.cpp (f32 and q8_0 GGUF), plain decoding against its n-gram modes, on the
+# goal bench's prompts (10 per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens, greedy, 2 threads);
+# the f32 run also times the toolkit's PyTorch plain baselines on the same prompts. Background data jobs are paused
+# while it runs (scripts/jobs/quiet.sh). Results: results/llamacpp/smollm2_<type>_<cpu>.{json,md}.
+#   bash scripts/jobs/llamacpp_bench_smollm2.sh
+set -euo pipefail
+CPU=${CPU:-$(grep -m1 "model name" /proc/cpuinfo | grep -qi amd && echo epyc || echo xeon)}
+METHODS="ngram ngram:n=2,m=8 ngram:kind=ngram-map-k ngram:kind=ngram-mod"
+COMMON="target=smollm2-135m-instruct num_prompts=10 max_new_tokens=128 threads=2"
+for TYPE in float32 q8_0; do
+  OUT=results/llamacpp/smollm2_${TYPE}_${CPU}.json
+  [ -f "$OUT" ] && continue
+  BASELINES=false; [ "$TYPE" = float32 ] && BASELINES=true
+  scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench $COMMON target_type=$TYPE "methods=$METHODS" \
+    pytorch_baselines=$BASELINES output=$OUT
+done
