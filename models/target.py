@@ -57,9 +57,26 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise UserError(f"unknown device {device!r}: use cpu, cuda, cuda:<index> or auto") from err
+    check_device_present(resolved)
+    return resolved
+
+
+def check_device_present(device: torch.device) -> None:
+    """One line when the machine or this torch build lacks the device asked for (not an assertion from torch)."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise UserError(f"device {str(device)!r}: this toolkit runs on cpu or cuda; use device=cpu or auto")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+        raise UserError(f"device {str(device)!r}: no CUDA device here ({build}); use device=cpu, or auto to take "
+                        "a GPU only when one is present")
+    if device.index is not None and device.index >= count:
+        raise UserError(f"device {str(device)!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
 
 
 def vocab_fingerprint(tokenizer) -> str:

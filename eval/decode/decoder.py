@@ -155,14 +155,36 @@ class Round:
         return torch.tensor([self.root] + self.new_tokens[:-1], device=self.tree.tokens.device)
 
 
+class InputError(UserError):
+    """Token ids a decoder cannot take (a ValueError: API callers catch it as such)."""
+
+
+def check_input_ids(input_ids, vocab_size: int, max_positions: int | None, max_new_tokens: int) -> None:
+    """Refuse, in one line naming the value and what is valid, prompt ids the decoder cannot take."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise InputError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise InputError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise InputError(f"input_ids must have shape (1, T): one request at a time, got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise InputError("input_ids is empty: give at least one prompt token")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise InputError(f"input_ids holds ids from {low} to {high}; the target's vocabulary is 0..{vocab_size - 1}")
+    if max_positions is not None and input_ids.shape[1] + max_new_tokens > max_positions:
+        raise InputError(f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} exceed the target's "
+                         f"{max_positions} positions: shorten the prompt or lower max_new_tokens")
+
+
 class Generation:
     """One request: prefill, then verification rounds, token emission with the EOS / max-token stop,
     stats. The loops of SpeculativeDecoder, the pipeline and Self-Draft are built from it."""
 
     def __init__(self, target: TargetModel, config: DecodeConfig, input_ids: torch.Tensor,
                  hidden_layers: tuple[int, ...] = ()):
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise UserError(f"decoding takes input_ids of shape (1, T), got {tuple(input_ids.shape)}")
+        check_input_ids(input_ids, target.config.vocab_size, getattr(target.config, "max_position_embeddings", None),
+                        config.max_new_tokens)
         self.target, self.config = target, config
         self.sampling = config.sampling
         device = target.device

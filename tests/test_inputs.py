@@ -1,0 +1,166 @@
+"""Every input checked at the door (issue 36): invalid option values of every command end in one short line and
+exit status 2, malformed token tensors given to the decoder's API end in an InputError (a ValueError) naming the
+value, and hardware that is not there is one line, never an assertion from inside torch. Values are drawn by
+hypothesis."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from draftsmith.config import option  # noqa: F401  (the configs below are built with it)
+from draftsmith.data.features import FeatureCacheConfig
+from draftsmith.data.regenerate import RegenerateConfig
+from draftsmith.errors import UserError, run_main
+from draftsmith.eval import bench, latency, llamacpp_bench
+from draftsmith.eval.bench import BenchConfig
+from draftsmith.eval.decode.decoder import DecodeConfig, InputError, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.ngram import NgramDrafter
+from draftsmith.eval.latency import LatencyConfig
+from draftsmith.eval.llamacpp_bench import LlamaCppBenchConfig
+from draftsmith.models.target import TargetModel, resolve_device
+
+# ---------------------------------------------------------------------------------------------
+# Commands: every typed option of every command's config, drawn invalid
+# ---------------------------------------------------------------------------------------------
+
+COMMANDS = [(bench.main, BenchConfig), (latency.main, LatencyConfig), (llamacpp_bench.main, LlamaCppBenchConfig)]
+JOB_CONFIGS = [RegenerateConfig, FeatureCacheConfig]  # parsed by data.shards.parse_job_command
+
+
+def scalar_type(annotation):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType"))\
+        and len(args) == 1 else annotation
+
+
+def invalid_values(annotation, bounds: dict) -> st.SearchStrategy | None:
+    """Values the annotation (and its declared bounds) refuse; None for free text."""
+    tp = scalar_type(annotation)
+    words = st.text(alphabet="abcxyz", min_size=1, max_size=6).map(lambda w: "q" + w)
+    if tp is bool:
+        return st.sampled_from(["maybe", "2", "yes please"])
+    if tp is int:
+        low = bounds.get("ge", bounds.get("gt"))
+        below = st.integers(max_value=int(low) - (0 if "ge" in bounds else 1) - 1).filter(lambda v: v < low) \
+            if low is not None else st.nothing()
+        return st.one_of(words, st.sampled_from(["1.5", "[1]"]), below.map(str))
+    if tp is float:
+        return st.one_of(words, st.sampled_from(["nan", "inf", "[0.1]"]))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum) or typing.get_origin(tp) is typing.Literal:
+        return words
+    return None
+
+
+def option_cases(config_cls) -> list[tuple[str, st.SearchStrategy]]:
+    hints = typing.get_type_hints(config_cls)
+    cases = []
+    for f in dataclasses.fields(config_cls):
+        strategy = invalid_values(hints[f.name], f.metadata.get("bounds", {}))
+        if strategy is not None:
+            cases.append((f.name, strategy))
+    return cases
+
+
+def assert_one_line(code: int, err: str) -> None:
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert len(err) < 400, err  # the line that matters, not the usage text
+
+
+CASES = [(main, name, strategy) for main, cls in COMMANDS for name, strategy in option_cases(cls)]
+
+
+@pytest.mark.parametrize("main,name,strategy", CASES, ids=[f"{m.__module__.split('.')[-1]}.{n}" for m, n, _ in CASES])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_an_invalid_option_is_one_line_and_exit_2(main, name, strategy, data, capsys):
+    value = data.draw(strategy)
+    code = run_main(main, [f"{name}={value}"])
+    assert_one_line(code, capsys.readouterr().err)
+
+
+REQUIRED = {"target": "tiny:llama", "source": "gsm8k:train", "output_dir": "x"}
+JOB_CASES = [(cls, name, strategy) for cls in JOB_CONFIGS for name, strategy in option_cases(cls)]
+
+
+@pytest.mark.parametrize("config_cls,name,strategy", JOB_CASES, ids=[f"{c.__name__}.{n}" for c, n, _ in JOB_CASES])
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_job_configs_refuse_invalid_options_by_name(config_cls, name, strategy, data):
+    from draftsmith.config import config_from_dict
+
+    value = data.draw(strategy)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    raw = {key: val for key, val in REQUIRED.items() if key in fields} | {name: value}
+    with pytest.raises(UserError) as err:
+        config_from_dict(config_cls, raw)
+    assert name in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_and_misspelled_options_are_one_line(capsys):
+    assert_one_line(run_main(bench.main, ["num_promts=3"]), capsys.readouterr().err)
+    assert_one_line(run_main(bench.main, ["--no-such-flag"]), capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware that is not there
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3", "mps"])
+def test_a_device_that_is_not_there_is_one_line(device):
+    with pytest.raises(UserError) as err:
+        resolve_device(device)
+    assert device in str(err.value) and "use device=cpu" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_the_bench_command_refuses_a_missing_gpu_in_one_line(capsys):
+    assert_one_line(run_main(bench.main, ["target=tiny:llama", "device=cuda", "num_prompts=1"]),
+                    capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Python API: malformed token tensors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    target = TargetModel.from_pretrained("tiny:llama")
+    return SpeculativeDecoder(target, NgramDrafter(), DecodeConfig(max_new_tokens=4))
+
+
+VOCAB = 96  # models.tiny's vocabulary
+MALFORMED = st.one_of(
+    st.integers(0, VOCAB - 1).map(lambda n: torch.tensor([[n]], dtype=torch.float32)),  # not integer ids
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8).map(torch.tensor),  # (T,), not (1, T)
+    st.integers(2, 3).map(lambda b: torch.zeros(b, 4, dtype=torch.long)),  # a batch
+    st.just(torch.zeros(1, 0, dtype=torch.long)),  # empty
+    st.integers(VOCAB, 10 ** 6).map(lambda n: torch.tensor([[1, n]])),  # past the vocabulary
+    st.integers(-10 ** 6, -1).map(lambda n: torch.tensor([[n, 1]])),  # negative
+    st.just(torch.ones(1, 1030, dtype=torch.long)),  # more than the target's 1024 positions
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4))  # a list, not a tensor
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=MALFORMED)
+def test_malformed_token_tensors_raise_input_error(decoder, ids):
+    with pytest.raises(InputError) as err:
+        decoder.generate(ids)
+    assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12))
+def test_well_formed_prompts_decode(decoder, ids):
+    result = decoder.generate(torch.tensor([ids]))
+    assert 1 <= len(result.tokens) <= 4
