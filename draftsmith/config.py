@@ -369,6 +369,8 @@ def flatten_dict(d: Mapping, prefix: str = "") -> dict:
 
 def _default_text(f: dataclasses.Field) -> str:
     if f.default is not MISSING:
+        if isinstance(f.default, enum.Enum):
+            return repr(f.default.value)
         return repr(f.default) if isinstance(f.default, str) else json.dumps(f.default, default=str)
     if f.default_factory is not MISSING:
         value = f.default_factory()
