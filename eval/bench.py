@@ -31,6 +31,8 @@ every method's tokens, policy state), bench.md (tables), PNG plots (eval.report)
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -108,6 +110,12 @@ class BenchConfig:
             self.methods.insert(0, parse_method("plain"))  # the reference for losslessness and speedup
         if self.backend is Backend.COMPILED and "plain-compiled" not in names:
             self.methods.insert(1, parse_method("plain-compiled"))  # the compiled methods' reference
+        uses_compiled = self.backend is Backend.COMPILED or any(spec.name in ("plain-compiled", "arca") for spec in self.methods)
+        if not uses_compiled and self.compile != CompileSettings():
+            changed = [f.name for f in dataclasses.fields(CompileSettings)
+                       if getattr(self.compile, f.name) != getattr(CompileSettings(), f.name)]
+            raise ConfigError(f"compile.{changed[0]}: read only by backend=compiled (this run is backend=eager); "
+                              "set backend=compiled or drop it")
         if self.backend is Backend.COMPILED and self.budget_limit + 1 > max(self.compile.buckets):
             raise ConfigError(f"budget_limit: {self.budget_limit} plus the root must fit the largest compiled bucket "
                               f"({max(self.compile.buckets)}); lower budget_limit or add a bucket")

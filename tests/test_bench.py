@@ -172,8 +172,8 @@ def test_printed_config_reads_back(tmp_path):
         bench.parse_config(["compile.buckets=[1,8]"])
     with pytest.raises(ValueError, match="capacity: 8 must exceed the largest bucket 64"):
         bench.parse_config(["compile.capacity=8"])
-    flagged, _ = bench.parse_config(["--backend", "eager", "--compile.autotune=false", "--strict", "--num-prompts", "2"])
-    assert (flagged.backend, flagged.compile.autotune, flagged.strict, flagged.num_prompts) == ("eager", False, True, 2)
+    flagged, _ = bench.parse_config(["--backend", "compiled", "--compile.autotune=false", "--strict", "--num-prompts", "2"])
+    assert (flagged.backend, flagged.compile.autotune, flagged.strict, flagged.num_prompts) == ("compiled", False, True, 2)
 
 
 def test_budget_series_groups_sizes_of_one_kind():

@@ -164,3 +164,10 @@ def test_malformed_token_tensors_raise_input_error(decoder, ids):
 def test_well_formed_prompts_decode(decoder, ids):
     result = decoder.generate(torch.tensor([ids]))
     assert 1 <= len(result.tokens) <= 4
+
+
+def test_an_option_the_chosen_mode_does_not_read_is_refused_by_name(capsys):
+    """compile.* is read only by the compiled backend: set on an eager run, it is refused, not ignored."""
+    assert_one_line(run_main(bench.main, ["backend=eager", "methods=plain ngram", "compile.capacity=4096"]),
+                    capsys.readouterr().err)
+    BenchConfig(backend="eager", methods=None, target="tiny:llama")  # the defaults pass
