@@ -106,7 +106,13 @@ def test_llamacpp_plain_greedy_equals_ours_in_float32(tiny_pair):
         theirs = server.complete(prompt, 16)["tokens"]
     with torch.inference_mode():
         ours = target.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
-    assert theirs == ours.tolist()
+    ours = ours.tolist()
+    if theirs != ours:  # only a near-tie may round differently in another engine's kernels (another CPU's SIMD)
+        first = next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([prompt + ours[:first]])).logits[0, -1].float()
+        margin = float(logits[ours[first]] - logits[theirs[first]])
+        assert margin < 1e-3 * max(1.0, float(logits.abs().max())), (first, margin)
 
 
 def test_gguf_export_refusals_are_one_line(tiny_pair, tmp_path, capsys):
