@@ -12,23 +12,27 @@ from pathlib import Path
 import pytest
 
 from draftsmith.eval.bench import default_methods
-from draftsmith.eval.methods import parse_method
+from draftsmith.eval.llamacpp_bench import LlamaCppMethodSpec
+from draftsmith.eval.methods import MethodSpec, parse_method
 from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC, TreeShape
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def documented_specs() -> list[str]:
+def documented_specs() -> list[tuple[type, str]]:
+    """(the spec type of the command on that line, spec) for every `methods=` in README.md and RESULTS.md."""
     specs = []
     for doc in ("README.md", "RESULTS.md"):
-        for match in re.finditer(r'methods=("[^"]*"|\S+)', (ROOT / doc).read_text()):
-            specs += shlex.split(match.group(1).strip("\"'"))
+        for line in (ROOT / doc).read_text().splitlines():
+            kind = LlamaCppMethodSpec if "llamacpp_bench" in line else MethodSpec
+            for match in re.finditer(r'methods=("[^"]*"|\S+)', line):
+                specs += [(kind, spec) for spec in shlex.split(match.group(1).strip("\"'"))]
     return specs
 
 
-@pytest.mark.parametrize("spec", [LM_CHAIN_SPEC, LM_TREE_SPEC, *documented_specs()])
-def test_every_written_spec_parses(spec):
-    assert str(parse_method(spec)) == spec
+@pytest.mark.parametrize("kind,spec", [(MethodSpec, LM_CHAIN_SPEC), (MethodSpec, LM_TREE_SPEC), *documented_specs()])
+def test_every_written_spec_parses(kind, spec):
+    assert str(kind.from_config(spec)) == spec
 
 
 def test_bench_defaults_parse_back():
