@@ -247,7 +247,8 @@ def generate_replies(backend: GenerationBackend, prompts: list[list[int]], cfg: 
     return replies
 
 
-def server_replies(backend: GenerationBackend, prompts: list[list[int]], cfg: RegenerateConfig) -> list[tuple[str, bool]]:
+def server_replies(backend: GenerationBackend, prompts: list[list[int]],
+                   cfg: RegenerateConfig) -> list[tuple[str, bool]]:
     """The replies of llama-server's parallel slots: every prompt in flight at once, `batch_size` decoding."""
     def one(ids: list[int]) -> tuple[str, bool]:
         reply = backend.server.complete(ids, cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
@@ -440,7 +441,7 @@ def regenerate(
                                                desc=f"regenerate rank {rank}/{world}", disable=not cfg.progress,
                                                file=sys.stderr) as bar:
         if cfg.engine == "llamacpp":
-            backend.server = stack.enter_context(start_server(cfg, target, max_prompt))
+            backend.server = stack.enter_context(start_server(cfg, max_prompt))
         for k in todo:
             if cfg.max_shards is not None and result.shards_written >= cfg.max_shards:
                 result.stopped_early = True
@@ -461,7 +462,7 @@ def regenerate(
     return result
 
 
-def start_server(cfg: RegenerateConfig, target: Any, max_prompt: int | None) -> LlamaServer:
+def start_server(cfg: RegenerateConfig, max_prompt: int) -> LlamaServer:
     """llama-server over the target's GGUF (converted once into the cache), `batch_size` slots."""
     model_dir = Path(resolve_model_path(cfg.target))
     gguf = cached_gguf(model_dir, model_dir.name, cfg.dtype)

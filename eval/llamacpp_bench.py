@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Literal
 
 from draftsmith.config import ConfigError, check_config, option
+from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
-from draftsmith.eval.bench import (BenchConfig, SUITES, check_suites, mean_ci, num_turns, run_benchmark,
-                                   select_conversations, turn_input_ids)
+from draftsmith.eval.bench import (SUITES, WARMUP_MESSAGES, BenchConfig, check_suites, mean_ci, num_turns,
+                                   run_benchmark, select_conversations, turn_input_ids)
 from draftsmith.eval.latency import cpu_model, parse_document_command, write_document
 from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
 from draftsmith.models import llamacpp
@@ -163,11 +164,13 @@ class RunContext:
 # ---------------------------------------------------------------------------------------------
 
 
+SLOT_CONTEXT = 4096  # tokens one server slot holds: the longest bench turn (MT-Bench turn 2) plus its answer
+
+
 def server_settings(config: LlamaCppBenchConfig, ctx: RunContext, spec: LlamaCppMethodSpec) -> llamacpp.ServerSettings:
     extra = LLAMACPP_METHODS[spec.name].build(spec.options, ctx)
-    context = 4096
-    return llamacpp.ServerSettings(model=ctx.target_gguf, slots=1, context_per_slot=context, threads=config.threads,
-                                   extra_arguments=tuple(extra))
+    return llamacpp.ServerSettings(model=ctx.target_gguf, slots=1, context_per_slot=SLOT_CONTEXT,
+                                   threads=config.threads, extra_arguments=tuple(extra))
 
 
 def fits_together(settings: list[llamacpp.ServerSettings]) -> bool:
@@ -182,18 +185,18 @@ def one_request(server: llamacpp.LlamaServer, ids: list[int], max_new_tokens: in
     reply = server.complete(ids, max_new_tokens)
     timings = reply.get("timings", {})
     seconds = (timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0)) / 1000
-    return {"tokens": reply["tokens"], "seconds": seconds, "new_tokens": timings.get("predicted_n", len(reply["tokens"])),
-            "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
+    return {"tokens": reply["tokens"], "seconds": seconds,
+            "new_tokens": timings.get("predicted_n", len(reply["tokens"])), "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
 
 
-def prompt_turns(config: LlamaCppBenchConfig, tokenizer) -> list[tuple[str, object]]:
+def prompt_turns(config: LlamaCppBenchConfig) -> list[tuple[str, object]]:
     return [(suite, conv) for suite in config.suites
             for conv in select_conversations(suite, config.num_prompts, config.seed)]
 
 
 def run_turns(config: LlamaCppBenchConfig, servers: dict, tokenizer, rows: list) -> None:
     """Each method on each prompt turn, back to back; turn k + 1 continues from llama.cpp plain's answer."""
-    for suite, conv in prompt_turns(config, tokenizer):
+    for suite, conv in prompt_turns(config):
         answers: list[str] = []
         for turn in range(1, num_turns(conv, config.turns) + 1):
             ids = turn_input_ids(tokenizer, conv, answers)[0].tolist()
@@ -206,9 +209,7 @@ def run_turns(config: LlamaCppBenchConfig, servers: dict, tokenizer, rows: list)
 
 
 def warm_up(server: llamacpp.LlamaServer, tokenizer) -> None:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write two sentences about the sea."}],
-                                        add_generation_prompt=True, tokenize=True, return_dict=False)
-    server.complete(list(ids), 16)
+    server.complete(prompt_ids(tokenizer, WARMUP_MESSAGES), 16)  # the PyTorch bench's warm-up prompt
 
 
 def run_methods(config: LlamaCppBenchConfig, ctx: RunContext, tokenizer, log_dir: Path) -> tuple[list, bool]:
@@ -230,10 +231,15 @@ def run_methods(config: LlamaCppBenchConfig, ctx: RunContext, tokenizer, log_dir
 
 
 def merge_rows(rows: list, more: list) -> list:
+    """One method's group (run beside its own plain server) into the rows; its plain runs are kept as the
+    `paired_plain` its speedup is measured against."""
     if not rows:
         return more
     for row, extra in zip(rows, more):
-        row["runs"].update({label: run for label, run in extra["runs"].items() if label != "plain"})
+        for label, run in extra["runs"].items():
+            if label != "plain":
+                row["runs"][label] = run
+                row.setdefault("paired_plain", {})[label] = extra["runs"]["plain"]
     return rows
 
 
@@ -241,12 +247,12 @@ def summarize(rows: list, labels: list[str]) -> dict:
     summary = {}
     for label in labels:
         runs = [row["runs"][label] for row in rows]
-        plain = [row["runs"]["plain"] for row in rows]
+        plain = [row.get("paired_plain", {}).get(label, row["runs"]["plain"]) for row in rows]
         seconds, new = sum(r["seconds"] for r in runs), sum(r["new_tokens"] for r in runs)
         drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
         ratio, half = mean_ci([p["seconds"] / r["seconds"] for r, p in zip(runs, plain) if r["seconds"] > 0])
-        differs = [f"{row['suite']}/{row['id']}/t{row['turn']}" for row in rows
-                   if row["runs"][label]["tokens"] != row["runs"]["plain"]["tokens"]]
+        differs = [f"{row['suite']}/{row['id']}/t{row['turn']}" for row, run, base in zip(rows, runs, plain)
+                   if run["tokens"] != base["tokens"]]
         summary[label] = {"tokens_per_s": new / seconds if seconds else float("nan"),
                           "speedup": sum(p["seconds"] for p in plain) / seconds if seconds else float("nan"),
                           "speedup_per_prompt": ratio, "speedup_ci95": half, "drafted": drafted, "accepted": accepted,
@@ -291,11 +297,13 @@ def format_table(document: dict) -> str:
              "| method | tokens/s | speedup vs llama.cpp plain | per-prompt (95% CI) | accepted / drafted | "
              "mean accepted length | outputs = plain |", "|---|---|---|---|---|---|---|"]
     for label, entry in document["summary"].items():
-        rate = "-" if entry["acceptance"] is None else f"{entry['accepted']}/{entry['drafted']} ({entry['acceptance']:.2f})"
+        rate = ("-" if entry["acceptance"] is None
+                else f"{entry['accepted']}/{entry['drafted']} ({entry['acceptance']:.2f})")
         length = "-" if entry["mean_accepted_length"] is None else f"{entry['mean_accepted_length']:.2f}"
         same = f"{entry['prompts'] - len(entry['differs_from_plain'])}/{entry['prompts']}"
         lines.append(f"| {label} | {entry['tokens_per_s']:.1f} | {entry['speedup']:.2f}x | "
-                     f"{entry['speedup_per_prompt']:.2f}x ± {entry['speedup_ci95']:.2f} | {rate} | {length} | {same} |")
+                     f"{entry['speedup_per_prompt']:.2f}x ± {entry['speedup_ci95']:.2f} | {rate} | {length} | "
+                     f"{same} |")
     for label, entry in document.get("pytorch", {}).items():
         lines.append(f"| PyTorch {label} (fp32, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | - | - |")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.errors import UserError, exit_with
-from draftsmith.fileio import atomic_write_json
+from draftsmith.fileio import atomic_write_json, file_digest
 from draftsmith.models.zoo import draftsmith_cache
 
 
@@ -133,14 +133,6 @@ def _download_sdist(to: Path) -> None:
         shutil.copyfileobj(response, out)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def unpack_source(sdist: Path | None = None) -> Path:
     """The pinned source under `home()/src` (from `sdist` when given, else downloaded once)."""
     if (source_dir() / "CMakeLists.txt").is_file():
@@ -149,7 +141,7 @@ def unpack_source(sdist: Path | None = None) -> Path:
     archive = sdist or home() / "source.tar.gz"
     if sdist is None and not archive.is_file():
         _download_sdist(archive)
-    if _sha256(archive) != PIN.sha256:
+    if file_digest(archive)["sha256"] != PIN.sha256:
         raise UserError(f"{archive}: sha256 differs from the pinned llama.cpp {PIN.release} source; delete it and rerun")
     scratch = home() / "unpack.tmp"
     shutil.rmtree(scratch, ignore_errors=True)
