@@ -41,7 +41,6 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -110,10 +109,12 @@ class BenchConfig:
             self.methods.insert(0, parse_method("plain"))  # the reference for losslessness and speedup
         if self.backend is Backend.COMPILED and "plain-compiled" not in names:
             self.methods.insert(1, parse_method("plain-compiled"))  # the compiled methods' reference
-        uses_compiled = self.backend is Backend.COMPILED or any(spec.name in ("plain-compiled", "arca") for spec in self.methods)
-        if not uses_compiled and self.compile != CompileSettings():
-            changed = [f.name for f in dataclasses.fields(CompileSettings)
-                       if getattr(self.compile, f.name) != getattr(CompileSettings(), f.name)]
+        default = CompileSettings()
+        changed = [f.name for f in dataclasses.fields(CompileSettings)
+                   if getattr(self.compile, f.name) != getattr(default, f.name)]
+        uses_compiled = self.backend is Backend.COMPILED or any(spec.name in ("plain-compiled", "arca")
+                                                                 for spec in self.methods)
+        if changed and not uses_compiled:
             raise ConfigError(f"compile.{changed[0]}: read only by backend=compiled (this run is backend=eager); "
                               "set backend=compiled or drop it")
         if self.backend is Backend.COMPILED and self.budget_limit + 1 > max(self.compile.buckets):
@@ -276,9 +277,9 @@ def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], inp
         row[label] = {"seconds": seconds, "new_tokens": len(tokens), "tokens": tokens,
                       "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
                       "tau": stats.tau if stats else 1.0}
-    if state.config.temperature == 0 and len(references) == 2 and references[Backend.EAGER] != references[Backend.COMPILED]:
-        row["compiled_vs_hf"] = first_difference(state.context.target, input_ids, references[Backend.EAGER],
-                                                 references[Backend.COMPILED])
+    eager, compiled = references.get(Backend.EAGER), references.get(Backend.COMPILED)
+    if state.config.temperature == 0 and len(references) == 2 and eager != compiled:
+        row["compiled_vs_hf"] = first_difference(state.context.target, input_ids, eager, compiled)
     state.rows.append(row)
     return references.get(Backend.EAGER)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch.profiler import ProfilerActivity, profile

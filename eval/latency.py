@@ -22,7 +22,6 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 

@@ -13,7 +13,7 @@ A method spec names a table entry and sets its options, parsed once by the stric
 
 Composite methods (pipeline, dovetail, hcmp, minions, union, cascade) receive the drafters the table
 built for their nested specs; ARCA profiles rebuild the profiled drafter at the chosen budget from its
-parsed spec. Every drafter's node budget is called `budget` (`eval.drafters.base.TREE_BUDGET`).
+parsed spec. Every drafter's node budget is called `budget` (`eval.decode.drafters.base.TREE_BUDGET`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,8 @@ import torch
 import yaml
 
 from draftsmith.config import ConfigError, Parsable, config_from_dict, option
-from draftsmith.specs import SpecError, split_items, split_top
-from draftsmith.eval.policies.arca import load_profile, profile_paths
 from draftsmith.eval.decode.decoder import (DecodeConfig, DecodeResult, DrafterMethod, Method)
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
-from draftsmith.models.trees import LM_TREE
 from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
 from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -41,16 +38,19 @@ from draftsmith.eval.decode.drafters.medusa import load_medusa_drafter
 from draftsmith.eval.decode.drafters.minions import MinionsConfig, MinionsDrafter
 from draftsmith.eval.decode.drafters.ngram import NGRAM_BUDGET, NgramDrafter
 from draftsmith.eval.decode.drafters.union import UnionDrafter
+from draftsmith.eval.policies.arca import load_profile, profile_paths
 from draftsmith.eval.policies.hcmp import LAYER_TYPES, HcmpConfig, HcmpPolicy
 from draftsmith.eval.policies.pipeline import PipelinePolicy
 from draftsmith.eval.policies.placement import DovetailPolicy
 from draftsmith.eval.policies.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.bundled import bundled_drafter
-from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.vocab import DraftVocab, with_sliced_head
+from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import TargetModel
+from draftsmith.models.trees import LM_TREE
+from draftsmith.models.vocab import DraftVocab, with_sliced_head
+from draftsmith.specs import SpecError, split_items, split_top
 
 # ---------------------------------------------------------------------------------------------
 # Method specs

@@ -7,7 +7,7 @@ Steps (everything measured on the machine and placement it runs on):
  1. Verification latency T(b) for budgets b in {0, 1, 2, 4, ..., 64}: a random tree of b draft nodes
     (plus the root: b + 1 tokens) verified over the KV cache of a real prompt (MT-Bench, chat
     template, padded by repeating it to `context_tokens`), through the decoder's own verification
-    round (`eval.decoder.Generation.verify`: mask, forward, verification, KV commit), repeated,
+    round (`eval.decode.decoder.Generation.verify`: mask, forward, verification, KV commit), repeated,
     median. T(0) is one plain decoding step of the target (T_T). With `placement=hcmp` T is
     measured for every split ratio in `hcmp_ratios` (and the unsplit target).
  2. Acceptance on a calibration set (MT-Bench prompts after the benchmark's, by default): the
@@ -16,7 +16,7 @@ Steps (everything measured on the machine and placement it runs on):
     target's token took at each depth -> per-depth/per-rank conditional acceptance and the rank
     path of every round. For Medusa heads the saved held-out accuracies are the default table
     (`acceptance=saved`); `measured` uses the calibration table.
- 3. Best tree per budget: `eval.arca.arca_paths` (expected-acceptance maximisation), then refined
+ 3. Best tree per budget: `eval.policies.arca.arca_paths` (expected-acceptance maximisation), then refined
     by trying neighbours (swap a removable leaf for a free slot at any level) scored by the real
     acceptance of the recorded rank paths.
  4. Pick the budget (and split ratio) maximising predicted tokens/s = tau(b) / (T_draft + T(b)).

@@ -25,7 +25,7 @@ Data modes:
 Layout of `output_dir` (train/runtime.py): checkpoints/step_<N>/ (exact `--resume`), final/
 (models.artifacts.save_dgf: dgf.safetensors + config.json + manifest.json; train_config.yaml),
 metrics.jsonl (also W&B via accelerate's trackers, offline without network).
-`eval.drafters.dgf.load_dgf_drafter(final_dir, target)` turns final/ into the decoder's drafter.
+`eval.decode.drafters.dgf.load_dgf_drafter(final_dir, target)` turns final/ into the decoder's drafter.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Layout of `output_dir` (train/runtime.py: checkpoints, resume, lock, metrics):
                             manifest.json, train_config.yaml, and target_lora/ for Medusa-2
     metrics.jsonl           every logged metric (also sent to W&B when `logging.tracker: wandb`)
 
-`eval.drafters.medusa.load_medusa_drafter(final_dir, target)` turns `final/` into the decoder's drafter.
+`eval.decode.drafters.medusa.load_medusa_drafter(final_dir, target)` turns `final/` into the decoder's
+drafter.
 """
 
 from __future__ import annotations

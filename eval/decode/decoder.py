@@ -1,9 +1,9 @@
 """The speculative decoding loop: prefill, then {propose, verify in one target forward, commit}.
 
 Batch size 1. The loop is thin: trees, masks and verification are pure functions in
-`eval.tree` / `eval.verify`; drafters plug in through `eval.drafters.base.Drafter`. The pieces of
-the loop are public so that policies which change the loop itself (`eval.pipeline`,
-`eval.selfdraft`) and the profiler reuse them instead of copying it:
+`eval.decode.tree` / `eval.decode.verify`; drafters plug in through `eval.decode.drafters.base.Drafter`.
+The pieces of the loop are public so that policies which change the loop itself
+(`eval.policies.pipeline`, `eval.policies.selfdraft`) and the profiler reuse them instead of copying it:
 
     gen = Generation(target, config, input_ids, hidden_layers)   # prefill, first token
     while not gen.done:
@@ -72,7 +72,7 @@ class DecodeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
-    transfer_bytes: int = 0  # bytes crossing devices (eval.placement: placed drafters), summed
+    transfer_bytes: int = 0  # bytes crossing devices (eval.policies.placement: placed drafters), summed
 
     @property
     def tau(self) -> float:

@@ -71,7 +71,7 @@ def reroot(tree: DraftTree, node: int) -> DraftTree:
 
 
 class PipelineDecoder:
-    """The decoder loop (eval.decoder.Generation) with the next tree pre-drafted during verification."""
+    """The decoder loop (eval.decode.decoder.Generation) with the next tree pre-drafted during verification."""
 
     def __init__(self, target: TargetModel, drafter: Drafter, config: DecodeConfig, policy: "PipelinePolicy"):
         self.target, self.drafter, self.config, self.policy = target, drafter, config, policy

@@ -29,7 +29,7 @@ Only the root and the accepted trie path are committed to the KV cache (`commit_
 rejected candidate slots are dropped. Losslessness: candidates and branch tokens are
 deterministic functions of the history (argmax even when sampling), so candidates are point
 masses for `verify_sampling`; at temperature 0 the output equals greedy decoding.
-tau = tokens per target forward (as in eval.decoder); the "tree_tokens" stat counts every
+tau = tokens per target forward (as in eval.decode.decoder); the "tree_tokens" stat counts every
 speculative slot (candidates + branch tokens), since all of them cost verification compute.
 """
 
