@@ -68,10 +68,19 @@ def split_items(text: str) -> tuple[str | None, dict[str, str]]:
     return first, options
 
 
+def check_spec_name(text: str, name: str) -> None:
+    """A name holds no option: `ngram,budget=4` is refused with the form that was meant (`ngram:budget=4`)."""
+    if any(char in name for char in ",=()[] "):
+        head = name.split(",")[0].split("=")[0].strip()
+        raise SpecError(f"{text!r}: a spec is name[:first][,key=value,...] (options follow a colon: "
+                        f"`{head}:key=value`)")
+
+
 def parse_spec(text: str) -> SpecText:
     """`name[:first][,key=value,...]` -> SpecText."""
     if not isinstance(text, str) or not text.strip():
         raise SpecError(f"a spec is name[:first][,key=value,...], got {text!r}")
     name, _, rest = text.strip().partition(":")
+    check_spec_name(text, name)
     first, options = split_items(rest)
     return SpecText(name.strip(), first, options)

@@ -52,7 +52,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench_progress import Progress
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, Method
 from draftsmith.eval.latency import cpu_model
-from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, methods_help, parse_method
+from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import has_bundled_drafter
@@ -62,6 +62,9 @@ from draftsmith.models.target import TargetModel, dtype_name
 
 SUITES = {"mt-bench": "mt-bench", "gsm8k": "gsm8k:test", "humaneval": "humaneval"}
 SAMPLED_SUITES = ("gsm8k",)  # suites drawn as a seeded random sample (the others: first N, categories round-robin)
+# The plain baseline each backend's methods must reproduce token for token at temperature 0.
+PLAIN, PLAIN_COMPILED = parse_method("plain"), parse_method("plain-compiled")
+REFERENCE = {Backend.EAGER: PLAIN, Backend.COMPILED: PLAIN_COMPILED}
 WARMUP_MESSAGES = [{"role": "user", "content": "Write two sentences about the sea."}]
 RESULTS_FILE = "bench.json"
 
@@ -104,15 +107,14 @@ class BenchConfig:
         check_suites(self.suites)
         if self.methods is None:
             self.methods = default_methods(self.target)
-        names = [spec.name for spec in self.methods]
-        if "plain" not in names:
-            self.methods.insert(0, parse_method("plain"))  # the reference for losslessness and speedup
-        if self.backend is Backend.COMPILED and "plain-compiled" not in names:
-            self.methods.insert(1, parse_method("plain-compiled"))  # the compiled methods' reference
+        if PLAIN not in self.methods:
+            self.methods.insert(0, PLAIN)  # the reference for losslessness and speedup
+        if self.backend is Backend.COMPILED and PLAIN_COMPILED not in self.methods:
+            self.methods.insert(1, PLAIN_COMPILED)  # the compiled methods' reference
         default = CompileSettings()
         changed = [f.name for f in dataclasses.fields(CompileSettings)
                    if getattr(self.compile, f.name) != getattr(default, f.name)]
-        uses_compiled = self.backend is Backend.COMPILED or any(spec.name in ("plain-compiled", "arca")
+        uses_compiled = self.backend is Backend.COMPILED or any(lookup(spec.name).may_compile
                                                                  for spec in self.methods)
         if changed and not uses_compiled:
             raise ConfigError(f"compile.{changed[0]}: read only by backend=compiled (this run is backend=eager); "
@@ -222,40 +224,36 @@ class BenchState:
 
     config: BenchConfig
     context: BuildContext
-    methods: dict[str, Method]
+    methods: dict[MethodSpec, Method]
     decode: DecodeConfig
-    runs: dict
+    runs: dict[MethodSpec, dict]
     rows: list
 
     def backend_of(self, method: Method) -> Backend:
         return method.backend or self.config.backend
 
 
-# The plain baseline each backend's methods must reproduce token for token at temperature 0.
-REFERENCE = {Backend.EAGER: "plain", Backend.COMPILED: "plain-compiled"}
-
-
-def build_methods(config: BenchConfig, context: BuildContext) -> dict[str, Method]:
+def build_methods(config: BenchConfig, context: BuildContext) -> dict[MethodSpec, Method]:
     """The config's methods, plus the plain reference of every backend a method runs on (an `arca:` profile
     can pick the compiled engine in an eager run), references first."""
-    methods = {str(spec): build_method(spec, context) for spec in config.methods}
+    methods = {spec: build_method(spec, context) for spec in config.methods}
     backends = {method.backend or config.backend for method in methods.values()}
     missing = [REFERENCE[b] for b in sorted(backends) if REFERENCE[b] not in methods]
-    added = {label: build_method(parse_method(label), context) for label in missing}
-    first = {label: methods.pop(label) for label in REFERENCE.values() if label in methods}
+    added = {spec: build_method(spec, context) for spec in missing}
+    first = {spec: methods.pop(spec) for spec in REFERENCE.values() if spec in methods}
     return {**first, **added, **methods}
 
 
-def check_lossless(state: BenchState, label: str, tokens: list[int], references: dict, where: str) -> None:
+def check_lossless(state: BenchState, spec: MethodSpec, tokens: list[int], references: dict, where: str) -> None:
     """Compare a method's greedy tokens with the plain run of its own backend; a mismatch is loud."""
-    backend = state.backend_of(state.methods[label])
+    backend = state.backend_of(state.methods[spec])
     reference = references.get(backend)
     if state.config.temperature > 0 or reference is None or tokens == reference:
         return
-    state.runs[label]["mismatches"].append(where)
-    tqdm.write(f"!!! MISMATCH: {label} output differs from {REFERENCE[backend]} greedy on {where} !!!")
+    state.runs[spec]["mismatches"].append(where)
+    tqdm.write(f"!!! MISMATCH: {spec} output differs from {REFERENCE[backend]} greedy on {where} !!!")
     if state.config.strict:
-        raise UserError(f"{label} is not lossless on {where} (strict=true)")
+        raise UserError(f"{spec} is not lossless on {where} (strict=true)")
 
 
 def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], input_ids: torch.Tensor):
@@ -265,16 +263,16 @@ def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], inp
     if answers:
         row["history"] = list(answers)
     references: dict[str, list[int]] = {}
-    for label, method in state.methods.items():
+    for spec, method in state.methods.items():
         target = state.context.target_for(method)
         tokens, seconds, stats = timed_run(method, target, state.decode, input_ids)
         for backend, reference in REFERENCE.items():
-            if label == reference:
+            if spec == reference:
                 references[backend] = tokens
-        state.runs[label]["runs"].append({"suite": suite, "category": category, "turn": turn, "seconds": seconds,
-                                          "tokens": len(tokens), "stats": stats})
-        check_lossless(state, label, tokens, references, f"{conv.id} turn {turn}")
-        row[label] = {"seconds": seconds, "new_tokens": len(tokens), "tokens": tokens,
+        state.runs[spec]["runs"].append({"suite": suite, "category": category, "turn": turn, "seconds": seconds,
+                                         "tokens": len(tokens), "stats": stats})
+        check_lossless(state, spec, tokens, references, f"{conv.id} turn {turn}")
+        row[str(spec)] = {"seconds": seconds, "new_tokens": len(tokens), "tokens": tokens,
                       "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
                       "tau": stats.tau if stats else 1.0}
     eager, compiled = references.get(Backend.EAGER), references.get(Backend.COMPILED)
@@ -308,11 +306,11 @@ def run_conversation(state: BenchState, suite: str, conv, bar) -> None:
         bar.update(1)
         row = state.rows[-1]
         bar.set_postfix_str(f"{suite} t{turn} " + " ".join(
-            f"{label.split(':')[0]}={row[label]['tokens_per_s']:.1f}" for label in state.methods))
+            f"{spec.name}={row[str(spec)]['tokens_per_s']:.1f}" for spec in state.methods))
         if turn < turns:
             if state.config.temperature > 0 or reference is None:
                 greedy = DecodeConfig(max_new_tokens=state.config.max_new_tokens)
-                reference, _, _ = timed_run(state.methods["plain"], state.context.target, greedy, input_ids)
+                reference, _, _ = timed_run(state.methods[PLAIN], state.context.target, greedy, input_ids)
             answers.append(tokenizer.decode(reference, skip_special_tokens=True).strip())
 
 
@@ -380,14 +378,14 @@ def add_headline(entry: dict, runs: list[dict], plain_runs, compiled_runs, sampl
     """speedup_compiled (vs plain-compiled) and the headline: the speedup against the faster baseline."""
     if not plain_runs:
         return
-    entry.update(headline_baseline="plain", headline_speedup=entry["speedup"])
+    entry.update(headline_baseline=str(PLAIN), headline_speedup=entry["speedup"])
     if not compiled_runs:
         return
     versus = speedup_entry(runs, compiled_runs, sampled, total_s, entry["tokens_per_s"])
     entry.update(speedup_compiled=versus["speedup"], speedup_compiled_ci95=versus["speedup_ci95"])
     rate = lambda rs: sum(r["tokens"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-12)  # noqa: E731
     if rate(compiled_runs) > rate(plain_runs):
-        entry.update(headline_baseline="plain-compiled", headline_speedup=versus["speedup"])
+        entry.update(headline_baseline=str(PLAIN_COMPILED), headline_speedup=versus["speedup"])
 
 
 GROUPS = {"by_suite": "suite", "by_category": "category", "by_turn": "turn"}
@@ -401,16 +399,15 @@ def method_budget(method, spec: MethodSpec) -> int | None:
 
 def summarize(state: BenchState) -> dict:
     sampled = state.config.temperature > 0
-    plain_runs = state.runs["plain"]["runs"]
-    compiled = state.runs.get("plain-compiled", {}).get("runs")
-    specs = {str(spec): spec for spec in state.config.methods}
+    plain_runs = state.runs[PLAIN]["runs"]
+    compiled = state.runs.get(PLAIN_COMPILED, {}).get("runs")
     summary = {}
-    for label, record in state.runs.items():
+    for spec, record in state.runs.items():
         runs = record["runs"]
         entry = aggregate(runs, plain_runs, sampled, compiled)
-        backend = state.backend_of(state.methods[label])
-        entry.update(mismatches=record["mismatches"], family=specs[label].family(),
-                     budget=method_budget(state.methods[label], specs[label]), backend=backend)
+        backend = state.backend_of(state.methods[spec])
+        entry.update(mismatches=record["mismatches"], family=spec.family(),
+                     budget=method_budget(state.methods[spec], spec), backend=backend)
         step_runs = state.runs.get(REFERENCE[backend], {}).get("runs")  # one plain step of the same backend
         if step_runs and entry["draft_ms_per_round"] is not None:
             entry["target_step_ms"] = 1000 * sum(r["seconds"] for r in step_runs) / max(
@@ -422,10 +419,10 @@ def summarize(state: BenchState) -> dict:
                 index = [i for i, run in enumerate(runs) if run[key] == value]
                 entry[group][str(value)] = aggregate([runs[i] for i in index], [plain_runs[i] for i in index],
                                                      sampled, [compiled[i] for i in index] if compiled else None)
-        if label == "plain":
+        if spec == PLAIN:
             for sub in [entry, *(sub for group in GROUPS for sub in entry[group].values())]:
                 sub["tau"] = 1.0
-        summary[label] = entry
+        summary[str(spec)] = entry  # the document's key: the spec's canonical text
     return summary
 
 
@@ -492,7 +489,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     decode = DecodeConfig(max_new_tokens=config.max_new_tokens, budget_limit=config.budget_limit,
                           temperature=config.temperature, seed=config.seed)
     machine = machine_info(target)
-    state = BenchState(config, context, methods, decode, {label: {"runs": [], "mismatches": []} for label in methods},
+    state = BenchState(config, context, methods, decode, {spec: {"runs": [], "mismatches": []} for spec in methods},
                        [])
     warmup_ids = torch.tensor([prompt_ids(target.tokenizer, WARMUP_MESSAGES)])
     for method in methods.values():  # warm-up: allocator, kernels, lazy imports
@@ -509,7 +506,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
             saved.append(key, state, before)
     if hasattr(os, "getloadavg"):
         machine["load_average_at_end"] = os.getloadavg()
-    policies = {label: info for label, method in methods.items() if (info := method.summary())}
+    policies = {str(spec): info for spec, method in methods.items() if (info := method.summary())}
     return {"config": config_to_dict(config), "machine": machine, "compile": compile_report,
             "models": {"target": target.name or config.target, "draft": (draft.name or config.draft) if draft else None},
             "suites": list(config.suites), "summary": summarize(state), "policies": policies,

@@ -72,8 +72,8 @@ class Progress:
         return cls(file, {record["key"]: record for record in records})
 
     def snapshot(self, state) -> dict:
-        return {"rows": len(state.rows), **{label: (len(record["runs"]), len(record["mismatches"]))
-                                           for label, record in state.runs.items()}}
+        return {"rows": len(state.rows), "runs": {spec: (len(record["runs"]), len(record["mismatches"]))
+                                                  for spec, record in state.runs.items()}}
 
     def restore(self, key: str, state) -> bool:
         """Put a finished conversation's results into `state`; False when it has not run yet."""
@@ -81,10 +81,11 @@ class Progress:
         if record is None:
             return False
         state.rows.extend(record["rows"])
+        specs = {str(spec): spec for spec in state.runs}  # the line holds each spec's canonical text
         for label, runs in record["runs"].items():
-            state.runs[label]["runs"].extend(
+            state.runs[specs[label]]["runs"].extend(
                 {**run, "stats": DecodeStats.from_dict(run["stats"]) if run["stats"] else None} for run in runs)
-            state.runs[label]["mismatches"].extend(record["mismatches"][label])
+            state.runs[specs[label]]["mismatches"].extend(record["mismatches"][label])
         self.restored += 1
         return True
 
@@ -92,9 +93,10 @@ class Progress:
         """Write the conversation that ran since `before` (a snapshot) as one fsynced line."""
         if self.file is None:
             return
-        runs = {label: [{**run, "stats": run["stats"].to_dict() if run["stats"] else None}
-                        for run in record["runs"][before[label][0]:]] for label, record in state.runs.items()}
-        mismatches = {label: record["mismatches"][before[label][1]:] for label, record in state.runs.items()}
+        done = before["runs"]
+        runs = {str(spec): [{**run, "stats": run["stats"].to_dict() if run["stats"] else None}
+                            for run in record["runs"][done[spec][0]:]] for spec, record in state.runs.items()}
+        mismatches = {str(spec): record["mismatches"][done[spec][1]:] for spec, record in state.runs.items()}
         line = json.dumps({"key": key, "rows": state.rows[before["rows"]:], "runs": runs, "mismatches": mismatches},
                           default=str)
         with open(self.file, "a") as handle:

@@ -120,6 +120,9 @@ class LlamaCppMethodSpec(MethodSpec):
         return LLAMACPP_METHODS[name]
 
 
+PLAIN = LlamaCppMethodSpec.from_config("plain")  # the baseline every method is measured and checked against
+
+
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
@@ -149,8 +152,8 @@ class LlamaCppBenchConfig:
         labels = [str(spec) for spec in self.methods]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"methods: {labels} names a method twice")
-        if "plain" not in labels:
-            self.methods.insert(0, LlamaCppMethodSpec.from_config("plain"))
+        if PLAIN not in self.methods:
+            self.methods.insert(0, PLAIN)
 
 
 @dataclass
@@ -201,10 +204,10 @@ def run_turns(config: LlamaCppBenchConfig, servers: dict, tokenizer, rows: list)
         for turn in range(1, num_turns(conv, config.turns) + 1):
             ids = turn_input_ids(tokenizer, conv, answers)[0].tolist()
             row = {"suite": suite, "id": conv.id, "turn": turn, "prompt_tokens": len(ids), "runs": {}}
-            for label, server in servers.items():
-                row["runs"][label] = one_request(server, ids, config.max_new_tokens)
+            for spec, server in servers.items():
+                row["runs"][str(spec)] = one_request(server, ids, config.max_new_tokens)
             rows.append(row)
-            plain = row["runs"]["plain"]["tokens"]
+            plain = row["runs"][str(PLAIN)]["tokens"]
             answers.append(tokenizer.decode(plain, skip_special_tokens=True).strip())
 
 
@@ -214,14 +217,14 @@ def warm_up(server: llamacpp.LlamaServer, tokenizer) -> None:
 
 def run_methods(config: LlamaCppBenchConfig, ctx: RunContext, tokenizer, log_dir: Path) -> tuple[list, bool]:
     """(rows, interleaved): all servers at once when they fit in memory, else one method after another."""
-    settings = {str(spec): server_settings(config, ctx, spec) for spec in config.methods}
+    settings = {spec: server_settings(config, ctx, spec) for spec in config.methods}
     interleaved = fits_together(list(settings.values()))
-    groups = [list(settings)] if interleaved else [["plain", label] for label in settings if label != "plain"]
+    groups = [list(settings)] if interleaved else [[PLAIN, spec] for spec in settings if spec != PLAIN]
     rows: list = []
-    for group in groups or [["plain"]]:
+    for group in groups or [[PLAIN]]:
         with contextlib.ExitStack() as stack:
-            servers = {label: stack.enter_context(llamacpp.LlamaServer(
-                settings[label], log_path=log_dir / f"server-{index}.log")) for index, label in enumerate(group)}
+            servers = {spec: stack.enter_context(llamacpp.LlamaServer(
+                settings[spec], log_path=log_dir / f"server-{index}.log")) for index, spec in enumerate(group)}
             for server in servers.values():
                 warm_up(server, tokenizer)
             group_rows: list = []
@@ -237,9 +240,9 @@ def merge_rows(rows: list, more: list) -> list:
         return more
     for row, extra in zip(rows, more):
         for label, run in extra["runs"].items():
-            if label != "plain":
+            if label != str(PLAIN):
                 row["runs"][label] = run
-                row.setdefault("paired_plain", {})[label] = extra["runs"]["plain"]
+                row.setdefault("paired_plain", {})[label] = extra["runs"][str(PLAIN)]
     return rows
 
 
@@ -247,7 +250,7 @@ def summarize(rows: list, labels: list[str]) -> dict:
     summary = {}
     for label in labels:
         runs = [row["runs"][label] for row in rows]
-        plain = [row.get("paired_plain", {}).get(label, row["runs"]["plain"]) for row in rows]
+        plain = [row.get("paired_plain", {}).get(label, row["runs"][str(PLAIN)]) for row in rows]
         seconds, new = sum(r["seconds"] for r in runs), sum(r["new_tokens"] for r in runs)
         drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
         ratio, half = mean_ci([p["seconds"] / r["seconds"] for r, p in zip(runs, plain) if r["seconds"] > 0])
@@ -292,7 +295,7 @@ def format_table(document: dict) -> str:
     config, machine = document["config"], document["machine"]
     order = "interleaved per prompt turn" if document["interleaved"] else "one method after another (memory)"
     lines = [f"llama.cpp {document['llama_cpp']['release']} | target {config['target']} ({config['target_type']}) | "
-             f"{machine['cpu']}, {machine['threads']} threads | {document['summary']['plain']['prompts']} prompt "
+             f"{machine['cpu']}, {machine['threads']} threads | {document['summary'][str(PLAIN)]['prompts']} prompt "
              f"turns, {config['max_new_tokens']} new tokens, greedy | {order}", "",
              "| method | tokens/s | speedup vs llama.cpp plain | per-prompt (95% CI) | accepted / drafted | "
              "mean accepted length | outputs = plain |", "|---|---|---|---|---|---|---|"]

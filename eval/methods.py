@@ -50,7 +50,7 @@ from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import TargetModel
 from draftsmith.models.trees import LM_TREE
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
-from draftsmith.specs import SpecError, split_items, split_top
+from draftsmith.specs import SpecError, check_spec_name, split_items, split_top
 
 # ---------------------------------------------------------------------------------------------
 # Method specs
@@ -108,6 +108,10 @@ class MethodSpec(Parsable):
     def from_config(cls, value: Any, path: str = "method") -> "MethodSpec":
         if isinstance(value, str):
             name, _, rest = value.strip().partition(":")
+            try:
+                check_spec_name(value, name)
+            except SpecError as err:
+                raise ConfigError(f"{path}: {err}") from None
             entry = cls.entry(name, path)
             try:
                 raw = parse_compact(rest, entry.options)
@@ -138,6 +142,9 @@ class MethodSpec(Parsable):
 
     def __str__(self) -> str:
         return self.label
+
+    def __hash__(self) -> int:  # options are plain dataclasses: equal specs have equal names and labels
+        return hash((self.name, self.label))
 
     def family(self) -> str:
         """The spec without its size options (budget, depth, topk, beam): what a budget sweep varies over."""
@@ -538,6 +545,7 @@ class MethodEntry:
     options: type
     build: Callable[[MethodSpec, BuildContext], Method]
     help: str
+    may_compile: bool = False  # may run on the compiled engine whatever the run's backend
 
 
 METHODS: dict[str, MethodEntry] = {
@@ -545,7 +553,8 @@ METHODS: dict[str, MethodEntry] = {
     "hf-assisted": MethodEntry(AssistedOptions, build_assisted, "HF assisted generation with a draft LM (the peer)"),
     "loop-plain": MethodEntry(NoOptions, build_loop_plain, "our decoder loop without a drafter, the run's backend"),
     "plain-compiled": MethodEntry(NoOptions, build_plain_compiled, "our loop without a drafter on the compiled "
-                                                                   "backend (the compiled plain baseline)"),
+                                                                   "backend (the compiled plain baseline)",
+                                  may_compile=True),
     "lm-chain": MethodEntry(LMChainOptions, build_lm_chain, "a small LM drafts a chain"),
     "lm-tree": MethodEntry(LMTreeOptions, build_lm_tree, "a small LM drafts an EAGLE-2-style dynamic tree"),
     "ngram": MethodEntry(NgramOptions, build_ngram, "prompt lookup (training-free)"),
@@ -559,7 +568,7 @@ METHODS: dict[str, MethodEntry] = {
     "pipeline": MethodEntry(InnerOptions, build_pipeline, "pre-draft the next tree during verification"),
     "dovetail": MethodEntry(DovetailOptions, build_dovetail, "Dovetail placement: the drafter on another device"),
     "hcmp": MethodEntry(HcmpOptions, build_hcmp, "Ghidorah HCMP: the target split across two units"),
-    "arca": MethodEntry(ArcaOptions, build_arca, "the drafter and budget an ARCA profile picked"),
+    "arca": MethodEntry(ArcaOptions, build_arca, "the drafter and budget an ARCA profile picked", may_compile=True),
 }
 
 

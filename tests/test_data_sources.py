@@ -358,6 +358,28 @@ def test_python_docstring_signatures_spell_out_only_literal_defaults():
     assert not any(" at 0x" in text for text in prompts.values())
 
 
+def test_python_source_answers_are_the_standard_librarys_own_code():
+    """The human-written code source: each answer is the function's real source, which parses and defines
+    the function asked for; the docstring prompts are the same as python-docstrings'."""
+    import ast
+
+    from draftsmith.data.sources import load_python_docstrings, load_source
+
+    convs = load_source("python-source")
+    assert len(convs) > 2000 and len({c.id for c in convs}) == len(convs)
+    asked = {c.id.removeprefix("pydoc-"): c.messages[0]["content"] for c in load_python_docstrings()}
+    for conv in convs[::50]:
+        user, answer = conv.messages
+        assert (user["role"], answer["role"]) == ("user", "assistant") and conv.source == "python-source"
+        code = answer["content"].removeprefix("```python\n").removesuffix("\n```")
+        name = conv.id.rpartition(".")[2]
+        assert any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
+                   for node in ast.walk(ast.parse(code)))
+        key = conv.id.removeprefix("pysrc-")
+        assert key not in asked or asked[key] == user["content"]
+    assert [c.id for c in load_source("python-source:limit=2")] == [c.id for c in convs[:2]]
+
+
 def test_leetcode_prompts_are_problem_statements_in_number_order():
     from draftsmith.data.sources import load_source
 

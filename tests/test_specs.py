@@ -68,6 +68,8 @@ def test_one_grammar_for_methods_sources_and_tiny_models():
     ("method", "union:drafters=[(ngram", "unbalanced"),
     ("source", "gsm8k:train,limit=(3", "unbalanced"),
     ("source", "gsm8k:train,test", "only the first item"),
+    ("source", "python-source,limit=2", "`python-source:key=value`"),
+    ("method", "ngram,budget=4", "`ngram:key=value`"),
     ("tiny", "tiny:llama,seed=x", "seed=<integer>"),
     ("tiny", "tiny:llama,size=3", "seed=<integer>")])
 def test_one_error_style(load, spec, words):

