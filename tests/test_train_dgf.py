@@ -210,3 +210,38 @@ def test_multi_layer_offline_cache_reads_every_layer(tmp_path):
     summary = main(tiny_cfg(tmp_path / "run", "data.mode=offline", f"data.feature_cache={cache}",
                             "drafter.feature_layers=[1,2]", "loss.feature_weight=0", "loss.unroll_steps=2"))
     assert summary["final"]
+
+
+def test_loss_token_snapshots_and_a_lean_checkpoint_resume_on_another_machine(tmp_path):
+    """One run gives a data curve: snapshots/loss_tokens_<N>/ hold the drafter at the first step whose
+    loss-bearing tokens seen reach N (final/'s layout, loadable). A lean checkpoint (no optimizer state, what a
+    long run commits) resumes in a fresh output directory at the same step, data position and token count."""
+    from draftsmith.train.checkpoints import load_checkpoint, write_lean_checkpoint
+
+    full = tmp_path / "full"
+    main(tiny_cfg(full, "train.snapshots_at_loss_tokens=[1,100000000]"))
+    seen = [r["train/loss_tokens_seen"] for r in MetricsFile.read(full / "metrics.jsonl") if "train/loss" in r]
+    assert seen == sorted(seen) and seen[0] > 0
+    snapshot = full / "snapshots" / "loss_tokens_1"
+    info = json.loads((snapshot / "snapshot.json").read_text())
+    assert info["step"] == 1 and info["loss_tokens_seen"] == seen[0] and "eval/step0_top1" in info["held_out"]
+    assert not (full / "snapshots" / "loss_tokens_100000000").exists()
+    load_dgf_drafter(snapshot, TargetModel.from_pretrained("tiny:llama"), depth=2, topk=1, budget=2)
+
+    lean = write_lean_checkpoint(full / "checkpoints" / "step_2", tmp_path / "resume")
+    state = load_checkpoint(lean)
+    assert "optimizer" not in state and state["step"] == 2 and state["loss_tokens_seen"] == seen[1]
+    moved = tmp_path / "elsewhere"
+    main(tiny_cfg(moved), resume=str(lean))
+    after = [r for r in MetricsFile.read(moved / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in after] == [3, 4] and after[-1]["train/loss_tokens_seen"] == seen[-1]
+    assert (moved / "final" / "manifest.json").is_file()
+
+
+def test_snapshots_need_a_recipe_that_counts_tokens(tmp_path):
+    from draftsmith.train.medusa import MedusaRecipeConfig, main as medusa_main
+
+    cfg = load_config(MedusaRecipeConfig, "train/configs/medusa_tiny.yaml",
+                      [f"output_dir={tmp_path}", "train.max_steps=2", "train.snapshots_at_loss_tokens=[1]"])
+    with pytest.raises(ConfigError, match="does not count its loss-bearing tokens"):
+        medusa_main(cfg)

@@ -246,3 +246,26 @@ def load_latest_checkpoint(checkpoints_dir: str | Path, quarantine: bool = True)
     if problems:
         raise CheckpointError(f"no usable checkpoint in {checkpoints_dir}: " + "; ".join(problems))
     return None
+
+
+def write_lean_checkpoint(checkpoint: str | Path, resume_dir: str | Path) -> Path:
+    """Copy a checkpoint without its optimizer state into `resume_dir/step_<N>/` (the one newest kept): what a
+    long run commits so that another machine can resume it (`--resume resume_dir`; AdamW's moments restart).
+    The trainable weights, step, data position, schedule and RNG go along; the moments (2x the weights) do not."""
+    state = load_checkpoint(checkpoint)
+    state.pop("optimizer", None)
+    return save_checkpoint(resume_dir, int(state["step"]), state, keep_last=1)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m draftsmith.train.checkpoints lean <run>/checkpoints/step_<N> <resume dir>`."""
+    if len(argv) != 3 or argv[0] != "lean":
+        raise UserError("usage: python -m draftsmith.train.checkpoints lean <checkpoint dir> <resume dir>")
+    print(write_lean_checkpoint(argv[1], argv[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    from draftsmith.errors import exit_with
+
+    exit_with(main)

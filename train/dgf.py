@@ -436,7 +436,7 @@ class DGFRecipe(RecipeBase):
                                 for r in results])
 
         sums = run.accumulate(batches, backward_one)  # (steps, 4): loss, feature, token, correct
-        metrics = run.optimizer_step((weights * sums[:, 0]).sum())
+        metrics = run.optimizer_step((weights * sums[:, 0]).sum(), loss_tokens=float(counts[0]))
         sums = run.reduce_sum(sums)
         sums[:, :3] /= run.world
         for j in range(steps):

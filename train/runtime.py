@@ -47,12 +47,12 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
-from draftsmith.config import (command_parser, config_to_dict, flatten_dict, option, parse_command,
+from draftsmith.config import (ConfigError, command_parser, config_to_dict, flatten_dict, option, parse_command,
                                save_config)
 from draftsmith.data.records import batch_indices
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
 from draftsmith.errors import UserError, run_main
-from draftsmith.fileio import atomic_write
+from draftsmith.fileio import atomic_write, atomic_write_json
 from draftsmith.models.target import resolve_device
 from draftsmith.tracking import prepare_wandb_env
 from draftsmith.train.checkpoints import (CheckpointError, latest_verified_checkpoint, load_checkpoint,
@@ -117,6 +117,10 @@ class TrainConfig:
     checkpoint_every: int = option(500, "steps between checkpoints", ge=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept", ge=1)
     stop_after_steps: int | None = option(None, "exit right after this step's checkpoint (interruption tests)", ge=1)
+    snapshots_at_loss_tokens: list[int] = option(factory=list, help="write the drafter as trained so far to "
+                                                 "snapshots/loss_tokens_<N>/ (final/'s layout) at the first step "
+                                                 "whose loss-bearing tokens seen reach N: a data curve from one run",
+                                                 ge=1)
     progress: bool = option(True, "progress bar (main process only; --no-progress turns it off)")
 
 
@@ -326,6 +330,7 @@ class TrainingRun:
         self.checkpoints_dir = self.output_dir / "checkpoints"
         self.final_dir = self.output_dir / "final"
         self.step, self.samples_seen = 0, 0
+        self.loss_tokens_seen = 0  # loss-bearing tokens trained on (recipes that report train/loss_tokens)
         self.first_eval: dict | None = None  # held-out metrics before training
         self.last_eval: dict | None = None
         self.run_id = uuid.uuid4().hex[:8]
@@ -455,9 +460,10 @@ class TrainingRun:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 
-    def optimizer_step(self, loss_sum: torch.Tensor) -> dict:
+    def optimizer_step(self, loss_sum: torch.Tensor, loss_tokens: float | None = None) -> dict:
         """Clip, step, schedule, advance the data position; stop on a non-finite loss or gradient norm.
-        `loss_sum`: this process's loss (reduced and averaged over processes here). Returns the step's
+        `loss_sum`: this process's loss (reduced and averaged over processes here); `loss_tokens`: the
+        loss-bearing tokens of the step's global batch, counted into loss_tokens_seen. Returns the step's
         learning rates and gradient norm as metrics."""
         cfg = self.cfg
         grad_norm = None
@@ -473,6 +479,9 @@ class TrainingRun:
         loss = self.reduce_sum(loss_sum.detach().clone()) / self.world
         check_finite(loss, self.step, "training loss", self.checkpoints_dir)  # the same value on every process
         metrics = {"train/loss": float(loss), "train/lr": lrs[0], "train/samples_seen": self.samples_seen}
+        if loss_tokens is not None:
+            self.loss_tokens_seen += int(loss_tokens)
+            metrics["train/loss_tokens_seen"] = self.loss_tokens_seen
         metrics.update({f"train/lr_group{i}": lr for i, lr in enumerate(lrs[1:], start=1)})
         if grad_norm is not None:
             check_finite(grad_norm, self.step, "gradient norm", self.checkpoints_dir)
@@ -487,6 +496,7 @@ class TrainingRun:
         path = self.checkpoints_dir / f"step_{self.step}"
         if self.is_main:
             state = {"step": self.step, "samples_seen": self.samples_seen, "num_train_records": num_train_records,
+                     "loss_tokens_seen": self.loss_tokens_seen,
                      "run_id": self.run_id, "first_eval": self.first_eval, "trainable": trainable,
                      "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                      "rng": rng, "config": config_to_dict(self.cfg), "extra": dict(extra or {})}
@@ -500,7 +510,11 @@ class TrainingRun:
         state, path = self.resume_state, self.resume_path
         self._restore_weights(state, path, num_train_records)
         self._warn_config_changes(state["config"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # a lean checkpoint (train.checkpoints lean): the moments restart, the schedule goes on
+            self.log.warning("%s holds no optimizer state (a lean checkpoint): AdamW's moments restart at step %d",
+                             path, state["step"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The config's optimizer settings win over the saved ones (identical when nothing changed).
         self.scheduler.base_lrs = list(self.base_lrs)
@@ -509,6 +523,7 @@ class TrainingRun:
             group.update(lr=base * factor(self.scheduler.last_epoch), initial_lr=base, betas=tuple(optim.betas),
                          eps=optim.eps, weight_decay=optim.weight_decay)
         self.step, self.samples_seen = state["step"], state["samples_seen"]
+        self.loss_tokens_seen = state.get("loss_tokens_seen", 0)
         self.first_eval = state.get("first_eval")
         rng, index = state["rng"], self.accelerator.process_index
         if len(rng) != self.world:
@@ -624,6 +639,30 @@ class TrainingRun:
             self.last_eval = self.evaluate(recipe)
         if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.stop_after_steps:
             self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
+        if cfg.train.snapshots_at_loss_tokens and "train/loss_tokens_seen" not in metrics:
+            raise ConfigError("train.snapshots_at_loss_tokens: this recipe does not count its loss-bearing tokens "
+                              "(train/dgf.py does); drop the option")
+        self._snapshots(recipe, metrics.get("train/loss_tokens_seen"))
+
+    def _snapshots(self, recipe: Recipe, seen: int | None) -> None:
+        """snapshots/loss_tokens_<N>/ for each milestone N this step reached (once: an existing one is kept)."""
+        for milestone in self.cfg.train.snapshots_at_loss_tokens:
+            directory = self.output_dir / "snapshots" / f"loss_tokens_{milestone}"
+            if seen is None or seen < milestone or directory.exists():
+                continue
+            self.last_eval = self.evaluate(recipe)  # the snapshot's own held-out figures (every process)
+            if self.is_main:
+                tmp = directory.with_name(directory.name + ".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                recipe.write_final(tmp)
+                save_config(self.cfg, tmp / "train_config.yaml")
+                atomic_write_json(tmp / "snapshot.json", {"loss_tokens_seen": seen, "step": self.step,
+                                                         "samples_seen": self.samples_seen, "milestone": milestone,
+                                                         "held_out": self.last_eval})
+                os.replace(tmp, directory)
+                self.log.info("snapshot %s (%d loss tokens seen at step %d)", directory, seen, self.step)
+            self.accelerator.wait_for_everyone()
 
     @staticmethod
     def _extra(recipe: Recipe) -> dict:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 32, the acceptance-vs-data curve (train/configs/dgf_smollm2_curve.yaml): one pass over human-written
+# answers scored by the target in the loop, a snapshot of the drafter at 0.1M, 0.25M, 1M, 4M and 10M loss-bearing
+# tokens. ~150 loss tokens/s on 2 cores (the target's forward dominates), so 10M is several sessions: the job runs
+# until it is stopped and every SYNC_S seconds copies new snapshots, and a lean resume point of the newest
+# checkpoint (weights, step, data position, schedule, RNG; no optimizer moments), into the committed
+# drafters/curve_smollm2_human/. A new machine resumes from there (AdamW's moments restart; logged).
+#   (nohup nice -n 5 bash scripts/jobs/data_curve_smollm2.sh >> outputs/jobs/data_curve_smollm2.log 2>&1 &)
+# Commit drafters/ after each sync you want to keep (git add drafters && git commit).
+set -euo pipefail
+RUN=${RUN:-outputs/curve_smollm2_human}
+KEEP=${KEEP:-drafters/curve_smollm2_human}
+SYNC_S=${SYNC_S:-600}
+CONFIG=train/configs/dgf_smollm2_curve.yaml
+mkdir -p "$KEEP"
+sync_outputs() {  # snapshots -> $KEEP/loss_tokens_<N>/ (once each), newest checkpoint -> $KEEP/resume/
+  for snap in "$RUN"/snapshots/loss_tokens_*; do
+    [ -f "$snap/snapshot.json" ] && [ ! -d "$KEEP/$(basename "$snap")" ] && cp -r "$snap" "$KEEP/" \
+      && echo "$(date +%H:%M) kept $KEEP/$(basename "$snap")"
+  done
+  newest=$(ls -d "$RUN"/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1 || true)
+  if [ -n "$newest" ] && [ ! -d "$KEEP/resume/$(basename "$newest")" ]; then
+    python -m draftsmith.train.checkpoints lean "$newest" "$KEEP/resume" > /dev/null \
+      && echo "$(date +%H:%M) resume point $KEEP/resume/$(basename "$newest")"
+  fi
+  return 0
+}
+if ls -d "$RUN"/checkpoints/step_* > /dev/null 2>&1; then
+  RESUME=(--resume auto)
+elif ls -d "$KEEP"/resume/step_* > /dev/null 2>&1; then
+  RESUME=(--resume "$(ls -d "$KEEP"/resume/step_* | tail -1)")
+else
+  RESUME=()
+fi
+OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+  train/dgf.py --config "$CONFIG" output_dir="$RUN" "${RESUME[@]}" --no-progress &
+TRAIN=$!
+trap 'kill $TRAIN 2>/dev/null; wait $TRAIN 2>/dev/null; sync_outputs' TERM INT
+while kill -0 $TRAIN 2>/dev/null; do
+  sleep "$SYNC_S" & wait $! || true
+  sync_outputs
+done
+wait $TRAIN || true
+sync_outputs
+echo "$(date +%H:%M) curve job ended"
