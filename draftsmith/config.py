@@ -457,3 +457,40 @@ def parse_command(parser: argparse.ArgumentParser, config_cls: type[T],
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         raise SystemExit(0)
     return cfg, args
+
+
+# ---------------------------------------------------------------------------------------------
+# Options the chosen mode does not read
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Unread:
+    """`path` (a dotted key) is not read when `unread(config)` holds; `reader` says what would read it."""
+
+    path: str
+    unread: Callable[[Any], bool]
+    reader: str
+
+
+def declared_default(cls: type, path: str) -> Any:
+    """The default a dotted key has in a config class (a section's overrides included)."""
+    head, _, rest = path.partition(".")
+    f = next(f for f in dataclasses.fields(cls) if f.name == head)
+    value = f.default if f.default is not MISSING else f.default_factory()
+    return _dig(value, rest) if rest else value
+
+
+def _dig(value: Any, path: str) -> Any:
+    for key in path.split(".") if path else []:
+        value = getattr(value, key)
+    return value
+
+
+def refuse_unread(cfg: Any, rules: Sequence[Unread]) -> None:
+    """An option set away from its default that this configuration does not read is refused by name, with
+    what would read it: a user who sets it must not believe it is in effect."""
+    for rule in rules:
+        if rule.unread(cfg) and _dig(cfg, rule.path) != declared_default(type(cfg), rule.path):
+            raise ConfigError(f"{rule.path}={_raw_value(_dig(cfg, rule.path))!r} is not read here: {rule.reader}; "
+                              "drop it")

@@ -50,7 +50,7 @@ from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench_progress import Progress
-from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, Method
+from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, InputError, Method
 from draftsmith.eval.latency import cpu_model
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots
@@ -467,6 +467,16 @@ def prepare_engines(context: BuildContext, progress: bool) -> dict:
     return report
 
 
+def check_bench_parts(config, target, draft) -> None:
+    """run_benchmark's arguments are the toolkit's types (one line naming the wrong one)."""
+    expected = [("config", config, BenchConfig, "BenchConfig(...)"),
+                ("target", target, (TargetModel, type(None)), "a TargetModel or None (config.target is loaded)"),
+                ("draft", draft, (TargetModel, type(None)), "a TargetModel or None (config.draft is loaded)")]
+    for name, value, kind, example in expected:
+        if not isinstance(value, kind):
+            raise InputError(f"run_benchmark: {name} must be {example}, got {type(value).__name__} {value!r:.60}")
+
+
 def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft: TargetModel | None = None,
                   progress: bool = True, overwrite: bool = False) -> dict:
     """Run every method on every prompt (and turn) of every suite, interleaved per prompt.
@@ -474,6 +484,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     `target` / `draft`: already-loaded TargetModels (e.g. tiny in-process models in tests); else
     loaded from config.target / config.draft. With an output_dir, each finished conversation is
     written to progress.jsonl and a re-run of the same config continues from it (eval.bench_progress)."""
+    check_bench_parts(config, target, draft)
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target, draft = load_models(config, target, draft)
     note = precision_note(target.dtype)
@@ -483,6 +494,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
                for conv in select_conversations(suite, config.num_prompts, config.seed)]
     context = BuildContext(target, draft, config.backend, config.compile)
     methods = build_methods(config, context)
+    context.check_draft_read()
     for method in methods.values():
         context.target_for(method)  # every engine exists before compiling
     compile_report = prepare_engines(context, progress)

@@ -177,6 +177,14 @@ class BuildContext:
     models: dict = field(default_factory=dict)
     engines: dict = field(default_factory=dict)  # (id(module), backend) -> TargetModel
     drafter_engines: list = field(default_factory=list)  # feature drafters' own engines (built with them)
+    draft_read: bool = False  # a method drafts with the run's draft model
+
+    def check_draft_read(self) -> None:
+        """After the methods are built: a draft model no method reads is refused (it would be loaded for nothing,
+        and a user who named it believes it is in effect)."""
+        if self.draft is not None and not self.draft_read:
+            raise ConfigError(f"draft={self.draft.name or 'the given draft model'}: no method reads it (lm-chain, "
+                              "lm-tree, hf-assisted, llmcad or minions without model=/every=); drop it or add one")
 
     def engine(self, lm: TargetModel, backend: Backend | None = None) -> TargetModel:
         """`lm` driven by `backend` (default: the run's), built once per model and backend."""
@@ -214,6 +222,7 @@ class BuildContext:
             if self.draft is None:
                 raise ConfigError(f"{what} needs the bench's draft model: set draft=<name> (or give the method "
                                   "model=<name> or every=<N>)")
+            self.draft_read = True
             return self.draft
         if model not in self.models:
             self.models[model] = TargetModel.from_pretrained(model, dtype=self.target.dtype, device=self.target.device)

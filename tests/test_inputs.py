@@ -25,6 +25,7 @@ from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.latency import LatencyConfig
 from draftsmith.eval.llamacpp_bench import LlamaCppBenchConfig
 from draftsmith.models.target import TargetModel, resolve_device
+from draftsmith.train import dgf, distill, medusa
 
 # ---------------------------------------------------------------------------------------------
 # Commands: every typed option of every command's config, drawn invalid
@@ -32,6 +33,8 @@ from draftsmith.models.target import TargetModel, resolve_device
 
 COMMANDS = [(bench.main, BenchConfig), (latency.main, LatencyConfig), (llamacpp_bench.main, LlamaCppBenchConfig)]
 JOB_CONFIGS = [RegenerateConfig, FeatureCacheConfig]  # parsed by data.shards.parse_job_command
+TRAIN_COMMANDS = [(dgf.cli, dgf.DGFRecipeConfig), (medusa.cli, medusa.MedusaRecipeConfig),
+                  (distill.cli, distill.DistillRecipeConfig)]
 
 
 def scalar_type(annotation):
@@ -58,13 +61,17 @@ def invalid_values(annotation, bounds: dict) -> st.SearchStrategy | None:
     return None
 
 
-def option_cases(config_cls) -> list[tuple[str, st.SearchStrategy]]:
+def option_cases(config_cls, prefix: str = "") -> list[tuple[str, st.SearchStrategy]]:
+    """(dotted option name, invalid values) for every typed option, sections included."""
     hints = typing.get_type_hints(config_cls)
     cases = []
     for f in dataclasses.fields(config_cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            cases += option_cases(hints[f.name], f"{prefix}{f.name}.")
+            continue
         strategy = invalid_values(hints[f.name], f.metadata.get("bounds", {}))
         if strategy is not None:
-            cases.append((f.name, strategy))
+            cases.append((prefix + f.name, strategy))
     return cases
 
 
@@ -75,6 +82,7 @@ def assert_one_line(code: int, err: str) -> None:
 
 
 CASES = [(main, name, strategy) for main, cls in COMMANDS for name, strategy in option_cases(cls)]
+TRAIN_CASES = [(cli, name, strategy) for cli, cls in TRAIN_COMMANDS for name, strategy in option_cases(cls)]
 
 
 @pytest.mark.parametrize("main,name,strategy", CASES, ids=[f"{m.__module__.split('.')[-1]}.{n}" for m, n, _ in CASES])
@@ -83,6 +91,18 @@ CASES = [(main, name, strategy) for main, cls in COMMANDS for name, strategy in 
 def test_an_invalid_option_is_one_line_and_exit_2(main, name, strategy, data, capsys):
     value = data.draw(strategy)
     code = run_main(main, [f"{name}={value}"])
+    assert_one_line(code, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("cli,name,strategy", TRAIN_CASES,
+                         ids=[f"{c.__module__.split('.')[-1]}.{n}" for c, n, _ in TRAIN_CASES])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_an_invalid_training_option_is_one_line_and_exit_2(cli, name, strategy, data, capsys, tmp_path):
+    """The train commands (`python train/<recipe>.py`), every typed option of every section: refused before
+    anything loads."""
+    value = data.draw(strategy)
+    code = cli([f"output_dir={tmp_path / 'run'}", f"{name}={value}"])
     assert_one_line(code, capsys.readouterr().err)
 
 
@@ -171,3 +191,95 @@ def test_an_option_the_chosen_mode_does_not_read_is_refused_by_name(capsys):
     assert_one_line(run_main(bench.main, ["backend=eager", "methods=plain ngram", "compile.capacity=4096"]),
                     capsys.readouterr().err)
     BenchConfig(backend="eager", methods=None, target="tiny:llama")  # the defaults pass
+
+
+@pytest.mark.parametrize("recipe,overrides,words", [
+    ("dgf", ["data.feature_cache=somewhere"], "data.feature_cache='somewhere' is not read here: read by data.mode=offline"),
+    ("dgf", ["loss.unroll_decay=0.5", "loss.unroll_steps=1"], "read when loss.unroll_steps > 1"),
+    ("dgf", ["drafter.layer_fusion=gated"], "read when the drafter fuses several target layers"),
+    ("dgf", ["optim.schedule=constant", "optim.min_lr_ratio=0.1"], "read by optim.schedule=linear|cosine"),
+    ("dgf", ["logging.tracker=none", "logging.run_name=x"], "read by logging.tracker=wandb"),
+    ("medusa", ["medusa2.lora_r=4"], "read by medusa2.enabled=true"),
+    ("medusa", ["loss.distill_temperature=2"], "read when loss.distill_weight > 0"),
+    ("distill", ["student.num_layers=3"], "read by student.init=shallow"),
+    ("distill", ["loss.beta=0.3"], "read by loss.kind=jsd"),
+    ("distill", ["on_policy.temperature=0.5"], "read when on_policy.fraction > 0"),
+])
+def test_train_options_the_chosen_mode_does_not_read_are_refused(recipe, overrides, words):
+    """A recipe option that the configuration as given never reads is refused by name, with what reads it."""
+    from draftsmith.config import ConfigError, load_config
+    from draftsmith.train.dgf import DGFRecipeConfig
+    from draftsmith.train.distill import DistillRecipeConfig
+    from draftsmith.train.medusa import MedusaRecipeConfig
+
+    cls = {"dgf": DGFRecipeConfig, "medusa": MedusaRecipeConfig, "distill": DistillRecipeConfig}[recipe]
+    with pytest.raises(ConfigError) as err:
+        load_config(cls, f"train/configs/{recipe}_tiny.yaml", overrides)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_draft_model_no_method_reads_is_refused(tmp_path):
+    """`draft=` with only methods that never draft with it: refused by name before anything is timed."""
+    from draftsmith.config import ConfigError
+    from draftsmith.eval.bench import run_benchmark
+    from draftsmith.eval.methods import parse_method
+
+    target, draft = TargetModel.from_pretrained("tiny:llama"), TargetModel.from_pretrained("tiny:llama,seed=1")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "p0", "prompt": "Count."}\n')
+    config = BenchConfig(methods=[parse_method("plain"), parse_method("ngram")], suites=[f"jsonl:{prompts}"],
+                         num_prompts=1, max_new_tokens=4, plots=False)
+    with pytest.raises(ConfigError, match="no method reads it"):
+        run_benchmark(config, target=target, draft=draft, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafters' and the bench's Python API
+# ---------------------------------------------------------------------------------------------
+
+
+def _drafters(target):
+    from draftsmith.eval.decode.drafters.lm import LMDrafter
+
+    return {"NgramDrafter.budget": lambda v: NgramDrafter(budget=v),
+            "NgramDrafter.max_ngram": lambda v: NgramDrafter(max_ngram=v),
+            "NgramDrafter.num_branches": lambda v: NgramDrafter(num_branches=v),
+            "LMDrafter.budget": lambda v: LMDrafter(target, budget=v),
+            "LMDrafter.depth": lambda v: LMDrafter(target, mode="tree", depth=v),
+            "LMDrafter.topk": lambda v: LMDrafter(target, mode="tree", topk=v)}
+
+
+BAD_SIZES = st.one_of(st.integers(max_value=0), st.floats(allow_nan=True), st.booleans(), st.text(max_size=3),
+                      st.none().map(lambda _: [1]))
+
+
+@pytest.mark.parametrize("which", list(_drafters(None)))
+@settings(max_examples=8, deadline=None)
+@given(value=BAD_SIZES)
+def test_drafter_sizes_are_checked_where_they_enter(which, value):
+    from draftsmith.eval.decode.drafters.base import InputError as DrafterInputError
+
+    target = TargetModel.from_pretrained("tiny:llama")
+    with pytest.raises(DrafterInputError) as err:
+        _drafters(target)[which](value)
+    assert which.split(".")[1] in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("part,value", [("target", "smollm2-135m-instruct"), ("drafter", "ngram"),
+                                        ("config", {"max_new_tokens": 4}), ("drafter", 3)])
+def test_decoder_parts_of_the_wrong_type_are_named(part, value):
+    target = TargetModel.from_pretrained("tiny:llama")
+    parts = {"target": target, "drafter": NgramDrafter(), "config": DecodeConfig(max_new_tokens=4)} | {part: value}
+    with pytest.raises(InputError, match=f"^{part}: expected"):
+        SpeculativeDecoder(parts["target"], parts["drafter"], parts["config"])
+
+
+@pytest.mark.parametrize("part", ["config", "target", "draft"])
+def test_run_benchmark_arguments_of_the_wrong_type_are_named(part):
+    from draftsmith.eval.bench import run_benchmark
+    from draftsmith.eval.methods import parse_method
+
+    config = BenchConfig(methods=[parse_method("plain")], suites=["gsm8k"], num_prompts=1, plots=False)
+    kwargs = {"config": config, "target": None, "draft": None} | {part: {"target": "tiny:llama"}}
+    with pytest.raises(InputError, match=f"run_benchmark: {part} must be"):
+        run_benchmark(kwargs.pop("config"), progress=False, **kwargs)

@@ -56,6 +56,7 @@ def test_each_loss_trains(tmp_path, kind):
 def test_resume_equals_uninterrupted_run(tmp_path):
     """Interrupted at step 3 (on-policy batches + LoRA dropout use the RNG), resumed: same losses."""
     common = ["train.max_steps=6", "train.checkpoint_every=3", "eval.every_steps=0", "on_policy.fraction=0.5",
+              "on_policy.max_new_tokens=8",
               "lora.enabled=true", "lora.dropout=0.1", "lora.target_modules=[q_proj, v_proj]", "optim.lr=0.05"]
     main(tiny_cfg(tmp_path / "full", *common))
     main(tiny_cfg(tmp_path / "cut", *common, "train.stop_after_steps=3"))

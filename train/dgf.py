@@ -38,7 +38,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-from draftsmith.config import ConfigError, config_to_dict, option, section
+from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
 from draftsmith.data.features import FeatureDataset, cache_parts, load_index
 from draftsmith.data.records import load_records, split_heldout
 from draftsmith.eval.decode.drafters.dgf import DGFDrafter
@@ -49,7 +49,7 @@ from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                                      topk_soft_cross_entropy, unrolled_step_weights)
-from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
+from draftsmith.train.runtime import (RUN_UNREAD, DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
                                      TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, recipe_cli)
 
@@ -133,6 +133,24 @@ class DGFRecipeConfig(RunConfig):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        refuse_unread(self, RUN_UNREAD + DGF_UNREAD)
+
+
+def _several_layers(cfg: DGFRecipeConfig) -> bool:
+    return bool(cfg.drafter.feature_layers and len(cfg.drafter.feature_layers) > 1) or (
+        cfg.drafter.multi_layer and not cfg.drafter.feature_layers)
+
+
+DGF_UNREAD = [
+    Unread("data.feature_cache", lambda c: c.data.mode == "online", "read by data.mode=offline"),
+    Unread("data.limit", lambda c: c.data.mode == "offline", "read by data.mode=online"),
+    Unread("loss.unroll_decay", lambda c: c.loss.unroll_steps == 1, "read when loss.unroll_steps > 1"),
+    Unread("drafter.layer_fusion", lambda c: not _several_layers(c), "read when the drafter fuses several target "
+           "layers (drafter.feature_layers with more than one, or drafter.multi_layer)"),
+    Unread("drafter.feature_layer", lambda c: bool(c.drafter.feature_layers) or c.drafter.multi_layer,
+           "read when drafter.feature_layers is null and drafter.multi_layer is false"),
+    Unread("drafter.fusion_act", lambda c: c.drafter.fusion != "dgf", "read by drafter.fusion=dgf"),
+]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 from torch import nn
 
-from draftsmith.config import ConfigError, config_to_dict, option, section
+from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
 from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset, cache_parts
 from draftsmith.data.records import collate, load_records, spec_needs_model, split_heldout
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -59,7 +59,7 @@ from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_mo
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import KD_KINDS, kd_loss, kd_mask
-from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
+from draftsmith.train.runtime import (RUN_UNREAD, DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
                                      TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, record_prompt, recipe_cli)
 
@@ -150,11 +150,26 @@ class DistillRecipeConfig(RunConfig):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        refuse_unread(self, RUN_UNREAD + DISTILL_UNREAD)
 
     @property
     def online_teacher(self) -> bool:
         """The target model runs inside the training loop."""
         return (self.loss.kind in KD_KINDS and not self.data.feature_cache) or self.on_policy.fraction > 0
+
+
+DISTILL_UNREAD = [
+    *[Unread(f"student.{key}", lambda c: c.student.init != "layers", "read by student.init=layers")
+      for key in ("layer_stride", "layer_ids")],
+    *[Unread(f"student.{key}", lambda c: c.student.init != "shallow", "read by student.init=shallow")
+      for key in ("num_layers", "intermediate_size", "seed")],
+    *[Unread(f"lora.{key}", lambda c: not c.lora.enabled, "read by lora.enabled=true")
+      for key in ("r", "alpha", "dropout", "target_modules")],
+    Unread("loss.beta", lambda c: c.loss.kind != "jsd", "read by loss.kind=jsd"),
+    Unread("loss.topk_tail", lambda c: not c.data.feature_cache, "read with data.feature_cache (top-k teachers)"),
+    *[Unread(f"on_policy.{key}", lambda c: c.on_policy.fraction == 0, "read when on_policy.fraction > 0")
+      for key in ("max_new_tokens", "temperature")],
+]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from draftsmith.config import ConfigError, config_to_dict, option, section
+from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
 from draftsmith.data.records import collate, load_records, split_heldout
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.models.artifacts import save_medusa, target_block
@@ -41,7 +41,7 @@ from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss,
                                      rank_hits, teacher_positions)
-from draftsmith.train.runtime import (DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
+from draftsmith.train.runtime import (RUN_UNREAD, DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
                                      TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, recipe_cli)
 
@@ -112,6 +112,15 @@ class MedusaRecipeConfig(RunConfig):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        refuse_unread(self, RUN_UNREAD + MEDUSA_UNREAD)
+
+
+MEDUSA_UNREAD = [
+    *[Unread(f"medusa2.{key}", lambda c: not c.medusa2.enabled, "read by medusa2.enabled=true")
+      for key in ("lm_weight", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_lr")],
+    Unread("loss.head_decay", lambda c: c.loss.head_weights is not None, "read when loss.head_weights is null"),
+    Unread("loss.distill_temperature", lambda c: c.loss.distill_weight == 0, "read when loss.distill_weight > 0"),
+]
 
 
 class MedusaTrainModule(nn.Module):

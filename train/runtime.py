@@ -47,7 +47,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
-from draftsmith.config import (ConfigError, command_parser, config_to_dict, flatten_dict, option, parse_command,
+from draftsmith.config import (ConfigError, Unread, command_parser, config_to_dict, flatten_dict, option, parse_command,
                                save_config)
 from draftsmith.data.records import batch_indices
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
@@ -137,6 +137,15 @@ class LoggingConfig:
     tracker: Literal["wandb", "none"] = option("wandb", "experiment tracker (W&B runs offline without network)")
     project: str = option("draftsmith", "W&B project")
     run_name: str | None = option(None, "W&B run name")
+
+
+# Options of the shared sections that some settings do not read (each recipe adds its own: refuse_unread).
+RUN_UNREAD = [
+    Unread("optim.min_lr_ratio", lambda c: c.optim.schedule == "constant", "read by optim.schedule=linear|cosine"),
+    Unread("eval.tau_new_tokens", lambda c: c.eval.tau_prompts == 0, "read when eval.tau_prompts > 0"),
+    Unread("logging.project", lambda c: c.logging.tracker == "none", "read by logging.tracker=wandb"),
+    Unread("logging.run_name", lambda c: c.logging.tracker == "none", "read by logging.tracker=wandb"),
+]
 
 
 class Recipe(Protocol):

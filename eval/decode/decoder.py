@@ -33,7 +33,7 @@ import torch
 
 from draftsmith.config import check_config, option
 from draftsmith.errors import UserError
-from draftsmith.eval.decode.drafters.base import Drafter, NoDrafter, Sampling
+from draftsmith.eval.decode.drafters.base import Drafter, InputError, NoDrafter, Sampling
 from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
 from draftsmith.eval.decode.verify import verify_greedy, verify_sampling
 from draftsmith.models.engine import Backend
@@ -155,10 +155,6 @@ class Round:
         return torch.tensor([self.root] + self.new_tokens[:-1], device=self.tree.tokens.device)
 
 
-class InputError(UserError):
-    """Token ids a decoder cannot take (a ValueError: API callers catch it as such)."""
-
-
 def check_input_ids(input_ids, vocab_size: int, max_positions: int | None, max_new_tokens: int) -> None:
     """Refuse, in one line naming the value and what is valid, prompt ids the decoder cannot take."""
     if not isinstance(input_ids, torch.Tensor):
@@ -175,6 +171,17 @@ def check_input_ids(input_ids, vocab_size: int, max_positions: int | None, max_n
     if max_positions is not None and input_ids.shape[1] + max_new_tokens > max_positions:
         raise InputError(f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} exceed the target's "
                          f"{max_positions} positions: shorten the prompt or lower max_new_tokens")
+
+
+def check_parts(target, drafter, config) -> None:
+    """A decoder's parts are the toolkit's types (a name or a dict in their place is one line, not an
+    AttributeError from inside the loop)."""
+    expected = [("target", target, TargetModel, "TargetModel.from_pretrained(...)"),
+                ("drafter", drafter, (Drafter, type(None)), "a Drafter, e.g. NgramDrafter() (None: plain)"),
+                ("config", config, (DecodeConfig, type(None)), "DecodeConfig(max_new_tokens=...)")]
+    for name, value, kind, example in expected:
+        if not isinstance(value, kind):
+            raise InputError(f"{name}: expected {example}, got {type(value).__name__} {value!r:.60}")
 
 
 class Generation:
@@ -282,6 +289,7 @@ class SpeculativeDecoder:
     """Speculative decoding of one target with one drafter (NoDrafter: plain decoding in our loop)."""
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None, config: DecodeConfig | None = None):
+        check_parts(target, drafter, config)
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.config = config or DecodeConfig()

@@ -26,9 +26,9 @@ sync_outputs() {  # snapshots -> $KEEP/loss_tokens_<N>/ (once each), newest chec
   return 0
 }
 if ls -d "$RUN"/checkpoints/step_* > /dev/null 2>&1; then
-  RESUME=(--resume auto)
+  RESUME=(--resume)
 elif ls -d "$KEEP"/resume/step_* > /dev/null 2>&1; then
-  RESUME=(--resume "$(ls -d "$KEEP"/resume/step_* | tail -1)")
+  RESUME=(--resume-from "$(ls -d "$KEEP"/resume/step_* | tail -1)")
 else
   RESUME=()
 fi

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.errors import UserError
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.eval.decode.verify import logits_to_probs
 from draftsmith.models.target import check_same_tokenizer
@@ -24,6 +25,17 @@ class Sampling:
         return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
 
 
+
+
+class InputError(UserError):
+    """A value the decode API cannot take (a ValueError: API callers catch it as such)."""
+
+
+def check_sizes(what: str, **sizes: int | None) -> None:
+    """Tree sizes a drafter is built with (budget, depth, topk, ...): whole numbers >= 1 (None: not given)."""
+    for name, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InputError(f"{what}: {name} must be a whole number >= 1, got {value!r}")
 
 
 class Drafter:

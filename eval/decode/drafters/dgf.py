@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import UserError
-from draftsmith.eval.decode.drafters.base import TREE_BUDGET, Drafter, Sampling, draw_children
+from draftsmith.eval.decode.drafters.base import TREE_BUDGET, Drafter, Sampling, check_sizes, draw_children
 from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
 from draftsmith.models.compiled import CompileSettings
@@ -46,8 +45,7 @@ DGF_DEPTH, DGF_TOPK = DGF_TREE.depth, DGF_TREE.topk  # Dovetail's dynamic tree (
 class DGFDrafter(Drafter):
     def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
                  name: str | None = None, engine=None):
-        if depth < 1 or topk < 1 or budget < 1:
-            raise UserError(f"dgf: depth, topk and budget must be >= 1 (got {depth}, {topk}, {budget})")
+        check_sizes(name or "dgf", depth=depth, topk=topk, budget=budget)
         model._need_target()
         self.model = model.eval()
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter

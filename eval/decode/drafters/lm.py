@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, Drafter, Sampling, draw_children
+from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, Drafter, InputError, Sampling, check_sizes, draw_children
 from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
 from draftsmith.models.target import TargetModel
 from draftsmith.models.trees import LM_TREE
@@ -35,7 +35,8 @@ class LMDrafter(Drafter):
                  beam: int | None = None,
                  name: str | None = None, vocab: DraftVocab | None = None):
         if mode not in ("chain", "tree"):
-            raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
+            raise InputError(f"mode must be 'chain' or 'tree', got {mode!r}")
+        check_sizes(name or f"lm-{mode}", budget=budget, depth=depth, topk=topk, beam=beam)
         self.lm = model if isinstance(model, TargetModel) else None  # a given engine (e.g. compiled) is kept
         self.model = (model.model if self.lm is not None else model).eval()
         self.vocab = vocab

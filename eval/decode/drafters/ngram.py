@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import Drafter
+from draftsmith.eval.decode.drafters.base import Drafter, InputError, check_sizes
 from draftsmith.eval.decode.tree import DraftTree, trie
 
 
@@ -21,8 +21,9 @@ NGRAM_BUDGET = 5  # tokens proposed after a match
 class NgramDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, budget: int = NGRAM_BUDGET, num_branches: int = 1,
                  name: str = "ngram"):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        check_sizes(name, max_ngram=max_ngram, min_ngram=min_ngram, budget=budget, num_branches=num_branches)
+        if not min_ngram <= max_ngram:
+            raise InputError(f"{name}: need min_ngram <= max_ngram, got {min_ngram} > {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.budget, self.num_branches = budget, num_branches
         self.name = name
