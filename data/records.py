@@ -159,14 +159,23 @@ def split_heldout(records: Sequence[dict], fraction: float, seed: int,
     return train, held
 
 
-def epoch_order(num_records: int, seed: int, epoch: int) -> list[int]:
-    """The shuffled record order of one epoch (a pure function of seed and epoch)."""
+def epoch_order(num_records: int, seed: int, epoch: int, lengths: Sequence[int] | None = None,
+                window: int = 0) -> list[int]:
+    """The shuffled record order of one epoch (a pure function of seed and epoch). With `lengths` and a
+    `window` > 1, each run of `window` consecutive records is sorted longest first: batches cut from it hold
+    records of similar length (less padding), and the data seen after N records is still a uniform draw."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_records, generator=generator).tolist()
+    order = torch.randperm(num_records, generator=generator).tolist()
+    if lengths is None or window <= 1:
+        return order
+    return [index for start in range(0, num_records, window)
+            for index in sorted(order[start:start + window], key=lambda i: -lengths[i])]
 
 
-def batch_indices(num_records: int, samples_seen: int, count: int, seed: int) -> list[int]:
-    """The next `count` record indices after `samples_seen` draws, crossing epochs as needed.
+def batch_indices(num_records: int, samples_seen: int, count: int, seed: int, lengths: Sequence[int] | None = None,
+                  window: int = 0) -> list[int]:
+    """The next `count` record indices after `samples_seen` draws, crossing epochs as needed (`lengths`,
+    `window`: epoch_order's grouping by length).
 
     The whole data position is `samples_seen`: resuming from it replays the same stream.
     """
@@ -175,7 +184,7 @@ def batch_indices(num_records: int, samples_seen: int, count: int, seed: int) ->
     for pos in range(samples_seen, samples_seen + count):
         epoch, offset = divmod(pos, num_records)
         if epoch not in cache:
-            cache[epoch] = epoch_order(num_records, seed, epoch)
+            cache[epoch] = epoch_order(num_records, seed, epoch, lengths, window)
         out.append(cache[epoch][offset])
     return out
 

@@ -147,6 +147,12 @@ def test_batch_order_is_a_function_of_samples_seen():
     assert stream[10:20] != stream[:10]  # each epoch reshuffles
     assert batch_indices(10, 13, 9, seed=3) == stream[13:22]
     assert batch_indices(10, 0, 10, seed=4) != stream[:10]
+    lengths = [(7 * i) % 11 for i in range(10)]
+    grouped = batch_indices(10, 0, 20, seed=3, lengths=lengths, window=4)
+    for start, stop in [(0, 4), (4, 8), (8, 10), (10, 14)]:  # each window: the same records, longest first
+        assert sorted(grouped[start:stop]) == sorted(stream[start:stop])
+        assert [lengths[i] for i in grouped[start:stop]] == sorted((lengths[i] for i in stream[start:stop]), reverse=True)
+    assert batch_indices(10, 6, 9, seed=3, lengths=lengths, window=4) == grouped[6:15]
     records = [{"input_ids": [i], "loss_mask": [1]} for i in range(20)]
     train, held = split_heldout(records, 0.1, seed=0)
     assert len(held) == 2 and len(train) == 18 and split_heldout(records, 0.1, seed=0) == (train, held)

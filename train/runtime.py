@@ -93,6 +93,8 @@ class DataConfig:
     heldout_fraction: float = option(0.05, "share of records held out for evaluation", gt=0, lt=1)
     max_heldout: int | None = option(256, "at most this many held-out records", ge=1)
     seed: int = option(0, "seed of the held-out split and the shuffling")
+    group_by_length: int = option(0, "records per window of the shuffled order sorted by length before batching "
+                                     "(0: off): less padding, the same data", ge=0)
 
 
 @dataclass
@@ -340,6 +342,7 @@ class TrainingRun:
         self.final_dir = self.output_dir / "final"
         self.step, self.samples_seen = 0, 0
         self.loss_tokens_seen = 0  # loss-bearing tokens trained on (recipes that report train/loss_tokens)
+        self._lengths: list[int] | None = None  # record lengths, for data.group_by_length
         self.first_eval: dict | None = None  # held-out metrics before training
         self.last_eval: dict | None = None
         self.run_id = uuid.uuid4().hex[:8]
@@ -444,7 +447,11 @@ class TrainingRun:
         the global batch is fixed by samples_seen, so any number of processes sees the same data per step."""
         cfg, rank = self.cfg.train, self.accelerator.process_index
         total = cfg.batch_size * self.world * cfg.grad_accum_steps
-        indices = batch_indices(len(records), self.samples_seen, total, self.cfg.data.seed)
+        window = self.cfg.data.group_by_length
+        if window and self._lengths is None:
+            self._lengths = [len(record["input_ids"]) for record in records]
+        indices = batch_indices(len(records), self.samples_seen, total, self.cfg.data.seed,
+                                self._lengths if window else None, window)
         out = []
         for micro in range(cfg.grad_accum_steps):
             start = (micro * self.world + rank) * cfg.batch_size
