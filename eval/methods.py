@@ -46,6 +46,7 @@ from draftsmith.eval.policies.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
+from draftsmith.models.precision import DraftPrecision, with_precision
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import TargetModel
 from draftsmith.models.trees import LM_TREE
@@ -197,17 +198,23 @@ class BuildContext:
     def target_for(self, method: Method) -> TargetModel:
         return self.engine(self.target, method.backend)
 
-    def small_model(self, model: str | None, every: int | None, what: str, vocab: DraftVocab | None = None
-                    ) -> TargetModel:
+    def small_model(self, model: str | None, every: int | None, what: str, vocab: DraftVocab | None = None,
+                    precision: DraftPrecision = DraftPrecision.FLOAT32) -> TargetModel:
         """The LM of an LM drafter under the run's backend: every N-th target layer, a named model, or the
-        run's draft; with `vocab`, that model with its LM head sliced to the draft vocabulary."""
+        run's draft; with `vocab`, that model with its LM head sliced to the draft vocabulary; in `precision`
+        (int8 runs eager whatever the run's backend)."""
         base = self._small_base(model, every, what)
-        if vocab is None:
-            return self.engine(base)
-        key = (id(base.model), vocab.digest())
-        if key not in self.models:
-            self.models[key] = TargetModel(with_sliced_head(base.model, vocab), base.tokenizer, name=base.name)
-        return self.engine(self.models[key])
+        if vocab is not None:
+            key = (id(base.model), vocab.digest())
+            if key not in self.models:
+                self.models[key] = TargetModel(with_sliced_head(base.model, vocab), base.tokenizer, name=base.name)
+            base = self.models[key]
+        if precision is not DraftPrecision.FLOAT32:
+            key = (id(base.model), precision)
+            if key not in self.models:
+                self.models[key] = TargetModel(with_precision(base.model, precision), base.tokenizer, name=base.name)
+            base = self.models[key]
+        return self.engine(base, None if precision.compiles else Backend.EAGER)
 
     def _small_base(self, model: str | None, every: int | None, what: str) -> TargetModel:
         if every is not None and model is not None:
@@ -300,6 +307,8 @@ class AssistedOptions:
 @dataclass
 class LMChainOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round", ge=1)
+    precision: DraftPrecision = option(DraftPrecision.FLOAT32, "the draft LM's arithmetic: float32 | bfloat16 | "
+                                       "int8 (dynamic, eager); the target verifies in its own dtype")
     model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
@@ -309,6 +318,8 @@ class LMChainOptions:
 @dataclass
 class LMTreeOptions:
     budget: int = option(TREE_BUDGET, "draft nodes per round (the best by cumulative log-probability)", ge=1)
+    precision: DraftPrecision = option(DraftPrecision.FLOAT32, "the draft LM's arithmetic: float32 | bfloat16 | "
+                                       "int8 (dynamic, eager); the target verifies in its own dtype")
     depth: int = option(LM_TREE.depth, "tree depth", ge=1)
     topk: int = option(LM_TREE.topk, "children per expanded node", ge=1)
     beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)
@@ -432,14 +443,14 @@ def build_plain_compiled(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, o.every, spec.label, vocab)
+    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision)
     return DrafterMethod(LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label, vocab=vocab), spec.label)
 
 
 def build_lm_tree(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, o.every, spec.label, vocab)
+    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision)
     drafter = LMDrafter(lm, mode="tree", budget=o.budget, depth=o.depth, topk=o.topk, beam=o.beam, name=spec.label,
                         vocab=vocab)
     return DrafterMethod(drafter, spec.label)

@@ -296,3 +296,16 @@ def test_the_main_job_path_prints_no_warning(tiny_pair, prompts_file, tmp_path):
                                  **extra)
             write_outputs(run_benchmark(config, target=target, draft=draft, progress=False), config)
     assert [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught] == []
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_a_cheaper_draft_lm_stays_lossless(tiny_pair, prompts_file, precision):
+    """The draft LM in bf16 or dynamic int8 (issue 35's first lever): its proposals change, the output does not
+    (the target verifies in float32)."""
+    target, draft = tiny_pair
+    specs = ["plain", "lm-chain:budget=3", f"lm-chain:budget=3,precision={precision}",
+             f"lm-tree:depth=2,topk=2,budget=4,precision={precision}"]
+    config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}"], num_prompts=2,
+                         max_new_tokens=10, plots=False, backend="eager")
+    results = run_benchmark(config, target=target, draft=draft, progress=False)
+    assert all(entry["mismatches"] == [] for entry in results["summary"].values())
