@@ -50,7 +50,8 @@ from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench_progress import Progress
-from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, InputError, Method
+from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, Method
+from draftsmith.eval.decode.drafters.base import check_types
 from draftsmith.eval.latency import cpu_model
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots
@@ -469,12 +470,10 @@ def prepare_engines(context: BuildContext, progress: bool) -> dict:
 
 def check_bench_parts(config, target, draft) -> None:
     """run_benchmark's arguments are the toolkit's types (one line naming the wrong one)."""
-    expected = [("config", config, BenchConfig, "BenchConfig(...)"),
-                ("target", target, (TargetModel, type(None)), "a TargetModel or None (config.target is loaded)"),
-                ("draft", draft, (TargetModel, type(None)), "a TargetModel or None (config.draft is loaded)")]
-    for name, value, kind, example in expected:
-        if not isinstance(value, kind):
-            raise InputError(f"run_benchmark: {name} must be {example}, got {type(value).__name__} {value!r:.60}")
+    check_types("run_benchmark: ", [
+        ("config", config, BenchConfig, "BenchConfig(...)"),
+        ("target", target, (TargetModel, type(None)), "a TargetModel or None (config.target is loaded)"),
+        ("draft", draft, (TargetModel, type(None)), "a TargetModel or None (config.draft is loaded)")])
 
 
 def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft: TargetModel | None = None,

@@ -281,5 +281,5 @@ def test_run_benchmark_arguments_of_the_wrong_type_are_named(part):
 
     config = BenchConfig(methods=[parse_method("plain")], suites=["gsm8k"], num_prompts=1, plots=False)
     kwargs = {"config": config, "target": None, "draft": None} | {part: {"target": "tiny:llama"}}
-    with pytest.raises(InputError, match=f"run_benchmark: {part} must be"):
+    with pytest.raises(InputError, match=f"run_benchmark: {part}: expected"):
         run_benchmark(kwargs.pop("config"), progress=False, **kwargs)

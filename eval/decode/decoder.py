@@ -33,7 +33,7 @@ import torch
 
 from draftsmith.config import check_config, option
 from draftsmith.errors import UserError
-from draftsmith.eval.decode.drafters.base import Drafter, InputError, NoDrafter, Sampling
+from draftsmith.eval.decode.drafters.base import Drafter, InputError, NoDrafter, Sampling, check_types
 from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
 from draftsmith.eval.decode.verify import verify_greedy, verify_sampling
 from draftsmith.models.engine import Backend
@@ -176,12 +176,9 @@ def check_input_ids(input_ids, vocab_size: int, max_positions: int | None, max_n
 def check_parts(target, drafter, config) -> None:
     """A decoder's parts are the toolkit's types (a name or a dict in their place is one line, not an
     AttributeError from inside the loop)."""
-    expected = [("target", target, TargetModel, "TargetModel.from_pretrained(...)"),
-                ("drafter", drafter, (Drafter, type(None)), "a Drafter, e.g. NgramDrafter() (None: plain)"),
-                ("config", config, (DecodeConfig, type(None)), "DecodeConfig(max_new_tokens=...)")]
-    for name, value, kind, example in expected:
-        if not isinstance(value, kind):
-            raise InputError(f"{name}: expected {example}, got {type(value).__name__} {value!r:.60}")
+    check_types("", [("target", target, TargetModel, "TargetModel.from_pretrained(...)"),
+                     ("drafter", drafter, (Drafter, type(None)), "a Drafter, e.g. NgramDrafter() (None: plain)"),
+                     ("config", config, (DecodeConfig, type(None)), "DecodeConfig(max_new_tokens=...)")])
 
 
 class Generation:

@@ -38,6 +38,14 @@ def check_sizes(what: str, **sizes: int | None) -> None:
             raise InputError(f"{what}: {name} must be a whole number >= 1, got {value!r}")
 
 
+def check_types(where: str, expected: list[tuple[str, object, type | tuple[type, ...], str]]) -> None:
+    """Arguments of a public function are the toolkit's types: (name, value, allowed types, what to pass); a
+    name or a dict in their place is one line, not an AttributeError from deep inside."""
+    for name, value, kind, example in expected:
+        if not isinstance(value, kind):
+            raise InputError(f"{where}{name}: expected {example}, got {type(value).__name__} {value!r:.60}")
+
+
 class Drafter:
     """Proposes a token tree after the root; learns what the target committed.
 
