@@ -64,3 +64,27 @@ def test_training_report_names_a_directory_without_metrics(tmp_path):
 
     with pytest.raises(UserError, match="no metrics.jsonl"):
         training_report.main([str(tmp_path), "--out", str(tmp_path / "x")])
+
+
+def test_curve_report_tables_and_plots_the_points(tmp_path):
+    """scripts/curve_report.py: one row per committed curve point (by loss tokens), a log-x PNG, and the
+    bench's per-suite acceptance when given."""
+    import json
+
+    from scripts.curve_report import main as curve_main
+
+    points = tmp_path / "points"
+    for tokens, step, top1 in [(250_000, 80, 0.41), (100_000, 33, 0.30)]:
+        folder = points / f"loss_tokens_{tokens}"
+        folder.mkdir(parents=True)
+        (folder / "snapshot.json").write_text(json.dumps({"loss_tokens_seen": tokens + 17, "step": step,
+                                                          "held_out": {"eval/step0_top1": top1, "eval/tau": 1.5}}))
+    bench = tmp_path / "bench.json"
+    label = f"dgf:{points / 'loss_tokens_250000'},budget=8"
+    bench.write_text(json.dumps({"summary": {"plain": {"by_suite": {}}, label: {"by_suite": {
+        "gsm8k": {"depth_acceptance": {"1": 0.5}, "tau": 2.0, "headline_speedup": 1.2}}}}}))
+    assert curve_main([str(points), "--bench", str(bench), "--out", str(tmp_path / "curve")]) == 0
+    rows = (tmp_path / "curve.md").read_text().splitlines()[2:]
+    assert rows[0].startswith("| 100,017 | 33 | 0.300") and rows[1].startswith("| 250,017 | 80 | 0.410")
+    assert rows[1].endswith("| 0.50 | 2.00 | 1.20 |") and rows[0].endswith("| - | - | - |")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
