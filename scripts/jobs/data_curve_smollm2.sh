@@ -11,7 +11,7 @@ set -euo pipefail
 RUN=${RUN:-outputs/curve_smollm2_human}
 KEEP=${KEEP:-drafters/curve_smollm2_human}
 SYNC_S=${SYNC_S:-600}
-CONFIG=train/configs/dgf_smollm2_curve.yaml
+CONFIG=${CONFIG:-train/configs/dgf_smollm2_curve.yaml}
 mkdir -p "$KEEP"
 sync_outputs() {  # snapshots -> $KEEP/loss_tokens_<N>/ (once each), newest checkpoint -> $KEEP/resume/
   for snap in "$RUN"/snapshots/loss_tokens_*; do
