@@ -8,7 +8,7 @@ CPU=${CPU:-$(grep -m1 "model name" /proc/cpuinfo | grep -qi amd && echo epyc || 
 NUM=${NUM:-2}
 OUT=${OUT:-results/qwen_draft_precision_$CPU}
 CHAIN=lm-chain:budget=4
-[ -f "$OUT/bench.json" ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=qwen2.5-coder-1.5b-instruct \
+[ -f "$OUT/bench.json" ] || ${QUIET-scripts/jobs/quiet.sh} python -m draftsmith.eval.bench target=qwen2.5-coder-1.5b-instruct \
   draft=qwen2.5-coder-0.5b-instruct backend=eager threads=2 num_prompts=$NUM max_new_tokens=64 \
   "suites=[mt-bench,gsm8k,humaneval]" \
   "methods=plain $CHAIN $CHAIN,precision=bfloat16 $CHAIN,precision=int8" output_dir=$OUT
