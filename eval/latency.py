@@ -15,6 +15,7 @@ graph runs every width: one group). Writes JSON and a markdown table.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import platform
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.config import check_config, command_parser, config_to_dict, option, parse_command, section
+from draftsmith.config import (Unread, check_config, command_parser, config_to_dict, option, parse_command,
+                               refuse_unread, section)
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
@@ -58,6 +60,10 @@ class LatencyConfig:
         if max(self.widths) > max(self.compile.buckets) and Backend.COMPILED in self.backends:
             raise UserError(f"widths: {max(self.widths)} exceeds the largest compiled bucket "
                             f"{max(self.compile.buckets)}")
+        eager_only = lambda c: Backend.COMPILED not in c.backends  # noqa: E731
+        refuse_unread(self, [Unread("release", eager_only, "read with the compiled backend in backends"),
+                             *[Unread(f"compile.{f.name}", eager_only, "read with the compiled backend in backends")
+                               for f in dataclasses.fields(CompileSettings)]])
 
 
 def context_ids(prompt: torch.Tensor, length: int) -> torch.Tensor:

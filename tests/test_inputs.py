@@ -18,7 +18,8 @@ from draftsmith.config import option  # noqa: F401  (the configs below are built
 from draftsmith.data.features import FeatureCacheConfig
 from draftsmith.data.regenerate import RegenerateConfig
 from draftsmith.errors import UserError, run_main
-from draftsmith.eval import bench, latency, llamacpp_bench
+from draftsmith.data import draft_vocab
+from draftsmith.eval import bench, drafter_top1, forward_profile, latency, llamacpp_bench, profile, results
 from draftsmith.eval.bench import BenchConfig
 from draftsmith.eval.decode.decoder import DecodeConfig, InputError, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
@@ -31,7 +32,10 @@ from draftsmith.train import dgf, distill, medusa
 # Commands: every typed option of every command's config, drawn invalid
 # ---------------------------------------------------------------------------------------------
 
-COMMANDS = [(bench.main, BenchConfig), (latency.main, LatencyConfig), (llamacpp_bench.main, LlamaCppBenchConfig)]
+COMMANDS = [(bench.main, BenchConfig), (latency.main, LatencyConfig), (llamacpp_bench.main, LlamaCppBenchConfig),
+            (draft_vocab.main, draft_vocab.DraftVocabConfig), (drafter_top1.main, drafter_top1.DrafterTop1Config),
+            (forward_profile.main, forward_profile.ForwardProfileConfig), (profile.main, profile.ProfileConfig),
+            (results.main, results.ResultsConfig)]
 JOB_CONFIGS = [RegenerateConfig, FeatureCacheConfig]  # parsed by data.shards.parse_job_command
 TRAIN_COMMANDS = [(dgf.cli, dgf.DGFRecipeConfig), (medusa.cli, medusa.MedusaRecipeConfig),
                   (distill.cli, distill.DistillRecipeConfig)]
@@ -283,3 +287,12 @@ def test_run_benchmark_arguments_of_the_wrong_type_are_named(part):
     kwargs = {"config": config, "target": None, "draft": None} | {part: {"target": "tiny:llama"}}
     with pytest.raises(InputError, match=f"run_benchmark: {part}: expected"):
         run_benchmark(kwargs.pop("config"), progress=False, **kwargs)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["backends=eager", "release=true"], "release=True is not read here"),
+    (["backends=eager", "compile.autotune=false"], "compile.autotune=False is not read here"),
+])
+def test_latency_options_the_eager_backend_does_not_read_are_refused(argv, words, capsys):
+    assert_one_line(run_main(latency.main, argv), err := capsys.readouterr().err)
+    assert words in err

@@ -2,7 +2,8 @@
 # Issue 35, lever 1 (cheaper arithmetic for the drafter): Qwen2.5-Coder-1.5B-Instruct (fp32, eager) with the
 # off-the-shelf 0.5B as a chain of 4 in float32, bfloat16 and dynamic int8, one lever at a time on the same prompts
 # (NUM per suite, MT-Bench both turns), interleaved per prompt, on a quiet machine. The output is the target's
-# greedy output in every case (the bench checks each prompt against plain).
+# greedy output in every case (the bench checks each prompt against plain). QUIET= runs it beside the background
+# jobs instead of pausing them (timings then contended; the methods still interleave per prompt).
 set -euo pipefail
 CPU=${CPU:-$(grep -m1 "model name" /proc/cpuinfo | grep -qi amd && echo epyc || echo xeon)}
 NUM=${NUM:-2}
