@@ -31,8 +31,6 @@ every method's tokens, policy state), bench.md (tables), PNG plots (eval.report)
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import math
 import os
@@ -45,7 +43,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.config import ConfigError, check_config, command_parser, config_to_dict, option, parse_command, section
+from draftsmith.config import (ConfigError, check_config, command_parser, config_to_dict, option, parse_command,
+                               refuse_unread, section)
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
@@ -57,7 +56,7 @@ from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, look
 from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import has_bundled_drafter
-from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.compiled import CompileSettings, compile_unread
 from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel, dtype_name
 
@@ -68,6 +67,11 @@ PLAIN, PLAIN_COMPILED = parse_method("plain"), parse_method("plain-compiled")
 REFERENCE = {Backend.EAGER: PLAIN, Backend.COMPILED: PLAIN_COMPILED}
 WARMUP_MESSAGES = [{"role": "user", "content": "Write two sentences about the sea."}]
 RESULTS_FILE = "bench.json"
+
+
+def uses_compiled(config: "BenchConfig") -> bool:
+    """Whether the run measures anything on the compiled engine (its backend, or a method that picks it)."""
+    return config.backend is Backend.COMPILED or any(lookup(spec.name).may_compile for spec in config.methods)
 
 
 def default_methods(target: str) -> list[MethodSpec]:
@@ -112,14 +116,8 @@ class BenchConfig:
             self.methods.insert(0, PLAIN)  # the reference for losslessness and speedup
         if self.backend is Backend.COMPILED and PLAIN_COMPILED not in self.methods:
             self.methods.insert(1, PLAIN_COMPILED)  # the compiled methods' reference
-        default = CompileSettings()
-        changed = [f.name for f in dataclasses.fields(CompileSettings)
-                   if getattr(self.compile, f.name) != getattr(default, f.name)]
-        uses_compiled = self.backend is Backend.COMPILED or any(lookup(spec.name).may_compile
-                                                                 for spec in self.methods)
-        if changed and not uses_compiled:
-            raise ConfigError(f"compile.{changed[0]}: read only by backend=compiled (this run is backend=eager); "
-                              "set backend=compiled or drop it")
+        refuse_unread(self, compile_unread(lambda c: not uses_compiled(c), "read by backend=compiled or a method "
+                                                                            "on the compiled engine"))
         if self.backend is Backend.COMPILED and self.budget_limit + 1 > max(self.compile.buckets):
             raise ConfigError(f"budget_limit: {self.budget_limit} plus the root must fit the largest compiled bucket "
                               f"({max(self.compile.buckets)}); lower budget_limit or add a bucket")
@@ -263,7 +261,7 @@ def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], inp
     row = {"id": conv.id, "suite": suite, "category": category, "turn": turn, "prompt_tokens": input_ids.shape[1]}
     if answers:
         row["history"] = list(answers)
-    references: dict[str, list[int]] = {}
+    references: dict[Backend, list[int]] = {}
     for spec, method in state.methods.items():
         target = state.context.target_for(method)
         tokens, seconds, stats = timed_run(method, target, state.decode, input_ids)
@@ -274,8 +272,8 @@ def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], inp
                                          "tokens": len(tokens), "stats": stats})
         check_lossless(state, spec, tokens, references, f"{conv.id} turn {turn}")
         row[str(spec)] = {"seconds": seconds, "new_tokens": len(tokens), "tokens": tokens,
-                      "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
-                      "tau": stats.tau if stats else 1.0}
+                          "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
+                          "tau": stats.tau if stats else 1.0}
     eager, compiled = references.get(Backend.EAGER), references.get(Backend.COMPILED)
     if state.config.temperature == 0 and len(references) == 2 and eager != compiled:
         row["compiled_vs_hf"] = first_difference(state.context.target, input_ids, eager, compiled)

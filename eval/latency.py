@@ -15,7 +15,6 @@ graph runs every width: one group). Writes JSON and a markdown table.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import platform
@@ -32,7 +31,7 @@ from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write, atomic_write_json, refuse_overwrite
-from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.compiled import CompileSettings, compile_unread
 from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel
 
@@ -61,9 +60,8 @@ class LatencyConfig:
             raise UserError(f"widths: {max(self.widths)} exceeds the largest compiled bucket "
                             f"{max(self.compile.buckets)}")
         eager_only = lambda c: Backend.COMPILED not in c.backends  # noqa: E731
-        refuse_unread(self, [Unread("release", eager_only, "read with the compiled backend in backends"),
-                             *[Unread(f"compile.{f.name}", eager_only, "read with the compiled backend in backends")
-                               for f in dataclasses.fields(CompileSettings)]])
+        reader = "read with the compiled backend in backends"
+        refuse_unread(self, [Unread("release", eager_only, reader), *compile_unread(eager_only, reader)])
 
 
 def context_ids(prompt: torch.Tensor, length: int) -> torch.Tensor:

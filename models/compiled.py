@@ -39,7 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ import transformers
 from torch import nn
 from transformers import StaticCache
 
-from draftsmith.config import ConfigError, check_config, option
+from draftsmith.config import ConfigError, Unread, check_config, option
 from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel
@@ -82,6 +82,12 @@ class CompileSettings:
             raise ConfigError("buckets: give at least one input size")
         if self.capacity <= self.buckets[-1]:
             raise ConfigError(f"capacity: {self.capacity} must exceed the largest bucket {self.buckets[-1]}")
+
+
+def compile_unread(unread, reader: str) -> list[Unread]:
+    """One Unread rule per `compile.*` option: a command that measures nothing on the compiled engine
+    (`unread(config)`) refuses them by name (config.refuse_unread)."""
+    return [Unread(f"compile.{f.name}", unread, reader) for f in fields(CompileSettings)]
 
 
 class CompileUnavailable(UserError):

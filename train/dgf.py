@@ -73,6 +73,10 @@ class DrafterConfig:
     head: Literal["target", "slice", "own"] = option("target", "output layer: the target's LM head (full vocabulary), "
                                                                "its frozen slice, or an own trainable head")
 
+    def fuses_several_layers(self) -> bool:
+        """Whether the drafter reads more than one target layer (an explicit list, or EAGLE-3's three)."""
+        return bool(self.feature_layers and len(self.feature_layers) > 1) or (self.multi_layer and not self.feature_layers)
+
     def layers(self, num_hidden_layers: int) -> list[int]:
         """The target layers read: the explicit list, EAGLE-3's three, or the one feature layer."""
         if self.feature_layers:
@@ -115,8 +119,8 @@ class DGFRecipeConfig(RunConfig):
 
     def __post_init__(self):
         d = self.drafter
-        several = bool(d.feature_layers and len(d.feature_layers) > 1) or (d.multi_layer and not d.feature_layers)
-        several = several or d.fusion == "eagle3"  # EAGLE-3 drafts tokens, it regresses no target feature
+        # EAGLE-3 drafts tokens, it regresses no target feature
+        several = d.fuses_several_layers() or d.fusion == "eagle3"
         checks = [
             (self.loss.feature_weight + self.loss.token_weight > 0,
              "loss.feature_weight + loss.token_weight must be > 0"),
@@ -136,17 +140,12 @@ class DGFRecipeConfig(RunConfig):
         refuse_unread(self, RUN_UNREAD + DGF_UNREAD)
 
 
-def _several_layers(cfg: DGFRecipeConfig) -> bool:
-    return bool(cfg.drafter.feature_layers and len(cfg.drafter.feature_layers) > 1) or (
-        cfg.drafter.multi_layer and not cfg.drafter.feature_layers)
-
-
 DGF_UNREAD = [
     Unread("data.feature_cache", lambda c: c.data.mode == "online", "read by data.mode=offline"),
     Unread("data.limit", lambda c: c.data.mode == "offline", "read by data.mode=online"),
     Unread("loss.unroll_decay", lambda c: c.loss.unroll_steps == 1, "read when loss.unroll_steps > 1"),
-    Unread("drafter.layer_fusion", lambda c: not _several_layers(c), "read when the drafter fuses several target "
-           "layers (drafter.feature_layers with more than one, or drafter.multi_layer)"),
+    Unread("drafter.layer_fusion", lambda c: not c.drafter.fuses_several_layers(), "read when the drafter fuses "
+           "several target layers (drafter.feature_layers with more than one, or drafter.multi_layer)"),
     Unread("drafter.feature_layer", lambda c: bool(c.drafter.feature_layers) or c.drafter.multi_layer,
            "read when drafter.feature_layers is null and drafter.multi_layer is false"),
     Unread("drafter.fusion_act", lambda c: c.drafter.fusion != "dgf", "read by drafter.fusion=dgf"),
