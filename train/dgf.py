@@ -37,6 +37,7 @@ from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
 from draftsmith.data.features import FeatureDataset, cache_parts, load_index
@@ -223,10 +224,13 @@ def start_from(drafter: DGFModel, path: str, target: TargetModel) -> None:
 
 
 class StepFeatures(NamedTuple):
-    """The target's features of a batch: the layers the drafter reads (B, T, k, H), the final state or None."""
+    """The target's features of a batch: the layers the drafter reads (B, T, k, H), the final state or None, and
+    the target's log-probabilities at step 0's pairs (None without a final state): computed once per micro-batch,
+    each later step's pairs are a subset of step 0's in the same order (see DGFRecipe._losses)."""
 
     layers: torch.Tensor
     final: torch.Tensor | None
+    target_logp: torch.Tensor | None = None
 
 
 class StepPairs(NamedTuple):
@@ -266,6 +270,7 @@ class DGFRecipe(RecipeBase):
                      len(self.heldout_records))
         d = cfg.drafter
         self.vocab = DraftVocab.load(d.draft_vocab) if d.draft_vocab else None
+        self._draft_head_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see _target_logprobs
         self.dgf_config = DGFConfig.for_target(model.config, num_blocks=d.num_blocks, fusion=d.fusion,
                                                fusion_act=d.fusion_act, first_block_norm=d.first_block_norm,
                                                fusion_bias=d.fusion_bias,
@@ -364,11 +369,16 @@ class DGFRecipe(RecipeBase):
 
     def _target_logprobs(self, final: torch.Tensor) -> torch.Tensor:
         """The target's next-token log-probabilities from final normed states (N, H), on the draft vocabulary
-        (renormalised there) when there is one."""
-        logits = self.target.model.get_output_embeddings()(final.to(self.target.dtype)).float()
-        if self.vocab is not None:
-            logits = logits[..., self.vocab.draft_to_target.to(logits.device)]
-        return torch.log_softmax(logits, -1)
+        (renormalised there) when there is one: only the head's rows of that vocabulary are multiplied (a sixth
+        of the full head for SmolLM2's 8k of 49k), the same logits as slicing the full product."""
+        head = self.target.model.get_output_embeddings()
+        if self.vocab is None:
+            return torch.log_softmax(head(final.to(self.target.dtype)).float(), -1)
+        if self._draft_head_rows is None:
+            rows = self.vocab.draft_to_target.to(head.weight.device)
+            self._draft_head_rows = (head.weight[rows].detach(), None if head.bias is None else head.bias[rows].detach())
+        weight, bias = self._draft_head_rows
+        return torch.log_softmax(F.linear(final.to(weight.dtype), weight, bias).float(), -1)
 
     def _losses(self, batch: dict, steps: int, normalizers: torch.Tensor | None, noise: bool):
         """Per-step (loss, feature loss, token loss, correct top-1, valid) for one micro-batch."""
@@ -380,15 +390,19 @@ class DGFRecipe(RecipeBase):
         if noise and cfg.loss.input_noise > 0:
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * cfg.loss.input_noise
         preds = self.run.module(inputs, batch["input_ids"][:, 1:], steps)
-        valid_all = labels != IGNORE_INDEX
+        rows_all, cols_all = (labels != IGNORE_INDEX).nonzero(as_tuple=True)  # step 0's pairs, row-major
+        target_logp = None
+        if final is not None and self.cfg.loss.token_loss != "hard":
+            with torch.no_grad():
+                target_logp = self._target_logprobs(final[rows_all, cols_all + 1])
         results = []
         for j, pred in enumerate(preds):
-            valid = valid_all.clone()
-            valid[:, :j] = False  # a step-j chain needs a true prefix ending at t - j >= 0
-            rows, cols = valid.nonzero(as_tuple=True)
-            norm = normalizers[j] if normalizers is not None else valid.sum().clamp(min=1)
+            keep = cols_all >= j  # a step-j chain needs a true prefix ending at t - j >= 0
+            rows, cols = rows_all[keep], cols_all[keep]
+            norm = normalizers[j] if normalizers is not None else keep.sum().clamp(min=1)
             pairs = StepPairs(rows=rows, next_positions=cols + 1, labels=labels[rows, cols], predicted=pred[rows, cols])
-            results.append(self._step_losses(batch, StepFeatures(layers, final), pairs, norm))
+            features = StepFeatures(layers, final, None if target_logp is None else target_logp[keep])
+            results.append(self._step_losses(batch, features, pairs, norm))
         return results
 
     def _step_losses(self, batch, features: "StepFeatures", pairs: "StepPairs", norm) -> StepLosses:
@@ -404,10 +418,8 @@ class DGFRecipe(RecipeBase):
             self.vocab.to_draft(label) < 0, IGNORE_INDEX)  # a token outside the subset: no CE target
         if cfg.loss.token_loss == "hard":
             token_loss = hard_cross_entropy(logits, draft_label, norm)
-        elif features.final is not None:
-            with torch.no_grad():
-                target_logp = self._target_logprobs(features.final[rows, nxt])
-            token_loss = soft_cross_entropy(logits, target_logp, ones, norm)
+        elif features.target_logp is not None:
+            token_loss = soft_cross_entropy(logits, features.target_logp, ones, norm)
         else:
             indices, values, inside = self._topk_on_draft_vocab(batch["topk_indices"][rows, nxt],
                                                                batch["topk_values"][rows, nxt])
