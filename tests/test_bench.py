@@ -298,6 +298,34 @@ def test_the_main_job_path_prints_no_warning(tiny_pair, prompts_file, tmp_path):
     assert [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught] == []
 
 
+TORCH_WITHOUT_TYPED_STORAGE_CALL = (2, 14, 1)  # torch 2.13's inductor autotuner calls tensor.storage(); fixed here
+
+
+def torch_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:3])
+
+
+@pytest.mark.skipif(torch_version() < TORCH_WITHOUT_TYPED_STORAGE_CALL,
+                    reason="torch < 2.14.1: inductor's autotuner itself warns (TypedStorage); install.sh installs "
+                           "2.14.1+cpu where the PyTorch index is reachable")
+def test_an_autotuned_compile_prints_no_warning(tiny_pair, prompts_file, tmp_path, caplog, monkeypatch):
+    """The main job compiles with autotuning (issue 33, item 7): no Python warning and no warning logged by torch
+    or transformers, on a torch whose autotuner no longer calls the deprecated storage API."""
+    import logging
+    import warnings
+
+    target, _ = tiny_pair
+    config = BenchConfig(methods=[parse_method("ngram")], suites=[f"jsonl:{prompts_file}"], num_prompts=1,
+                         max_new_tokens=4, output_dir=str(tmp_path), backend="compiled", budget_limit=15,
+                         compile=CompileSettings(buckets=[1, 16], capacity=512, autotune=True))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))  # a first run: the graphs are compiled here
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        write_outputs(run_benchmark(config, target=target, progress=False), config)
+    logged = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.name.split(".")[0] in ("torch", "transformers")]
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == [] and logged == []
+
+
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
 def test_a_cheaper_draft_lm_stays_lossless(tiny_pair, prompts_file, precision):
     """The draft LM in bf16 or dynamic int8 (issue 35's first lever): its proposals change, the output does not
