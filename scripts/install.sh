@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="${PYTHON:-python} -m pip"
 if [ -z "${DRAFTSMITH_SKIP_TORCH:-}" ] && ! ${PYTHON:-python} -c "import torch" 2>/dev/null; then
-  $PIP install -q "torch==2.14.1" --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
+  $PIP install -q "torch==2.14.1" --index-url https://download.pytorch.org/whl/cpu --retries 0 --timeout 15 2>/dev/null \
     || $PIP install -q "torch==2.13.0"
 fi
 $PIP install -q -e ".[test]"
