@@ -185,7 +185,8 @@ class BuildContext:
         and a user who named it believes it is in effect)."""
         if self.draft is not None and not self.draft_read:
             raise ConfigError(f"draft={self.draft.name or 'the given draft model'}: no method reads it (lm-chain, "
-                              "lm-tree, hf-assisted, llmcad or minions without model=/every=); drop it or add one")
+                              "lm-parallel, lm-tree, hf-assisted, llmcad or minions without model=/every=); drop it "
+                              "or add one")
 
     def engine(self, lm: TargetModel, backend: Backend | None = None) -> TargetModel:
         """`lm` driven by `backend` (default: the run's), built once per model and backend."""
@@ -311,6 +312,16 @@ class LMChainOptions:
                                        "int8 (dynamic, eager); the target verifies in its own dtype")
     model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
+    vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
+                                     "sliced to it at load time")
+
+
+@dataclass
+class LMParallelOptions:
+    budget: int = option(CHAIN_BUDGET, "draft tokens per round, all from one forward (budget - 1 mask tokens)", ge=1)
+    precision: DraftPrecision = option(DraftPrecision.FLOAT32, "the draft LM's arithmetic: float32 | bfloat16 | "
+                                       "int8 (dynamic, eager); the target verifies in its own dtype")
+    model: str | None = option(None, "a parallel (PARD) draft LM, with config.pard_token; null: the run's draft")
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
                                      "sliced to it at load time")
 
@@ -447,6 +458,13 @@ def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
     return DrafterMethod(LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label, vocab=vocab), spec.label)
 
 
+def build_lm_parallel(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    vocab = ctx.vocab(o.vocab)
+    lm = ctx.small_model(o.model, None, spec.label, vocab, o.precision)
+    return DrafterMethod(LMDrafter(lm, mode="parallel", budget=o.budget, name=spec.label, vocab=vocab), spec.label)
+
+
 def build_lm_tree(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
@@ -577,6 +595,7 @@ METHODS: dict[str, MethodEntry] = {
                                   may_compile=True),
     "lm-chain": MethodEntry(LMChainOptions, build_lm_chain, "a small LM drafts a chain"),
     "lm-tree": MethodEntry(LMTreeOptions, build_lm_tree, "a small LM drafts an EAGLE-2-style dynamic tree"),
+    "lm-parallel": MethodEntry(LMParallelOptions, build_lm_parallel, "a PARD draft LM: a chain from one forward"),
     "ngram": MethodEntry(NgramOptions, build_ngram, "prompt lookup (training-free)"),
     "medusa": MethodEntry(MedusaOptions, build_medusa, "trained Medusa heads, static tree"),
     "dgf": MethodEntry(DGFOptions, build_dgf, "trained feature drafter (EAGLE / DGF), dynamic tree"),

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from draftsmith.errors import UserError
 from draftsmith.eval import bench, report
 from draftsmith.eval.bench import BenchConfig, run_benchmark, turn_input_ids, write_outputs
 from draftsmith.eval.methods import parse_method
@@ -324,6 +325,24 @@ def test_an_autotuned_compile_prints_no_warning(tiny_pair, prompts_file, tmp_pat
         write_outputs(run_benchmark(config, target=target, progress=False), config)
     logged = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.name.split(".")[0] in ("torch", "transformers")]
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == [] and logged == []
+
+
+def test_parallel_drafting_in_the_bench(tiny_pair, prompts_file, monkeypatch):
+    """lm-parallel (PARD: k tokens from one forward over mask tokens) is lossless on both backends; a draft model
+    without a mask token is refused in one line."""
+    target, draft = tiny_pair
+    specs = ["plain", "lm-parallel:budget=3"]
+    config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}"], num_prompts=1,
+                         max_new_tokens=8, plots=False, backend="eager")
+    with pytest.raises(UserError, match="no parallel-drafting mask token"):
+        run_benchmark(config, target=target, draft=draft, progress=False)
+    monkeypatch.setattr(draft.model.config, "pard_token", 95, raising=False)
+    for backend, extra in (("eager", {}), ("compiled", FAST_COMPILE)):
+        extra = {key: value for key, value in extra.items() if key != "backend"}
+        config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}"], num_prompts=1,
+                             max_new_tokens=8, plots=False, backend=backend, **extra)
+        results = run_benchmark(config, target=target, draft=draft, progress=False)
+        assert all(entry["mismatches"] == [] for entry in results["summary"].values())
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])

@@ -36,6 +36,10 @@ def make_drafter(kind, model, seed):
         return LMDrafter(model, mode="tree", depth=4, topk=3, budget=24)
     if kind == "ngram":
         return NgramDrafter(max_ngram=2 + seed % 2, budget=4, num_branches=1 + seed % 3)
+    if kind == "parallel":  # PARD: one forward over mask tokens (untrained here: proposals are poor, output exact)
+        draft = layer_subset_student(model, [0, 1])
+        draft.config.pard_token = 95
+        return LMDrafter(draft, mode="parallel", budget=2 + seed)
     if kind == "medusa":
         torch.manual_seed(seed)
         heads = MedusaHeads(MedusaConfig(hidden, vocab, num_heads=5))
@@ -44,7 +48,7 @@ def make_drafter(kind, model, seed):
     raise ValueError(kind)
 
 
-KINDS = ["none", "chain-shallow", "chain-other", "tree-shallow", "tree-self", "ngram", "medusa"]
+KINDS = ["none", "chain-shallow", "chain-other", "tree-shallow", "tree-self", "ngram", "parallel", "medusa"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

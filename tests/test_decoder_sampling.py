@@ -49,6 +49,10 @@ def make_drafter(kind, model):
         torch.manual_seed(13)
         heads = MedusaHeads(MedusaConfig(model.config.hidden_size, VOCAB, num_heads=2))
         return MedusaDrafter(heads, paths=[[0], [1], [0, 0], [0, 1], [1, 0]])
+    if kind == "parallel":  # PARD: each position drawn from its own q row, all rows from one forward
+        draft = tiny_model("llama", seed=11, vocab_size=VOCAB, num_layers=1)
+        draft.config.pard_token = VOCAB - 1
+        return LMDrafter(draft, mode="parallel", budget=2)
     if kind == "ngram":  # point-mass proposals, two branches
         return NgramDrafter(max_ngram=2, budget=2, num_branches=2)
     return make_vocab_drafter(kind, model)
@@ -79,7 +83,7 @@ def make_vocab_drafter(kind, model):
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
+@pytest.mark.parametrize("kind", ["chain", "tree", "parallel", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
                                   "medusa-vocab-slice", "dgf-vocab-slice", "dgf-multi_layer-vocab-own",
                                   "dgf-eagle3-multi_layer-vocab-own"])
 def test_sampling_matches_target_distribution(kind):

@@ -195,3 +195,35 @@ def test_smollm2_layer_student_exports_as_draft(tmp_path):
                            progress=False)
     entry = report["summary"][spec]
     assert entry["mismatches"] == [] and entry["tau"] >= 1.0
+
+
+def test_parallel_student_trains_and_drafts_losslessly(tmp_path):
+    """PARD (parallel.copies=3): every mask copy is trained, the mask token is saved as config.pard_token, and the
+    exported student drafts 3 tokens per forward in the decoder with the target's exact greedy output."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+    from draftsmith.eval.decode.drafters.lm import LMDrafter
+    from draftsmith.models.target import TargetModel
+
+    summary = main(tiny_cfg(tmp_path, "parallel.copies=3", "parallel.mask_token=95", "train.max_steps=6",
+                            "eval.every_steps=0", "train.checkpoint_every=100"))
+    metrics = train_metrics(tmp_path)
+    main(tiny_cfg(tmp_path / "single", "train.max_steps=1", "eval.every_steps=0"))
+    assert metrics[1]["train/tokens"] > train_metrics(tmp_path / "single")[1]["train/tokens"]  # the mask copies
+    assert summary["eval_after"]["eval/fkl"] < summary["eval_before"]["eval/fkl"]
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert student.config.pard_token == 95
+    target = build_tiny_causal_lm("llama", seed=0)
+    prompt = torch.tensor([[5, 9, 14, 5, 9, 14, 30]])
+    result = SpeculativeDecoder(TargetModel(target, None), LMDrafter(student, mode="parallel", budget=3),
+                                DecodeConfig(max_new_tokens=12)).generate(prompt)
+    reference = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
+    assert result.tokens == reference[0, prompt.shape[1]:].tolist()
+
+
+def test_parallel_mask_token_must_be_a_free_row(tmp_path):
+    with pytest.raises(ConfigError, match="tokenizer uses every row"):
+        main(tiny_cfg(tmp_path, "parallel.copies=2", "train.max_steps=1"))
+    with pytest.raises(ConfigError, match=r"parallel\.mask_token.*read when parallel\.copies > 1"):
+        tiny_cfg(tmp_path, "parallel.mask_token=3")

@@ -24,6 +24,8 @@ Data and loss (`loss.kind`; divergences in train/losses.py, DistillSpec's choice
                 samples continuations of the batch's prompts, the target scores them online, and the
                 divergence is taken on those tokens (DistillSpec / GKD on-policy data)
 `loss.ce_weight` adds hard-label CE on the data tokens to a divergence.
+Parallel drafting (`parallel.copies` k > 1, PARD): the student also learns to propose k tokens from one forward,
+over k - 1 mask tokens after the context (train/parallel_draft.py); every loss above applies to every mask copy.
 
 Layout of `output_dir`:
     checkpoints/step_<N>/   tensors.safetensors + state.json (trainable weights, optimizer, scheduler, RNG of
@@ -54,11 +56,13 @@ from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset, cache
 from draftsmith.data.records import collate, load_records, spec_needs_model, split_heldout
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.models.artifacts import read_student_manifest, write_student_manifest
+from draftsmith.models.engine import additive_mask
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_model_config, load_tokenizer,
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import KD_KINDS, kd_loss, kd_mask
+from draftsmith.train.parallel_draft import parallel_inputs, parallel_pair_count, parallel_positions
 from draftsmith.train.runtime import (RUN_UNREAD, DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
                                      TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, record_prompt, recipe_cli)
@@ -115,6 +119,14 @@ class OnPolicyConfig:
 
 
 @dataclass
+class ParallelConfig:
+    copies: int = option(1, "k > 1: train a parallel (PARD) draft model that proposes k tokens from one forward "
+                            "(train/parallel_draft.py; decoded by the bench's lm-parallel:budget=k)", ge=1)
+    mask_token: int | None = option(None, "the mask token id (saved as config.pard_token); null: the first "
+                                          "embedding row the tokenizer does not use", ge=0)
+
+
+@dataclass
 class ExportConfig:
     dtype: str = option("float32", "dtype of the exported student weights")
 
@@ -129,6 +141,7 @@ class DistillRecipeConfig(RunConfig):
     loss: LossConfig = section(LossConfig)
     data: DistillDataConfig = section(DistillDataConfig, max_heldout=64)
     on_policy: OnPolicyConfig = section(OnPolicyConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
     optim: OptimConfig = section(OptimConfig, lr=1e-4)
     train: TrainConfig = section(TrainConfig)
     eval: EvalConfig = section(EvalConfig, batch_size=4)
@@ -169,6 +182,7 @@ DISTILL_UNREAD = [
     Unread("loss.topk_tail", lambda c: not c.data.feature_cache, "read with data.feature_cache (top-k teachers)"),
     *[Unread(f"on_policy.{key}", lambda c: c.on_policy.fraction == 0, "read when on_policy.fraction > 0")
       for key in ("max_new_tokens", "temperature")],
+    Unread("parallel.mask_token", lambda c: c.parallel.copies == 1, "read when parallel.copies > 1"),
 ]
 
 
@@ -203,10 +217,11 @@ class DistillTrainModule(nn.Module):
         super().__init__()
         self.student = student
 
-    def forward(self, input_ids, attention_mask, rows, cols):
-        """input_ids/attention_mask (B, T); rows/cols (N,) -> logits (N, V) float32."""
+    def forward(self, input_ids, attention_mask, rows, cols, position_ids=None):
+        """input_ids (B, T), attention_mask (B, T) or a 4D additive mask (with position_ids: the parallel
+        layout of train/parallel_draft.py); rows/cols (N,) -> logits (N, V) float32."""
         hidden = self.student.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                            use_cache=False).last_hidden_state  # (B, T, H)
+                                            position_ids=position_ids, use_cache=False).last_hidden_state
         return self.student.get_output_embeddings()(hidden[rows, cols]).float()
 
 
@@ -322,6 +337,7 @@ class DistillRecipe(RecipeBase):
         if student.config.vocab_size != self.target_vocab:
             raise ConfigError(f"the student's vocabulary has {student.config.vocab_size} logits, the target's "
                               f"{self.target_vocab}: token-level KD needs one logit per token of the shared tokenizer")
+        self.mask_token = self._parallel_mask_token(student) if cfg.parallel.copies > 1 else None
         student = student.to(run.device)
         self.pad_id = pad_id_of(self.tokenizer)
         self._load_data()
@@ -329,6 +345,17 @@ class DistillRecipe(RecipeBase):
         if not params:
             raise ConfigError("the student has no trainable parameter (check lora.target_modules)")
         run.setup_optimizer(DistillTrainModule(student), [{"params": params, "lr": cfg.optim.lr}])
+
+    def _parallel_mask_token(self, student) -> int:
+        """parallel.mask_token, or the first embedding row the tokenizer never produces; written into the
+        student's config as `pard_token` (PARD's name), where the lm-parallel drafter reads it."""
+        rows, used = student.get_input_embeddings().weight.shape[0], len(self.tokenizer)
+        token = self.cfg.parallel.mask_token if self.cfg.parallel.mask_token is not None else used
+        if token >= rows:
+            raise ConfigError(f"parallel.mask_token: {token} is not a row of the student's {rows} embeddings"
+                              + (" (the tokenizer uses every row: give an id to repurpose)" if token == used else ""))
+        student.config.pard_token = token
+        return token
 
     def _load_target(self) -> None:
         """The target model when it teaches online, the student is built from it, or tau is measured;
@@ -422,21 +449,23 @@ class DistillRecipe(RecipeBase):
         mask = kd_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T)
         rows, cols = mask.nonzero(as_tuple=True)  # (N,), (N,)
         labels = batch["input_ids"][rows, cols + 1]  # (N,) the data's next tokens
-        logits = self.run.module(batch["input_ids"], batch["attention_mask"], rows, cols)  # (N, V)
+        logits, source = self._student_logits(batch, rows, cols)  # (N', V); pair i takes the labels of source[i]
+        labels = labels[source]
         ce = F.cross_entropy(logits, labels, reduction="sum")
         teacher_top1 = labels
         if cfg.loss.kind == "ce":
             loss, divergence = ce / normalizer, ce.detach()
         else:
             if online:
-                teacher = teacher_logits_at(self.target.model, batch["input_ids"], batch["attention_mask"], rows, cols)
+                teacher = teacher_logits_at(self.target.model, batch["input_ids"], batch["attention_mask"], rows,
+                                            cols)[source]
                 out = kd_loss(logits, cfg.loss.kind, teacher_logits=teacher, beta=cfg.loss.beta,
                               temperature=cfg.loss.temperature, normalizer=normalizer)
                 teacher_top1 = teacher.argmax(-1)
             else:
                 if "topk_values" not in batch:
                     raise ConfigError("offline top-k teacher asked for a batch without cached logits")
-                top = {name: batch[name][rows, cols] for name in TOPK_FIELDS}
+                top = {name: batch[name][rows, cols][source] for name in TOPK_FIELDS}
                 out = kd_loss(logits, cfg.loss.kind, **top, beta=cfg.loss.beta, temperature=cfg.loss.temperature,
                               tail=cfg.loss.topk_tail, normalizer=normalizer)
                 teacher_top1 = top["topk_indices"][:, 0]
@@ -445,7 +474,19 @@ class DistillRecipe(RecipeBase):
                 loss = loss + cfg.loss.ce_weight * ce / normalizer
         agree = (logits.detach().argmax(-1) == teacher_top1).sum()
         return {"loss": loss, "divergence": divergence, "ce": ce.detach(), "agree": agree,
-                "tokens": torch.tensor(len(rows), device=device)}
+                "tokens": torch.tensor(len(source), device=device)}
+
+    def _student_logits(self, batch: dict, rows: torch.Tensor, cols: torch.Tensor):
+        """The student's logits at the trained pairs: those of copy 0, and with parallel.copies > 1 those of
+        every mask copy too (train/parallel_draft.py); with the index of the copy-0 pair each one learns."""
+        copies = self.cfg.parallel.copies
+        if copies == 1:
+            return self.run.module(batch["input_ids"], batch["attention_mask"], rows, cols), torch.arange(
+                len(rows), device=rows.device)
+        layout = parallel_inputs(batch["input_ids"], batch["attention_mask"], copies, self.mask_token)
+        layout_rows, layout_cols, source = parallel_positions(rows, cols, batch["input_ids"].shape[1], copies)
+        mask = additive_mask(layout.allowed, self._student().dtype)
+        return self.run.module(layout.input_ids, mask, layout_rows, layout_cols, layout.position_ids), source
 
 
     def train_step(self) -> dict:
@@ -454,7 +495,8 @@ class DistillRecipe(RecipeBase):
         online = cfg.online_teacher and (on_policy or not cfg.data.feature_cache)
         count = torch.zeros((), device=run.device)
         for batch in batches:
-            count += kd_mask(batch["loss_mask"], batch["attention_mask"]).sum().to(run.device)
+            count += parallel_pair_count(kd_mask(batch["loss_mask"], batch["attention_mask"]),
+                                         cfg.parallel.copies).to(run.device)
         normalizer = run.reduce_sum(count).clamp(min=1) / run.world  # DDP averages gradients over processes
 
         def backward_one(batch) -> torch.Tensor:
@@ -494,7 +536,11 @@ class DistillRecipe(RecipeBase):
         return metrics | measure_tau(self, cfg.eval)
 
     def drafter(self) -> LMDrafter:
-        """The student as a chain drafter of 4 tokens (the bench's lm-chain), for tau at evaluation."""
+        """The student as a chain drafter of 4 tokens (the bench's lm-chain), for tau at evaluation; a parallel
+        student drafts its k tokens from one forward (lm-parallel:budget=k)."""
+        if self.cfg.parallel.copies > 1:
+            return LMDrafter(self._student(), self.tokenizer, mode="parallel", budget=self.cfg.parallel.copies,
+                             name="student")
         return LMDrafter(self._student(), self.tokenizer, mode="chain", budget=4, name="student")
 
     # -- final --------------------------------------------------------------------------------

@@ -5,6 +5,11 @@ target (`models.target.TargetModel`: eager, or compiled when a compiled TargetMo
 committed tokens it has not seen (reusing the longest common prefix with what it cached last
 time), then drafts:
   chain: `budget` tokens, one forward each (greedy argmax, or one draw from q when sampling);
+  parallel: PARD (arXiv 2504.18583): `budget` tokens from ONE forward. The uncached committed tokens are fed
+         followed by `budget - 1` copies of the model's mask token (`config.pard_token`, as PARD's released
+         models set it); the last committed token's logits give the first draft token and mask i's logits the
+         (i+1)-th. A model trained for it (train/distill.py `parallel:`) predicts well; any other model stays
+         lossless (the target verifies) and simply proposes worse. The mask slots are dropped from the cache.
   tree:  EAGLE-2 style dynamic tree: every expanded node gets `topk` children (greedy: top-k;
          sampling: k draws without replacement); the `beam` best nodes of each new level by
          cumulative log-probability are expanded next, for `depth` levels. Greedy then keeps
@@ -34,8 +39,8 @@ class LMDrafter(Drafter):
                  budget: int = CHAIN_BUDGET, depth: int = LM_TREE.depth, topk: int = LM_TREE.topk,
                  beam: int | None = None,
                  name: str | None = None, vocab: DraftVocab | None = None):
-        if mode not in ("chain", "tree"):
-            raise InputError(f"mode must be 'chain' or 'tree', got {mode!r}")
+        if mode not in ("chain", "tree", "parallel"):
+            raise InputError(f"mode must be 'chain', 'tree' or 'parallel', got {mode!r}")
         check_sizes(name or f"lm-{mode}", budget=budget, depth=depth, topk=topk, beam=beam)
         self.lm = model if isinstance(model, TargetModel) else None  # a given engine (e.g. compiled) is kept
         self.model = (model.model if self.lm is not None else model).eval()
@@ -49,6 +54,7 @@ class LMDrafter(Drafter):
         self.mode, self.budget = mode, budget
         self.depth, self.topk, self.beam = depth, topk, beam or topk
         self.name = name or f"lm-{mode}"
+        self.mask_token = parallel_mask_token(self.model, self.name) if mode == "parallel" else None
         self.cache = None
         self.cached: list[int] = []  # tokens whose KV sits in self.cache, in order
 
@@ -68,10 +74,7 @@ class LMDrafter(Drafter):
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Make the cache hold exactly `context`; return the logits after its last token (V,)."""
-        common = 0
-        limit = min(len(self.cached), len(context) - 1)  # re-feed at least the root to get its logits
-        while common < limit and self.cached[common] == context[common]:
-            common += 1
+        common = self._common_prefix(context)
         self.lm.truncate(self.cache, common)
         logits = self._forward(torch.tensor([context[common:]], device=self.device))
         self.cached = list(context)
@@ -80,6 +83,8 @@ class LMDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
         context_list = context.tolist()
+        if self.mode == "parallel":
+            return self._parallel(context_list, sampling, generator)
         logits = self._sync(context_list)
         if self.mode == "chain":
             return self._chain(logits, sampling, generator)
@@ -108,6 +113,30 @@ class LMDrafter(Drafter):
                 self.cached.append(tokens[-1])
         probs = torch.stack(rows) if rows else None
         return DraftTree.chain(torch.tensor(tokens, device=self.device), probs)
+
+    def _parallel(self, context: list[int], sampling, generator) -> DraftTree:
+        """One forward over the uncached context and budget - 1 mask tokens; a chain from its last budget rows."""
+        common = self._common_prefix(context)
+        self.lm.truncate(self.cache, common)
+        fed = context[common:] + [self.mask_token] * (self.budget - 1)
+        logits = self._forward(torch.tensor([fed], device=self.device))[-self.budget:]
+        self.lm.truncate(self.cache, len(context))  # keep the committed context, drop the mask slots
+        self.cached = list(context)
+        probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
+        tokens, rows = [], []
+        for row in probs:  # each position's proposal is drawn from its own q row
+            _, token, q = self._draw(row, 1, sampling, generator)
+            tokens.append(int(token[0]))
+            if q is not None:
+                rows.append(q[0])
+        return DraftTree.chain(torch.tensor(tokens, device=self.device), torch.stack(rows) if rows else None)
+
+    def _common_prefix(self, context: list[int]) -> int:
+        """How many leading context tokens the cache holds (at least the root is re-fed for its logits)."""
+        common, limit = 0, min(len(self.cached), len(context) - 1)
+        while common < limit and self.cached[common] == context[common]:
+            common += 1
+        return common
 
     def _tree(self, root_logits, context_len, sampling, generator) -> DraftTree:
         tokens, parents, scores, rows = [], [], [], []  # per node; scores = cumulative log-prob
@@ -154,3 +183,13 @@ class LMDrafter(Drafter):
         while node >= 0:
             depth, node = depth + 1, parents[node]
         return depth
+
+
+def parallel_mask_token(model: PreTrainedModel, name: str) -> int:
+    """The mask token a parallel (PARD) draft model was trained with: `config.pard_token`, inside its vocabulary."""
+    token = getattr(model.config, "pard_token", None)
+    size = model.get_input_embeddings().weight.shape[0]
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < size:
+        raise InputError(f"{name}: the draft model has no parallel-drafting mask token (config.pard_token = "
+                         f"{token!r}; train one with train/distill.py parallel.copies > 1, or use lm-chain)")
+    return token
