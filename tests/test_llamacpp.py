@@ -190,3 +190,18 @@ def test_llamacpp_bench_refusals(argv, words, capsys):
     assert run_main(llamacpp_bench.main, argv + ["pytorch_baselines=false", "num_prompts=1"]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
+
+
+def test_a_divergence_is_located_and_its_logit_gap_measured(tmp_path):
+    """Where llama.cpp's speculative output parts from its plain output, the export check records the position and
+    the target's float32 logit gap there (a near-tie is llama.cpp's batched arithmetic; a wide gap is refused)."""
+    model = build_tiny_causal_lm("llama", seed=2)
+    model.save_pretrained(tmp_path)
+    prompt, plain, speculative = [5, 6, 7], [10, 11, 12], [10, 13]
+    out = llamacpp.first_divergence(prompt, plain, speculative, tmp_path)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + [10]])).logits[0, -1]
+    assert out["position"] == 1 and out["plain"] == [11] and out["speculative"] == [13]
+    assert abs(out["logit_gap"] - abs(float(logits[11] - logits[13]))) < 1e-5
+    assert llamacpp.first_divergence(prompt, plain, plain[:2], None) == {"position": 2, "plain": [12],
+                                                                         "speculative": []}
