@@ -5,6 +5,7 @@
 # drafter is a committed curve point (POINT, default the newest of drafters/eagle3_smollm2_human), exported in the
 # speculators layout and converted by llama.cpp's own converter with the target given. Other jobs are paused while
 # it times (scripts/jobs/quiet.sh). Results: results/llamacpp/smollm2_eagle3_<N>_<type>_<cpu>.{json,md}.
+# The PyTorch plain baselines of these prompts are in smollm2_float32_<cpu>.json (BASELINES=true times them again).
 #   bash scripts/jobs/llamacpp_eagle3_smollm2.sh            TYPES="float32" N_MAX="3 6" to narrow it
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,5 +22,6 @@ for TYPE in $TYPES; do
   OUT=results/llamacpp/smollm2_eagle3_${NAME#loss_tokens_}_${TYPE}_${CPU}.json
   [ -f "$OUT" ] && continue
   scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench target=smollm2-135m-instruct target_type=$TYPE \
-    num_prompts=${NUM:-10} max_new_tokens=128 threads=2 "methods=$METHODS" output=$OUT
+    num_prompts=${NUM:-10} max_new_tokens=128 threads=2 "methods=$METHODS" pytorch_baselines=${BASELINES:-false} \
+    output=$OUT
 done
