@@ -93,7 +93,8 @@ def load_records(spec: str, tokenizer=None, max_length: int | None = None, limit
                            applies to each part; the recipes shuffle)
     Records without any trainable token are dropped; with `filter_wrong`, conversations that a
     checker of data.sources.CHECKERS marks wrong (GSM8K: final number != reference) are dropped too.
-    `stats` (a dict) receives the counts: kept, wrong_answer.
+    `stats` (a dict) receives the counts: kept, wrong_answer, and `mix`: per spec of a mixture, its records and
+    loss-bearing tokens (after max_length), the data mix a run reports.
     """
     stats = {} if stats is None else stats
     if " + " in spec:
@@ -135,6 +136,8 @@ def load_records(spec: str, tokenizer=None, max_length: int | None = None, limit
         raise UserError(f"data source {spec!r} gave no record with trainable tokens"
                         + (f" (after filtering: {stats})" if stats else ""))
     stats["kept"] = stats.get("kept", 0) + len(kept)
+    stats.setdefault("mix", {})[spec] = {"records": len(kept),
+                                         "loss_tokens": int(sum(sum(r["loss_mask"]) for r in kept))}
     return kept
 
 

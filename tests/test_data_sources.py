@@ -391,3 +391,17 @@ def test_leetcode_prompts_are_problem_statements_in_number_order():
     assert "# Two Sum" in first and "Example 1:" in first and "Constraints:" in first
     assert all(c.source == "leetcode" and c.reference is None for c in convs)
     assert [c.id for c in load_source({"kind": "leetcode", "limit": 3})] == [c.id for c in convs[:3]]
+
+
+def test_a_mixture_reports_its_mix(tmp_path):
+    """Each part of `a + b` is counted: records and loss-bearing tokens after max_length (the mix a run reports)."""
+    from draftsmith.data.records import load_records, write_records
+
+    write_records(tmp_path / "a.jsonl", [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}] * 2)
+    write_records(tmp_path / "b.jsonl", [{"input_ids": [5, 6, 7], "loss_mask": [0, 0, 1]}])
+    stats = {}
+    spec = f"records:{tmp_path / 'a.jsonl'} + records:{tmp_path / 'b.jsonl'}"
+    records = load_records(spec, max_length=3, stats=stats)
+    assert len(records) == 3 and stats["kept"] == 3
+    assert stats["mix"] == {f"records:{tmp_path / 'a.jsonl'}": {"records": 2, "loss_tokens": 4},
+                            f"records:{tmp_path / 'b.jsonl'}": {"records": 1, "loss_tokens": 1}}

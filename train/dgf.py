@@ -264,6 +264,7 @@ class DGFRecipe(RecipeBase):
         model = self.target.model.requires_grad_(False).eval()
         self.pad_id = pad_id_of(self.target.tokenizer)
         self.layers = cfg.drafter.layers(model.config.num_hidden_layers)
+        self.data_stats: dict = {}
         self.train_records, self.heldout_records = split_heldout(self._load_data(), cfg.data.heldout_fraction,
                                                                  cfg.data.seed, cfg.data.max_heldout)
         run.log.info("data (%s): %d train / %d held-out records", cfg.data.mode, len(self.train_records),
@@ -291,8 +292,11 @@ class DGFRecipe(RecipeBase):
     def _load_data(self) -> list[dict]:
         cfg = self.cfg
         if cfg.data.mode == "online":
-            return load_records(cfg.data.source, tokenizer=self.target.tokenizer, max_length=cfg.data.max_length,
-                                limit=cfg.data.limit, model=self.target.model, seed=cfg.data.seed)
+            records = load_records(cfg.data.source, tokenizer=self.target.tokenizer, max_length=cfg.data.max_length,
+                                   limit=cfg.data.limit, model=self.target.model, seed=cfg.data.seed,
+                                   stats=self.data_stats)
+            self.run.log.info("data mix (records, loss tokens per source): %s", self.data_stats["mix"])
+            return records
         records, fields = [], {}
         for cache_dir in cache_parts(cfg.data.feature_cache):
             part = self._load_cache(cache_dir)
@@ -510,7 +514,8 @@ class DGFRecipe(RecipeBase):
         data = cfg.data.feature_cache if cfg.data.mode == "offline" else cfg.data.source
         save_dgf(run.unwrapped().drafter, directory,
                  target_block(self.target, cfg.target, self.dgf_config.layers_read, cfg.dtype),
-                 training={"command": run.command, "steps": run.step, "samples_seen": run.samples_seen, "mode": cfg.data.mode, "data": data,
+                 training={"command": run.command, "steps": run.step, "samples_seen": run.samples_seen,
+                           "mode": cfg.data.mode, "data": data, "data_stats": self.data_stats,
                            "loss": config_to_dict(cfg.loss)},
                  eval={"before": run.first_eval, "after": run.last_eval})
 
