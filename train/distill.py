@@ -450,7 +450,8 @@ class DistillRecipe(RecipeBase):
         rows, cols = mask.nonzero(as_tuple=True)  # (N,), (N,)
         labels = batch["input_ids"][rows, cols + 1]  # (N,) the data's next tokens
         logits, source = self._student_logits(batch, rows, cols)  # (N', V); pair i takes the labels of source[i]
-        labels = labels[source]
+        pick = (lambda t: t) if source is None else (lambda t: t[source])  # ordinary students: no copy
+        labels = pick(labels)
         ce = F.cross_entropy(logits, labels, reduction="sum")
         teacher_top1 = labels
         if cfg.loss.kind == "ce":
@@ -458,14 +459,15 @@ class DistillRecipe(RecipeBase):
         else:
             if online:
                 teacher = teacher_logits_at(self.target.model, batch["input_ids"], batch["attention_mask"], rows,
-                                            cols)[source]
+                                            cols)
+                teacher = pick(teacher)
                 out = kd_loss(logits, cfg.loss.kind, teacher_logits=teacher, beta=cfg.loss.beta,
                               temperature=cfg.loss.temperature, normalizer=normalizer)
                 teacher_top1 = teacher.argmax(-1)
             else:
                 if "topk_values" not in batch:
                     raise ConfigError("offline top-k teacher asked for a batch without cached logits")
-                top = {name: batch[name][rows, cols][source] for name in TOPK_FIELDS}
+                top = {name: pick(batch[name][rows, cols]) for name in TOPK_FIELDS}
                 out = kd_loss(logits, cfg.loss.kind, **top, beta=cfg.loss.beta, temperature=cfg.loss.temperature,
                               tail=cfg.loss.topk_tail, normalizer=normalizer)
                 teacher_top1 = top["topk_indices"][:, 0]
@@ -474,15 +476,15 @@ class DistillRecipe(RecipeBase):
                 loss = loss + cfg.loss.ce_weight * ce / normalizer
         agree = (logits.detach().argmax(-1) == teacher_top1).sum()
         return {"loss": loss, "divergence": divergence, "ce": ce.detach(), "agree": agree,
-                "tokens": torch.tensor(len(source), device=device)}
+                "tokens": torch.tensor(len(labels), device=device)}
 
     def _student_logits(self, batch: dict, rows: torch.Tensor, cols: torch.Tensor):
         """The student's logits at the trained pairs: those of copy 0, and with parallel.copies > 1 those of
-        every mask copy too (train/parallel_draft.py); with the index of the copy-0 pair each one learns."""
+        every mask copy too (train/parallel_draft.py); with the index of the copy-0 pair each one learns (None:
+        copy 0 only, pair i learns pair i's labels)."""
         copies = self.cfg.parallel.copies
         if copies == 1:
-            return self.run.module(batch["input_ids"], batch["attention_mask"], rows, cols), torch.arange(
-                len(rows), device=rows.device)
+            return self.run.module(batch["input_ids"], batch["attention_mask"], rows, cols), None
         layout = parallel_inputs(batch["input_ids"], batch["attention_mask"], copies, self.mask_token)
         layout_rows, layout_cols, source = parallel_positions(rows, cols, batch["input_ids"].shape[1], copies)
         mask = additive_mask(layout.allowed, self._student().dtype)
