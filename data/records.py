@@ -4,6 +4,8 @@ A record is {"input_ids": [...], "loss_mask": [...]} (1 = a trained token). `loa
 turns a spec into records:
 
     records:/path.jsonl    pre-tokenised records (no tokenizer needed)
+    records:/path.npz      the same, packed (`write_packed_records`: token ids and masks concatenated,
+                           compressed; ~30x smaller than JSONL, what a long job commits or carries)
     synthetic:<n>[:<t>]    n sequences sampled from the target itself at temperature t (tiny smoke runs)
     <data.sources spec>    conversations rendered with the target's chat template, assistant-only mask
     a + b + ...            a mixture: the records of each spec, concatenated in order
@@ -19,6 +21,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from draftsmith.data.chat import render_and_mask
@@ -31,11 +34,44 @@ RECORDS_PREFIX = "records:"
 SYNTHETIC_PREFIX = "synthetic:"
 
 
+PACKED_FORMAT = "draftsmith.records/1"
+
+
+def write_packed_records(path: str | Path, records: Sequence[dict]) -> Path:
+    """Records as one compressed .npz: every record's ids end to end (uint16 where the vocabulary fits,
+    else int32), the loss masks as bits, and each record's length. `read_records` reads it back exactly."""
+    lengths = np.array([len(r["input_ids"]) for r in records], dtype=np.int64)
+    ids = np.fromiter((t for r in records for t in r["input_ids"]), dtype=np.int64, count=int(lengths.sum()))
+    mask = np.fromiter((m for r in records for m in r["loss_mask"]), dtype=np.uint8, count=int(lengths.sum()))
+    dtype = np.uint16 if ids.size == 0 or (ids.min() >= 0 and ids.max() < 2**16) else np.int32
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.npz")
+    np.savez_compressed(tmp, format=np.array(PACKED_FORMAT), input_ids=ids.astype(dtype), lengths=lengths,
+                        loss_mask=np.packbits(mask))
+    tmp.replace(path)
+    return path
+
+
+def _read_packed_records(path: Path) -> list[dict]:
+    try:
+        with np.load(path) as packed:
+            if str(packed["format"]) != PACKED_FORMAT:
+                raise UserError(f"{path}: not a {PACKED_FORMAT} file (format {packed['format']})")
+            lengths, ids = packed["lengths"], packed["input_ids"].astype(np.int64)
+            mask = np.unpackbits(packed["loss_mask"], count=ids.size)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{path}: not a packed records file ({err})") from None
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [{"input_ids": ids[a:b].tolist(), "loss_mask": mask[a:b].tolist()} for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def read_records(path: str | Path) -> list[dict]:
-    """JSONL of {"input_ids": [...], "loss_mask": [...]} (loss_mask optional: all ones)."""
+    """JSONL of {"input_ids": [...], "loss_mask": [...]} (loss_mask optional: all ones), or a packed .npz."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"records file not found: {path}")
+    if path.suffix == ".npz":
+        return _read_packed_records(path)
     records = []
     with path.open() as f:
         for line_no, line in enumerate(f, 1):
@@ -204,3 +240,32 @@ def collate(records: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]
         attention[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(r["loss_mask"], dtype=torch.long)
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m draftsmith.data.records pack SPEC OUT.npz --target NAME [--max-length N]`: the records a
+    recipe would load from SPEC, packed (a job's data, committed or carried to another machine)."""
+    import argparse
+
+    from draftsmith.models.target import load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m draftsmith.data.records", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    pack = sub.add_parser("pack", help="load SPEC and write its records packed")
+    pack.add_argument("spec")
+    pack.add_argument("out")
+    pack.add_argument("--target", required=True, help="the target whose tokenizer and chat template render SPEC")
+    pack.add_argument("--max-length", type=int, default=None)
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(args.target)
+    stats: dict = {}
+    records = load_records(args.spec, tokenizer=tokenizer, max_length=args.max_length, stats=stats)
+    write_packed_records(args.out, records)
+    print(json.dumps({"records": len(records), "mix": stats.get("mix"), "out": args.out}))
+    return 0
+
+
+if __name__ == "__main__":
+    from draftsmith.errors import exit_with
+
+    exit_with(main)

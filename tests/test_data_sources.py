@@ -405,3 +405,21 @@ def test_a_mixture_reports_its_mix(tmp_path):
     assert len(records) == 3 and stats["kept"] == 3
     assert stats["mix"] == {f"records:{tmp_path / 'a.jsonl'}": {"records": 2, "loss_tokens": 4},
                             f"records:{tmp_path / 'b.jsonl'}": {"records": 1, "loss_tokens": 1}}
+
+
+def test_packed_records_round_trip_and_refuse_other_files(tmp_path):
+    """records:<file>.npz reads back exactly what write_packed_records wrote (uint16 ids where they fit, int32
+    beyond); a file that is not one is refused in one line."""
+    from draftsmith.data.records import load_records, write_packed_records
+    from draftsmith.errors import UserError
+
+    small = [{"input_ids": [1, 2, 3, 65535], "loss_mask": [0, 1, 1, 1]}, {"input_ids": [7], "loss_mask": [1]}]
+    large = [{"input_ids": [151665, 0, 9], "loss_mask": [0, 0, 1]}]
+    for records in (small, large):
+        path = write_packed_records(tmp_path / "r.npz", records)
+        assert load_records(f"records:{path}") == records
+    import numpy as np
+
+    np.savez(tmp_path / "other.npz", x=np.zeros(3))
+    with pytest.raises(UserError, match="not a packed records file"):
+        load_records(f"records:{tmp_path / 'other.npz'}")

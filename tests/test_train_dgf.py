@@ -238,6 +238,15 @@ def test_loss_token_snapshots_and_a_lean_checkpoint_resume_on_another_machine(tm
     assert (moved / "final" / "manifest.json").is_file()
 
 
+def test_a_curve_run_stops_at_its_last_snapshot(tmp_path):
+    """With every milestone written the run saves a checkpoint and stops before max_steps (no final/)."""
+    run = tmp_path / "run"
+    main(tiny_cfg(run, "train.snapshots_at_loss_tokens=[1]", "train.max_steps=50"))
+    steps = [r["step"] for r in MetricsFile.read(run / "metrics.jsonl") if "train/loss" in r]
+    assert steps == [1] and (run / "snapshots" / "loss_tokens_1").is_dir()
+    assert (run / "checkpoints" / "step_1").is_dir() and not (run / "final").exists()
+
+
 def test_snapshots_need_a_recipe_that_counts_tokens(tmp_path):
     from draftsmith.train.medusa import MedusaRecipeConfig, main as medusa_main
 

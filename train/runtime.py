@@ -636,6 +636,11 @@ class TrainingRun:
                 self._after_step(recipe, metrics, started, stop_at)
                 if self._stop_requested():
                     self._interrupt(recipe)
+                if self._every_snapshot_written():
+                    self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
+                    self.log.info("every snapshot of train.snapshots_at_loss_tokens is written: stopping at step %d",
+                                  self.step)
+                    break
         finally:
             self.stop.restore()
             bar.close()
@@ -679,6 +684,12 @@ class TrainingRun:
                 os.replace(tmp, directory)
                 self.log.info("snapshot %s (%d loss tokens seen at step %d)", directory, seen, self.step)
             self.accelerator.wait_for_everyone()
+
+    def _every_snapshot_written(self) -> bool:
+        """A curve run (train.snapshots_at_loss_tokens) ends at its last milestone, not at max_steps."""
+        milestones = self.cfg.train.snapshots_at_loss_tokens
+        return bool(milestones) and all((self.output_dir / "snapshots" / f"loss_tokens_{milestone}").is_dir()
+                                        for milestone in milestones)
 
     @staticmethod
     def _extra(recipe: Recipe) -> dict:

