@@ -232,7 +232,8 @@ def test_loss_token_snapshots_and_a_lean_checkpoint_resume_on_another_machine(tm
     state = load_checkpoint(lean)
     assert "optimizer" not in state and state["step"] == 2 and state["loss_tokens_seen"] == seen[1]
     moved = tmp_path / "elsewhere"
-    main(tiny_cfg(moved), resume=str(lean))
+    main(tiny_cfg(moved, "train.snapshots_at_loss_tokens=[1,100000000]"), resume=str(lean))
+    assert not (moved / "snapshots").exists()  # the milestone passed before the checkpoint is not written again
     after = [r for r in MetricsFile.read(moved / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in after] == [3, 4] and after[-1]["train/loss_tokens_seen"] == seen[-1]
     assert (moved / "final" / "manifest.json").is_file()

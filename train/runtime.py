@@ -342,6 +342,7 @@ class TrainingRun:
         self.final_dir = self.output_dir / "final"
         self.step, self.samples_seen = 0, 0
         self.loss_tokens_seen = 0  # loss-bearing tokens trained on (recipes that report train/loss_tokens)
+        self.resumed_at_tokens = 0  # loss tokens of the checkpoint resumed from: milestones at or below it are passed
         self._lengths: list[int] | None = None  # record lengths, for data.group_by_length
         self.first_eval: dict | None = None  # held-out metrics before training
         self.last_eval: dict | None = None
@@ -539,7 +540,7 @@ class TrainingRun:
             group.update(lr=base * factor(self.scheduler.last_epoch), initial_lr=base, betas=tuple(optim.betas),
                          eps=optim.eps, weight_decay=optim.weight_decay)
         self.step, self.samples_seen = state["step"], state["samples_seen"]
-        self.loss_tokens_seen = state.get("loss_tokens_seen", 0)
+        self.loss_tokens_seen = self.resumed_at_tokens = state.get("loss_tokens_seen", 0)
         self.first_eval = state.get("first_eval")
         rng, index = state["rng"], self.accelerator.process_index
         if len(rng) != self.world:
@@ -669,8 +670,8 @@ class TrainingRun:
         """snapshots/loss_tokens_<N>/ for each milestone N this step reached (once: an existing one is kept)."""
         for milestone in self.cfg.train.snapshots_at_loss_tokens:
             directory = self.output_dir / "snapshots" / f"loss_tokens_{milestone}"
-            if seen is None or seen < milestone or directory.exists():
-                continue
+            if seen is None or seen < milestone or directory.exists() or milestone <= self.resumed_at_tokens:
+                continue  # not reached, written, or passed before the checkpoint this run resumed from
             self.last_eval = self.evaluate(recipe)  # the snapshot's own held-out figures (every process)
             if self.is_main:
                 tmp = directory.with_name(directory.name + ".tmp")
@@ -688,7 +689,8 @@ class TrainingRun:
     def _every_snapshot_written(self) -> bool:
         """A curve run (train.snapshots_at_loss_tokens) ends at its last milestone, not at max_steps."""
         milestones = self.cfg.train.snapshots_at_loss_tokens
-        return bool(milestones) and all((self.output_dir / "snapshots" / f"loss_tokens_{milestone}").is_dir()
+        return bool(milestones) and all(milestone <= self.resumed_at_tokens
+                                        or (self.output_dir / "snapshots" / f"loss_tokens_{milestone}").is_dir()
                                         for milestone in milestones)
 
     @staticmethod

