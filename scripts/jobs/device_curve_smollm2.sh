@@ -7,7 +7,7 @@
 # stage per call on the same warm machine (ignored paths stay there between calls):
 #   here:   bash scripts/jobs/device_curve_smollm2.sh payload     # .dev/c1 .dev/c2 .dev/c3 (see below)
 #   device: bash scripts/jobs/device_curve_smollm2.sh setup       # carry .dev/c1: install, first half of the GGUF
-#   device: bash scripts/jobs/device_curve_smollm2.sh convert     # carry .dev/c2: the GGUF whole, converted; smoke
+#   device: bash scripts/jobs/device_curve_smollm2.sh convert     # carry .dev/c2: the GGUF whole, converted; records
 #   device: bash scripts/jobs/device_curve_smollm2.sh train       # carry .dev/c3: resume, train, pack into $OUT
 #   here:   bash scripts/jobs/device_curve_smollm2.sh unpack DIR  # DIR: the call's files_at; -> drafters/
 # The records are those the CPU run loads, packed (`python -m draftsmith.data.records pack`), so the device
@@ -68,10 +68,6 @@ convert)
   time python3 scripts/fetch_models.py --quiet  # checks the GGUF's sha256, converts to float32 safetensors
   weights_digest "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors"
   cp .dev/c2/records.npz .dev/records.npz
-  device_config /tmp/smoke.yaml
-  rm -rf /tmp/smoke
-  time python3 train/dgf.py --config /tmp/smoke.yaml output_dir=/tmp/smoke train.stop_after_steps=3 \
-    eval.tau_prompts=0 train.log_every=1 --no-progress 2>&1 | tail -25
   ;;
 train)
   device_config .dev/device.yaml
