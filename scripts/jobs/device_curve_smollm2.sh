@@ -13,7 +13,7 @@
 # The records are those the CPU run loads, packed (`python -m draftsmith.data.records pack`), so the device
 # needs neither the data packages nor this machine's Python standard library (python-source differs by version).
 set -euo pipefail
-STAGE=${1:?stage: payload | setup | convert | train | unpack DIR}
+STAGE=${1:?stage: payload | setup | convert | train | ablate | unpack DIR}
 CONFIG=train/configs/eagle3_smollm2.yaml
 KEEP=drafters/eagle3_smollm2_human
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -81,6 +81,29 @@ train)
   [ -n "$newest" ] && python3 -m draftsmith.train.checkpoints lean "$newest" "$run/resume" > /dev/null
   keep=(); for item in snapshots resume metrics.jsonl train_config.yaml; do [ -e "$run/$item" ] && keep+=("$item"); done
   tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/run.tar.gz."
+  ls -la "$OUT"
+  ;;
+ablate)  # issue 32 item 4: the architectures at equal data (1M loss tokens, same order and schedule), in parallel
+  device_config "$STATE/device.yaml"
+  ABLATE_S=${ABLATE_S:-200}
+  declare -A variants=(
+    [eagle3]=""
+    [dgf_single_layer]="drafter.fusion=dgf drafter.multi_layer=false"
+    [eagle3_hard_labels]="loss.token_loss=hard"
+    [eagle3_no_unroll]="loss.unroll_steps=1 eval.unroll_steps=1"
+    [eagle3_full_vocab]="drafter.draft_vocab=null drafter.head=target"
+    [eagle3_two_blocks]="drafter.num_blocks=2"
+    [eagle3_gated_fusion]="drafter.layer_fusion=gated"
+  )
+  for name in "${!variants[@]}"; do
+    # shellcheck disable=SC2086
+    timeout -s TERM "$ABLATE_S" python3 train/dgf.py --config "$STATE/device.yaml" output_dir="outputs/ablate/$name" \
+      train.snapshots_at_loss_tokens=[250000,1000000] ${variants[$name]} --no-progress > "outputs/ablate_$name.log" 2>&1 &
+  done
+  wait || true
+  for name in "${!variants[@]}"; do echo "$name: $(tail -1 "outputs/ablate_$name.log" | cut -c1-200)"; done
+  cp outputs/ablate_*.log outputs/ablate/ && tar -C outputs -czf "$OUT/ablate.tar.gz" \
+    --exclude='*.safetensors' --exclude='checkpoints' ablate
   ls -la "$OUT"
   ;;
 unpack)
