@@ -85,7 +85,9 @@ ablate)  # issue 32 item 4: the architectures at equal data (1M loss tokens, sam
   # (seven processes on one H200 ran ~0.65 steps/s each: 200 s reached the 0.25M snapshots, not 1M)
   device_config "$STATE/device.yaml"
   mkdir -p outputs/ablate
-  ABLATE_S=${ABLATE_S:-200}
+  ABLATE_S=${ABLATE_S:-200}  # wall-clock cap per variant
+  ABLATE_AT=${ABLATE_AT:-[250000,1000000]}  # the snapshots (loss tokens)
+  PARALLEL=${PARALLEL:-1}  # 0: one variant at a time (one process runs ~0.11 s per step on an H200; seven at once ~1.5 s)
   declare -A variants=(
     [eagle3]=""
     [dgf_single_layer]="drafter.fusion=dgf drafter.multi_layer=false"
@@ -98,7 +100,8 @@ ablate)  # issue 32 item 4: the architectures at equal data (1M loss tokens, sam
   for name in "${!variants[@]}"; do
     # shellcheck disable=SC2086
     timeout -s TERM "$ABLATE_S" python3 train/dgf.py --config "$STATE/device.yaml" output_dir="outputs/ablate/$name" \
-      train.snapshots_at_loss_tokens=[250000,1000000] ${variants[$name]} --no-progress > "outputs/ablate_$name.log" 2>&1 &
+      train.snapshots_at_loss_tokens="$ABLATE_AT" ${variants[$name]} --no-progress > "outputs/ablate_$name.log" 2>&1 &
+    [ "$PARALLEL" = 1 ] || wait || true
   done
   wait || true
   for name in "${!variants[@]}"; do echo "$name: $(tail -1 "outputs/ablate_$name.log" | cut -c1-200)"; done
