@@ -423,3 +423,20 @@ def test_packed_records_round_trip_and_refuse_other_files(tmp_path):
     np.savez(tmp_path / "other.npz", x=np.zeros(3))
     with pytest.raises(UserError, match="not a packed records file"):
         load_records(f"records:{tmp_path / 'other.npz'}")
+
+
+def test_breadth_prompts_cover_four_kinds_on_disjoint_passages():
+    """Issue 32 item 6: translation, summarization, extraction and QA prompts over the standard library's
+    Language Reference topics; each passage serves one kind only, and a wrong kind is one clear line."""
+    from draftsmith.data.sources import load_source
+    from draftsmith.errors import UserError
+
+    every = load_source("breadth")
+    kinds = {c.category for c in every}
+    assert kinds == {"translation", "summarization", "extraction", "qa"} and len(every) >= 40
+    topics = [c.meta["topic"] for c in every]
+    assert len(topics) == len(set(topics))
+    qa = load_source("breadth:qa")
+    assert qa and all(c.category == "qa" and "Question:" in c.messages[0]["content"] for c in qa)
+    with pytest.raises(UserError, match="valid kinds: translation, summarization, extraction, qa"):
+        load_source("breadth:poetry")

