@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Issue 32 item 6: the drafter on the kinds of prompt its training mix under-represents (translation,
+# summarization, extraction, QA over a given text: the `breadth` source, never trained on), with the goal bench's
+# settings (10 prompts per kind, 128 new tokens, compiled backend, fp32, both plain baselines, interleaved per
+# prompt): plain, prompt lookup, the drafter alone and the cascade of both. Other jobs pause while it times.
+#   POINT=drafters/eagle3_smollm2_human/loss_tokens_10000000 bash scripts/jobs/breadth_bench_smollm2.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+POINT=${POINT:-$(ls -d drafters/eagle3_smollm2_human/loss_tokens_* | sort -t_ -k3 -n | tail -1)}
+OUT=${OUT:-results/breadth_smollm2}
+NUM=${NUM:-10}
+METHODS="plain ngram dgf:path=$POINT cascade:drafters=[(ngram:min_n=2),(dgf:path=$POINT)]"
+scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=$NUM \
+  max_new_tokens=128 "suites=[breadth:translation,breadth:summarization,breadth:extraction,breadth:qa]" \
+  "methods=$METHODS" output_dir="$OUT"
