@@ -6,7 +6,7 @@
 #   POINT=drafters/eagle3_smollm2_human/loss_tokens_10000000 bash scripts/jobs/breadth_bench_smollm2.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-POINT=${POINT:-$(ls -d drafters/eagle3_smollm2_human/loss_tokens_* | sort -t_ -k3 -n | tail -1)}
+POINT=${POINT:-$(ls -d drafters/eagle3_smollm2_human/loss_tokens_* | awk -F_ '{print $NF, $0}' | sort -n | tail -1 | cut -d' ' -f2)}
 OUT=${OUT:-results/breadth_smollm2}
 NUM=${NUM:-10}
 METHODS="plain ngram dgf:path=$POINT cascade:drafters=[(ngram:min_n=2),(dgf:path=$POINT)]"

@@ -18,7 +18,7 @@ sync_outputs() {  # snapshots -> $KEEP/loss_tokens_<N>/ (once each), newest chec
     [ -f "$snap/snapshot.json" ] && [ ! -d "$KEEP/$(basename "$snap")" ] && cp -r "$snap" "$KEEP/" \
       && echo "$(date +%H:%M) kept $KEEP/$(basename "$snap")"
   done
-  newest=$(ls -d "$RUN"/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1 || true)
+  newest=$(ls -d "$RUN"/checkpoints/step_* 2>/dev/null | awk -F_ '{print $NF, $0}' | sort -n | cut -d' ' -f2 | tail -1 || true)
   if [ -n "$newest" ] && [ ! -d "$KEEP/resume/$(basename "$newest")" ]; then
     python -m draftsmith.train.checkpoints lean "$newest" "$KEEP/resume" > /dev/null \
       && echo "$(date +%H:%M) resume point $KEEP/resume/$(basename "$newest")"

@@ -47,7 +47,7 @@ payload)
   cp .dev/curve_records.npz .dev/c2/records.npz
   # RESUME_DIR: a full checkpoint of the CPU run where this machine still has one (exact continuation, Adam's
   # moments included), else the committed lean resume point (the moments restart)
-  cp -r "${RESUME_DIR:-$(ls -d $KEEP/resume/step_* | sort -t_ -k2 -n | tail -1)}" .dev/c3/
+  cp -r "${RESUME_DIR:-$(ls -d $KEEP/resume/step_* | awk -F_ '{print $NF, $0}' | sort -n | cut -d' ' -f2 | tail -1)}" .dev/c3/
   du -sh .dev/c1 .dev/c2 .dev/c3
   ;;
 setup)
@@ -75,7 +75,7 @@ train)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   timeout -s TERM "$TRAIN_S" python3 train/dgf.py --config "$STATE/device.yaml" output_dir="$run" "${args[@]}" \
     --no-progress 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -40 || true
-  newest=$(ls -d "$run"/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1 || true)
+  newest=$(ls -d "$run"/checkpoints/step_* 2>/dev/null | awk -F_ '{print $NF, $0}' | sort -n | cut -d' ' -f2 | tail -1 || true)
   [ -n "$newest" ] && python3 -m draftsmith.train.checkpoints lean "$newest" "$run/resume" > /dev/null
   keep=(); for item in snapshots resume metrics.jsonl train_config.yaml; do [ -e "$run/$item" ] && keep+=("$item"); done
   tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/run.tar.gz."
