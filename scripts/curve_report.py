@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from draftsmith.errors import UserError, exit_with
@@ -34,11 +35,13 @@ def read_points(folder: Path) -> list[dict]:
 
 
 def bench_rows(bench: Path, points: list[dict]) -> dict[str, dict]:
-    """point path -> {suite: (depth-1 acceptance, tau, headline speedup)} from a bench that ran `dgf:<path>`."""
+    """point path -> {suite: (depth-1 acceptance, tau, headline speedup)} from a bench that ran `dgf:<path>` (the
+    first method of each point: the curve's tree)."""
     summary = json.loads(bench.read_text())["summary"]
     out = {}
     for point in points:
-        entry = next((e for label, e in summary.items() if label.startswith("dgf:") and point["path"] in label), None)
+        at_point = re.compile(re.escape(point["path"]) + r"(,|$)")  # loss_tokens_1000000 is a prefix of ..._10000000
+        entry = next((e for label, e in summary.items() if label.startswith("dgf:") and at_point.search(label)), None)
         if entry is not None:
             out[point["path"]] = {suite: (sub["depth_acceptance"].get("1"), sub["tau"], sub.get("headline_speedup"))
                                   for suite, sub in entry["by_suite"].items()}
