@@ -9,7 +9,8 @@ cd "$(dirname "$0")/../.."
 POINT=${POINT:-$(ls -d drafters/eagle3_smollm2_human/loss_tokens_* | awk -F_ '{print $NF, $0}' | sort -n | tail -1 | cut -d' ' -f2)}
 OUT=${OUT:-results/breadth_smollm2}
 NUM=${NUM:-10}
-METHODS="plain ngram dgf:path=$POINT cascade:drafters=[(ngram:min_n=2),(dgf:path=$POINT)]"
+TREE=${TREE:-depth=3,topk=1,budget=3}  # the curve bench's tree (a chain of 3)
+METHODS="plain ngram dgf:path=$POINT,$TREE cascade:drafters=[(ngram:min_n=2),(dgf:path=$POINT,$TREE)]"
 scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct threads=2 num_prompts=$NUM \
   max_new_tokens=128 "suites=[breadth:translation,breadth:summarization,breadth:extraction,breadth:qa]" \
   "methods=$METHODS" output_dir="$OUT"
