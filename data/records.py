@@ -16,6 +16,7 @@ exactly the batches an uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 from collections.abc import Sequence
@@ -26,7 +27,8 @@ import torch
 
 from draftsmith.data.chat import render_and_mask
 from draftsmith.data.sources import CHECKERS, load_source
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, exit_with
+from draftsmith.models.target import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +247,6 @@ def collate(records: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftsmith.data.records pack SPEC OUT.npz --target NAME [--max-length N]`: the records a
     recipe would load from SPEC, packed (a job's data, committed or carried to another machine)."""
-    import argparse
-
-    from draftsmith.models.target import load_tokenizer
-
     parser = argparse.ArgumentParser(prog="python -m draftsmith.data.records", description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     pack = sub.add_parser("pack", help="load SPEC and write its records packed")
@@ -266,6 +264,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from draftsmith.errors import exit_with
-
     exit_with(main)
