@@ -25,7 +25,9 @@ def config(name: str) -> str:
 
 
 def digest(directory) -> str:
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    """Every file of a run directory but its lock, which each run that takes the lock (a refused one too) rewrites
+    with its pid and the time to the second: a refusal that crossed a second changed the digest (a flake)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != ".lock")
     return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
 
 
