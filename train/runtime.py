@@ -638,7 +638,8 @@ class TrainingRun:
                 if self._stop_requested():
                     self._interrupt(recipe)
                 if self._every_snapshot_written():
-                    self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
+                    if not self._checkpoint_due():  # else _after_step has just saved this step
+                        self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
                     self.log.info("every snapshot of train.snapshots_at_loss_tokens is written: stopping at step %d",
                                   self.step)
                     break
@@ -659,7 +660,7 @@ class TrainingRun:
         at_end = self.step == cfg.train.max_steps
         if (cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0) or at_end:
             self.last_eval = self.evaluate(recipe)
-        if self.step % cfg.train.checkpoint_every == 0 or self.step == cfg.train.stop_after_steps:
+        if self._checkpoint_due():
             self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
         if cfg.train.snapshots_at_loss_tokens and "train/loss_tokens_seen" not in metrics:
             raise ConfigError("train.snapshots_at_loss_tokens: this recipe does not count its loss-bearing tokens "
@@ -669,9 +670,9 @@ class TrainingRun:
     def _snapshots(self, recipe: Recipe, seen: int | None) -> None:
         """snapshots/loss_tokens_<N>/ for each milestone N this step reached (once: an existing one is kept)."""
         for milestone in self.cfg.train.snapshots_at_loss_tokens:
-            directory = self.output_dir / "snapshots" / f"loss_tokens_{milestone}"
-            if seen is None or seen < milestone or directory.exists() or milestone <= self.resumed_at_tokens:
-                continue  # not reached, written, or passed before the checkpoint this run resumed from
+            directory = self._snapshot_dir(milestone)
+            if seen is None or seen < milestone or self._milestone_done(milestone):
+                continue
             self.last_eval = self.evaluate(recipe)  # the snapshot's own held-out figures (every process)
             if self.is_main:
                 tmp = directory.with_name(directory.name + ".tmp")
@@ -686,12 +687,20 @@ class TrainingRun:
                 self.log.info("snapshot %s (%d loss tokens seen at step %d)", directory, seen, self.step)
             self.accelerator.wait_for_everyone()
 
+    def _checkpoint_due(self) -> bool:
+        return self.step % self.cfg.train.checkpoint_every == 0 or self.step == self.cfg.train.stop_after_steps
+
+    def _snapshot_dir(self, milestone: int) -> Path:
+        return self.output_dir / "snapshots" / f"loss_tokens_{milestone}"
+
+    def _milestone_done(self, milestone: int) -> bool:
+        """Written, or passed before the checkpoint this run resumed from."""
+        return milestone <= self.resumed_at_tokens or self._snapshot_dir(milestone).exists()
+
     def _every_snapshot_written(self) -> bool:
         """A curve run (train.snapshots_at_loss_tokens) ends at its last milestone, not at max_steps."""
         milestones = self.cfg.train.snapshots_at_loss_tokens
-        return bool(milestones) and all(milestone <= self.resumed_at_tokens
-                                        or (self.output_dir / "snapshots" / f"loss_tokens_{milestone}").is_dir()
-                                        for milestone in milestones)
+        return bool(milestones) and all(self._milestone_done(milestone) for milestone in milestones)
 
     @staticmethod
     def _extra(recipe: Recipe) -> dict:

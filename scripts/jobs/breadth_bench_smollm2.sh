@@ -6,7 +6,8 @@
 #   POINT=drafters/eagle3_smollm2_human/loss_tokens_10000000 bash scripts/jobs/breadth_bench_smollm2.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-POINT=${POINT:-$(ls -d drafters/eagle3_smollm2_human/loss_tokens_* | awk -F_ '{print $NF, $0}' | sort -n | tail -1 | cut -d' ' -f2)}
+source scripts/jobs/newest.sh
+POINT=${POINT:-$(newest_numbered drafters/eagle3_smollm2_human/loss_tokens_*)}
 OUT=${OUT:-results/breadth_smollm2}
 NUM=${NUM:-10}
 TREE=${TREE:-depth=3,topk=1,budget=3}  # the curve bench's tree (a chain of 3)

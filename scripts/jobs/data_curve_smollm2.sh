@@ -8,6 +8,7 @@
 #   (nohup nice -n 5 bash scripts/jobs/data_curve_smollm2.sh >> outputs/jobs/data_curve_smollm2.log 2>&1 &)
 # Commit drafters/ after each sync you want to keep (git add drafters && git commit).
 set -euo pipefail
+source "$(dirname "$0")/newest.sh"
 RUN=${RUN:-outputs/curve_smollm2_human}
 KEEP=${KEEP:-drafters/curve_smollm2_human}
 SYNC_S=${SYNC_S:-600}
@@ -18,7 +19,7 @@ sync_outputs() {  # snapshots -> $KEEP/loss_tokens_<N>/ (once each), newest chec
     [ -f "$snap/snapshot.json" ] && [ ! -d "$KEEP/$(basename "$snap")" ] && cp -r "$snap" "$KEEP/" \
       && echo "$(date +%H:%M) kept $KEEP/$(basename "$snap")"
   done
-  newest=$(ls -d "$RUN"/checkpoints/step_* 2>/dev/null | awk -F_ '{print $NF, $0}' | sort -n | cut -d' ' -f2 | tail -1 || true)
+  newest=$(newest_numbered "$RUN"/checkpoints/step_*)
   if [ -n "$newest" ] && [ ! -d "$KEEP/resume/$(basename "$newest")" ]; then
     python -m draftsmith.train.checkpoints lean "$newest" "$KEEP/resume" > /dev/null \
       && echo "$(date +%H:%M) resume point $KEEP/resume/$(basename "$newest")"

@@ -13,6 +13,7 @@
 # The records are those the CPU run loads, packed (`python -m draftsmith.data.records pack`), so the device
 # needs neither the data packages nor this machine's Python standard library (python-source differs by version).
 set -euo pipefail
+source "$(dirname "$0")/newest.sh"
 STAGE=${1:?stage: payload | setup | convert | train | ablate | unpack DIR}
 CONFIG=train/configs/eagle3_smollm2.yaml
 KEEP=drafters/eagle3_smollm2_human
@@ -47,7 +48,7 @@ payload)
   cp .dev/curve_records.npz .dev/c2/records.npz
   # RESUME_DIR: a full checkpoint of the CPU run where this machine still has one (exact continuation, Adam's
   # moments included), else the committed lean resume point (the moments restart)
-  cp -r "${RESUME_DIR:-$(ls -d $KEEP/resume/step_* | awk -F_ '{print $NF, $0}' | sort -n | cut -d' ' -f2 | tail -1)}" .dev/c3/
+  cp -r "${RESUME_DIR:-$(newest_numbered "$KEEP"/resume/step_*)}" .dev/c3/
   du -sh .dev/c1 .dev/c2 .dev/c3
   ;;
 setup)
@@ -75,7 +76,7 @@ train)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   timeout -s TERM "$TRAIN_S" python3 train/dgf.py --config "$STATE/device.yaml" output_dir="$run" "${args[@]}" \
     --no-progress 2>&1 | tee "$OUT/train.log" | grep -v "^\s*$" | tail -40 || true
-  newest=$(ls -d "$run"/checkpoints/step_* 2>/dev/null | awk -F_ '{print $NF, $0}' | sort -n | cut -d' ' -f2 | tail -1 || true)
+  newest=$(newest_numbered "$run"/checkpoints/step_*)
   [ -n "$newest" ] && python3 -m draftsmith.train.checkpoints lean "$newest" "$run/resume" > /dev/null
   keep=(); for item in snapshots resume metrics.jsonl train_config.yaml; do [ -e "$run/$item" ] && keep+=("$item"); done
   tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/run.tar.gz."

@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CPU=${CPU:-$(grep -m1 "model name" /proc/cpuinfo | grep -qi amd && echo epyc || echo xeon)}
-POINT=${POINT:-$(ls -d drafters/eagle3_smollm2_human/loss_tokens_* | awk -F_ '{print $NF, $0}' | sort -n | tail -1 | cut -d' ' -f2)}
+source scripts/jobs/newest.sh
+POINT=${POINT:-$(newest_numbered drafters/eagle3_smollm2_human/loss_tokens_*)}
 TYPES=${TYPES:-float32 q8_0}
 N_MAX=${N_MAX:-3 6}
 NAME=$(basename "$POINT")
