@@ -28,6 +28,7 @@ import torch
 from draftsmith.data.chat import render_and_mask
 from draftsmith.data.sources import CHECKERS, load_source
 from draftsmith.errors import UserError, exit_with
+from draftsmith.fileio import refuse_overwrite
 from draftsmith.models.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ def collate(records: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m draftsmith.data.records pack SPEC OUT.npz --target NAME [--max-length N]`: the records a
+    """`python -m draftsmith.data.records pack SPEC OUT.npz --target NAME [--max-length N] [--overwrite]`: the records a
     recipe would load from SPEC, packed (a job's data, committed or carried to another machine)."""
     parser = argparse.ArgumentParser(prog="python -m draftsmith.data.records", description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -254,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     pack.add_argument("out")
     pack.add_argument("--target", required=True, help="the target whose tokenizer and chat template render SPEC")
     pack.add_argument("--max-length", type=int, default=None)
+    pack.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
+    refuse_overwrite(args.out, args.overwrite, instead="choose another OUT")  # before minutes of loading
     tokenizer = load_tokenizer(args.target)
     stats: dict = {}
     records = load_records(args.spec, tokenizer=tokenizer, max_length=args.max_length, stats=stats)

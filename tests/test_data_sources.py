@@ -440,3 +440,16 @@ def test_breadth_prompts_cover_four_kinds_on_disjoint_passages():
     assert qa and all(c.category == "qa" and "Question:" in c.messages[0]["content"] for c in qa)
     with pytest.raises(UserError, match="valid kinds: translation, summarization, extraction, qa"):
         load_source("breadth:poetry")
+
+
+def test_pack_refuses_an_existing_output_in_one_line(tmp_path, capsys):
+    """`python -m draftsmith.data.records pack` never replaces a file without --overwrite."""
+    from draftsmith.data.records import main
+    from draftsmith.errors import run_main
+
+    out = tmp_path / "r.npz"
+    out.write_bytes(b"mine")
+    assert run_main(main, ["pack", "gsm8k:train", str(out), "--target", "tiny:llama"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "--overwrite" in err
+    assert out.read_bytes() == b"mine"
