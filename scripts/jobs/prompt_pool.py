@@ -1,0 +1,71 @@
+"""The prompt pool a regeneration job answers where the data packages are not installed (the lent GPU): the first
+user turn (with any system message before it) of every conversation of SOURCES, minus any prompt that equals a
+test suite's (MT-Bench, HumanEval, GSM8K test: whitespace- and case-normalised), shuffled with a fixed seed so
+that any prefix of the pool is a mix of the sources; written as `conversations:` JSONL, gzipped.
+
+    python scripts/jobs/prompt_pool.py OUT.jsonl.gz [--sources "sharegpt + gsm8k:train + ..."] [--seed 0]
+"""
+
+import argparse
+import gzip
+import json
+import random
+import sys
+from collections import Counter
+
+from draftsmith.data.sources import Conversation, load_source
+
+SOURCES = "sharegpt + gsm8k:train + python-docstrings + leetcode"
+TEST_SUITES = ("mt-bench", "humaneval", "gsm8k:test")
+
+
+def normalised(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def first_prompt(conv: Conversation) -> Conversation | None:
+    """The conversation cut before its first assistant reply (None when it has no user turn there)."""
+    head = []
+    for message in conv.messages:
+        if message["role"] == "assistant":
+            break
+        head.append(message)
+    if not any(m["role"] == "user" for m in head):
+        return None
+    return Conversation(id=conv.id, source=conv.source, messages=head, reference=conv.reference)
+
+
+def test_prompts() -> set[str]:
+    texts = set()
+    for suite in TEST_SUITES:
+        for conv in load_source(suite):
+            texts.update(normalised(m["content"]) for m in conv.messages if m["role"] == "user")
+    return texts
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output")
+    parser.add_argument("--sources", default=SOURCES)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    banned = test_prompts()
+    pool, counts, dropped = [], Counter(), Counter()
+    for spec in (part.strip() for part in args.sources.split(" + ")):
+        for conv in load_source(spec):
+            cut = first_prompt(conv)
+            if cut is None or any(normalised(m["content"]) in banned for m in cut.messages if m["role"] == "user"):
+                dropped[spec] += 1
+                continue
+            pool.append(cut)
+            counts[spec] += 1
+    random.Random(args.seed).shuffle(pool)
+    with gzip.open(args.output, "wt", encoding="utf-8") as f:
+        for conv in pool:
+            f.write(json.dumps(conv.to_dict(), ensure_ascii=False) + "\n")
+    print(f"{len(pool)} prompts -> {args.output}: kept {dict(counts)}, dropped {dict(dropped)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
