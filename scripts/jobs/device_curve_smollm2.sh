@@ -147,7 +147,7 @@ regen)  # the target (bf16: regenerated data need not be bit-exact) answers the 
 print('regenerated:', len(shards), 'shards,', sum(s['n_written'] for s in shards), 'conversations in',
       round(sum(s['seconds'] for s in shards)), 's')" "$STATE/regen/progress_rank0.json" | tee -a "$OUT/regen.log"
   python3 -m draftsmith.data.records pack "conversations:$STATE/regen" "$STATE/regen_records.npz" \
-    --target smollm2-135m-instruct --max-length 1024 2>&1 | tail -3 | tee -a "$OUT/regen.log"
+    --target smollm2-135m-instruct --max-length 1024 --overwrite 2>&1 | tail -3 | tee -a "$OUT/regen.log"  # a rerun resumes the regeneration and packs it all again
   tar -C "$STATE" -cf - regen | split -b 15m - "$OUT/regen.tar."
   ls -la "$OUT"
   ;;
@@ -178,7 +178,7 @@ unpack_regen)
   data=datasets/regenerated/smollm2-135m-instruct/pool_bf16
   rm -rf .dev/regen_unpack && mkdir -p .dev/regen_unpack "$data"
   cat "$from_regen"/regen.tar.* | tar -C .dev/regen_unpack -xf -
-  cp .dev/regen_unpack/regen/* "$data/" && cp "$from_regen/regen.log" "$data/device_regen.log"
+  cp .dev/regen_unpack/regen/* "$data/"
   mkdir -p .dev/snapshots_unpack && cat "$from_train"/snapshots.tar.gz.* | gunzip | tar -C .dev/snapshots_unpack -xf -
   for kind in regen_only human_then_regen; do
     mkdir -p "drafters/eagle3_smollm2_$kind"
