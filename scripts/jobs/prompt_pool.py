@@ -40,6 +40,7 @@ def test_prompts() -> set[str]:
     for suite in TEST_SUITES:
         for conv in load_source(suite):
             texts.update(normalised(m["content"]) for m in conv.messages if m["role"] == "user")
+            texts.update(normalised(followup) for followup in conv.followups)  # MT-Bench's second turns
     return texts
 
 
