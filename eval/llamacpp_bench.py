@@ -69,6 +69,9 @@ class DraftOptions:
 @dataclass
 class Eagle3Options:
     path: str = option(help="an EAGLE-3 export (scripts/export.py dgf ... --layout speculators) or its .gguf")
+    type: Literal["float32", "bfloat16", "float16", "q8_0"] = option(
+        "float32", "GGUF type the drafter is converted to (the target verifies in its own type, so the output is "
+                   "unchanged; not read for a .gguf)")
     n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
 
 
@@ -94,11 +97,15 @@ def draft_arguments(options: DraftOptions, ctx: "RunContext") -> tuple[str, ...]
 
 def eagle3_arguments(options: Eagle3Options, ctx: "RunContext") -> tuple[str, ...]:
     if options.path.endswith(".gguf"):
+        if options.type != "float32":
+            raise UserError(f"eagle3:{options.path}: type is not read for a .gguf drafter (it is already converted)")
         gguf = Path(options.path)
     else:
-        gguf = llamacpp.draftsmith_cache() / "gguf" / f"eagle3-{llamacpp.model_dir_key(Path(options.path))}.gguf"
+        suffix = "" if options.type == "float32" else f"-{options.type}"
+        key = llamacpp.model_dir_key(Path(options.path))
+        gguf = llamacpp.draftsmith_cache() / "gguf" / f"eagle3-{key}{suffix}.gguf"
         if not gguf.is_file():
-            llamacpp.export_gguf(Path(options.path), gguf, "float32", ctx.target_dir)
+            llamacpp.export_gguf(Path(options.path), gguf, options.type, ctx.target_dir)
     return ("-md", str(gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(options.n_max))
 
 

@@ -169,9 +169,11 @@ def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
     out = tmp_path / "llamacpp.json"
     document = llamacpp_bench.main([f"target={tiny_pair['target']}", f"suites=[jsonl:{prompts}]", "num_prompts=2",
                                     "max_new_tokens=12", "pytorch_baselines=false", f"output={out}",
-                                    f"methods=ngram draft:{tiny_pair['target']} eagle3:{tiny_pair['eagle3']}"])
+                                    f"methods=ngram draft:{tiny_pair['target']} eagle3:{tiny_pair['eagle3']} "
+                                    f"eagle3:{tiny_pair['eagle3']},type=bfloat16"])
     summary = document["summary"]
-    assert list(summary) == ["plain", "ngram", f"draft:{tiny_pair['target']}", f"eagle3:{tiny_pair['eagle3']}"]
+    assert list(summary) == ["plain", "ngram", f"draft:{tiny_pair['target']}", f"eagle3:{tiny_pair['eagle3']}",
+                             f"eagle3:{tiny_pair['eagle3']},type=bfloat16"]  # a cheaper drafter, the same output
     assert all(entry["differs_from_plain"] == [] for entry in summary.values())
     assert summary[f"draft:{tiny_pair['target']}"]["acceptance"] == 1.0  # the target drafting for itself
     assert out.is_file() and out.with_suffix(".md").read_text().startswith("llama.cpp b11434")
@@ -181,6 +183,7 @@ def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
 @pytest.mark.parametrize("argv,words", [(["methods=ngram:kind=ngram-mod,n=4"], "read only by kind=ngram-simple"),
                                         (["methods=lookahead"], "unknown llama.cpp method"),
                                         (["target_type=q3"], "target_type"),
+                                        (["methods=eagle3:x,type=q4"], "type"),
                                         (["methods=ngram ngram"], "names a method twice")])
 def test_llamacpp_bench_refusals(argv, words, capsys):
     from draftsmith.eval import llamacpp_bench
