@@ -84,23 +84,27 @@ def ngram_arguments(options: NgramOptions, ctx: "RunContext") -> tuple[str, ...]
     return args
 
 
+def given_gguf(method: str, options: DraftOptions | Eagle3Options) -> Path | None:
+    """The .gguf file a draft or eagle3 method names (None: it names a model directory to convert); a type given
+    for it is refused, since nothing converts it."""
+    if not options.path.endswith(".gguf"):
+        return None
+    if options.type != "float32":
+        raise UserError(f"{method}:{options.path}: type is not read for a .gguf file (it is already converted)")
+    return Path(options.path)
+
+
 def draft_arguments(options: DraftOptions, ctx: "RunContext") -> tuple[str, ...]:
-    if options.path.endswith(".gguf"):
-        if options.type != "float32":
-            raise UserError(f"draft:{options.path}: type is not read for a .gguf draft (it is already converted)")
-        gguf = Path(options.path)
-    else:
+    gguf = given_gguf("draft", options)
+    if gguf is None:
         directory = Path(resolve_model_path(options.path))
         gguf = llamacpp.cached_gguf(directory, directory.name, options.type)
     return ("-md", str(gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(options.n_max))
 
 
 def eagle3_arguments(options: Eagle3Options, ctx: "RunContext") -> tuple[str, ...]:
-    if options.path.endswith(".gguf"):
-        if options.type != "float32":
-            raise UserError(f"eagle3:{options.path}: type is not read for a .gguf drafter (it is already converted)")
-        gguf = Path(options.path)
-    else:
+    gguf = given_gguf("eagle3", options)
+    if gguf is None:
         suffix = "" if options.type == "float32" else f"-{options.type}"
         key = llamacpp.model_dir_key(Path(options.path))
         gguf = llamacpp.draftsmith_cache() / "gguf" / f"eagle3-{key}{suffix}.gguf"

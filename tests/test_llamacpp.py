@@ -184,11 +184,13 @@ def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
                                         (["methods=lookahead"], "unknown llama.cpp method"),
                                         (["target_type=q3"], "target_type"),
                                         (["methods=eagle3:x,type=q4"], "type"),
+                                        (["methods=eagle3:x.gguf,type=q8_0"], "type is not read for a .gguf file"),
+                                        (["methods=draft:x.gguf,type=q8_0"], "type is not read for a .gguf file"),
                                         (["methods=ngram ngram"], "names a method twice")])
 def test_llamacpp_bench_refusals(argv, words, capsys):
     from draftsmith.eval import llamacpp_bench
 
-    if "kind=ngram-mod" in argv[0]:
+    if "kind=ngram-mod" in argv[0] or ".gguf," in argv[0]:  # refused where the method's arguments are built
         require_build()
     assert run_main(llamacpp_bench.main, argv + ["pytorch_baselines=false", "num_prompts=1"]) == 2
     err = capsys.readouterr().err

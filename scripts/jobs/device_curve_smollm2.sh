@@ -164,7 +164,7 @@ regen_train)  # regenerated-only from scratch at the human curve's first points,
   mkdir -p outputs/pack/regen_only outputs/pack/human_then_regen
   cp -r outputs/regen_only/snapshots/* outputs/pack/regen_only/ 2>/dev/null || true
   cp outputs/regen_only/metrics.jsonl outputs/pack/regen_only/ 2>/dev/null || true
-  for snap in $(ls -d outputs/human_then_regen/snapshots/loss_tokens_* 2>/dev/null | sort -V | tail -2); do
+  for snap in $(by_number outputs/human_then_regen/snapshots/loss_tokens_* | tail -2); do
     cp -r "$snap" outputs/pack/human_then_regen/
   done
   cp outputs/human_then_regen/metrics.jsonl outputs/pack/human_then_regen/ 2>/dev/null || true

@@ -13,6 +13,7 @@ import random
 import sys
 from collections import Counter
 
+from draftsmith.data.regenerate import context_chunks
 from draftsmith.data.sources import Conversation, load_source
 
 SOURCES = "sharegpt + gsm8k:train + python-docstrings + leetcode"
@@ -24,15 +25,15 @@ def normalised(text: str) -> str:
 
 
 def first_prompt(conv: Conversation) -> Conversation | None:
-    """The conversation cut before its first assistant reply (None when it has no user turn there)."""
-    head = []
-    for message in conv.messages:
-        if message["role"] == "assistant":
-            break
-        head.append(message)
-    if not any(m["role"] == "user" for m in head):
+    """The context of the first reply `data.regenerate` would generate (its `context_chunks`), as a conversation;
+    None when there is none."""
+    try:
+        chunks = context_chunks(conv)
+    except ValueError:  # no user message before the first reply
         return None
-    return Conversation(id=conv.id, source=conv.source, messages=head, reference=conv.reference)
+    if not chunks:
+        return None
+    return Conversation(id=conv.id, source=conv.source, messages=chunks[0], reference=conv.reference)
 
 
 def test_prompts() -> set[str]:
