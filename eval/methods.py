@@ -314,6 +314,8 @@ class LMChainOptions:
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
                                      "sliced to it at load time")
+    stop_below: float | None = option(None, "stop the chain once the draft LM's probability of the chain so far "
+                                            "falls below this (null: always draft budget tokens)", gt=0, lt=1)
 
 
 @dataclass
@@ -455,7 +457,8 @@ def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
     lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision)
-    return DrafterMethod(LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label, vocab=vocab), spec.label)
+    drafter = LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label, vocab=vocab, stop_below=o.stop_below)
+    return DrafterMethod(drafter, spec.label)
 
 
 def build_lm_parallel(spec: MethodSpec, ctx: BuildContext) -> Method:

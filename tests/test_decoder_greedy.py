@@ -5,6 +5,7 @@ import torch
 
 from conftest import tiny_model
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.base import InputError
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
@@ -29,6 +30,8 @@ def make_drafter(kind, model, seed):
         return LMDrafter(layer_subset_student(model, [0]), mode="chain", budget=3 + seed % 3)
     if kind == "chain-other":  # an unrelated random model: mostly rejected drafts
         return LMDrafter(tiny_model(model.config.model_type, seed=seed + 50), mode="chain", budget=4)
+    if kind == "chain-stop":  # a dynamic chain length: stops once the chain's draft probability drops
+        return LMDrafter(layer_subset_student(model, [0]), mode="chain", budget=6, stop_below=0.3 + 0.2 * seed)
     if kind == "tree-shallow":
         return LMDrafter(layer_subset_student(model, [1]), mode="tree", depth=3 + seed % 2, topk=2 + seed % 3,
                          budget=6 + 4 * seed)
@@ -48,7 +51,7 @@ def make_drafter(kind, model, seed):
     raise ValueError(kind)
 
 
-KINDS = ["none", "chain-shallow", "chain-other", "tree-shallow", "tree-self", "ngram", "parallel", "medusa"]
+KINDS = ["none", "chain-shallow", "chain-other", "chain-stop", "tree-shallow", "tree-self", "ngram", "parallel", "medusa"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -100,3 +103,18 @@ def test_medusa_tree_must_use_rank_prefixes():
         MedusaDrafter(heads, paths=[[0], [2]])
     with pytest.raises(ValueError, match="num_heads"):
         MedusaDrafter(heads, paths=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_chain_stop_below_shortens_chains_and_is_checked():
+    """stop_below drafts fewer tokens per round than the budget when the drafter is unsure, and is refused
+    in one line outside a chain or outside (0, 1)."""
+    model = tiny_model("llama", seed=4, num_layers=3)
+    prompt = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(4))
+    drafter = LMDrafter(layer_subset_student(model, [0]), mode="chain", budget=6, stop_below=0.9)
+    result = SpeculativeDecoder(TargetModel(model, tokenizer=None), drafter,
+                                DecodeConfig(max_new_tokens=NEW_TOKENS)).generate(prompt)
+    assert result.tokens == reference_greedy(model, prompt)
+    assert result.stats.tree_tokens < 6 * result.stats.verify_forwards
+    for bad in ({"mode": "tree", "stop_below": 0.5}, {"mode": "chain", "stop_below": 1.0}):
+        with pytest.raises(InputError, match="stop_below"):
+            LMDrafter(model, **bad)

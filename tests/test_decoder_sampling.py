@@ -42,6 +42,9 @@ def exact_joint(model) -> dict[tuple, float]:
 def make_drafter(kind, model):
     if kind == "chain":  # an unrelated model: q far from p, exercises rejection + residuals
         return LMDrafter(tiny_model("llama", seed=11, vocab_size=VOCAB, num_layers=1), mode="chain", budget=2)
+    if kind == "chain-stop":  # the chain's length depends on its own draws: still the target's distribution
+        return LMDrafter(tiny_model("llama", seed=11, vocab_size=VOCAB, num_layers=1), mode="chain", budget=3,
+                         stop_below=0.5)
     if kind == "tree":  # several children drawn without replacement per node
         return LMDrafter(tiny_model("llama", seed=12, vocab_size=VOCAB, num_layers=1), mode="tree",
                          depth=2, topk=3, beam=2)
@@ -83,7 +86,7 @@ def make_vocab_drafter(kind, model):
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "parallel", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
+@pytest.mark.parametrize("kind", ["chain", "chain-stop", "tree", "parallel", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
                                   "medusa-vocab-slice", "dgf-vocab-slice", "dgf-multi_layer-vocab-own",
                                   "dgf-eagle3-multi_layer-vocab-own"])
 def test_sampling_matches_target_distribution(kind):

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Issue 16: draft vocabularies for the Qwen2.5-Coder pair (one tokenizer), ranked on answers the 1.5B has
-# not regenerated yet (GSM8K-train references, ShareGPT answers; the code prompts carry no answer): training-free
-# sliced heads for the 0.5B LM drafter.
+# Issues 16 and 35: the draft vocabulary of the Qwen2.5-Coder pair (one tokenizer), for the training-free
+# sliced head of the 0.5B LM drafter (`lm-chain:...,vocab=drafters/qwen2.5-coder_vocab_32768`). Ranked, with
+# the Qwen tokenizer, on answers kept out of the test suites: SmolLM2's regenerated pool (ShareGPT, GSM8K
+# train, docstrings and LeetCode prompts), GSM8K-train references, ShareGPT answers and permissively licensed
+# Python source; 4,000 records per source (~1 min on 2 cores). Committed output; skips itself when present.
 set -euo pipefail
-for SIZE in 32768 8192; do
-  python -m draftsmith.data.draft_vocab target=qwen2.5-coder-1.5b-instruct size=$SIZE \
-    "sources=[gsm8k:train,sharegpt]" limit=3000 output=outputs/vocab/qwen_${SIZE}
-done
+cd "$(dirname "$0")/../.."
+OUT=drafters/qwen2.5-coder_vocab_32768
+[ -f $OUT/draft_vocab.safetensors ] || python -m draftsmith.data.draft_vocab target=qwen2.5-coder-1.5b-instruct \
+  size=32768 "report_sizes=[8192,16384,32768,49152,65536]" limit=4000 output=$OUT \
+  "sources=[conversations:datasets/regenerated/smollm2-135m-instruct/pool_bf16,gsm8k:train,sharegpt,python-source]"

@@ -4,7 +4,11 @@ The drafter keeps its own KV cache over the committed tokens, through the same e
 target (`models.target.TargetModel`: eager, or compiled when a compiled TargetModel is given). `propose` first feeds the
 committed tokens it has not seen (reusing the longest common prefix with what it cached last
 time), then drafts:
-  chain: `budget` tokens, one forward each (greedy argmax, or one draw from q when sampling);
+  chain: `budget` tokens, one forward each (greedy argmax, or one draw from q when sampling). With
+         `stop_below`, the chain stops early once the drafter's own probability of the whole chain so far
+         (the product of q(token) over its tokens) falls below it: another forward would buy a token the
+         target is unlikely to reach (a dynamic draft length, like HF's assistant_confidence_threshold).
+         The decision depends only on the drafter's own proposals, so verification stays exact;
   parallel: PARD (arXiv 2504.18583): `budget` tokens from ONE forward. The uncached committed tokens are fed
          followed by `budget - 1` copies of the model's mask token (`config.pard_token`, as PARD's released
          models set it); the last committed token's logits give the first draft token and mask i's logits the
@@ -38,10 +42,14 @@ class LMDrafter(Drafter):
     def __init__(self, model: PreTrainedModel | TargetModel, tokenizer=None, mode: str = "chain",
                  budget: int = CHAIN_BUDGET, depth: int = LM_TREE.depth, topk: int = LM_TREE.topk,
                  beam: int | None = None,
-                 name: str | None = None, vocab: DraftVocab | None = None):
+                 name: str | None = None, vocab: DraftVocab | None = None, stop_below: float | None = None):
         if mode not in ("chain", "tree", "parallel"):
             raise InputError(f"mode must be 'chain', 'tree' or 'parallel', got {mode!r}")
         check_sizes(name or f"lm-{mode}", budget=budget, depth=depth, topk=topk, beam=beam)
+        if stop_below is not None and (mode != "chain" or not 0 < stop_below < 1):
+            raise InputError(f"{name or f'lm-{mode}'}: stop_below={stop_below} needs mode 'chain' and a value "
+                             "between 0 and 1 (exclusive)")
+        self.stop_below = stop_below
         self.lm = model if isinstance(model, TargetModel) else None  # a given engine (e.g. compiled) is kept
         self.model = (model.model if self.lm is not None else model).eval()
         self.vocab = vocab
@@ -101,13 +109,17 @@ class LMDrafter(Drafter):
         return children, self.vocab.to_target(children), None if q is None else self.vocab.scatter(q)
 
     def _chain(self, logits, sampling, generator) -> DraftTree:
-        tokens, rows = [], []
+        tokens, rows, chain_probability = [], [], 1.0
         for step in range(self.budget):
             probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
-            _, token, q = self._draw(probs, 1, sampling, generator)
+            drafted, token, q = self._draw(probs, 1, sampling, generator)
             tokens.append(int(token[0]))
             if q is not None:
                 rows.append(q[0])
+            if self.stop_below is not None:
+                chain_probability *= float(probs[drafted[0]])
+                if chain_probability < self.stop_below:
+                    break
             if step + 1 < self.budget:
                 logits = self._forward(token.view(1, 1))[-1]
                 self.cached.append(tokens[-1])
