@@ -5,6 +5,7 @@ vocab drafters are in test_decoder_sampling.py, ids containing `vocab`); multi_l
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from draftsmith.models.tiny import TinyTokenizer
 from draftsmith.models.vocab import VOCAB_FILE, DraftVocab, with_sliced_head
 
 SUBSET = list(range(0, 96, 2)) + [1, 3, 5]  # 51 of the 96 tiny tokens
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +215,12 @@ def test_ablation_table_reads_bench_and_drafter_and_measures_coverage_on_outputs
     assert row["variant"] == "v8k" and row["vocab"] == vocab.size and row["train_tau"] == 1.5
     assert row["gsm8k"]["coverage"] == 0.75 and row["gsm8k"]["tau"] == 2.0
     assert "| v8k |" in (tmp_path / "t.md").read_text()
+
+
+def test_committed_qwen_draft_vocabulary_loads_with_the_special_tokens():
+    """The Qwen pair's committed draft vocabulary (scripts/jobs/vocab_qwen.sh) is a 32k subset of the 151,936
+    target ids that keeps the chat template's end-of-turn tokens, so a sliced drafter can end an answer."""
+    vocab = DraftVocab.load(REPO / "drafters" / "qwen2.5-coder_vocab_32768")
+    assert (vocab.size, vocab.target_size) == (32768, 151936)
+    for end_of_turn in (151643, 151645):  # <|endoftext|>, <|im_end|>
+        assert int(vocab.to_draft(torch.tensor([end_of_turn]))[0]) >= 0

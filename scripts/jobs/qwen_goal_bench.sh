@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 35's goal bench for Qwen2.5-Coder-1.5B-Instruct (fp32 target, compiled backend, 2 threads): the
+# goal bench's prompts (NUM prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens), both
+# plain baselines (HF eager `generate` = plain, plain-compiled) in the same run, every output checked against
+# plain greedy. The draft-cost levers of the 0.5B drafter, one at a time:
+#   lm-chain:budget=4                       the off-the-shelf 0.5B as before (full 151,936-token head)
+#   $CHEAP                                  its head sliced to the committed 32k draft vocabulary and a dynamic
+#                                           chain length (stop_below), up to 8 tokens
+#   cascade [ngram min_n=2, $CHEAP]         prompt lookup first, the cheap chain otherwise
+# The bench writes progress.jsonl per conversation: a rerun with the same settings continues where it
+# stopped (commit the folder to carry a partial run to the next session; it then reports resumed rows).
+# ~100 min on 2 cores at NUM=10 with HF=0; HF=1 adds HF assisted generation (~35 min).
+#   NUM=10 HF=0 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+NUM=${NUM:-10}
+OUT=${OUT:-results/qwen_draft_cost/bench}
+STOP=${STOP:-0.3}
+VOCAB=drafters/qwen2.5-coder_vocab_32768
+[ -f $VOCAB/draft_vocab.safetensors ] || bash scripts/jobs/vocab_qwen.sh
+CHEAP="lm-chain:budget=8,vocab=$VOCAB,stop_below=$STOP"
+METHODS="plain-compiled lm-chain:budget=4 $CHEAP cascade:drafters=[(ngram:min_n=2),($CHEAP)]"
+[ "${HF:-0}" = 1 ] && METHODS="$METHODS hf-assisted"
+[ -f $OUT/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench \
+  target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct backend=compiled threads=2 \
+  num_prompts=$NUM max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" output_dir=$OUT
