@@ -367,6 +367,8 @@ class DGFOptions:
     topk: int | None = option(None, f"children per expanded node; null: the export's tree, else {DGF_TOPK}", ge=1)
     budget: int | None = option(None, f"draft nodes per round (Dovetail's g); null: the export's tree, else "
                                       f"{TREE_BUDGET}", ge=1)
+    stop_below: float | None = option(None, "dynamic depth: no deeper level once the drafter's probability of its "
+                                            "best path falls below this (null: always the full depth)", gt=0, lt=1)
 
 
 @dataclass
@@ -498,9 +500,10 @@ def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     key = ("dgf", str(path))
     if key in ctx.models:  # the same drafter in another tree shape: one model, one engine per run
         depth, topk, budget = drafter_tree(path, o.depth, o.topk, o.budget)
-        return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label), spec.label)
+        return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label, o.stop_below), spec.label)
     drafter = ctx.models[key] = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget,
-                                                 name=spec.label, backend=ctx.backend, settings=ctx.settings)
+                                                 name=spec.label, backend=ctx.backend, settings=ctx.settings,
+                                                 stop_below=o.stop_below)
     ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)
 

@@ -82,12 +82,12 @@ def make_vocab_drafter(kind, model):
                                       fusion="eagle3" if "eagle3" in kind else "dgf")
         dgf = DGFModel(config).attach_target(model).set_vocab(DRAFT_VOCAB)
         dgf.init_draft_head()
-        return DGFDrafter(dgf.eval(), depth=2, topk=2, budget=4)
+        return DGFDrafter(dgf.eval(), depth=2, topk=2, budget=4, stop_below=0.5 if "stop" in kind else None)
     raise ValueError(kind)
 
 
 @pytest.mark.parametrize("kind", ["chain", "chain-stop", "tree", "parallel", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
-                                  "medusa-vocab-slice", "dgf-vocab-slice", "dgf-multi_layer-vocab-own",
+                                  "medusa-vocab-slice", "dgf-vocab-slice", "dgf-stop-vocab-slice", "dgf-multi_layer-vocab-own",
                                   "dgf-eagle3-multi_layer-vocab-own"])
 def test_sampling_matches_target_distribution(kind):
     model = tiny_model("llama", seed=5, vocab_size=VOCAB, num_layers=1, hidden_size=32)

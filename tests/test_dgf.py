@@ -233,6 +233,31 @@ def test_tree_shapes_of_one_drafter_share_its_weights_and_stay_lossless(trained,
             assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=16)).generate(prompt).tokens == reference
 
 
+def test_stop_below_gives_a_dynamic_depth_and_stays_lossless(trained, tmp_path):
+    """dgf:...,stop_below=p stops growing the tree once its best path's draft probability is below p: a deep
+    chain drafts fewer tokens per round, greedy output unchanged; same weights as the plain spec."""
+    from draftsmith.eval.methods import BuildContext, build_method
+
+    model, fitted = trained["llama"]
+    target = TargetModel(model, TinyTokenizer(96))
+    save_dgf(fitted, tmp_path / "d", target_block(target, "t", [-1]))
+    context = BuildContext(target)
+    full = build_method(f"dgf:path={tmp_path / 'd'},depth=6,topk=1,budget=6", context).drafter
+    dynamic = build_method(f"dgf:path={tmp_path / 'd'},depth=6,topk=1,budget=6,stop_below=0.6", context).drafter
+    assert dynamic.engine is full.engine and dynamic.stop_below == 0.6
+    drafted = {}
+    for drafter in (full, dynamic):
+        prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+        reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
+                                   do_sample=False)[0, prompt.shape[1]:].tolist()
+        result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=20)).generate(prompt)
+        assert result.tokens == reference
+        drafted[drafter] = result.stats.tree_tokens / result.stats.verify_forwards
+    assert drafted[dynamic] < drafted[full] == 6
+    with pytest.raises(ValueError, match="stop_below"):
+        build_method(f"dgf:path={tmp_path / 'd'},stop_below=1.5", context)
+
+
 VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1200
 PROMPT = torch.tensor([[1, 3, 0, 2, 1, 3]])
 

@@ -9,7 +9,9 @@ greedy (EAGLE-2):  level 1 = the top-k tokens after the root; then `depth - 1` t
     nodes of the newest level by cumulative log-probability (the product of draft probabilities
     along the path) are expanded in one drafter forward (tree mask over the cache + their
     ancestors), each gets top-k children. Finally all nodes are re-ranked by cumulative
-    log-probability and the best g (ancestor-closed) are sent to verification.
+    log-probability and the best g (ancestor-closed) are sent to verification. With `stop_below`, the
+    tree stops growing once the newest level's best cumulative probability falls below it (a dynamic
+    depth: a chain, topk=1, drafts as many tokens as the drafter is sure of, up to `depth`).
 sampling: the same expansion order, but each expanded node draws its children from q without
     replacement (Gumbel-top-k) and every drawn node is kept, so the number of children of a node
     is fixed before it is drawn: the budget g is handed out in score order among the nodes chosen
@@ -23,11 +25,13 @@ The decoder verifies every proposal, so the output is the target's whatever the 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import TREE_BUDGET, Drafter, Sampling, check_sizes, draw_children
+from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, InputError, Sampling, check_sizes,
+                                                  draw_children)
 from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
 from draftsmith.models.compiled import CompileSettings
@@ -44,8 +48,11 @@ DGF_DEPTH, DGF_TOPK = DGF_TREE.depth, DGF_TREE.topk  # Dovetail's dynamic tree (
 
 class DGFDrafter(Drafter):
     def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
-                 name: str | None = None, engine=None):
+                 name: str | None = None, engine=None, stop_below: float | None = None):
         check_sizes(name or "dgf", depth=depth, topk=topk, budget=budget)
+        if stop_below is not None and not 0 < stop_below < 1:
+            raise InputError(f"{name or 'dgf'}: stop_below={stop_below} must be between 0 and 1 (exclusive)")
+        self.stop_below = stop_below  # dynamic depth: no deeper level once the best path's q falls below it
         model._need_target()
         self.model = model.eval()
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
@@ -118,6 +125,8 @@ class DGFDrafter(Drafter):
         for level in range(1, depth):
             if sampling is not None and growth.budget_left <= 0:
                 break
+            if self.stop_below is not None and float(growth.level_scores.max()) < math.log(self.stop_below):
+                break  # the drafter's own odds of reaching this level are low: skip the forward
             best, logits = self._expand(growth, level, k, length - 1)
             base = growth.all_scores()[best]  # (n_new,)
             if sampling is None:
@@ -228,10 +237,12 @@ class Growth:
         return tree
 
 
-def same_weights(drafter: DGFDrafter, depth: int, topk: int, budget: int, name: str | None = None) -> DGFDrafter:
+def same_weights(drafter: DGFDrafter, depth: int, topk: int, budget: int, name: str | None = None,
+                 stop_below: float | None = None) -> DGFDrafter:
     """Another tree shape over `drafter`'s model and engine (a bench comparing shapes holds one copy of the
     weights and, compiled, one package: the engine keeps no decode state, each drafter its own cache)."""
-    return DGFDrafter(drafter.model, depth=depth, topk=topk, budget=budget, name=name, engine=drafter.engine)
+    return DGFDrafter(drafter.model, depth=depth, topk=topk, budget=budget, name=name, engine=drafter.engine,
+                      stop_below=stop_below)
 
 
 def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = None,
@@ -247,11 +258,12 @@ def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = 
 
 def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: int | None = None,
                      budget: int | None = None, name: str | None = None, backend: Backend = Backend.EAGER,
-                     settings: CompileSettings | None = None) -> DGFDrafter:
+                     settings: CompileSettings | None = None, stop_below: float | None = None) -> DGFDrafter:
     """A DGFDrafter for `target` from a recipe's final/ directory or a dgf-layout export (refuses another
     target's drafter); tree shape as `drafter_tree`. The drafter runs in the target's dtype on the
     target's device, on the `backend` engine."""
     model, _ = load_dgf(path, target, dtype=target.dtype)
     engine = make_engine(model.eval(), backend, settings)
     depth, topk, budget = drafter_tree(path, depth, topk, budget)
-    return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine)
+    return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine,
+                      stop_below=stop_below)
