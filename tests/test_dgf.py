@@ -177,9 +177,7 @@ def test_greedy_decoding_is_lossless(trained, family, depth, topk, budget):
     for seed in range(3):
         prompt = torch.randint(0, 96, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
         result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
-        reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,
-                                   do_sample=False)[0, prompt.shape[1]:].tolist()
-        assert result.tokens == reference
+        assert result.tokens == greedy_reference(model, prompt, 24)
         assert result.stats.tree_tokens <= budget * result.stats.verify_forwards
         taus.append(result.stats.tau)
     assert max(taus) > 1.0, "no draft was ever accepted: the test would prove little"
@@ -212,23 +210,34 @@ def test_build_from_spec_and_option_errors(tmp_path):
         build_spec(f"dgf:{tmp_path / 'd'},g=4", target)
 
 
-def test_tree_shapes_of_one_drafter_share_its_weights_and_stay_lossless(trained, tmp_path):
-    """A bench run holds one model and one engine per drafter path (the 1.5B's compiled drafter is 2 GB);
-    decoding interleaved per prompt, as the bench does, both shapes reproduce plain greedy."""
+def saved_drafter_methods(trained, tmp_path):
+    """The trained tiny llama, its target, and a build function for `dgf:path=<its saved drafter>,<options>`
+    methods sharing one BuildContext (as one bench run does)."""
     from draftsmith.eval.methods import BuildContext, build_method
 
     model, fitted = trained["llama"]
     target = TargetModel(model, TinyTokenizer(96))
     save_dgf(fitted, tmp_path / "d", target_block(target, "t", [-1]))
     context = BuildContext(target)
-    chain = build_method(f"dgf:path={tmp_path / 'd'},depth=3,topk=1,budget=3", context).drafter
-    tree = build_method(f"dgf:path={tmp_path / 'd'},depth=3,topk=2,budget=5", context).drafter
+    return model, target, context, lambda options: build_method(f"dgf:path={tmp_path / 'd'},{options}", context)
+
+
+def greedy_reference(model, prompt, new_tokens):
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                          do_sample=False)[0, prompt.shape[1]:].tolist()
+
+
+def test_tree_shapes_of_one_drafter_share_its_weights_and_stay_lossless(trained, tmp_path):
+    """A bench run holds one model and one engine per drafter path (the 1.5B's compiled drafter is 2 GB);
+    decoding interleaved per prompt, as the bench does, both shapes reproduce plain greedy."""
+    model, target, context, build = saved_drafter_methods(trained, tmp_path)
+    chain = build("depth=3,topk=1,budget=3").drafter
+    tree = build("depth=3,topk=2,budget=5").drafter
     assert chain.model is tree.model and chain.engine is tree.engine and len(context.drafter_engines) == 1
     assert (chain.topk, chain.budget, tree.topk, tree.budget) == (1, 3, 2, 5)
     for seed in range(2):
         prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
-        reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
-                                   do_sample=False)[0, prompt.shape[1]:].tolist()
+        reference = greedy_reference(model, prompt, 16)
         for drafter in (chain, tree):
             assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=16)).generate(prompt).tokens == reference
 
@@ -236,26 +245,20 @@ def test_tree_shapes_of_one_drafter_share_its_weights_and_stay_lossless(trained,
 def test_stop_below_gives_a_dynamic_depth_and_stays_lossless(trained, tmp_path):
     """dgf:...,stop_below=p stops growing the tree once its best path's draft probability is below p: a deep
     chain drafts fewer tokens per round, greedy output unchanged; same weights as the plain spec."""
-    from draftsmith.eval.methods import BuildContext, build_method
-
-    model, fitted = trained["llama"]
-    target = TargetModel(model, TinyTokenizer(96))
-    save_dgf(fitted, tmp_path / "d", target_block(target, "t", [-1]))
-    context = BuildContext(target)
-    full = build_method(f"dgf:path={tmp_path / 'd'},depth=6,topk=1,budget=6", context).drafter
-    dynamic = build_method(f"dgf:path={tmp_path / 'd'},depth=6,topk=1,budget=6,stop_below=0.6", context).drafter
+    model, target, _, build = saved_drafter_methods(trained, tmp_path)
+    full = build("depth=6,topk=1,budget=6").drafter
+    dynamic = build("depth=6,topk=1,budget=6,stop_below=0.6").drafter
     assert dynamic.engine is full.engine and dynamic.stop_below == 0.6
+    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    reference = greedy_reference(model, prompt, 20)
     drafted = {}
     for drafter in (full, dynamic):
-        prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
-        reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
-                                   do_sample=False)[0, prompt.shape[1]:].tolist()
         result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=20)).generate(prompt)
         assert result.tokens == reference
         drafted[drafter] = result.stats.tree_tokens / result.stats.verify_forwards
     assert drafted[dynamic] < drafted[full] == 6
     with pytest.raises(ValueError, match="stop_below"):
-        build_method(f"dgf:path={tmp_path / 'd'},stop_below=1.5", context)
+        build("stop_below=1.5")
 
 
 VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1200

@@ -9,8 +9,9 @@
 #   cascade [ngram min_n=2, $CHEAP]         prompt lookup first, the cheap chain otherwise
 # The bench writes progress.jsonl per conversation: a rerun with the same settings continues where it
 # stopped (commit the folder to carry a partial run to the next session; it then reports resumed rows).
-# ~100 min on 2 cores at NUM=10 with HF=0; HF=1 adds HF assisted generation (~35 min).
-#   NUM=10 HF=0 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
+# NUM=5 took 87 min on the 2-core AMD EPYC of 2026-11-26 (a slow day: target step 465 ms); NUM=10 takes about
+# twice that, HF=1 (HF assisted generation) about a fifth more: split it over sessions by committing OUT.
+#   NUM=10 HF=1 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NUM=${NUM:-10}

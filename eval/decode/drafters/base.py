@@ -38,6 +38,12 @@ def check_sizes(what: str, **sizes: int | None) -> None:
             raise InputError(f"{what}: {name} must be a whole number >= 1, got {value!r}")
 
 
+def check_open_unit(what: str, name: str, value: float | None) -> None:
+    """A probability threshold a drafter is built with (stop_below): strictly between 0 and 1 (None: not given)."""
+    if value is not None and not 0 < value < 1:
+        raise InputError(f"{what}: {name}={value} must be between 0 and 1 (exclusive)")
+
+
 def check_types(where: str, expected: list[tuple[str, object, type | tuple[type, ...], str]]) -> None:
     """Arguments of a public function are the toolkit's types: (name, value, allowed types, what to pass); a
     name or a dict in their place is one line, not an AttributeError from deep inside."""

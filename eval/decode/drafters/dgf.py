@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, InputError, Sampling, check_sizes,
+from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
                                                   draw_children)
 from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import load_dgf
@@ -50,8 +50,7 @@ class DGFDrafter(Drafter):
     def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
                  name: str | None = None, engine=None, stop_below: float | None = None):
         check_sizes(name or "dgf", depth=depth, topk=topk, budget=budget)
-        if stop_below is not None and not 0 < stop_below < 1:
-            raise InputError(f"{name or 'dgf'}: stop_below={stop_below} must be between 0 and 1 (exclusive)")
+        check_open_unit(name or "dgf", "stop_below", stop_below)
         self.stop_below = stop_below  # dynamic depth: no deeper level once the best path's q falls below it
         model._need_target()
         self.model = model.eval()

@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, Drafter, InputError, Sampling, check_sizes, draw_children
+from draftsmith.eval.decode.drafters.base import (CHAIN_BUDGET, Drafter, InputError, Sampling, check_open_unit,
+                                                  check_sizes, draw_children)
 from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
 from draftsmith.models.target import TargetModel
 from draftsmith.models.trees import LM_TREE
@@ -46,9 +47,9 @@ class LMDrafter(Drafter):
         if mode not in ("chain", "tree", "parallel"):
             raise InputError(f"mode must be 'chain', 'tree' or 'parallel', got {mode!r}")
         check_sizes(name or f"lm-{mode}", budget=budget, depth=depth, topk=topk, beam=beam)
-        if stop_below is not None and (mode != "chain" or not 0 < stop_below < 1):
-            raise InputError(f"{name or f'lm-{mode}'}: stop_below={stop_below} needs mode 'chain' and a value "
-                             "between 0 and 1 (exclusive)")
+        check_open_unit(name or f"lm-{mode}", "stop_below", stop_below)
+        if stop_below is not None and mode != "chain":
+            raise InputError(f"{name or f'lm-{mode}'}: stop_below is read by mode 'chain' only, not {mode!r}")
         self.stop_below = stop_below
         self.lm = model if isinstance(model, TargetModel) else None  # a given engine (e.g. compiled) is kept
         self.model = (model.model if self.lm is not None else model).eval()
