@@ -6,7 +6,8 @@ finished conversation: its key (`suite/id`), its per-prompt rows and, per method
 (DecodeStats as dicts) and lossless mismatches. Lines are appended and fsynced as each conversation
 ends. On a re-run: a torn last line (the process died mid-write) is dropped and that conversation runs
 again; a config that differs (methods, prompts, tokens, backend, ...; not output_dir or plots) is
-refused in one line, since timings of two different runs must not be mixed into one table.
+refused in one line, since timings of two different runs must not be mixed into one table; so is a re-run on
+another CPU model (the header names the machine that started it): the two machine kinds time differently.
 Restored conversations keep their original timings: a resumed result says so (`resumed_conversations`).
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeStats
+from draftsmith.eval.latency import cpu_model
 
 PROGRESS_FILE = "progress.jsonl"
 PROGRESS_FORMAT = "draftsmith.bench-progress/1"
@@ -62,13 +64,19 @@ class Progress:
         digest = config_digest(config)
         if overwrite or not file.exists():
             file.parent.mkdir(parents=True, exist_ok=True)
-            file.write_text(json.dumps({"format": PROGRESS_FORMAT, "config_digest": digest, "config": config}) + "\n")
+            file.write_text(json.dumps({"format": PROGRESS_FORMAT, "config_digest": digest, "machine": cpu_model(),
+                                        "config": config}) + "\n")
             return cls(file)
         header, *records = read_lines(file)
         if header.get("format") != PROGRESS_FORMAT or header.get("config_digest") != digest:
             raise UserError(f"{file} holds the progress of a benchmark with another config (digest "
                             f"{header.get('config_digest')}, this one {digest}): rerun with that config to continue "
                             "it, choose another output_dir, or pass --overwrite to start over")
+        started_on = header.get("machine", cpu_model())
+        if started_on != cpu_model():
+            raise UserError(f"{file} was started on another CPU ({started_on}; this one is {cpu_model()}): timings of "
+                            "two machines must not be mixed in one table; continue it on that machine kind, choose "
+                            "another output_dir, or pass --overwrite to start over")
         return cls(file, {record["key"]: record for record in records})
 
     def snapshot(self, state) -> dict:

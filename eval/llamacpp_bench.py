@@ -36,6 +36,7 @@ from draftsmith.eval.bench import (SUITES, WARMUP_MESSAGES, BenchConfig, check_s
 from draftsmith.eval.latency import cpu_model, parse_document_command, write_document
 from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
 from draftsmith.models import llamacpp
+from draftsmith.models.compiled import machine_load
 from draftsmith.models.target import load_tokenizer
 from draftsmith.models.zoo import resolve_model_path
 
@@ -64,6 +65,8 @@ class DraftOptions:
     path: str = option(help="draft model: zoo name, HF model directory or .gguf file")
     type: str = option("float32", "GGUF type the draft is converted to (not read for a .gguf path)")
     n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
+    p_min: float = option(0.0, "stop a draft at a token the drafter gives less than this probability "
+                               "(--spec-draft-p-min; 0 drafts n_max tokens)", ge=0.0, lt=1.0)
 
 
 @dataclass
@@ -73,6 +76,8 @@ class Eagle3Options:
         "float32", "GGUF type the drafter is converted to (the target verifies in its own type, so the output is "
                    "unchanged; not read for a .gguf)")
     n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
+    p_min: float = option(0.0, "stop a draft at a token the drafter gives less than this probability "
+                               "(--spec-draft-p-min; 0 drafts n_max tokens)", ge=0.0, lt=1.0)
 
 
 def ngram_arguments(options: NgramOptions, ctx: "RunContext") -> tuple[str, ...]:
@@ -94,12 +99,17 @@ def given_gguf(method: str, options: DraftOptions | Eagle3Options) -> Path | Non
     return Path(options.path)
 
 
+def draft_length_arguments(options: DraftOptions | Eagle3Options) -> tuple[str, ...]:
+    """How long a draft may grow: at most n_max tokens, and (p_min > 0) no token the drafter is less sure of."""
+    return ("--spec-draft-n-max", str(options.n_max), "--spec-draft-p-min", str(options.p_min))
+
+
 def draft_arguments(options: DraftOptions, ctx: "RunContext") -> tuple[str, ...]:
     gguf = given_gguf("draft", options)
     if gguf is None:
         directory = Path(resolve_model_path(options.path))
         gguf = llamacpp.cached_gguf(directory, directory.name, options.type)
-    return ("-md", str(gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(options.n_max))
+    return ("-md", str(gguf), "--spec-type", "draft-simple", *draft_length_arguments(options))
 
 
 def eagle3_arguments(options: Eagle3Options, ctx: "RunContext") -> tuple[str, ...]:
@@ -110,7 +120,7 @@ def eagle3_arguments(options: Eagle3Options, ctx: "RunContext") -> tuple[str, ..
         gguf = llamacpp.draftsmith_cache() / "gguf" / f"eagle3-{key}{suffix}.gguf"
         if not gguf.is_file():
             llamacpp.export_gguf(Path(options.path), gguf, options.type, ctx.target_dir)
-    return ("-md", str(gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(options.n_max))
+    return ("-md", str(gguf), "--spec-type", "draft-eagle3", *draft_length_arguments(options))
 
 
 LLAMACPP_METHODS: dict[str, MethodEntry] = {
@@ -188,10 +198,15 @@ def server_settings(config: LlamaCppBenchConfig, ctx: RunContext, spec: LlamaCpp
 
 
 def fits_together(settings: list[llamacpp.ServerSettings]) -> bool:
-    """Whether every server's files fit in memory at once (with room to spare), so methods can interleave."""
-    files = [s.model for s in settings] + [Path(a) for s in settings for a in s.extra_arguments if a.endswith(".gguf")]
-    need = sum(f.stat().st_size for f in files) * 1.3
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Whether every server's files fit in memory at once (with room to spare), so methods can interleave: each
+    file once in the page cache that all servers share, and again per server where llama.cpp repacks it."""
+    per_server = [[s.model] + [Path(a) for a in s.extra_arguments if a.endswith(".gguf")] for s in settings]
+    mapped = {file for files in per_server for file in files}
+    copies = [file for files in per_server for file in files if llamacpp.repacked_per_server(file)]
+    need = sum(file.stat().st_size for file in [*mapped, *copies]) * 1.3
+    available = machine_load()["available_memory_gb"] * 2 ** 30  # MemAvailable: the page cache counts as free
+    if available < 0:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return need < 0.7 * available
 
 

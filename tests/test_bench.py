@@ -260,6 +260,11 @@ def test_bench_writes_each_conversation_and_a_rerun_continues(tiny_pair, prompts
     other = BenchConfig(**{**config.__dict__, "max_new_tokens": 7})
     with pytest.raises(ValueError, match="another config"):
         run_benchmark(other, target=target, draft=draft, progress=False)
+    header, *records = (out / "progress.jsonl").read_text().splitlines()
+    moved = json.loads(header) | {"machine": "Some Other CPU @ 2.0GHz"}  # the run goes on after a change of machine
+    (out / "progress.jsonl").write_text("\n".join([json.dumps(moved), *records]) + "\n")
+    with pytest.raises(ValueError, match="started on another CPU"):
+        run_benchmark(config, target=target, draft=draft, progress=False)
 
 
 def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():

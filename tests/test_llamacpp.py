@@ -94,6 +94,9 @@ def test_gguf_exports_decode_in_llamacpp_and_speculation_is_lossless(tiny_pair, 
         assert check["identical_to_plain"], speculative
     self_draft = llamacpp.decode_check(root / "target.gguf", prompt, ("-md", str(root / "target.gguf"), *simple))
     assert self_draft["accepted"] == self_draft["drafted"] > 0  # the target drafting for itself: all accepted
+    # the bench's memory plan: float weights are shared through the page cache, quantized ones repacked per server
+    assert not llamacpp.repacked_per_server(root / "target.gguf")
+    assert llamacpp.repacked_per_server(root / "draft-q8_0.gguf")
 
 
 def test_llamacpp_plain_greedy_equals_ours_in_float32(tiny_pair):
@@ -186,6 +189,7 @@ def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
                                         (["methods=eagle3:x,type=q4"], "type"),
                                         (["methods=eagle3:x.gguf,type=q8_0"], "type is not read for a .gguf file"),
                                         (["methods=draft:x.gguf,type=q8_0"], "type is not read for a .gguf file"),
+                                        (["methods=draft:x,p_min=1"], "p_min"),
                                         (["methods=ngram ngram"], "names a method twice")])
 def test_llamacpp_bench_refusals(argv, words, capsys):
     from draftsmith.eval import llamacpp_bench
@@ -195,6 +199,16 @@ def test_llamacpp_bench_refusals(argv, words, capsys):
     assert run_main(llamacpp_bench.main, argv + ["pytorch_baselines=false", "num_prompts=1"]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
+
+
+def test_draft_length_options_reach_llamacpp():
+    """n_max and p_min (llama.cpp's per-token confidence stop) go to the server for draft models and EAGLE-3."""
+    from draftsmith.eval.llamacpp_bench import LlamaCppMethodSpec, draft_length_arguments
+
+    spec = LlamaCppMethodSpec.from_config("draft:x,n_max=8,p_min=0.6")
+    assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "8", "--spec-draft-p-min", "0.6")
+    spec = LlamaCppMethodSpec.from_config("eagle3:x")
+    assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "16", "--spec-draft-p-min", "0.0")
 
 
 def test_a_divergence_is_located_and_its_logit_gap_measured(tmp_path):
