@@ -214,8 +214,11 @@ def one_request(server: llamacpp.LlamaServer, ids: list[int], max_new_tokens: in
     reply = server.complete(ids, max_new_tokens)
     timings = reply.get("timings", {})
     seconds = (timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0)) / 1000
-    return {"tokens": reply["tokens"], "seconds": seconds,
-            "new_tokens": timings.get("predicted_n", len(reply["tokens"])), "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
+    run = {"tokens": reply["tokens"], "seconds": seconds, "new_tokens": timings.get("predicted_n", len(reply["tokens"])),
+           "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
+    if "target_steps" in timings:  # an engine that counts its target steps (OpenVINO) gives the exact mean length
+        run["target_steps"] = timings["target_steps"]
+    return run
 
 
 def prompt_turns(config: LlamaCppBenchConfig) -> list[tuple[str, object]]:
@@ -272,6 +275,15 @@ def merge_rows(rows: list, more: list) -> list:
     return rows
 
 
+def mean_accepted_length(runs: list[dict]) -> float | None:
+    """Tokens per target step: counted steps where the engine reports them, else generated / (generated -
+    accepted) (llama.cpp: each step yields one token beyond the accepted drafts)."""
+    new, accepted = sum(r["new_tokens"] for r in runs), sum(r["accepted"] for r in runs)
+    if all("target_steps" in r for r in runs):
+        return new / sum(r["target_steps"] for r in runs)
+    return new / (new - accepted) if new > accepted else None
+
+
 def summarize(rows: list, labels: list[str]) -> dict:
     summary = {}
     for label in labels:
@@ -286,7 +298,7 @@ def summarize(rows: list, labels: list[str]) -> dict:
                           "speedup": sum(p["seconds"] for p in plain) / seconds if seconds else float("nan"),
                           "speedup_per_prompt": ratio, "speedup_ci95": half, "drafted": drafted, "accepted": accepted,
                           "acceptance": accepted / drafted if drafted else None,
-                          "mean_accepted_length": new / (new - accepted) if new > accepted else None,
+                          "mean_accepted_length": mean_accepted_length(runs),
                           "differs_from_plain": differs, "prompts": len(runs)}
     return summary
 
@@ -318,12 +330,19 @@ def run_llamacpp_bench(config: LlamaCppBenchConfig, log_dir: Path) -> dict:
 
 
 def format_table(document: dict) -> str:
+    config = document["config"]
+    return engine_table(document, f"llama.cpp {document['llama_cpp']['release']}", "llama.cpp",
+                        f"{config['target']} ({config['target_type']})")
+
+
+def engine_table(document: dict, engine: str, baseline: str, target: str) -> str:
+    """The table of an engine's bench (llama.cpp's, OpenVINO's): one row per method against `baseline` plain."""
     config, machine = document["config"], document["machine"]
     order = "interleaved per prompt turn" if document["interleaved"] else "one method after another (memory)"
-    lines = [f"llama.cpp {document['llama_cpp']['release']} | target {config['target']} ({config['target_type']}) | "
-             f"{machine['cpu']}, {machine['threads']} threads | {document['summary'][str(PLAIN)]['prompts']} prompt "
-             f"turns, {config['max_new_tokens']} new tokens, greedy | {order}", "",
-             "| method | tokens/s | speedup vs llama.cpp plain | per-prompt (95% CI) | accepted / drafted | "
+    lines = [f"{engine} | target {target} | {machine['cpu']}, {machine['threads']} threads | "
+             f"{document['summary'][str(PLAIN)]['prompts']} prompt turns, {config['max_new_tokens']} new tokens, "
+             f"greedy | {order}", "",
+             f"| method | tokens/s | speedup vs {baseline} plain | per-prompt (95% CI) | accepted / drafted | "
              "mean accepted length | outputs = plain |", "|---|---|---|---|---|---|---|"]
     for label, entry in document["summary"].items():
         rate = ("-" if entry["acceptance"] is None

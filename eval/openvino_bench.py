@@ -1,0 +1,173 @@
+"""The bench in OpenVINO GenAI: its plain decoding, prompt lookup and draft-model speculative decoding, on the
+PyTorch bench's prompts and chat template, greedy, the same thread count; the same table as the llama.cpp bench.
+
+    python -m draftsmith.models.openvino install        # once
+    python -m draftsmith.eval.openvino_bench target=qwen2.5-coder-1.5b-instruct \\
+        methods="lookup draft:qwen2.5-coder-0.5b-instruct,format=int8 draft:qwen2.5-coder-0.5b-instruct,p_min=0.4" \\
+        num_prompts=3 output=results/openvino/qwen1.5b_fp32.json
+
+Every method is one OpenVINO GenAI `LLMPipeline` on the CPU in a worker process (models/openvino.py) over the
+target's IR (exported once into the cache by optimum-intel). Prompts go in as token ids rendered by our chat
+template; time is the worker's wall time around `generate`. Methods run back to back on each prompt turn
+(interleaved, after a warm-up request each); every speculative output is compared with OpenVINO's plain output,
+and the speedup is against OpenVINO's plain decoding of the same IR in the same run (the table and JSON are the
+llama.cpp bench's, eval/llamacpp_bench.py). With `pytorch_baselines=true` the toolkit's own plain baselines run on
+the same prompts after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.config import ConfigError, check_config, option
+from draftsmith.errors import exit_with
+from draftsmith.eval.bench import SUITES, check_suites
+from draftsmith.eval.latency import cpu_model, parse_document_command, write_document
+from draftsmith.eval.llamacpp_bench import (PlainOptions, engine_table, pytorch_baselines, run_turns, summarize,
+                                            warm_up)
+from draftsmith.eval.methods import MethodEntry, MethodSpec
+from draftsmith.models import openvino
+from draftsmith.models.target import load_tokenizer
+from draftsmith.models.zoo import resolve_model_path
+
+# ---------------------------------------------------------------------------------------------
+# Methods
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LookupOptions:
+    k: int = option(5, "tokens proposed per step (num_assistant_tokens)", ge=1)
+    n: int = option(3, "the longest n-gram looked up in the context (max_ngram_size)", ge=1)
+
+
+@dataclass
+class DraftOptions:
+    path: str = option(help="draft model: zoo name or HF model directory")
+    format: str = option("fp32", f"the draft's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)} (the target "
+                                 "verifies in its own format, so the output is unchanged)")
+    k: int = option(5, "tokens drafted per step (num_assistant_tokens; not read with p_min)", ge=1)
+    p_min: float = option(0.0, "draft while the drafter's probability stays at or above this "
+                               "(assistant_confidence_threshold; 0: k tokens a step)", ge=0.0, lt=1.0)
+
+
+def plain_settings(options: PlainOptions, ctx: "RunContext") -> openvino.PipelineSettings:
+    return openvino.PipelineSettings(ctx.target_ir, ctx.threads)
+
+
+def lookup_settings(options: LookupOptions, ctx: "RunContext") -> openvino.PipelineSettings:
+    return openvino.PipelineSettings(ctx.target_ir, ctx.threads, prompt_lookup=True,
+                                     generation={"num_assistant_tokens": options.k, "max_ngram_size": options.n})
+
+
+def draft_settings(options: DraftOptions, ctx: "RunContext") -> openvino.PipelineSettings:
+    draft_ir = openvino.cached_ir(Path(resolve_model_path(options.path)), options.format)
+    length = ({"num_assistant_tokens": 0, "assistant_confidence_threshold": options.p_min} if options.p_min > 0
+              else {"num_assistant_tokens": options.k})
+    return openvino.PipelineSettings(ctx.target_ir, ctx.threads, draft=draft_ir, generation=length)
+
+
+OPENVINO_METHODS: dict[str, MethodEntry] = {
+    "plain": MethodEntry(PlainOptions, plain_settings, "OpenVINO GenAI's plain greedy decoding (the baseline)"),
+    "lookup": MethodEntry(LookupOptions, lookup_settings, "its prompt lookup decoding (training-free)"),
+    "draft": MethodEntry(DraftOptions, draft_settings, "a draft model (speculative decoding): the 0.5B, a student"),
+}
+
+
+class OpenVinoMethodSpec(MethodSpec):
+    """An OpenVINO bench method: `plain`, `lookup[:k=..,n=..]`, `draft:<model>[,format=..,k=..,p_min=..]`."""
+
+    @classmethod
+    def entry(cls, name: str, path: str) -> MethodEntry:
+        if name not in OPENVINO_METHODS:
+            raise ConfigError(f"{path}: unknown OpenVINO method {name!r}; methods: {', '.join(OPENVINO_METHODS)}")
+        return OPENVINO_METHODS[name]
+
+
+PLAIN = OpenVinoMethodSpec.from_config("plain")
+
+
+@dataclass
+class OpenVinoBenchConfig:
+    target: str = option("smollm2-135m-instruct", "the target: zoo name or HF model directory")
+    target_format: str = option("fp32", f"the target's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)}")
+    methods: list[OpenVinoMethodSpec] = option(factory=lambda: [OpenVinoMethodSpec.from_config("lookup")],
+                                               help="methods beside plain (always run): plain | lookup | draft")
+    suites: list[str] = option(factory=lambda: list(SUITES), help="mt-bench | gsm8k | humaneval | a source spec")
+    num_prompts: int = option(3, "prompts per suite", ge=1)
+    turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
+    max_new_tokens: int = option(128, "new tokens per turn", ge=1)
+    seed: int = option(0, "GSM8K sample seed")
+    threads: int = option(2, "OpenVINO inference threads (INFERENCE_NUM_THREADS)", ge=1)
+    pytorch_baselines: bool = option(True, "also time the toolkit's plain baselines (HF generate, compiled) on the "
+                                           "same prompts, fp32")
+    output: str | None = option(None, "where the JSON goes (the table beside it as .md); null: print only")
+
+    def __post_init__(self) -> None:
+        check_config(self)
+        check_suites(self.suites)
+        if self.target_format not in openvino.WEIGHT_FORMATS:
+            raise ConfigError(f"target_format: {self.target_format!r} is not one of {list(openvino.WEIGHT_FORMATS)}")
+        labels = [str(spec) for spec in self.methods]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"methods: {labels} names a method twice")
+        if PLAIN not in self.methods:
+            self.methods.insert(0, PLAIN)
+
+
+@dataclass
+class RunContext:
+    target_ir: Path
+    threads: int
+
+
+def run_methods(config: OpenVinoBenchConfig, ctx: RunContext, tokenizer, log_dir: Path) -> list:
+    """Every method's worker at once, each warmed up, then every prompt turn through all of them in turn."""
+    settings = {spec: OPENVINO_METHODS[spec.name].build(spec.options, ctx) for spec in config.methods}
+    rows: list = []
+    with contextlib.ExitStack() as stack:
+        workers = {spec: stack.enter_context(openvino.OpenVinoWorker(
+            settings[spec], log_path=log_dir / f"worker-{index}.log")) for index, spec in enumerate(settings)}
+        for worker in workers.values():
+            warm_up(worker, tokenizer)
+        run_turns(config, workers, tokenizer, rows)
+    return rows
+
+
+def run_openvino_bench(config: OpenVinoBenchConfig, log_dir: Path) -> dict:
+    openvino.require_installed()
+    target_dir = Path(resolve_model_path(config.target))
+    ctx = RunContext(openvino.cached_ir(target_dir, config.target_format), config.threads)
+    tokenizer = load_tokenizer(config.target)
+    started = time.time()
+    rows = run_methods(config, ctx, tokenizer, log_dir)
+    labels = [str(spec) for spec in config.methods]
+    document = {"config": dataclasses.asdict(config) | {"methods": labels},
+                "openvino": {"release": openvino.RELEASE, "pins": list(openvino.PINS)},
+                "machine": {"cpu": cpu_model(), "threads": config.threads, "target_ir": str(ctx.target_ir)},
+                "interleaved": True, "seconds": round(time.time() - started, 1),
+                "summary": summarize(rows, labels), "rows": rows}
+    if config.pytorch_baselines:
+        document["pytorch"] = pytorch_baselines(config)
+    return document
+
+
+def format_table(document: dict) -> str:
+    config = document["config"]
+    return engine_table(document, f"OpenVINO GenAI {document['openvino']['release']}", "OpenVINO",
+                        f"{config['target']} ({config['target_format']})")
+
+
+def main(argv: list[str]) -> dict:
+    config, out = parse_document_command("draftsmith.eval.openvino_bench", __doc__, OpenVinoBenchConfig, argv)
+    document = run_openvino_bench(config, openvino.home() / "bench-logs")
+    write_document(out, document, format_table(document))
+    return document
+
+
+if __name__ == "__main__":
+    exit_with(main)

@@ -1,0 +1,76 @@
+"""OpenVINO GenAI as a real part: the pinned stack installs into its own environment, models export through
+optimum-intel into the cache, and its speculative output (prompt lookup, a draft model) equals its own plain greedy
+output on the bench's prompt ids.
+
+The end-to-end test needs the install (`python -m draftsmith.models.openvino install`, ~2 min). CI installs it
+first and sets DRAFTSMITH_REQUIRE_OPENVINO=1, so there a missing install fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from draftsmith.errors import run_main
+from draftsmith.models import openvino
+from draftsmith.models.tiny import build_tiny_causal_lm
+
+
+def require_install() -> None:
+    if openvino.is_installed():
+        return
+    if os.environ.get("DRAFTSMITH_REQUIRE_OPENVINO", "") not in ("", "0"):
+        pytest.fail("DRAFTSMITH_REQUIRE_OPENVINO is set but OpenVINO GenAI is not installed")
+    pytest.skip("OpenVINO GenAI is not installed (python -m draftsmith.models.openvino install)")
+
+
+def test_not_installed_is_one_line(tmp_path, monkeypatch, capsys):
+    from draftsmith.eval import openvino_bench
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    assert run_main(openvino_bench.main, ["num_prompts=1", "pytorch_baselines=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: OpenVINO GenAI 2026.4.1 is not installed") and err.count("\n") == 1
+    assert run_main(openvino.main, ["instal"]) == 2
+
+
+@pytest.mark.parametrize("argv,words", [(["methods=lookahead"], "unknown OpenVINO method"),
+                                        (["target_format=q8_0"], "target_format"),
+                                        (["methods=draft:x,p_min=1"], "p_min"),
+                                        (["methods=lookup:k=0"], "k"),
+                                        (["methods=lookup lookup"], "names a method twice")])
+def test_openvino_bench_refusals(argv, words, capsys):
+    from draftsmith.eval import openvino_bench
+
+    assert run_main(openvino_bench.main, argv + ["pytorch_baselines=false", "num_prompts=1"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+
+
+def test_openvino_bench_on_tiny_models_is_lossless(smol_tokenizer, tmp_path, capsys):
+    """Plain, prompt lookup and a draft model (the target drafting for itself, and a fixed-k and a confidence-stopped
+    other model) on the same prompt ids: every speculative output equals OpenVINO's plain one."""
+    require_install()
+    from draftsmith.eval import openvino_bench
+
+    dirs = {}
+    for name, seed in (("target", 1), ("draft", 2)):
+        model = build_tiny_causal_lm("llama", seed=seed, vocab_size=len(smol_tokenizer), hidden_size=64, num_layers=2)
+        model.save_pretrained(tmp_path / name)
+        smol_tokenizer.save_pretrained(tmp_path / name)
+        dirs[name] = tmp_path / name
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Count to five.", "Name a colour.")))
+    out = tmp_path / "openvino.json"
+    methods = f"lookup draft:{dirs['target']},k=3 draft:{dirs['draft']},k=4 draft:{dirs['draft']},p_min=0.2"
+    document = openvino_bench.main([f"target={dirs['target']}", f"suites=[jsonl:{prompts}]", "num_prompts=2",
+                                    "max_new_tokens=12", "pytorch_baselines=false", f"output={out}",
+                                    f"methods={methods}"])
+    summary = document["summary"]
+    assert list(summary) == ["plain", "lookup", *methods.split()[1:]]
+    assert all(entry["differs_from_plain"] == [] for entry in summary.values()), summary
+    assert summary[f"draft:{dirs['target']},k=3"]["acceptance"] == 1.0  # the target drafting for itself
+    assert out.with_suffix(".md").read_text().startswith("OpenVINO GenAI 2026.4.1")
+    assert "| plain |" in capsys.readouterr().out
