@@ -9,7 +9,8 @@ PyTorch bench's prompts and chat template, greedy, the same thread count; the sa
 Every method is one OpenVINO GenAI `LLMPipeline` on the CPU in a worker process (models/openvino.py) over the
 target's IR (exported once into the cache by optimum-intel). Prompts go in as token ids rendered by our chat
 template; time is the worker's wall time around `generate`. Methods run back to back on each prompt turn
-(interleaved, after a warm-up request each); every speculative output is compared with OpenVINO's plain output,
+(interleaved, after a warm-up request each; when their weights do not fit in memory together, each method runs
+beside its own plain worker in turn, and the table says so); every speculative output is compared with OpenVINO's plain output,
 and the speedup is against OpenVINO's plain decoding of the same IR in the same run (the table and JSON are the
 llama.cpp bench's, eval/llamacpp_bench.py). With `pytorch_baselines=true` the toolkit's own plain baselines run on
 the same prompts after.
@@ -27,10 +28,11 @@ from draftsmith.config import ConfigError, check_config, option
 from draftsmith.errors import exit_with
 from draftsmith.eval.bench import SUITES, check_suites
 from draftsmith.eval.latency import cpu_model, parse_document_command, write_document
-from draftsmith.eval.llamacpp_bench import (PlainOptions, engine_table, pytorch_baselines, run_turns, summarize,
-                                            warm_up)
+from draftsmith.eval.llamacpp_bench import (PlainOptions, engine_table, merge_rows, pytorch_baselines, run_turns,
+                                            summarize, warm_up)
 from draftsmith.eval.methods import MethodEntry, MethodSpec
 from draftsmith.models import openvino
+from draftsmith.models.compiled import machine_load
 from draftsmith.models.target import load_tokenizer
 from draftsmith.models.zoo import resolve_model_path
 
@@ -125,17 +127,30 @@ class RunContext:
     threads: int
 
 
-def run_methods(config: OpenVinoBenchConfig, ctx: RunContext, tokenizer, log_dir: Path) -> list:
-    """Every method's worker at once, each warmed up, then every prompt turn through all of them in turn."""
+def fits_together(workers: list[openvino.OpenVinoWorker]) -> bool:
+    """Whether every worker's weights fit in memory at once, with room to spare (each process holds its own copy)."""
+    available = machine_load()["available_memory_gb"] * 2 ** 30
+    return available < 0 or sum(worker.memory_bytes() for worker in workers) * 1.2 < 0.7 * available
+
+
+def run_methods(config: OpenVinoBenchConfig, ctx: RunContext, tokenizer, log_dir: Path) -> tuple[list, bool]:
+    """(rows, interleaved): every method's worker at once when they fit in memory, else each method beside its own
+    plain worker in turn; each worker warmed up, then every prompt turn through the group's workers in turn."""
     settings = {spec: OPENVINO_METHODS[spec.name].build(spec.options, ctx) for spec in config.methods}
+    workers = {spec: openvino.OpenVinoWorker(settings[spec], log_path=log_dir / f"worker-{index}.log")
+               for index, spec in enumerate(settings)}
+    interleaved = fits_together(list(workers.values()))
+    groups = [list(settings)] if interleaved else [[PLAIN, spec] for spec in settings if spec != PLAIN]
     rows: list = []
-    with contextlib.ExitStack() as stack:
-        workers = {spec: stack.enter_context(openvino.OpenVinoWorker(
-            settings[spec], log_path=log_dir / f"worker-{index}.log")) for index, spec in enumerate(settings)}
-        for worker in workers.values():
-            warm_up(worker, tokenizer)
-        run_turns(config, workers, tokenizer, rows)
-    return rows
+    for group in groups or [[PLAIN]]:
+        with contextlib.ExitStack() as stack:
+            running = {spec: stack.enter_context(workers[spec]) for spec in group}
+            for worker in running.values():
+                warm_up(worker, tokenizer)
+            group_rows: list = []
+            run_turns(config, running, tokenizer, group_rows)
+        rows = merge_rows(rows, group_rows)
+    return rows, interleaved
 
 
 def run_openvino_bench(config: OpenVinoBenchConfig, log_dir: Path) -> dict:
@@ -144,12 +159,12 @@ def run_openvino_bench(config: OpenVinoBenchConfig, log_dir: Path) -> dict:
     ctx = RunContext(openvino.cached_ir(target_dir, config.target_format), config.threads)
     tokenizer = load_tokenizer(config.target)
     started = time.time()
-    rows = run_methods(config, ctx, tokenizer, log_dir)
+    rows, interleaved = run_methods(config, ctx, tokenizer, log_dir)
     labels = [str(spec) for spec in config.methods]
     document = {"config": dataclasses.asdict(config) | {"methods": labels},
                 "openvino": {"release": openvino.RELEASE, "pins": list(openvino.PINS)},
                 "machine": {"cpu": cpu_model(), "threads": config.threads, "target_ir": str(ctx.target_ir)},
-                "interleaved": True, "seconds": round(time.time() - started, 1),
+                "interleaved": interleaved, "seconds": round(time.time() - started, 1),
                 "summary": summarize(rows, labels), "rows": rows}
     if config.pytorch_baselines:
         document["pytorch"] = pytorch_baselines(config)

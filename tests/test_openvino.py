@@ -49,7 +49,7 @@ def test_openvino_bench_refusals(argv, words, capsys):
     assert words in err and err.count("\n") == 1, err
 
 
-def test_openvino_bench_on_tiny_models_is_lossless(smol_tokenizer, tmp_path, capsys):
+def test_openvino_bench_on_tiny_models_is_lossless(smol_tokenizer, tmp_path, capsys, monkeypatch):
     """Plain, prompt lookup and a draft model (the target drafting for itself, and a fixed-k and a confidence-stopped
     other model) on the same prompt ids: every speculative output equals OpenVINO's plain one."""
     require_install()
@@ -74,3 +74,9 @@ def test_openvino_bench_on_tiny_models_is_lossless(smol_tokenizer, tmp_path, cap
     assert summary[f"draft:{dirs['target']},k=3"]["acceptance"] == 1.0  # the target drafting for itself
     assert out.with_suffix(".md").read_text().startswith("OpenVINO GenAI 2026.4.1")
     assert "| plain |" in capsys.readouterr().out
+    # workers that do not fit in memory together (each holds its own weights) run beside their own plain worker
+    monkeypatch.setattr(openvino_bench, "fits_together", lambda workers: False)
+    document = openvino_bench.main([f"target={dirs['target']}", f"suites=[jsonl:{prompts}]", "num_prompts=1",
+                                    "max_new_tokens=8", "pytorch_baselines=false", "methods=lookup"])
+    assert not document["interleaved"] and document["summary"]["lookup"]["differs_from_plain"] == []
+    assert "one method after another" in capsys.readouterr().out
