@@ -17,6 +17,7 @@ import json
 import shutil
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,9 +62,23 @@ def install() -> Path:
     shutil.rmtree(venv, ignore_errors=True)
     venv.parent.mkdir(parents=True, exist_ok=True)
     run_checked([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    see_this_environment(venv)
     run_checked([str(python()), "-m", "pip", "install", "-q", *PINS])
     (home() / MARKER).write_text(json.dumps({"pins": list(PINS)}) + "\n")
     return home()
+
+
+def see_this_environment(venv: Path) -> None:
+    """Where this Python is itself a virtual environment, --system-site-packages would show the venv the base
+    interpreter's packages, not this environment's torch: a .pth file adds this environment's site folders after
+    the venv's own (so the venv's pinned transformers still comes first)."""
+    if sys.prefix == sys.base_prefix:
+        return
+    paths = sysconfig.get_paths()
+    venv_site = subprocess.run([str(python()), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    folders = dict.fromkeys([paths["purelib"], paths["platlib"]])
+    (Path(venv_site) / "draftsmith_parent_environment.pth").write_text("".join(f"{folder}\n" for folder in folders))
 
 
 def run_checked(command: list[str]) -> None:
