@@ -13,6 +13,7 @@ import pytest
 
 from draftsmith.eval.bench import default_methods
 from draftsmith.eval.llamacpp_bench import LlamaCppMethodSpec
+from draftsmith.eval.openvino_bench import OpenVinoMethodSpec
 from draftsmith.eval.methods import MethodSpec, parse_method
 from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC, TreeShape
 
@@ -20,13 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def documented_specs() -> list[tuple[type, str]]:
-    """(the spec type of the command on that line, spec) for every `methods=` in README.md and RESULTS.md."""
+    """(the spec type of the command on that line, spec) for every `methods=` in README.md and RESULTS.md; a line
+    continued with a backslash belongs to the command it continues."""
     specs = []
     for doc in ("README.md", "RESULTS.md"):
+        continued = None
         for line in (ROOT / doc).read_text().splitlines():
-            kind = LlamaCppMethodSpec if "llamacpp_bench" in line else MethodSpec
+            kind = continued or (LlamaCppMethodSpec if "llamacpp_bench" in line else
+                                 OpenVinoMethodSpec if "openvino_bench" in line else MethodSpec)
             for match in re.finditer(r'methods=("[^"]*"|\S+)', line):
                 specs += [(kind, spec) for spec in shlex.split(match.group(1).strip("\"'"))]
+            continued = kind if line.rstrip().endswith("\\") else None
     return specs
 
 
