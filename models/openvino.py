@@ -13,6 +13,7 @@ speaks llama.cpp's /completion reply shape.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -63,7 +64,12 @@ def install() -> Path:
     venv.parent.mkdir(parents=True, exist_ok=True)
     run_checked([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
     see_this_environment(venv)
-    run_checked([str(python()), "-m", "pip", "install", "-q", *PINS])
+    # torch pinned to this environment's own build, so pip keeps it instead of fetching PyPI's 5.5 GB CUDA torch for
+    # the torchvision optimum-intel requires; that torchvision (built for CUDA torch) crashes on import beside a CPU
+    # torch and the text exporter never needs it, so it goes again.
+    this_torch = "torch==" + importlib.metadata.version("torch").split("+")[0]
+    run_checked([str(python()), "-m", "pip", "install", "-q", this_torch, *PINS])
+    run_checked([str(python()), "-m", "pip", "uninstall", "-y", "-q", "torchvision"])
     (home() / MARKER).write_text(json.dumps({"pins": list(PINS)}) + "\n")
     return home()
 
