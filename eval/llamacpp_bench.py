@@ -26,7 +26,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from draftsmith.config import ConfigError, check_config, option
 from draftsmith.data.chat import prompt_ids
@@ -150,17 +150,17 @@ PLAIN = LlamaCppMethodSpec.from_config("plain")  # the baseline every method is 
 
 
 @dataclass
-class LlamaCppBenchConfig:
-    target: str = option("smollm2-135m-instruct", "the target: zoo name or HF model directory")
-    target_type: str = option("float32", f"the target's GGUF type: {', '.join(llamacpp.GGUF_TYPES)}")
-    methods: list[LlamaCppMethodSpec] = option(factory=lambda: [LlamaCppMethodSpec.from_config("ngram")],
-                                               help="methods beside plain (always run): plain | ngram | draft | eagle3")
+class EngineBenchConfig:
+    """What every engine's bench (llama.cpp's, OpenVINO's) shares: the prompts, their lengths, the PyTorch baselines
+    beside them and the output; each engine adds its target, methods and threads. `plain` is the engine's baseline
+    spec, run first whether named or not."""
+
+    plain: ClassVar[MethodSpec]
     suites: list[str] = option(factory=lambda: list(SUITES), help="mt-bench | gsm8k | humaneval | a source spec")
     num_prompts: int = option(3, "prompts per suite", ge=1)
     turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
     max_new_tokens: int = option(128, "new tokens per turn", ge=1)
     seed: int = option(0, "GSM8K sample seed")
-    threads: int = option(2, "llama.cpp threads (generation and prompt)", ge=1)
     pytorch_baselines: bool = option(True, "also time the toolkit's plain baselines (HF generate, compiled) on the "
                                            "same prompts, fp32")
     output: str | None = option(None, "where the JSON goes (the table beside it as .md); null: print only")
@@ -168,13 +168,26 @@ class LlamaCppBenchConfig:
     def __post_init__(self) -> None:
         check_config(self)
         check_suites(self.suites)
-        if self.target_type not in llamacpp.GGUF_TYPES:
-            raise ConfigError(f"target_type: {self.target_type!r} is not one of {list(llamacpp.GGUF_TYPES)}")
         labels = [str(spec) for spec in self.methods]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"methods: {labels} names a method twice")
-        if PLAIN not in self.methods:
-            self.methods.insert(0, PLAIN)
+        if self.plain not in self.methods:
+            self.methods.insert(0, self.plain)
+
+
+@dataclass
+class LlamaCppBenchConfig(EngineBenchConfig):
+    plain: ClassVar[MethodSpec] = PLAIN
+    target: str = option("smollm2-135m-instruct", "the target: zoo name or HF model directory")
+    target_type: str = option("float32", f"the target's GGUF type: {', '.join(llamacpp.GGUF_TYPES)}")
+    methods: list[LlamaCppMethodSpec] = option(factory=lambda: [LlamaCppMethodSpec.from_config("ngram")],
+                                               help="methods beside plain (always run): plain | ngram | draft | eagle3")
+    threads: int = option(2, "llama.cpp threads (generation and prompt)", ge=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.target_type not in llamacpp.GGUF_TYPES:
+            raise ConfigError(f"target_type: {self.target_type!r} is not one of {list(llamacpp.GGUF_TYPES)}")
 
 
 @dataclass
@@ -198,16 +211,20 @@ def server_settings(config: LlamaCppBenchConfig, ctx: RunContext, spec: LlamaCpp
 
 
 def fits_together(settings: list[llamacpp.ServerSettings]) -> bool:
-    """Whether every server's files fit in memory at once (with room to spare), so methods can interleave: each
-    file once in the page cache that all servers share, and again per server where llama.cpp repacks it."""
+    """Whether every server's files fit in memory at once, so methods can interleave: each file once in the page
+    cache that all servers share, and again per server where llama.cpp repacks it."""
     per_server = [[s.model] + [Path(a) for a in s.extra_arguments if a.endswith(".gguf")] for s in settings]
     mapped = {file for files in per_server for file in files}
     copies = [file for files in per_server for file in files if llamacpp.repacked_per_server(file)]
-    need = sum(file.stat().st_size for file in [*mapped, *copies]) * 1.3
+    return fits_in_memory(sum(file.stat().st_size for file in [*mapped, *copies]) * 1.3)
+
+
+def fits_in_memory(need_bytes: float) -> bool:
+    """Whether an engine's processes needing this much fit in memory with room to spare."""
     available = machine_load()["available_memory_gb"] * 2 ** 30  # MemAvailable: the page cache counts as free
     if available < 0:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return need < 0.7 * available
+    return need_bytes < 0.7 * available
 
 
 def one_request(server: llamacpp.LlamaServer, ids: list[int], max_new_tokens: int) -> dict:
@@ -248,18 +265,30 @@ def run_methods(config: LlamaCppBenchConfig, ctx: RunContext, tokenizer, log_dir
     """(rows, interleaved): all servers at once when they fit in memory, else one method after another."""
     settings = {spec: server_settings(config, ctx, spec) for spec in config.methods}
     interleaved = fits_together(list(settings.values()))
-    groups = [list(settings)] if interleaved else [[PLAIN, spec] for spec in settings if spec != PLAIN]
+    logs = {spec: log_dir / f"server-{index}.log" for index, spec in enumerate(settings)}
+
+    def open_server(spec: LlamaCppMethodSpec) -> llamacpp.LlamaServer:  # a fresh port each time it is opened
+        return llamacpp.LlamaServer(settings[spec], log_path=logs[spec])
+
+    return run_groups(config, interleaved, open_server, tokenizer), interleaved
+
+
+def run_groups(config: EngineBenchConfig, interleaved: bool, open_method, tokenizer) -> list:
+    """Every method at once (interleaved), else each method beside its own plain baseline in turn. `open_method`
+    gives a method's server or worker as a context manager; each is warmed up, then every prompt turn goes through
+    the group's methods in turn."""
+    methods = config.methods
+    groups = [list(methods)] if interleaved else [[config.plain, spec] for spec in methods if spec != config.plain]
     rows: list = []
-    for group in groups or [[PLAIN]]:
+    for group in groups or [[config.plain]]:
         with contextlib.ExitStack() as stack:
-            servers = {spec: stack.enter_context(llamacpp.LlamaServer(
-                settings[spec], log_path=log_dir / f"server-{index}.log")) for index, spec in enumerate(group)}
-            for server in servers.values():
+            running = {spec: stack.enter_context(open_method(spec)) for spec in group}
+            for server in running.values():
                 warm_up(server, tokenizer)
             group_rows: list = []
-            run_turns(config, servers, tokenizer, group_rows)
+            run_turns(config, running, tokenizer, group_rows)
         rows = merge_rows(rows, group_rows)
-    return rows, interleaved
+    return rows
 
 
 def merge_rows(rows: list, more: list) -> list:
@@ -319,9 +348,17 @@ def run_llamacpp_bench(config: LlamaCppBenchConfig, log_dir: Path) -> dict:
     tokenizer = load_tokenizer(config.target)
     started = time.time()
     rows, interleaved = run_methods(config, ctx, tokenizer, log_dir)
+    return bench_document(config, rows, interleaved, started, {"llama_cpp": llamacpp.build_info()},
+                          {"target_gguf": str(ctx.target_gguf)})
+
+
+def bench_document(config: EngineBenchConfig, rows: list, interleaved: bool, started: float, engine: dict,
+                   target_file: dict) -> dict:
+    """An engine bench's JSON: its config, the engine's pins, the machine, the summary and the rows, and the
+    PyTorch baselines on the same prompts when asked for."""
     labels = [str(spec) for spec in config.methods]
-    document = {"config": dataclasses.asdict(config) | {"methods": labels}, "llama_cpp": llamacpp.build_info(),
-                "machine": {"cpu": cpu_model(), "threads": config.threads, "target_gguf": str(ctx.target_gguf)},
+    document = {"config": dataclasses.asdict(config) | {"methods": labels}, **engine,
+                "machine": {"cpu": cpu_model(), "threads": config.threads, **target_file},
                 "interleaved": interleaved, "seconds": round(time.time() - started, 1),
                 "summary": summarize(rows, labels), "rows": rows}
     if config.pytorch_baselines:

@@ -18,21 +18,18 @@ the same prompts after.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from draftsmith.config import ConfigError, check_config, option
+from draftsmith.config import ConfigError, option
 from draftsmith.errors import exit_with
-from draftsmith.eval.bench import SUITES, check_suites
-from draftsmith.eval.latency import cpu_model, parse_document_command, write_document
-from draftsmith.eval.llamacpp_bench import (PlainOptions, engine_table, merge_rows, pytorch_baselines, run_turns,
-                                            summarize, warm_up)
+from draftsmith.eval.latency import parse_document_command, write_document
+from draftsmith.eval.llamacpp_bench import (EngineBenchConfig, PlainOptions, bench_document, engine_table,
+                                            fits_in_memory, run_groups)
 from draftsmith.eval.methods import MethodEntry, MethodSpec
 from draftsmith.models import openvino
-from draftsmith.models.compiled import machine_load
 from draftsmith.models.target import load_tokenizer
 from draftsmith.models.zoo import resolve_model_path
 
@@ -94,31 +91,18 @@ PLAIN = OpenVinoMethodSpec.from_config("plain")
 
 
 @dataclass
-class OpenVinoBenchConfig:
+class OpenVinoBenchConfig(EngineBenchConfig):
+    plain: ClassVar[MethodSpec] = PLAIN
     target: str = option("smollm2-135m-instruct", "the target: zoo name or HF model directory")
     target_format: str = option("fp32", f"the target's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)}")
     methods: list[OpenVinoMethodSpec] = option(factory=lambda: [OpenVinoMethodSpec.from_config("lookup")],
                                                help="methods beside plain (always run): plain | lookup | draft")
-    suites: list[str] = option(factory=lambda: list(SUITES), help="mt-bench | gsm8k | humaneval | a source spec")
-    num_prompts: int = option(3, "prompts per suite", ge=1)
-    turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
-    max_new_tokens: int = option(128, "new tokens per turn", ge=1)
-    seed: int = option(0, "GSM8K sample seed")
     threads: int = option(2, "OpenVINO inference threads (INFERENCE_NUM_THREADS)", ge=1)
-    pytorch_baselines: bool = option(True, "also time the toolkit's plain baselines (HF generate, compiled) on the "
-                                           "same prompts, fp32")
-    output: str | None = option(None, "where the JSON goes (the table beside it as .md); null: print only")
 
     def __post_init__(self) -> None:
-        check_config(self)
-        check_suites(self.suites)
+        super().__post_init__()
         if self.target_format not in openvino.WEIGHT_FORMATS:
             raise ConfigError(f"target_format: {self.target_format!r} is not one of {list(openvino.WEIGHT_FORMATS)}")
-        labels = [str(spec) for spec in self.methods]
-        if len(set(labels)) != len(labels):
-            raise ConfigError(f"methods: {labels} names a method twice")
-        if PLAIN not in self.methods:
-            self.methods.insert(0, PLAIN)
 
 
 @dataclass
@@ -128,29 +112,18 @@ class RunContext:
 
 
 def fits_together(workers: list[openvino.OpenVinoWorker]) -> bool:
-    """Whether every worker's weights fit in memory at once, with room to spare (each process holds its own copy)."""
-    available = machine_load()["available_memory_gb"] * 2 ** 30
-    return available < 0 or sum(worker.memory_bytes() for worker in workers) * 1.2 < 0.7 * available
+    """Whether every worker's weights fit in memory at once (each process holds its own copy)."""
+    return fits_in_memory(sum(worker.memory_bytes() for worker in workers) * 1.2)
 
 
 def run_methods(config: OpenVinoBenchConfig, ctx: RunContext, tokenizer, log_dir: Path) -> tuple[list, bool]:
     """(rows, interleaved): every method's worker at once when they fit in memory, else each method beside its own
-    plain worker in turn; each worker warmed up, then every prompt turn through the group's workers in turn."""
-    settings = {spec: OPENVINO_METHODS[spec.name].build(spec.options, ctx) for spec in config.methods}
-    workers = {spec: openvino.OpenVinoWorker(settings[spec], log_path=log_dir / f"worker-{index}.log")
-               for index, spec in enumerate(settings)}
+    plain worker in turn."""
+    workers = {spec: openvino.OpenVinoWorker(OPENVINO_METHODS[spec.name].build(spec.options, ctx),
+                                             log_path=log_dir / f"worker-{index}.log")
+               for index, spec in enumerate(config.methods)}
     interleaved = fits_together(list(workers.values()))
-    groups = [list(settings)] if interleaved else [[PLAIN, spec] for spec in settings if spec != PLAIN]
-    rows: list = []
-    for group in groups or [[PLAIN]]:
-        with contextlib.ExitStack() as stack:
-            running = {spec: stack.enter_context(workers[spec]) for spec in group}
-            for worker in running.values():
-                warm_up(worker, tokenizer)
-            group_rows: list = []
-            run_turns(config, running, tokenizer, group_rows)
-        rows = merge_rows(rows, group_rows)
-    return rows, interleaved
+    return run_groups(config, interleaved, workers.__getitem__, tokenizer), interleaved
 
 
 def run_openvino_bench(config: OpenVinoBenchConfig, log_dir: Path) -> dict:
@@ -160,15 +133,9 @@ def run_openvino_bench(config: OpenVinoBenchConfig, log_dir: Path) -> dict:
     tokenizer = load_tokenizer(config.target)
     started = time.time()
     rows, interleaved = run_methods(config, ctx, tokenizer, log_dir)
-    labels = [str(spec) for spec in config.methods]
-    document = {"config": dataclasses.asdict(config) | {"methods": labels},
-                "openvino": {"release": openvino.RELEASE, "pins": list(openvino.PINS)},
-                "machine": {"cpu": cpu_model(), "threads": config.threads, "target_ir": str(ctx.target_ir)},
-                "interleaved": interleaved, "seconds": round(time.time() - started, 1),
-                "summary": summarize(rows, labels), "rows": rows}
-    if config.pytorch_baselines:
-        document["pytorch"] = pytorch_baselines(config)
-    return document
+    return bench_document(config, rows, interleaved, started,
+                          {"openvino": {"release": openvino.RELEASE, "pins": list(openvino.PINS)}},
+                          {"target_ir": str(ctx.target_ir)})
 
 
 def format_table(document: dict) -> str:
