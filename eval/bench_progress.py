@@ -72,9 +72,10 @@ class Progress:
             raise UserError(f"{file} holds the progress of a benchmark with another config (digest "
                             f"{header.get('config_digest')}, this one {digest}): rerun with that config to continue "
                             "it, choose another output_dir, or pass --overwrite to start over")
-        started_on = header.get("machine", cpu_model())
-        if started_on != cpu_model():
-            raise UserError(f"{file} was started on another CPU ({started_on}; this one is {cpu_model()}): timings of "
+        this_machine = cpu_model()
+        started_on = header.get("machine", this_machine)
+        if started_on != this_machine:
+            raise UserError(f"{file} was started on another CPU ({started_on}; this one is {this_machine}): timings of "
                             "two machines must not be mixed in one table; continue it on that machine kind, choose "
                             "another output_dir, or pass --overwrite to start over")
         return cls(file, {record["key"]: record for record in records})
