@@ -12,6 +12,10 @@
 # NUM=5 took 87 min on the 2-core AMD EPYC of 2026-11-26 (a slow day: target step 465 ms); NUM=10 takes about
 # twice that, HF=1 (HF assisted generation) about a fifth more: split it over sessions by committing OUT.
 #   NUM=10 HF=1 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
+# CHAIN4=0 leaves out the chain of 4 (the lever's "before" row, measured at NUM=5): the goal run of 2026-11-26
+# (session 9) is   NUM=10 HF=1 CHAIN4=0 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
+# HF=1's row is HF's assisted generation with transformers' defaults for the assistant: up to 20 tokens a round,
+# stopped by its confidence threshold (0.4 to start, adapted per call when scikit-learn is installed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NUM=${NUM:-10}
@@ -20,7 +24,8 @@ STOP=${STOP:-0.3}
 VOCAB=drafters/qwen2.5-coder_vocab_32768
 [ -f $VOCAB/draft_vocab.safetensors ] || bash scripts/jobs/vocab_qwen.sh
 CHEAP="lm-chain:budget=8,vocab=$VOCAB,stop_below=$STOP"
-METHODS="plain-compiled lm-chain:budget=4 $CHEAP cascade:drafters=[(ngram:min_n=2),($CHEAP)]"
+METHODS="plain-compiled $CHEAP cascade:drafters=[(ngram:min_n=2),($CHEAP)]"
+[ "${CHAIN4:-1}" = 1 ] && METHODS="plain-compiled lm-chain:budget=4 ${METHODS#plain-compiled }"
 [ "${HF:-0}" = 1 ] && METHODS="$METHODS hf-assisted"
 [ -f $OUT/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench \
   target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct backend=compiled threads=2 \
