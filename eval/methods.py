@@ -18,6 +18,7 @@ parsed spec. Every drafter's node budget is called `budget` (`eval.decode.drafte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import typing
@@ -251,20 +252,25 @@ class BuildContext:
 
 
 class HFGenerate(Method):
-    """HF `generate` of the target (greedy, or sampling with top_k=0, top_p=1), optionally assisted."""
+    """HF `generate` of the target (greedy, or sampling with top_k=0, top_p=1), optionally assisted.
+    `assistant_settings`: generation-config fields of the assistant this method sets for its own calls
+    (HF reads the draft length and confidence stop from the assistant's config, which methods may share)."""
 
     backend = Backend.EAGER
 
-    def __init__(self, name: str, assistant=None):
+    def __init__(self, name: str, assistant=None, assistant_settings: Mapping[str, Any] | None = None):
         self.name, self.assistant = name, assistant
+        self.assistant_settings = dict(assistant_settings or {})
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig) -> "HFDecoder":
-        return HFDecoder(target, config, self.assistant)
+        return HFDecoder(target, config, self.assistant, self.assistant_settings)
 
 
 class HFDecoder:
-    def __init__(self, target: TargetModel, config: DecodeConfig, assistant=None):
+    def __init__(self, target: TargetModel, config: DecodeConfig, assistant=None,
+                 assistant_settings: Mapping[str, Any] | None = None):
         self.target, self.config, self.assistant = target, config, assistant
+        self.assistant_settings = dict(assistant_settings or {})
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor) -> DecodeResult:
@@ -277,9 +283,27 @@ class HFDecoder:
         if self.assistant is not None:
             extra["assistant_model"] = self.assistant
         input_ids = input_ids.to(self.target.device)
-        out = self.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                         max_new_tokens=config.max_new_tokens, **extra)
+        with assistant_config(self.assistant, self.assistant_settings):
+            out = self.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                             max_new_tokens=config.max_new_tokens, **extra)
         return DecodeResult(tokens=out[0, input_ids.shape[1]:].tolist(), stats=None)
+
+
+@contextlib.contextmanager
+def assistant_config(assistant, settings: Mapping[str, Any]):
+    """The assistant's generation config with `settings` set for one call, restored afterwards."""
+    if assistant is None or not settings:
+        yield
+        return
+    generation_config = assistant.generation_config
+    before = {name: getattr(generation_config, name, None) for name in settings}
+    for name, value in settings.items():
+        setattr(generation_config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(generation_config, name, value)
 
 
 def inner_drafter(method: Method, what: str) -> Drafter:
@@ -303,6 +327,20 @@ class NoOptions:
 @dataclass
 class AssistedOptions:
     model: str | None = option(None, "assistant model (zoo name / dir); null: the run's draft")
+    tokens: int | None = option(None, "draft tokens per round at most (num_assistant_tokens, constant schedule); "
+                                      "null: the assistant's generation config (transformers' default: 20)", ge=1)
+    confidence: float | None = option(None, "stop drafting once the assistant's probability of its token falls "
+                                            "below this (assistant_confidence_threshold; 0: never); null: the "
+                                            "assistant's generation config (transformers' default: 0.4)",
+                                      ge=0.0, lt=1.0)
+
+    def assistant_settings(self) -> dict[str, Any]:
+        settings = {}
+        if self.tokens is not None:
+            settings.update(num_assistant_tokens=self.tokens, num_assistant_tokens_schedule="constant")
+        if self.confidence is not None:
+            settings["assistant_confidence_threshold"] = self.confidence
+        return settings
 
 
 @dataclass
@@ -444,7 +482,8 @@ def build_plain(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 
 def build_assisted(spec: MethodSpec, ctx: BuildContext) -> Method:
-    return HFGenerate(spec.label, assistant=ctx.small_model(spec.options.model, None, spec.label).model)
+    return HFGenerate(spec.label, assistant=ctx.small_model(spec.options.model, None, spec.label).model,
+                      assistant_settings=spec.options.assistant_settings())
 
 
 def build_loop_plain(spec: MethodSpec, ctx: BuildContext) -> Method:

@@ -55,6 +55,44 @@ def test_two_turn_prompt_is_chat_template_over_q1_answer_q2(smol_tokenizer):
     assert bench.num_turns(conv, 2) == 2 and bench.num_turns(conv, 1) == 1 and bench.num_turns(conv, 5) == 2
 
 
+def test_hf_assisted_draft_length_and_confidence(tiny_pair, smol_tokenizer):
+    """hf-assisted:tokens=,confidence= set the assistant's draft length and confidence stop for its own calls
+    (HF reads them from the assistant's generation config, which other methods share) and restore them."""
+    from draftsmith.eval.decode.decoder import DecodeConfig
+    from draftsmith.eval.methods import BuildContext, build_method
+
+    target, draft = tiny_pair
+    context = BuildContext(target, draft)
+    settings = draft.model.generation_config
+    before = (settings.num_assistant_tokens, settings.assistant_confidence_threshold)
+    seen = []
+    generate = target.model.generate
+
+    def spy(*args, **kwargs):
+        assistant = kwargs.get("assistant_model")
+        if assistant is not None:
+            config = assistant.generation_config
+            seen.append((config.num_assistant_tokens, config.num_assistant_tokens_schedule,
+                         config.assistant_confidence_threshold))
+        return generate(*args, **kwargs)
+
+    prompt = smol_tokenizer("Count from one to ten.", return_tensors="pt").input_ids
+    config = DecodeConfig(max_new_tokens=12)
+    plain = build_method(parse_method("plain"), context).make_decoder(target, config).generate(prompt).tokens
+    target.model.generate = spy
+    try:
+        for spec in ("hf-assisted:tokens=3,confidence=0", "hf-assisted:confidence=0.6", "hf-assisted"):
+            method = build_method(parse_method(spec), context)
+            assert method.make_decoder(target, config).generate(prompt).tokens == plain, spec
+            assert (settings.num_assistant_tokens, settings.assistant_confidence_threshold) == before
+    finally:
+        del target.model.generate
+    assert seen == [(3, "constant", 0), (before[0], settings.num_assistant_tokens_schedule, 0.6), (*before[:1],
+                    settings.num_assistant_tokens_schedule, before[1])]
+    with pytest.raises(Exception, match="confidence"):
+        parse_method("hf-assisted:confidence=1.5")
+
+
 def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "run" / "bench.json"
