@@ -5,6 +5,8 @@ PyTorch bench's prompts and chat template, greedy, the same thread count; the sa
     python -m draftsmith.eval.openvino_bench target=qwen2.5-coder-1.5b-instruct \\
         methods="lookup draft:qwen2.5-coder-0.5b-instruct,format=int8 draft:qwen2.5-coder-0.5b-instruct,p_min=0.4" \\
         num_prompts=3 output=results/openvino/qwen1.5b_fp32.json
+    python scripts/export.py dgf <drafter final/> exports/eagle3_sglang --layout sglang
+    python -m draftsmith.eval.openvino_bench methods="lookup eagle3:exports/eagle3_sglang,k=3" num_prompts=3
 
 Every method is one OpenVINO GenAI `LLMPipeline` on the CPU in a worker process (models/openvino.py) over the
 target's IR (exported once into the cache by optimum-intel). Prompts go in as token ids rendered by our chat
@@ -54,6 +56,15 @@ class DraftOptions:
                                "(assistant_confidence_threshold; 0: k tokens a step)", ge=0.0, lt=1.0)
 
 
+@dataclass
+class Eagle3Options:
+    path: str = option(help="an EAGLE-3 drafter exported in the SGLang layout (scripts/export.py dgf ... --layout "
+                            "sglang)")
+    format: str = option("fp32", f"the drafter's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)}")
+    k: int = option(5, "tokens drafted per step (num_assistant_tokens; OpenVINO's EAGLE-3 has no confidence stop)",
+                    ge=1)
+
+
 def plain_settings(options: PlainOptions, ctx: "RunContext") -> openvino.PipelineSettings:
     return openvino.PipelineSettings(ctx.target_ir, ctx.threads)
 
@@ -70,15 +81,24 @@ def draft_settings(options: DraftOptions, ctx: "RunContext") -> openvino.Pipelin
     return openvino.PipelineSettings(ctx.target_ir, ctx.threads, draft=draft_ir, generation=length)
 
 
+def eagle3_settings(options: Eagle3Options, ctx: "RunContext") -> openvino.PipelineSettings:
+    draft_ir = openvino.cached_eagle3_ir(Path(options.path), ctx.target_dir, options.format)
+    return openvino.PipelineSettings(ctx.target_ir, ctx.threads, draft=draft_ir,
+                                     generation={"num_assistant_tokens": options.k})
+
+
 OPENVINO_METHODS: dict[str, MethodEntry] = {
     "plain": MethodEntry(PlainOptions, plain_settings, "OpenVINO GenAI's plain greedy decoding (the baseline)"),
     "lookup": MethodEntry(LookupOptions, lookup_settings, "its prompt lookup decoding (training-free)"),
     "draft": MethodEntry(DraftOptions, draft_settings, "a draft model (speculative decoding): the 0.5B, a student"),
+    "eagle3": MethodEntry(Eagle3Options, eagle3_settings, "an EAGLE-3 drafter trained here (OpenVINO's EAGLE-3 "
+                                                          "pipeline)"),
 }
 
 
 class OpenVinoMethodSpec(MethodSpec):
-    """An OpenVINO bench method: `plain`, `lookup[:k=..,n=..]`, `draft:<model>[,format=..,k=..,p_min=..]`."""
+    """An OpenVINO bench method: `plain`, `lookup[:k=..,n=..]`, `draft:<model>[,format=..,k=..,p_min=..]`,
+    `eagle3:<dir>[,format=..,k=..]`."""
 
     @classmethod
     def entry(cls, name: str, path: str) -> MethodEntry:
@@ -96,7 +116,7 @@ class OpenVinoBenchConfig(EngineBenchConfig):
     target: str = option("smollm2-135m-instruct", "the target: zoo name or HF model directory")
     target_format: str = option("fp32", f"the target's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)}")
     methods: list[OpenVinoMethodSpec] = option(factory=lambda: [OpenVinoMethodSpec.from_config("lookup")],
-                                               help="methods beside plain (always run): plain | lookup | draft")
+                                               help="methods beside plain (always run): plain | lookup | draft | eagle3")
     threads: int = option(2, "OpenVINO inference threads (INFERENCE_NUM_THREADS)", ge=1)
 
     def __post_init__(self) -> None:
@@ -107,6 +127,7 @@ class OpenVinoBenchConfig(EngineBenchConfig):
 
 @dataclass
 class RunContext:
+    target_dir: Path
     target_ir: Path
     threads: int
 
@@ -129,7 +150,7 @@ def run_methods(config: OpenVinoBenchConfig, ctx: RunContext, tokenizer, log_dir
 def run_openvino_bench(config: OpenVinoBenchConfig, log_dir: Path) -> dict:
     openvino.require_installed()
     target_dir = Path(resolve_model_path(config.target))
-    ctx = RunContext(openvino.cached_ir(target_dir, config.target_format), config.threads)
+    ctx = RunContext(target_dir, openvino.cached_ir(target_dir, config.target_format), config.threads)
     tokenizer = load_tokenizer(config.target)
     started = time.time()
     rows, interleaved = run_methods(config, ctx, tokenizer, log_dir)

@@ -19,8 +19,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from xml.etree import ElementTree
 
 from draftsmith.errors import UserError, exit_with
 from draftsmith.models.llamacpp import model_dir_key
@@ -28,7 +30,10 @@ from draftsmith.models.zoo import draftsmith_cache
 
 # The one OpenVINO stack the toolkit drives (all from PyPI); transformers is the newest optimum-intel 2.2 accepts.
 # datasets: optimum-intel imports it, and ours (5.x) needs a newer huggingface_hub than optimum-intel allows.
-PINS = ("openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0", "transformers==5.5.4", "datasets==4.8.5")
+# diffusers and einops: optimum-intel's EAGLE-3 draft class lives in a module that imports them (transformers checks
+# that a custom model's module imports resolve); huggingface-hub pinned below what diffusers would upgrade it to.
+PINS = ("openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0", "transformers==5.5.4", "datasets==4.8.5",
+        "diffusers==0.39.0", "einops==0.8.2", "huggingface-hub==1.21.0")
 RELEASE = "2026.4.1"
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")  # optimum-cli's --weight-format
 MARKER = "installed.json"
@@ -97,19 +102,94 @@ def run_checked(command: list[str]) -> None:
 def cached_ir(model_dir: Path, weight_format: str = "fp32") -> Path:
     """The OpenVINO IR of an HF model directory (and its tokenizer), exported once by optimum-intel into the
     cache, keyed by the directory's content and the weight format."""
+    model_dir = Path(model_dir)
+    out = ir_path(model_dir, weight_format)
+    if not (out / "openvino_model.xml").is_file():
+        export_ir(model_dir, out, weight_format)
+    return out
+
+
+def ir_path(model_dir: Path, weight_format: str) -> Path:
     if weight_format not in WEIGHT_FORMATS:
         raise UserError(f"OpenVINO weight format {weight_format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     require_installed()
-    model_dir = Path(model_dir)
-    out = home() / "ir" / f"{model_dir.name}-{model_dir_key(model_dir)}-{weight_format}"
-    if not (out / "openvino_model.xml").is_file():
-        partial = out.with_name(out.name + ".tmp")
-        shutil.rmtree(partial, ignore_errors=True)
-        run_checked([str(python()), "-m", "optimum.commands.optimum_cli", "export", "openvino", "-m", str(model_dir),
-                     "--task", "text-generation-with-past", "--weight-format", weight_format, str(partial)])
-        shutil.rmtree(out, ignore_errors=True)
-        partial.replace(out)
+    return home() / "ir" / f"{model_dir.name}-{model_dir_key(model_dir)}-{weight_format}"
+
+
+def export_ir(source: Path, out: Path, weight_format: str, *extra: str, finish=None) -> None:
+    """optimum-cli's export of `source` into `out` (through a partial folder, so a failed export leaves nothing);
+    `finish(partial)` edits the export before it takes its place."""
+    partial = out.with_name(out.name + ".tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    run_checked([str(python()), "-m", "optimum.commands.optimum_cli", "export", "openvino", "-m", str(source),
+                 "--task", "text-generation-with-past", "--weight-format", weight_format, *extra, str(partial)])
+    if finish is not None:
+        finish(partial)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.replace(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 drafters
+# ---------------------------------------------------------------------------------------------
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # the SGLang/SpecForge layout, which optimum-intel exports
+
+
+def eagle3_feature_layers(eagle3_dir: Path) -> list[int]:
+    """The target layers an EAGLE-3 export in the SGLang layout reads (decoder-layer inputs); refuses in one line
+    any other folder."""
+    config_file = Path(eagle3_dir) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if EAGLE3_ARCHITECTURE not in config.get("architectures", []):
+        raise UserError(f"{eagle3_dir} is not an EAGLE-3 drafter in the SGLang layout (architectures "
+                        f"[{EAGLE3_ARCHITECTURE}]), which optimum-intel exports for OpenVINO: write one with "
+                        "`python scripts/export.py dgf <final> <out> --layout sglang`")
+    return list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+
+def openvino_hidden_layers(feature_layers: list[int]) -> list[int]:
+    """OpenVINO GenAI taps the output of decoder layer i (its `layers.i` MLP residual sum); the EAGLE-3 layouts name
+    the input of layer i, the output of layer i - 1."""
+    return [layer - 1 for layer in feature_layers]
+
+
+def cached_eagle3_ir(eagle3_dir: Path, target_dir: Path, weight_format: str = "fp32") -> Path:
+    """The OpenVINO IR of an EAGLE-3 drafter (SGLang layout), exported once by optimum-intel into the cache with the
+    target's tokenizer, the target layers it reads written into the IR's runtime info (`hidden_layers_list`, where
+    OpenVINO GenAI looks; `eagle3_mode` is optimum-intel's). OpenVINO GenAI then runs it as an EAGLE-3 draft model:
+    the target's embedding is shared into it and its fc moves onto the target's tapped layers at load time.
+    optimum-cli's --trust-remote-code loads optimum-intel's own EAGLE-3 class (no code from the drafter's folder)."""
+    eagle3_dir = Path(eagle3_dir)
+    layers = openvino_hidden_layers(eagle3_feature_layers(eagle3_dir))
+    out = ir_path(eagle3_dir, weight_format)
+    if (out / "openvino_model.xml").is_file():
+        return out
+    with tempfile.TemporaryDirectory() as staging:
+        source = Path(staging)
+        for file in [*eagle3_dir.glob("*.safetensors"), eagle3_dir / "config.json",
+                     *(file for file in Path(target_dir).iterdir() if file.name.startswith(TOKENIZER_FILES))]:
+            (source / file.name).symlink_to(file.resolve())
+        export_ir(source, out, weight_format, "--trust-remote-code",
+                  finish=lambda partial: set_runtime_info(partial / "openvino_model.xml", "hidden_layers_list",
+                                                          " ".join(map(str, layers))))
     return out
+
+
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab", "merges", "chat_template")
+
+
+def set_runtime_info(model_xml: Path, name: str, value: str) -> None:
+    """Set `<rt_info><name value=...>` of an IR's XML (read by OpenVINO as the model's runtime info)."""
+    tree = ElementTree.parse(model_xml)
+    info = tree.getroot().find("rt_info")
+    if info is None:
+        info = ElementTree.SubElement(tree.getroot(), "rt_info")
+    entry = info.find(name)
+    if entry is None:
+        entry = ElementTree.SubElement(info, name)
+    entry.set("value", value)
+    tree.write(model_xml, encoding="utf-8", xml_declaration=True)
 
 
 def ir_weights_bytes(ir: Path) -> int:

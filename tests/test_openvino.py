@@ -80,3 +80,55 @@ def test_openvino_bench_on_tiny_models_is_lossless(smol_tokenizer, tmp_path, cap
                                     "max_new_tokens=8", "pytorch_baselines=false", "methods=lookup"])
     assert not document["interleaved"] and document["summary"]["lookup"]["differs_from_plain"] == []
     assert "one method after another" in capsys.readouterr().out
+
+
+def tiny_eagle3(target_dir, tokenizer, root, layout: str):
+    """A random EAGLE-3 drafter (one block, three fused layers) for the tiny target, exported in `layout`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.models.artifacts import save_dgf, target_block
+    from draftsmith.models.dgf import DGFConfig, DGFModel
+    from draftsmith.models.exports import export_dgf
+    from draftsmith.models.target import TargetModel
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    target = TargetModel(model, tokenizer, name=str(target_dir))
+    torch.manual_seed(0)
+    config = DGFConfig.for_target(model.config, fusion="eagle3", feature_layers=[1, 2, 3], num_blocks=1)
+    save_dgf(DGFModel(config).attach_target(model).eval(), root / "final", target_block(target, target.name, [1, 2, 3]))
+    export_dgf(root / "final", root / layout, target=target, layout=layout)
+    return root / layout
+
+
+def test_openvino_eagle3_is_lossless(smol_tokenizer, tmp_path):
+    """A toolkit EAGLE-3 drafter (SGLang layout) through optimum-intel's export into OpenVINO GenAI's EAGLE-3
+    pipeline: it drafts, and its output equals OpenVINO's plain output. The IR records the layers it reads as OpenVINO
+    counts them (one less than the layouts' decoder-layer inputs)."""
+    require_install()
+    from draftsmith.eval import openvino_bench
+
+    model = build_tiny_causal_lm("llama", seed=1, vocab_size=len(smol_tokenizer), hidden_size=64, num_layers=4)
+    model.save_pretrained(tmp_path / "target")
+    smol_tokenizer.save_pretrained(tmp_path / "target")
+    eagle3 = tiny_eagle3(tmp_path / "target", smol_tokenizer, tmp_path, "sglang")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Count to five."}) + "\n")
+    document = openvino_bench.main([f"target={tmp_path / 'target'}", f"suites=[jsonl:{prompts}]", "num_prompts=1",
+                                    "max_new_tokens=12", "pytorch_baselines=false", f"methods=eagle3:{eagle3},k=3"])
+    result = document["summary"][f"eagle3:{eagle3},k=3"]
+    assert result["differs_from_plain"] == [] and result["drafted"] > 0, result
+    ir = openvino.cached_eagle3_ir(eagle3, tmp_path / "target")
+    assert '<hidden_layers_list value="0 1 2"' in (ir / "openvino_model.xml").read_text()
+
+
+def test_openvino_eagle3_needs_the_sglang_layout(smol_tokenizer, tmp_path):
+    from draftsmith.errors import UserError
+
+    model = build_tiny_causal_lm("llama", seed=1, vocab_size=len(smol_tokenizer), hidden_size=64, num_layers=4)
+    model.save_pretrained(tmp_path / "target")
+    speculators = tiny_eagle3(tmp_path / "target", smol_tokenizer, tmp_path, "speculators")
+    with pytest.raises(UserError, match="--layout sglang") as refused:
+        openvino.eagle3_feature_layers(speculators)
+    assert "\n" not in str(refused.value)
+    assert openvino.openvino_hidden_layers([2, 15, 27]) == [1, 14, 26]
