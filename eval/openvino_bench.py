@@ -61,8 +61,17 @@ class Eagle3Options:
     path: str = option(help="an EAGLE-3 drafter exported in the SGLang layout (scripts/export.py dgf ... --layout "
                             "sglang)")
     format: str = option("fp32", f"the drafter's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)}")
-    k: int = option(5, "tokens drafted per step (num_assistant_tokens; OpenVINO's EAGLE-3 has no confidence stop)",
-                    ge=1)
+    k: int = option(5, "tokens drafted per step: a chain's length, or a tree's candidate tokens "
+                       "(num_assistant_tokens; OpenVINO's EAGLE-3 has no confidence stop)", ge=1)
+    depth: int = option(0, "0: a chain of k tokens; else a tree of this depth (tree_depth: the drafter runs depth "
+                           "times, keeping the best k candidates)", ge=0)
+    topk: int = option(1, "tree only: candidates kept per node and per tree layer (branching_factor)", ge=1)
+
+    def __post_init__(self) -> None:
+        if self.depth == 0 and self.topk != 1:
+            raise ConfigError("eagle3: topk is read only by a tree (depth > 0)")
+        if self.depth > self.k:
+            raise ConfigError(f"eagle3: a tree of depth {self.depth} needs at least that many candidates (k={self.k})")
 
 
 def plain_settings(options: PlainOptions, ctx: "RunContext") -> openvino.PipelineSettings:
@@ -83,8 +92,9 @@ def draft_settings(options: DraftOptions, ctx: "RunContext") -> openvino.Pipelin
 
 def eagle3_settings(options: Eagle3Options, ctx: "RunContext") -> openvino.PipelineSettings:
     draft_ir = openvino.cached_eagle3_ir(Path(options.path), ctx.target_dir, options.format)
+    tree = {"tree_depth": options.depth, "branching_factor": options.topk} if options.depth else {}
     return openvino.PipelineSettings(ctx.target_ir, ctx.threads, draft=draft_ir,
-                                     generation={"num_assistant_tokens": options.k})
+                                     generation={"num_assistant_tokens": options.k, **tree})
 
 
 OPENVINO_METHODS: dict[str, MethodEntry] = {
@@ -98,7 +108,7 @@ OPENVINO_METHODS: dict[str, MethodEntry] = {
 
 class OpenVinoMethodSpec(MethodSpec):
     """An OpenVINO bench method: `plain`, `lookup[:k=..,n=..]`, `draft:<model>[,format=..,k=..,p_min=..]`,
-    `eagle3:<dir>[,format=..,k=..]`."""
+    `eagle3:<dir>[,format=..,k=..,depth=..,topk=..]`."""
 
     @classmethod
     def entry(cls, name: str, path: str) -> MethodEntry:

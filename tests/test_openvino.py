@@ -40,7 +40,9 @@ def test_not_installed_is_one_line(tmp_path, monkeypatch, capsys):
                                         (["target_format=q8_0"], "target_format"),
                                         (["methods=draft:x,p_min=1"], "p_min"),
                                         (["methods=lookup:k=0"], "k"),
-                                        (["methods=lookup lookup"], "names a method twice")])
+                                        (["methods=lookup lookup"], "names a method twice"),
+                                        (["methods=eagle3:x,topk=2"], "topk"),
+                                        (["methods=eagle3:x,depth=4,k=3"], "depth")])
 def test_openvino_bench_refusals(argv, words, capsys):
     from draftsmith.eval import openvino_bench
 
@@ -115,9 +117,11 @@ def test_openvino_eagle3_is_lossless(smol_tokenizer, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Count to five."}) + "\n")
     document = openvino_bench.main([f"target={tmp_path / 'target'}", f"suites=[jsonl:{prompts}]", "num_prompts=1",
-                                    "max_new_tokens=12", "pytorch_baselines=false", f"methods=eagle3:{eagle3},k=3"])
-    result = document["summary"][f"eagle3:{eagle3},k=3"]
-    assert result["differs_from_plain"] == [] and result["drafted"] > 0, result
+                                    "max_new_tokens=12", "pytorch_baselines=false",
+                                    f"methods=eagle3:{eagle3},k=3 eagle3:{eagle3},k=4,depth=2,topk=2"])
+    for method in (f"eagle3:{eagle3},k=3", f"eagle3:{eagle3},k=4,depth=2,topk=2"):  # a chain, a tree
+        result = document["summary"][method]
+        assert result["differs_from_plain"] == [] and result["drafted"] > 0, (method, result)
     ir = openvino.cached_eagle3_ir(eagle3, tmp_path / "target")
     assert '<hidden_layers_list value="0 1 2"' in (ir / "openvino_model.xml").read_text()
 
