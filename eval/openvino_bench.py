@@ -64,7 +64,8 @@ class Eagle3Options:
     k: int = option(5, "tokens drafted per step: a chain's length, or a tree's candidate tokens "
                        "(num_assistant_tokens; OpenVINO's EAGLE-3 has no confidence stop)", ge=1)
     depth: int = option(0, "0: a chain of k tokens; else a tree of this depth (tree_depth: the drafter runs depth "
-                           "times, keeping the best k candidates)", ge=0)
+                           "times, keeping the best k candidates). Not lossless in OpenVINO 2026.4.1: on SmolLM2 no "
+                           "tree output equalled greedy (the table's last column says so)", ge=0)
     topk: int = option(1, "tree only: candidates kept per node and per tree layer (branching_factor)", ge=1)
 
     def __post_init__(self) -> None:
