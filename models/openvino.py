@@ -134,6 +134,7 @@ def export_ir(source: Path, out: Path, weight_format: str, *extra: str, finish=N
 # ---------------------------------------------------------------------------------------------
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # the SGLang/SpecForge layout, which optimum-intel exports
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab", "merges", "chat_template")  # the target's, beside it
 
 
 def eagle3_feature_layers(eagle3_dir: Path) -> list[int]:
@@ -174,9 +175,6 @@ def cached_eagle3_ir(eagle3_dir: Path, target_dir: Path, weight_format: str = "f
                   finish=lambda partial: set_runtime_info(partial / "openvino_model.xml", "hidden_layers_list",
                                                           " ".join(map(str, layers))))
     return out
-
-
-TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab", "merges", "chat_template")
 
 
 def set_runtime_info(model_xml: Path, name: str, value: str) -> None:
