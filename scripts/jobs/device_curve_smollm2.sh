@@ -17,11 +17,17 @@
 #   device: setup (carry .dev/c1), then convert+regen (carry .dev/c2): the target answers the pool (REGEN_S)
 #   device: regen_train (carry .dev/c3): regenerated-only from scratch to 1M, then the 10M point on on it (TRAIN_S)
 #   here:   bash scripts/jobs/device_curve_smollm2.sh unpack_regen DIR_OF_REGEN_CALL DIR_OF_TRAIN_CALL
+# More regenerated data and the bundled drafter trained on all of it (session 10), in two calls:
+#   here:   bash scripts/jobs/device_curve_smollm2.sh payload_more   # c1 as above; c2: the GGUF's 2nd half + the pool
+#   device: setup (carry .dev/c1), then more (carry .dev/c2): the committed pool_bf16 shards seed the regeneration,
+#           which resumes for REGEN_S; then MORE_INIT trained on every regenerated record, one pass, the learning
+#           rate decayed linearly to 0 (TRAIN_S)
+#   here:   bash scripts/jobs/device_curve_smollm2.sh unpack_more DIR
 # The records are those the CPU run loads, packed (`python -m draftsmith.data.records pack`), so the device
 # needs neither the data packages nor this machine's Python standard library (python-source differs by version).
 set -euo pipefail
 source "$(dirname "$0")/newest.sh"
-STAGE=${1:?stage: payload | payload_regen | setup | convert | train | ablate | regen | regen_train | unpack DIR}
+STAGE=${1:?stage: payload | payload_regen | payload_more | more | setup | convert | train | ablate | regen | regen_train | unpack DIR}
 CONFIG=train/configs/eagle3_smollm2.yaml
 KEEP=drafters/eagle3_smollm2_human
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -31,7 +37,9 @@ REGEN_S=${REGEN_S:-210}  # wall-clock budget of the regeneration
 REGEN_BATCH=${REGEN_BATCH:-1024}
 REGEN_DTYPE=${REGEN_DTYPE:-bfloat16}
 REGEN_NEW_TOKENS=${REGEN_NEW_TOKENS:-384}  # a reply longer is cut (and kept: it trains as far as it goes)
-INIT_POINT=${INIT_POINT:-loss_tokens_10000000}  # the human curve's point that goes on on regenerated data
+INIT_POINT=${INIT_POINT:-loss_tokens_10000000}
+MORE_INIT=${MORE_INIT:-drafters/eagle3_smollm2_human_then_regen/loss_tokens_1000000}  # tracked: travels with the tree
+POOL=datasets/regenerated/smollm2-135m-instruct/pool_bf16  # the human curve's point that goes on on regenerated data
 REGEN_ONLY_AT=${REGEN_ONLY_AT:-[250000,1000000]}  # the human curve's first points, at equal tokens
 REGEN_ONLY_S=${REGEN_ONLY_S:-150}
 CONTINUE_AT=${CONTINUE_AT:-[1000000,2000000,3000000,4000000,5000000,6000000,8000000]}
@@ -128,6 +136,45 @@ ablate)  # issue 32 item 4: the architectures at equal data (1M loss tokens, sam
   cp outputs/ablate_*.log outputs/ablate/ && tar -C outputs -czf "$OUT/ablate.tar.gz" \
     --exclude='*.safetensors' --exclude='checkpoints' ablate
   ls -la "$OUT"
+  ;;
+payload_more)
+  bash "$0" payload_gguf
+  env -u DRAFTSMITH_CACHE -u PYTHONPATH python scripts/jobs/prompt_pool.py .dev/c2/prompts.jsonl.gz  # this machine's data
+  du -sh .dev/c1 .dev/c2
+  ;;
+more)
+  bash "$0" convert
+  mkdir -p "$STATE/regen" && cp -n "$POOL"/* "$STATE/regen/"  # the committed shards: the regeneration resumes
+  bash "$0" regen
+  bash "$0" train_all
+  ;;
+train_all)  # MORE_INIT on every regenerated record, one pass (the last snapshot), linear decay to 0 over it
+  device_config "$STATE/device.yaml"
+  sed -i "s|^  source: .*|  source: \"records:$STATE/regen_records.npz\"|" "$STATE/device.yaml"
+  read -r steps last < <(python3 -c "import numpy as np, sys; p = np.load(sys.argv[1]); n = len(p['lengths']) - 32
+tokens = int(np.unpackbits(p['loss_mask'], count=p['input_ids'].size).sum()) * n // len(p['lengths']); last = tokens * 97 // 100 // 100000 * 100000
+print(-(-n // 8), ','.join(str(m) for m in (1000000, 2000000, last) if m <= last))" "$STATE/regen_records.npz")
+  echo "one pass: $steps steps, snapshots at [$last] loss tokens" | tee "$OUT/train_all.log"
+  mkdir -p outputs
+  timeout -s TERM "$TRAIN_S" python3 train/dgf.py --config "$STATE/device.yaml" output_dir=outputs/all_regen \
+    drafter.init_from="$MORE_INIT" optim.schedule=linear optim.min_lr_ratio=0.0 train.max_steps="$steps" \
+    train.checkpoint_every=250 "train.snapshots_at_loss_tokens=[$last]" --no-progress 2>&1 \
+    | tee -a "$OUT/train_all.log" | grep -v "step .* loss" | tail -12 || true
+  mkdir -p outputs/pack_all
+  for snap in $(by_number outputs/all_regen/snapshots/loss_tokens_* | tail -2); do cp -r "$snap" outputs/pack_all/; done
+  cp outputs/all_regen/metrics.jsonl outputs/pack_all/ 2>/dev/null || true
+  tar -C outputs/pack_all -cf - . | gzip -1 | split -b 15m - "$OUT/snapshots.tar.gz."
+  ls -la "$OUT"
+  ;;
+unpack_more)
+  from=${2:?unpack_more DIR: the folder holding the files of the device call}
+  rm -rf .dev/more_unpack && mkdir -p .dev/more_unpack/snapshots
+  cat "$from"/regen.tar.* | tar -C .dev/more_unpack -xf -
+  cp .dev/more_unpack/regen/* "$POOL/"
+  cat "$from"/snapshots.tar.gz.* | gunzip | tar -C .dev/more_unpack/snapshots -xf -
+  mkdir -p drafters/eagle3_smollm2_all_regen && cp -rn .dev/more_unpack/snapshots/* drafters/eagle3_smollm2_all_regen/
+  cp "$from"/*.log drafters/eagle3_smollm2_all_regen/ 2>/dev/null || true
+  ls "$POOL" drafters/eagle3_smollm2_all_regen
   ;;
 payload_regen)
   bash "$0" payload_gguf
