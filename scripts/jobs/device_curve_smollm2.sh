@@ -27,7 +27,7 @@
 # needs neither the data packages nor this machine's Python standard library (python-source differs by version).
 set -euo pipefail
 source "$(dirname "$0")/newest.sh"
-STAGE=${1:?stage: payload | payload_regen | payload_more | more | setup | convert | train | ablate | regen | regen_train | unpack DIR}
+STAGE=${1:?stage: payload | payload_regen | payload_more | setup | convert | train | ablate | regen | regen_train | more | train_all | unpack DIR | unpack_regen DIR DIR | unpack_more DIR}
 CONFIG=train/configs/eagle3_smollm2.yaml
 KEEP=drafters/eagle3_smollm2_human
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -37,9 +37,9 @@ REGEN_S=${REGEN_S:-210}  # wall-clock budget of the regeneration
 REGEN_BATCH=${REGEN_BATCH:-1024}
 REGEN_DTYPE=${REGEN_DTYPE:-bfloat16}
 REGEN_NEW_TOKENS=${REGEN_NEW_TOKENS:-384}  # a reply longer is cut (and kept: it trains as far as it goes)
-INIT_POINT=${INIT_POINT:-loss_tokens_10000000}
+INIT_POINT=${INIT_POINT:-loss_tokens_10000000}  # the human curve's point that goes on on regenerated data
 MORE_INIT=${MORE_INIT:-drafters/eagle3_smollm2_human_then_regen/loss_tokens_1000000}  # tracked: travels with the tree
-POOL=datasets/regenerated/smollm2-135m-instruct/pool_bf16  # the human curve's point that goes on on regenerated data
+POOL=datasets/regenerated/smollm2-135m-instruct/pool_bf16  # the committed regeneration (session 6 on)
 REGEN_ONLY_AT=${REGEN_ONLY_AT:-[250000,1000000]}  # the human curve's first points, at equal tokens
 REGEN_ONLY_S=${REGEN_ONLY_S:-150}
 CONTINUE_AT=${CONTINUE_AT:-[1000000,2000000,3000000,4000000,5000000,6000000,8000000]}
@@ -247,5 +247,5 @@ unpack)
   fi
   ls "$KEEP"
   ;;
-*) echo "unknown stage $STAGE: payload | payload_regen | setup | convert | train | ablate | regen | regen_train | unpack DIR | unpack_regen DIR DIR" >&2; exit 2 ;;
+*) echo "unknown stage $STAGE: payload | payload_regen | payload_more | setup | convert | train | ablate | regen | regen_train | more | train_all | unpack DIR | unpack_regen DIR DIR | unpack_more DIR" >&2; exit 2 ;;
 esac

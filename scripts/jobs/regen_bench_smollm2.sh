@@ -7,8 +7,8 @@
 # Every drafter runs as a chain of 3 unless named. Skips itself when its bench.json exists. ~60 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/jobs/smollm2_goal_bench.sh
 OUT=${OUT:-results/regenerated_smollm2/bench}
-NUM=${NUM:-10}
 CHAIN3="depth=3,topk=1,budget=3"
 NEW=drafters/eagle3_smollm2_human_then_regen/loss_tokens_1000000
 HUMAN=drafters/eagle3_smollm2_human
@@ -18,6 +18,4 @@ METHODS="$METHODS dgf:path=$NEW,depth=5,topk=1,budget=5 cascade:drafters=[(ngram
 for tokens in 250000 1000000; do
   METHODS="$METHODS dgf:path=$HUMAN/loss_tokens_$tokens,$CHAIN3 dgf:path=$REGEN/loss_tokens_$tokens,$CHAIN3"
 done
-[ -f "$OUT/bench.json" ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct \
-  threads=2 num_prompts=$NUM max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" \
-  output_dir="$OUT"
+smollm2_goal_bench "$OUT" "$METHODS"

@@ -6,11 +6,9 @@
 # itself when its bench.json exists.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/jobs/smollm2_goal_bench.sh
 OUT=${OUT:-results/dynamic_depth_smollm2/bench}
-NUM=${NUM:-10}
 CHAIN3="dgf:depth=3,topk=1,budget=3"
 DYNAMIC="dgf:depth=6,topk=1,budget=6,stop_below=${STOP:-0.3}"
 METHODS="plain $CHAIN3 $DYNAMIC cascade:drafters=[(ngram:min_n=2),($DYNAMIC)]"
-[ -f "$OUT/bench.json" ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench target=smollm2-135m-instruct \
-  threads=2 num_prompts=$NUM max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" \
-  output_dir="$OUT"
+smollm2_goal_bench "$OUT" "$METHODS"
