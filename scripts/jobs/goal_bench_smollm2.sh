@@ -10,11 +10,10 @@
 #   over w tokens is not row-for-row identical to w one-token forwards). It reproduces that finding.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/jobs/smollm2_goal_bench.sh
 DTYPE=${DTYPE:-float32}
 OUT=results/goal_bench_smollm2; [ "$DTYPE" = float32 ] || OUT=${OUT}_bf16
 [ "$DTYPE" = float32 ] || [ "$DTYPE" = bfloat16 ] || { echo "DTYPE=$DTYPE: use float32 or bfloat16" >&2; exit 2; }
 CHAIN3="dgf:depth=3,topk=1,budget=3"
 METHODS="plain ngram dgf $CHAIN3 cascade union union:drafters=[($CHAIN3),ngram]"
-[ -f $OUT/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench \
-  target=smollm2-135m-instruct dtype=$DTYPE threads=2 num_prompts=10 max_new_tokens=128 \
-  "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" output_dir=$OUT
+smollm2_goal_bench "$OUT" "$METHODS" dtype=$DTYPE
