@@ -78,6 +78,9 @@ class Eagle3Options:
     n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
     p_min: float = option(0.0, "stop a draft at a token the drafter gives less than this probability "
                                "(--spec-draft-p-min; 0 drafts n_max tokens)", ge=0.0, lt=1.0)
+    ngram: Literal["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"] = option(
+        "none", "a cascade in llama.cpp: this n-gram mode (its default settings) drafts first, the EAGLE-3 drafter "
+                "where it finds nothing (--spec-type <mode>,draft-eagle3; each keeps its own draft length)")
 
 
 def ngram_arguments(options: NgramOptions, ctx: "RunContext") -> tuple[str, ...]:
@@ -120,7 +123,17 @@ def eagle3_arguments(options: Eagle3Options, ctx: "RunContext") -> tuple[str, ..
         gguf = llamacpp.draftsmith_cache() / "gguf" / f"eagle3-{key}{suffix}.gguf"
         if not gguf.is_file():
             llamacpp.export_gguf(Path(options.path), gguf, options.type, ctx.target_dir)
-    return ("-md", str(gguf), "--spec-type", "draft-eagle3", *draft_length_arguments(options))
+    return ("-md", str(gguf), *cascade_type_arguments(options.ngram, "draft-eagle3", ctx),
+            *draft_length_arguments(options))
+
+
+def cascade_type_arguments(ngram_kind: str, draft_type: str, ctx: "RunContext") -> tuple[str, ...]:
+    """`--spec-type` for a draft alone, or (ngram_kind not "none") for llama.cpp's cascade: it tries its types in
+    a fixed order, n-gram modes before drafters, and drafts with the first that proposes anything."""
+    if ngram_kind == "none":
+        return ("--spec-type", draft_type)
+    _, _, *ngram_settings = ngram_arguments(NgramOptions(kind=ngram_kind), ctx)
+    return ("--spec-type", f"{ngram_kind},{draft_type}", *ngram_settings)
 
 
 LLAMACPP_METHODS: dict[str, MethodEntry] = {
@@ -132,7 +145,8 @@ LLAMACPP_METHODS: dict[str, MethodEntry] = {
 
 
 class LlamaCppMethodSpec(MethodSpec):
-    """A llama.cpp bench method: `plain`, `ngram[:kind=..,n=..,m=..]`, `draft:<model>[,type=..]`, `eagle3:<dir>`."""
+    """A llama.cpp bench method: `plain`, `ngram[:kind=..,n=..,m=..]`, `draft:<model>[,type=..]`,
+    `eagle3:<dir>[,ngram=<mode>]`."""
 
     @classmethod
     def entry(cls, name: str, path: str) -> MethodEntry:

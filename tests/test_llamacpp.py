@@ -173,10 +173,12 @@ def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
     document = llamacpp_bench.main([f"target={tiny_pair['target']}", f"suites=[jsonl:{prompts}]", "num_prompts=2",
                                     "max_new_tokens=12", "pytorch_baselines=false", f"output={out}",
                                     f"methods=ngram draft:{tiny_pair['target']} eagle3:{tiny_pair['eagle3']} "
-                                    f"eagle3:{tiny_pair['eagle3']},type=bfloat16"])
+                                    f"eagle3:{tiny_pair['eagle3']},type=bfloat16 "
+                                    f"eagle3:{tiny_pair['eagle3']},ngram=ngram-simple"])
     summary = document["summary"]
     assert list(summary) == ["plain", "ngram", f"draft:{tiny_pair['target']}", f"eagle3:{tiny_pair['eagle3']}",
-                             f"eagle3:{tiny_pair['eagle3']},type=bfloat16"]  # a cheaper drafter, the same output
+                             f"eagle3:{tiny_pair['eagle3']},type=bfloat16",  # a cheaper drafter, the same output
+                             f"eagle3:{tiny_pair['eagle3']},ngram=ngram-simple"]  # llama.cpp's own cascade
     assert all(entry["differs_from_plain"] == [] for entry in summary.values())
     assert summary[f"draft:{tiny_pair['target']}"]["acceptance"] == 1.0  # the target drafting for itself
     assert out.is_file() and out.with_suffix(".md").read_text().startswith("llama.cpp b11434")
@@ -209,6 +211,18 @@ def test_draft_length_options_reach_llamacpp():
     assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "8", "--spec-draft-p-min", "0.6")
     spec = LlamaCppMethodSpec.from_config("eagle3:x")
     assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "16", "--spec-draft-p-min", "0.0")
+
+
+def test_the_eagle3_cascade_asks_llamacpp_for_both_types():
+    """eagle3:<dir>,ngram=<mode> is llama.cpp's own cascade: one --spec-type list, the n-gram mode's settings kept."""
+    from draftsmith.eval.llamacpp_bench import LlamaCppMethodSpec, cascade_type_arguments
+
+    spec = LlamaCppMethodSpec.from_config("eagle3:x,ngram=ngram-simple,n_max=3")
+    assert cascade_type_arguments(spec.options.ngram, "draft-eagle3", None) == (
+        "--spec-type", "ngram-simple,draft-eagle3", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "5")
+    assert cascade_type_arguments("none", "draft-eagle3", None) == ("--spec-type", "draft-eagle3")
+    with pytest.raises(Exception, match="ngram"):
+        LlamaCppMethodSpec.from_config("eagle3:x,ngram=lookup")
 
 
 def test_a_divergence_is_located_and_its_logit_gap_measured(tmp_path):
