@@ -51,7 +51,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench_progress import Progress
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
-from draftsmith.eval.latency import cpu_model
+from draftsmith.eval.latency import cpu_isa, cpu_model
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
@@ -192,7 +192,7 @@ def category_of(suite: str, conversation) -> str:
 
 
 def machine_info(target: TargetModel) -> dict:
-    info = {"platform": platform.platform(), "processor": cpu_model(),
+    info = {"platform": platform.platform(), "processor": cpu_model(), "isa": cpu_isa(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": str(target.device), "dtype": str(target.dtype)}
     if hasattr(os, "getloadavg"):

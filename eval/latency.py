@@ -183,6 +183,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str:
+    """The widest vector arithmetic this CPU lists (Linux /proc/cpuinfo; the machine kinds here time differently
+    because of it), as `isa_name` names it."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return isa_name(flags)
+
+
+def isa_name(flags: list[str]) -> str:
+    """"AVX-512 with BF16", "AVX-512", "AVX2" or "other", with "+AMX" where the flags list AMX tiles."""
+    isa = ("AVX-512 with BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
+           else "AVX2" if "avx2" in flags else "other")
+    return isa + ("+AMX" if "amx_tile" in flags else "")
+
+
 def machine_line(info: dict) -> str:
     return f"{info['processor']}, {info['cpu_count']} cores, {info['torch_threads']} torch threads, torch {info['torch']}"
 

@@ -33,7 +33,7 @@ from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench import (SUITES, WARMUP_MESSAGES, BenchConfig, check_suites, mean_ci, num_turns,
                                    run_benchmark, select_conversations, turn_input_ids)
-from draftsmith.eval.latency import cpu_model, parse_document_command, write_document
+from draftsmith.eval.latency import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
 from draftsmith.models import llamacpp
 from draftsmith.models.compiled import machine_load
@@ -372,7 +372,7 @@ def bench_document(config: EngineBenchConfig, rows: list, interleaved: bool, sta
     PyTorch baselines on the same prompts when asked for."""
     labels = [str(spec) for spec in config.methods]
     document = {"config": dataclasses.asdict(config) | {"methods": labels}, **engine,
-                "machine": {"cpu": cpu_model(), "threads": config.threads, **target_file},
+                "machine": {"cpu": cpu_model(), "isa": cpu_isa(), "threads": config.threads, **target_file},
                 "interleaved": interleaved, "seconds": round(time.time() - started, 1),
                 "summary": summarize(rows, labels), "rows": rows}
     if config.pytorch_baselines:
@@ -390,7 +390,8 @@ def engine_table(document: dict, engine: str, baseline: str, target: str) -> str
     """The table of an engine's bench (llama.cpp's, OpenVINO's): one row per method against `baseline` plain."""
     config, machine = document["config"], document["machine"]
     order = "interleaved per prompt turn" if document["interleaved"] else "one method after another (memory)"
-    lines = [f"{engine} | target {target} | {machine['cpu']}, {machine['threads']} threads | "
+    isa = f" ({machine['isa']})" if machine.get("isa") else ""
+    lines = [f"{engine} | target {target} | {machine['cpu']}{isa}, {machine['threads']} threads | "
              f"{document['summary'][str(PLAIN)]['prompts']} prompt turns, {config['max_new_tokens']} new tokens, "
              f"greedy | {order}", "",
              f"| method | tokens/s | speedup vs {baseline} plain | per-prompt (95% CI) | accepted / drafted | "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from draftsmith.config import ConfigError, option
 from draftsmith.errors import exit_with
@@ -75,27 +75,32 @@ class Eagle3Options:
             raise ConfigError(f"eagle3: a tree of depth {self.depth} needs at least that many candidates (k={self.k})")
 
 
+def pipeline_settings(ctx: "RunContext", **method: object) -> openvino.PipelineSettings:
+    """Every method's pipeline: the target's IR, the run's threads and arithmetic, and what the method adds."""
+    return openvino.PipelineSettings(ctx.target_ir, ctx.threads, precision=ctx.precision, **method)
+
+
 def plain_settings(options: PlainOptions, ctx: "RunContext") -> openvino.PipelineSettings:
-    return openvino.PipelineSettings(ctx.target_ir, ctx.threads)
+    return pipeline_settings(ctx)
 
 
 def lookup_settings(options: LookupOptions, ctx: "RunContext") -> openvino.PipelineSettings:
-    return openvino.PipelineSettings(ctx.target_ir, ctx.threads, prompt_lookup=True,
-                                     generation={"num_assistant_tokens": options.k, "max_ngram_size": options.n})
+    return pipeline_settings(ctx, prompt_lookup=True,
+                             generation={"num_assistant_tokens": options.k, "max_ngram_size": options.n})
 
 
 def draft_settings(options: DraftOptions, ctx: "RunContext") -> openvino.PipelineSettings:
     draft_ir = openvino.cached_ir(Path(resolve_model_path(options.path)), options.format)
     length = ({"num_assistant_tokens": 0, "assistant_confidence_threshold": options.p_min} if options.p_min > 0
               else {"num_assistant_tokens": options.k})
-    return openvino.PipelineSettings(ctx.target_ir, ctx.threads, draft=draft_ir, generation=length)
+    return pipeline_settings(ctx, draft=draft_ir, generation=length)
 
 
 def eagle3_settings(options: Eagle3Options, ctx: "RunContext") -> openvino.PipelineSettings:
     draft_ir = openvino.cached_eagle3_ir(Path(options.path), ctx.target_dir, options.format)
     tree = {"tree_depth": options.depth, "branching_factor": options.topk} if options.depth else {}
-    return openvino.PipelineSettings(ctx.target_ir, ctx.threads, draft=draft_ir,
-                                     generation={"num_assistant_tokens": options.k, **tree})
+    return pipeline_settings(ctx, draft=draft_ir,
+                             generation={"num_assistant_tokens": options.k, **tree})
 
 
 OPENVINO_METHODS: dict[str, MethodEntry] = {
@@ -129,6 +134,10 @@ class OpenVinoBenchConfig(EngineBenchConfig):
     methods: list[OpenVinoMethodSpec] = option(factory=lambda: [OpenVinoMethodSpec.from_config("lookup")],
                                                help="methods beside plain (always run): plain | lookup | draft | eagle3")
     threads: int = option(2, "OpenVINO inference threads (INFERENCE_NUM_THREADS)", ge=1)
+    precision: Literal["f32", "bf16"] = option(
+        "f32", "the arithmetic of target and drafter (INFERENCE_PRECISION_HINT): f32 computes the fp32 IR in fp32; "
+               "bf16 is OpenVINO's default on a CPU with AVX512-BF16 or AMX (faster, and a speculative output may "
+               "then part from plain at a near-tie)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -141,6 +150,7 @@ class RunContext:
     target_dir: Path
     target_ir: Path
     threads: int
+    precision: str
 
 
 def fits_together(workers: list[openvino.OpenVinoWorker]) -> bool:
@@ -161,7 +171,8 @@ def run_methods(config: OpenVinoBenchConfig, ctx: RunContext, tokenizer, log_dir
 def run_openvino_bench(config: OpenVinoBenchConfig, log_dir: Path) -> dict:
     openvino.require_installed()
     target_dir = Path(resolve_model_path(config.target))
-    ctx = RunContext(target_dir, openvino.cached_ir(target_dir, config.target_format), config.threads)
+    ctx = RunContext(target_dir, openvino.cached_ir(target_dir, config.target_format), config.threads,
+                     config.precision)
     tokenizer = load_tokenizer(config.target)
     started = time.time()
     rows, interleaved = run_methods(config, ctx, tokenizer, log_dir)
@@ -173,7 +184,8 @@ def run_openvino_bench(config: OpenVinoBenchConfig, log_dir: Path) -> dict:
 def format_table(document: dict) -> str:
     config = document["config"]
     return engine_table(document, f"OpenVINO GenAI {document['openvino']['release']}", "OpenVINO",
-                        f"{config['target']} ({config['target_format']})")
+                        f"{config['target']} ({config['target_format']} IR, computed in "
+                        f"{config.get('precision', 'the CPU default')})")
 
 
 def main(argv: list[str]) -> dict:

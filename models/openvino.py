@@ -203,6 +203,7 @@ class PipelineSettings:
     draft: Path | None = None
     prompt_lookup: bool = False
     generation: dict = field(default_factory=dict)  # GenerationConfig fields every request sets
+    precision: str = "f32"  # INFERENCE_PRECISION_HINT of target and draft: OpenVINO's own default is bf16 on a CPU with it
 
 
 class OpenVinoWorker:
@@ -217,7 +218,7 @@ class OpenVinoWorker:
         require_installed()
         s = self.settings
         spec = {"model": str(s.model), "threads": s.threads, "draft": str(s.draft) if s.draft else None,
-                "prompt_lookup": s.prompt_lookup}
+                "prompt_lookup": s.prompt_lookup, "precision": s.precision}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # -P: the worker's folder (models/, which holds this openvino.py) must not shadow the `openvino` package
         self.process = subprocess.Popen([str(python()), "-P", str(WORKER), json.dumps(spec)], stdin=subprocess.PIPE,

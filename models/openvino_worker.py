@@ -4,7 +4,7 @@ standard library, never draftsmith).
 
     <openvino venv>/bin/python openvino_worker.py '<settings JSON>'
 
-Settings: {"model": IR dir, "threads": n, "draft": IR dir | null, "prompt_lookup": bool}. Then one JSON request per
+Settings: {"model": IR dir, "threads": n, "draft": IR dir | null, "prompt_lookup": bool, "precision": "f32" | "bf16"}. Then one JSON request per
 stdin line, {"ids": [...], "max_new_tokens": n, "generation": {GenerationConfig fields}}, answered by one stdout line
 in llama.cpp's /completion shape, {"tokens": [...], "timings": {"prompt_ms", "predicted_ms", "predicted_n", "draft_n",
 "draft_n_accepted", "target_steps"}}, so a bench reads both engines alike; a failure is answered {"error": "..."}. The first line
@@ -21,7 +21,7 @@ import time
 def load_pipeline(settings: dict):
     import openvino_genai as genai
 
-    device_config = {"INFERENCE_NUM_THREADS": settings["threads"]}
+    device_config = {"INFERENCE_NUM_THREADS": settings["threads"], "INFERENCE_PRECISION_HINT": settings["precision"]}
     extra = {}
     if settings.get("draft"):
         extra["draft_model"] = genai.draft_model(settings["draft"], "CPU", **device_config)

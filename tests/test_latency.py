@@ -53,3 +53,14 @@ def test_classify_names_the_lm_head_and_attention():
     assert forward_profile.classify("graph_0_gemm_m8n96k48_cpp_fused", [], 96) == "lm_head"
     assert forward_profile.classify("aten::_scaled_dot_product_flash_attention_for_cpu", [], 96) == "attention"
     assert forward_profile.classify("graph_0_cpp_fused_add_mean_mul_pow_rsqrt", [], 96) == "other_kernels"
+
+
+def test_the_machine_kind_names_its_vector_arithmetic():
+    """Results name the CPU's widest vector arithmetic beside its model name: two AMD EPYC machines here differ in it
+    (AVX2 only, or AVX-512 with BF16), and OpenVINO computes in bf16 by default where the CPU has it."""
+    from draftsmith.eval.latency import cpu_isa, isa_name
+
+    assert isa_name(["fpu", "avx2", "avx512f", "avx512_bf16"]) == "AVX-512 with BF16"
+    assert isa_name(["avx2", "avx512f", "amx_tile"]) == "AVX-512+AMX"
+    assert isa_name(["sse4_2", "avx2"]) == "AVX2" and isa_name([]) == "other"
+    assert cpu_isa() in {"AVX-512 with BF16", "AVX-512", "AVX2", "other"} or cpu_isa().endswith("+AMX")

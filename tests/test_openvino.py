@@ -42,7 +42,8 @@ def test_not_installed_is_one_line(tmp_path, monkeypatch, capsys):
                                         (["methods=lookup:k=0"], "k"),
                                         (["methods=lookup lookup"], "names a method twice"),
                                         (["methods=eagle3:x,topk=2"], "topk"),
-                                        (["methods=eagle3:x,depth=4,k=3"], "depth")])
+                                        (["methods=eagle3:x,depth=4,k=3"], "depth"),
+                                        (["precision=fp16"], "precision")])
 def test_openvino_bench_refusals(argv, words, capsys):
     from draftsmith.eval import openvino_bench
 
@@ -74,7 +75,9 @@ def test_openvino_bench_on_tiny_models_is_lossless(smol_tokenizer, tmp_path, cap
     assert list(summary) == ["plain", "lookup", *methods.split()[1:]]
     assert all(entry["differs_from_plain"] == [] for entry in summary.values()), summary
     assert summary[f"draft:{dirs['target']},k=3"]["acceptance"] == 1.0  # the target drafting for itself
+    # computed in f32 unless asked: OpenVINO's own default is bf16 on a CPU with AVX512-BF16 or AMX
     assert out.with_suffix(".md").read_text().startswith("OpenVINO GenAI 2026.4.1")
+    assert document["config"]["precision"] == "f32" and "IR, computed in f32" in out.with_suffix(".md").read_text()
     assert "| plain |" in capsys.readouterr().out
     # workers that do not fit in memory together (each holds its own weights) run beside their own plain worker
     monkeypatch.setattr(openvino_bench, "fits_together", lambda workers: False)
