@@ -21,7 +21,7 @@ from pathlib import Path
 
 from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeStats
-from draftsmith.eval.latency import cpu_model
+from draftsmith.eval.latency import cpu_isa, cpu_model
 
 PROGRESS_FILE = "progress.jsonl"
 PROGRESS_FORMAT = "draftsmith.bench-progress/1"
@@ -65,15 +65,15 @@ class Progress:
         if overwrite or not file.exists():
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(json.dumps({"format": PROGRESS_FORMAT, "config_digest": digest, "machine": cpu_model(),
-                                        "config": config}) + "\n")
+                                        "isa": cpu_isa(), "config": config}) + "\n")
             return cls(file)
         header, *records = read_lines(file)
         if header.get("format") != PROGRESS_FORMAT or header.get("config_digest") != digest:
             raise UserError(f"{file} holds the progress of a benchmark with another config (digest "
                             f"{header.get('config_digest')}, this one {digest}): rerun with that config to continue "
                             "it, choose another output_dir, or pass --overwrite to start over")
-        this_machine = cpu_model()
-        started_on = header.get("machine", this_machine)
+        this_machine = f"{cpu_model()} ({cpu_isa()})"  # one model name covers CPUs of more than one ISA (AMD EPYC)
+        started_on = f"{header.get('machine', cpu_model())} ({header.get('isa', cpu_isa())})"  # older files: no isa
         if started_on != this_machine:
             raise UserError(f"{file} was started on another CPU ({started_on}; this one is {this_machine}): timings of "
                             "two machines must not be mixed in one table; continue it on that machine kind, choose "

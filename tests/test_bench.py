@@ -303,6 +303,10 @@ def test_bench_writes_each_conversation_and_a_rerun_continues(tiny_pair, prompts
     (out / "progress.jsonl").write_text("\n".join([json.dumps(moved), *records]) + "\n")
     with pytest.raises(ValueError, match="started on another CPU"):
         run_benchmark(config, target=target, draft=draft, progress=False)
+    same_name = json.loads(header) | {"isa": "another ISA"}  # one model name, another generation (AMD EPYC)
+    (out / "progress.jsonl").write_text("\n".join([json.dumps(same_name), *records]) + "\n")
+    with pytest.raises(ValueError, match="started on another CPU"):
+        run_benchmark(config, target=target, draft=draft, progress=False)
 
 
 def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
