@@ -44,7 +44,7 @@ from draftsmith.models.zoo import resolve_model_path
 # Methods: one table, the same spec grammar as the PyTorch bench's
 # ---------------------------------------------------------------------------------------------
 
-NGRAM_KINDS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+NgramKind = Literal["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]  # llama.cpp's modes
 
 
 @dataclass
@@ -54,7 +54,7 @@ class PlainOptions:
 
 @dataclass
 class NgramOptions:
-    kind: Literal["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"] = option(
+    kind: NgramKind = option(
         "ngram-simple", "llama.cpp's n-gram mode (--spec-type)")
     n: int = option(3, "ngram-simple: the length of the looked-up n-gram (--spec-ngram-simple-size-n)", ge=1)
     m: int = option(5, "ngram-simple: the length of the drafted m-gram (--spec-ngram-simple-size-m)", ge=1)
@@ -78,7 +78,7 @@ class Eagle3Options:
     n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
     p_min: float = option(0.0, "stop a draft at a token the drafter gives less than this probability "
                                "(--spec-draft-p-min; 0 drafts n_max tokens)", ge=0.0, lt=1.0)
-    ngram: Literal["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"] = option(
+    ngram: Literal["none", NgramKind] = option(
         "none", "a cascade in llama.cpp: this n-gram mode (its default settings) drafts first, the EAGLE-3 drafter "
                 "where it finds nothing (--spec-type <mode>,draft-eagle3; each keeps its own draft length)")
 
