@@ -3,10 +3,12 @@
 # Qwen2.5-Coder-1.5B-Instruct (fp32 target, compiled) with the off-the-shelf 0.5B as the winning cheap chain (32k
 # sliced head, up to 8 tokens, stop_below=0.3), its draft LM compiled in float32 against bfloat16, one lever at a
 # time on the same prompts (NUM per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens), interleaved per
-# prompt, other jobs paused. Resumes from OUT/progress.jsonl (on a CPU of the same ISA only). The target verifies in fp32, so every output must equal plain greedy (the bench checks).
+# prompt, other jobs paused. Resumes from OUT/progress.jsonl (on a CPU of the same ISA only). The target verifies
+# in fp32, so every output must equal plain greedy (the bench checks).
 # Refuses to run where the CPU has no bf16 arithmetic (there it is emulated, and slower: results/qwen_draft_cost.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/jobs/qwen15_goal_bench.sh
 grep -qw avx512_bf16 /proc/cpuinfo || { echo "error: this CPU has no AVX512-BF16; run it on one that has" >&2; exit 2; }
 NUM=${NUM:-2}
 OUT=${OUT:-results/qwen_draft_bf16/bench}
@@ -15,10 +17,4 @@ CHEAP="lm-chain:budget=8,vocab=$VOCAB,stop_below=${STOP:-0.3}"
 METHODS="plain-compiled $CHEAP $CHEAP,precision=bfloat16"
 # CASCADE=1 adds issue 35's winning method with the bf16 drafter: prompt lookup first, else the bf16 chain
 [ "${CASCADE:-0}" = 1 ] && METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),($CHEAP,precision=bfloat16)]"
-# the 1.5B's compiled package is built alone first (beside the 0.5B it needs more than 24 GB; qwen_goal_bench.sh)
-[ -f $OUT/bench.json ] || python -m draftsmith.eval.latency target=qwen2.5-coder-1.5b-instruct "backends=[compiled]" \
-  "widths=[1]" repeats=1 threads=2 output=outputs/latency_qwen15_build.json --overwrite > /dev/null
-[ -f $OUT/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench \
-  target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct backend=compiled threads=2 \
-  num_prompts=$NUM max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" \
-  "methods=$METHODS" output_dir=$OUT
+qwen15_goal_bench "$OUT" "$METHODS"

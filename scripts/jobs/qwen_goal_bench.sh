@@ -18,6 +18,7 @@
 # stopped by its confidence threshold (0.4 to start, adapted per call when scikit-learn is installed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/jobs/qwen15_goal_bench.sh
 NUM=${NUM:-10}
 OUT=${OUT:-results/qwen_draft_cost/bench}
 STOP=${STOP:-0.3}
@@ -27,10 +28,4 @@ CHEAP="lm-chain:budget=8,vocab=$VOCAB,stop_below=$STOP"
 METHODS="plain-compiled $CHEAP cascade:drafters=[(ngram:min_n=2),($CHEAP)]"
 [ "${CHAIN4:-1}" = 1 ] && METHODS="plain-compiled lm-chain:budget=4 ${METHODS#plain-compiled }"
 [ "${HF:-0}" = 1 ] && METHODS="$METHODS hf-assisted"
-# The 1.5B's compiled package (7 GB) is built first in a process of its own: built inside the bench beside the
-# 0.5B it needs more than 24 GB and the bench is killed (session 10). A no-op build where the cache has it.
-[ -f $OUT/bench.json ] || python -m draftsmith.eval.latency target=qwen2.5-coder-1.5b-instruct "backends=[compiled]" \
-  "widths=[1]" repeats=1 threads=2 output=outputs/latency_qwen15_build.json --overwrite > /dev/null
-[ -f $OUT/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench \
-  target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct backend=compiled threads=2 \
-  num_prompts=$NUM max_new_tokens=128 "suites=[mt-bench,gsm8k,humaneval]" "methods=$METHODS" output_dir=$OUT
+qwen15_goal_bench "$OUT" "$METHODS"
