@@ -109,13 +109,14 @@ train)
   tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/run.tar.gz."
   ls -la "$OUT"
   ;;
-ablate)  # issue 32 item 4: the architectures at equal data (1M loss tokens, same order and schedule), in parallel
-  # (seven processes on one H200 ran ~0.65 steps/s each: 200 s reached the 0.25M snapshots, not 1M)
+ablate)  # issue 32 item 4: the architectures at equal data (same records, order and schedule), one after another
+  # (seven processes on one H200 ran ~0.65 steps/s each, one alone ~9). Each variant is packed into $OUT as soon
+  # as it stops, and ABLATE_TOTAL_S caps the stage: a call that hits the tool's limit still brings back what ran
+  # (session 12 lost a whole call's ablation: it ran past the limit and packed nothing).
   device_config "$STATE/device.yaml"
   mkdir -p outputs/ablate
   ABLATE_S=${ABLATE_S:-200}  # wall-clock cap per variant
   ABLATE_AT=${ABLATE_AT:-[250000,1000000]}  # the snapshots (loss tokens)
-  PARALLEL=${PARALLEL:-1}  # 0: one variant at a time (one process runs ~0.11 s per step on an H200; seven at once ~1.5 s)
   declare -A variants=(
     [eagle3]=""
     [dgf_single_layer]="drafter.fusion=dgf drafter.multi_layer=false"
@@ -125,16 +126,22 @@ ablate)  # issue 32 item 4: the architectures at equal data (1M loss tokens, sam
     [eagle3_two_blocks]="drafter.num_blocks=2"
     [eagle3_gated_fusion]="drafter.layer_fusion=gated"
   )
-  for name in "${!variants[@]}"; do
+  # the order they run in (the issue's named comparisons first: a cap on the call loses the last ones)
+  ABLATE_ORDER=${ABLATE_ORDER:-eagle3 dgf_single_layer eagle3_no_unroll eagle3_hard_labels eagle3_full_vocab eagle3_gated_fusion eagle3_two_blocks}
+  TAU_PROMPTS=${TAU_PROMPTS:-4}  # held-out prompts the snapshot's tau is measured on
+  ABLATE_TOTAL_S=${ABLATE_TOTAL_S:-480}  # the whole stage, packing included; a variant gets min(ABLATE_S, what is left)
+  start=$SECONDS
+  for name in $ABLATE_ORDER; do
+    left=$((ABLATE_TOTAL_S - (SECONDS - start) - 15))
+    [ "$left" -gt 20 ] || { echo "$name: not run (ABLATE_TOTAL_S spent)"; continue; }
+    cap=$((left < ABLATE_S ? left : ABLATE_S))
     # shellcheck disable=SC2086
-    timeout -s TERM "$ABLATE_S" python3 train/dgf.py --config "$STATE/device.yaml" output_dir="outputs/ablate/$name" \
-      train.snapshots_at_loss_tokens="$ABLATE_AT" ${variants[$name]} --no-progress > "outputs/ablate_$name.log" 2>&1 &
-    [ "$PARALLEL" = 1 ] || wait || true
+    timeout -k 10 -s TERM "$cap" python3 train/dgf.py --config "$STATE/device.yaml" output_dir="outputs/ablate/$name" \
+      train.snapshots_at_loss_tokens="$ABLATE_AT" train.checkpoint_every=100000 eval.tau_prompts="$TAU_PROMPTS" \
+      ${variants[$name]} --no-progress > "outputs/ablate/$name.log" 2>&1 || true
+    echo "$name ($cap s): $(grep -h 'snapshot outputs' "outputs/ablate/$name.log" | sed 's/.*snapshots\///' | tr '\n' ' ')"
+    tar -C outputs -czf "$OUT/ablate.tar.gz" --exclude='*.safetensors' --exclude='checkpoints' ablate  # so far
   done
-  wait || true
-  for name in "${!variants[@]}"; do echo "$name: $(tail -1 "outputs/ablate_$name.log" | cut -c1-200)"; done
-  cp outputs/ablate_*.log outputs/ablate/ && tar -C outputs -czf "$OUT/ablate.tar.gz" \
-    --exclude='*.safetensors' --exclude='checkpoints' ablate
   ls -la "$OUT"
   ;;
 payload_more)
