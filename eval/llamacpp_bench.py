@@ -60,6 +60,11 @@ class NgramOptions:
     m: int = option(5, "ngram-simple: the length of the drafted m-gram (--spec-ngram-simple-size-m)", ge=1)
 
 
+def check_draft_length(n_min: int, n_max: int) -> None:
+    if n_min > n_max:
+        raise ConfigError(f"n_min={n_min} is above n_max={n_max}: no draft would ever be verified")
+
+
 @dataclass
 class DraftOptions:
     path: str = option(help="draft model: zoo name, HF model directory or .gguf file")
@@ -67,6 +72,11 @@ class DraftOptions:
     n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
     p_min: float = option(0.0, "stop a draft at a token the drafter gives less than this probability "
                                "(--spec-draft-p-min; 0 drafts n_max tokens)", ge=0.0, lt=1.0)
+    n_min: int = option(0, "drop a draft shorter than this, and decode the step plainly (--spec-draft-n-min; a "
+                           "verify of one drafted token costs most of a second step on a small CPU target)", ge=0)
+
+    def __post_init__(self) -> None:
+        check_draft_length(self.n_min, self.n_max)
 
 
 @dataclass
@@ -78,6 +88,11 @@ class Eagle3Options:
     n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
     p_min: float = option(0.0, "stop a draft at a token the drafter gives less than this probability "
                                "(--spec-draft-p-min; 0 drafts n_max tokens)", ge=0.0, lt=1.0)
+    n_min: int = option(0, "drop a draft shorter than this, and decode the step plainly (--spec-draft-n-min; a "
+                           "verify of one drafted token costs most of a second step on a small CPU target)", ge=0)
+
+    def __post_init__(self) -> None:
+        check_draft_length(self.n_min, self.n_max)
     ngram: Literal["none", NgramKind] = option(
         "none", "a cascade in llama.cpp: this n-gram mode (its default settings) drafts first, the EAGLE-3 drafter "
                 "where it finds nothing (--spec-type <mode>,draft-eagle3; each keeps its own draft length)")
@@ -103,8 +118,10 @@ def given_gguf(method: str, options: DraftOptions | Eagle3Options) -> Path | Non
 
 
 def draft_length_arguments(options: DraftOptions | Eagle3Options) -> tuple[str, ...]:
-    """How long a draft may grow: at most n_max tokens, and (p_min > 0) no token the drafter is less sure of."""
-    return ("--spec-draft-n-max", str(options.n_max), "--spec-draft-p-min", str(options.p_min))
+    """How long a draft may grow: at most n_max tokens, and (p_min > 0) no token the drafter is less sure of; one
+    shorter than n_min is not verified at all."""
+    return ("--spec-draft-n-max", str(options.n_max), "--spec-draft-p-min", str(options.p_min),
+            "--spec-draft-n-min", str(options.n_min))
 
 
 def draft_arguments(options: DraftOptions, ctx: "RunContext") -> tuple[str, ...]:

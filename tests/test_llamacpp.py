@@ -192,6 +192,7 @@ def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
                                         (["methods=eagle3:x.gguf,type=q8_0"], "type is not read for a .gguf file"),
                                         (["methods=draft:x.gguf,type=q8_0"], "type is not read for a .gguf file"),
                                         (["methods=draft:x,p_min=1"], "p_min"),
+                                        (["methods=eagle3:x,n_max=3,n_min=4"], "n_min=4 is above n_max=3"),
                                         (["methods=ngram ngram"], "names a method twice")])
 def test_llamacpp_bench_refusals(argv, words, capsys):
     from draftsmith.eval import llamacpp_bench
@@ -208,9 +209,11 @@ def test_draft_length_options_reach_llamacpp():
     from draftsmith.eval.llamacpp_bench import LlamaCppMethodSpec, draft_length_arguments
 
     spec = LlamaCppMethodSpec.from_config("draft:x,n_max=8,p_min=0.6")
-    assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "8", "--spec-draft-p-min", "0.6")
+    assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "8", "--spec-draft-p-min", "0.6",
+                                                    "--spec-draft-n-min", "0")
     spec = LlamaCppMethodSpec.from_config("eagle3:x")
-    assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "16", "--spec-draft-p-min", "0.0")
+    assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "16", "--spec-draft-p-min", "0.0",
+                                                    "--spec-draft-n-min", "0")
 
 
 def test_the_eagle3_cascade_asks_llamacpp_for_both_types():
