@@ -165,12 +165,26 @@ def measured(source_manifest: dict | None, bench: dict | None) -> list[str]:
                      "--bench-method LABEL` adds them)"]
 
 
+def provenance(manifest: dict, source_manifest: dict | None) -> list[str]:
+    """Where the weights come from (a draftsmith training output, or a model exported as it is) and the command
+    that made the export."""
+    if source_manifest is None:
+        lines = [f"- not trained by draftsmith: `{Path(manifest['source']).name}` exported as it is (no draftsmith "
+                 "training manifest beside it)"]
+    else:
+        training = source_manifest.get("training") or {}
+        lines = ["- trained by draftsmith against its zoo copy of the target (its GGUF quantisation, dequantised): "
+                 "against the upstream checkpoint acceptance can be a little lower, the output is unchanged "
+                 "(verification is lossless)",
+                 f"- training command: `{training.get('command', 'not recorded')}` ({training.get('steps')} steps)"]
+    return lines + [f"- export command: `{manifest.get('command') or 'not recorded'}`"]
+
+
 def write_model_card(directory: Path, manifest: dict, source_manifest: dict | None = None,
                      bench: dict | None = None) -> None:
     """README.md: front matter (base_model, library_name, tags), what the export is, the training command,
     the tau and speedup measured for it, how each consumer loads it, how it was checked."""
     target, consumers = manifest["target"], manifest.get("consumers", {})
-    training = (source_manifest or {}).get("training") or {}
     tags = ["speculative-decoding", "draftsmith", manifest["kind"], manifest["layout"]]
     lines = ["---", f"base_model: {target.get('hub_id') or target.get('name')}",
              f"library_name: {LIBRARY_OF.get(manifest['layout'], 'draftsmith')}",
@@ -178,10 +192,8 @@ def write_model_card(directory: Path, manifest: dict, source_manifest: dict | No
              f"# draftsmith {manifest['kind']} drafter ({manifest['layout']} layout)", "",
              f"- target: `{target.get('hub_id') or target.get('name')}` (draftsmith name `{target.get('name')}`, "
              f"vocab {target.get('vocab_size')}, hidden layers read {target.get('hidden_layers')})",
-             f"- weights: safetensors, {manifest.get('weights_dtype', 'float32')}; trained against the draftsmith zoo copy of the target (its GGUF "
-             "quantisation, dequantised): against the upstream checkpoint acceptance can be a little lower, "
-             "the output is unchanged (verification is lossless)",
-             f"- training command: `{training.get('command', 'not recorded')}` ({training.get('steps')} steps)",
+             f"- weights: safetensors, {manifest.get('weights_dtype', 'float32')}",
+             *provenance(manifest, source_manifest),
              *measured(source_manifest, bench)]
     lines += ["", "## Loaded by", ""] + [f"- {item}" for item in consumers.get("loaded", [])]
     if consumers.get("checked"):
@@ -205,9 +217,10 @@ def read_export_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def _base_manifest(kind: str, layout: str, source: Path, target: dict, fusion: str | None, tree: dict | None) -> dict:
+def _base_manifest(kind: str, layout: str, source: Path, target: dict, fusion: str | None, tree: dict | None,
+                   command: str | None) -> dict:
     return {"format": EXPORT_FORMAT, "kind": kind, "layout": layout, "source": str(source), "target": target,
-            "fusion": fusion, "tree": tree, "parity": {"input": f"seed {PARITY_SEED}, {PARITY_TOKENS} positions"}}
+            "fusion": fusion, "tree": tree, "command": command, "parity": {"input": f"seed {PARITY_SEED}, {PARITY_TOKENS} positions"}}
 
 
 def _parity_ids(vocab_size: int) -> torch.Tensor:
@@ -267,7 +280,7 @@ def _student_tokenizer(source_path: Path, target, distilled: dict | None):
 @removes_tmp_on_error
 def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: str = "float32",
                    tree: dict | None = None, tolerance: float = 0.0, check_assisted: bool = True,
-                   bench: dict | None = None) -> ExportResult:
+                   bench: dict | None = None, command: str | None = None) -> ExportResult:
     """A distilled (or any) student -> plain HF directory. `source`: a HF model dir / zoo name or a
     train/distill.py `final/` (its manifest names the target). `target`: a TargetModel (or zoo name /
     dir) for the tokenizer check and the `generate(assistant_model=...)` check (greedy output of the
@@ -300,7 +313,7 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
              "hidden_size": getattr(target.config, "hidden_size", None) if target is not None else None,
              "hidden_layers": []}  # a standalone LM: it reads no target hidden state
     manifest = _base_manifest("student", "hf", source_path, block, None,
-                              tree or {"bench_methods": [LM_CHAIN_SPEC, LM_TREE_SPEC]})
+                              tree or {"bench_methods": [LM_CHAIN_SPEC, LM_TREE_SPEC]}, command)
     manifest["student"] = {"model_type": model.config.model_type, "num_hidden_layers": model.config.num_hidden_layers,
                            "parameters": sum(p.numel() for p in model.parameters()), "dtype": dtype,
                            "distillation": distilled.get("training") if distilled else None}
@@ -386,7 +399,7 @@ def _save_tokenizer(name: str | None, out: Path) -> bool:
 
 @removes_tmp_on_error
 def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
-                  tolerance: float = 0.0, bench: dict | None = None) -> ExportResult:
+                  tolerance: float = 0.0, bench: dict | None = None, command: str | None = None) -> ExportResult:
     """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
     to write (default: the hub id of the manifest's target). The manifest records the Medusa choices
     built from the saved head accuracies (models.medusa.arca_paths) when they are there."""
@@ -420,7 +433,7 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
                                               "vocab_fingerprint")}
     block.update(hidden_layers=manifest_layers(target) or [-1], hub_id=hub_id(target.get("name")))
     manifest = _base_manifest("medusa", "fasterdecoding-medusa", source, block, None,
-                              {"medusa_choices": tree} if tree else None)
+                              {"medusa_choices": tree} if tree else None, command)
     manifest["medusa"] = {"method": source_manifest.get("method"), **config.to_dict()}
     manifest["tokenizer_saved"] = tokenizer_saved
     manifest["consumers"] = CONSUMERS["medusa"]
@@ -498,7 +511,7 @@ def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: 
 @removes_tmp_on_error
 def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str = "auto",
                tree: dict | None = None, tolerance: float = 0.0, bench: dict | None = None,
-               dtype: str = "float32") -> ExportResult:
+               dtype: str = "float32", command: str | None = None) -> ExportResult:
     """train/dgf.py `final/` -> EAGLE-1/2 (`eagle`, fusion linear), EAGLE-3 (`speculators` for vLLM,
     `sglang`; fusion eagle3) or draftsmith's DGF layout (`dgf`); "auto" picks by the drafter. Parity runs
     the drafter through the target's embedding and LM head when `target` (TargetModel, or zoo name /
@@ -534,7 +547,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     block["hidden_layers"] = manifest_layers(want) or config.layers_read
     block["hub_id"] = hub_id(want.get("name"))
     manifest = _base_manifest({"dgf": "dgf"}.get(config.fusion, "eagle"), LAYOUT_NAMES[layout], source, block,
-                              config.fusion, tree or source_manifest.get("tree") or DGF_TREE.to_manifest())
+                              config.fusion, tree or source_manifest.get("tree") or DGF_TREE.to_manifest(), command)
     manifest["drafter"] = {"num_blocks": config.num_blocks, "fusion_act": config.fusion_act,
                            "feature_layers": config.layers_read, "draft_vocab_size": config.draft_vocab_size,
                            "parameters": model.num_parameters()}

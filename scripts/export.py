@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from huggingface_hub import HfApi
@@ -135,16 +136,17 @@ def main(argv: list[str]) -> int:
     if args.kind == "gguf":
         return export_gguf(args)
     bench = bench_entry(args.bench, args.bench_method)
+    command = shlex.join(["python", "scripts/export.py", *argv])  # into the card: the command that made the export
     if args.kind == "student":
         result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,
-                                       tolerance=args.tolerance, bench=bench)
+                                       tolerance=args.tolerance, bench=bench, command=command)
     elif args.kind == "medusa":
         result = export.export_medusa(args.source, args.out, base_model=args.base_model, tolerance=args.tolerance,
-                                      bench=bench)
+                                      bench=bench, command=command)
     else:
         result = export.export_dgf(args.source, args.out, target=args.target, layout=args.layout,
                                    tree=measured_tree(args.source, args.bench_method), tolerance=args.tolerance,
-                                   bench=bench, dtype=args.dtype)
+                                   bench=bench, dtype=args.dtype, command=command)
     print(json.dumps({"out": str(result.out_dir), "layout": result.manifest["layout"],
                       "files": result.manifest["files"], "parity": result.manifest["parity"]}, indent=2))
     print(f"exported {args.kind} to {result.out_dir} (parity max |diff| {result.max_abs_diff:.3g})")

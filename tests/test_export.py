@@ -68,6 +68,16 @@ def test_student_export_plain_dir_without_target(student_setup, tmp_path):
     _, _, plain_dir, _ = student_setup
     result = export.export_student(plain_dir, tmp_path / "o")
     assert result.manifest["target"]["name"] is None and "assisted_generate" not in result.manifest["parity"]
+    card = (tmp_path / "o" / "README.md").read_text()  # an off-the-shelf model: the card does not claim training
+    assert "not trained by draftsmith: `plain` exported as it is" in card and "training command" not in card
+
+
+def test_the_card_names_the_command_that_made_the_export(student_setup, tmp_path):
+    _, _, _, final = student_setup
+    assert export_cli(["student", str(final), str(tmp_path / "o"), "--dtype", "bfloat16"]) == 0
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert f"- export command: `python scripts/export.py student {final} {tmp_path / 'o'} --dtype bfloat16`" in card
+    assert "trained by draftsmith" in card and "training command" in card
 
 
 def test_student_export_bad_input(student_setup, tmp_path):
