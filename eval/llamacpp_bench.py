@@ -60,39 +60,49 @@ class NgramOptions:
     m: int = option(5, "ngram-simple: the length of the drafted m-gram (--spec-ngram-simple-size-m)", ge=1)
 
 
-def check_draft_length(n_min: int, n_max: int) -> None:
-    if n_min > n_max:
-        raise ConfigError(f"n_min={n_min} is above n_max={n_max}: no draft would ever be verified")
+def n_max_option():  # the draft-length options of `draft` and `eagle3`, declared once
+    return option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
 
 
-@dataclass
-class DraftOptions:
-    path: str = option(help="draft model: zoo name, HF model directory or .gguf file")
-    type: str = option("float32", "GGUF type the draft is converted to (not read for a .gguf path)")
-    n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
-    p_min: float = option(0.0, "stop a draft at a token the drafter gives less than this probability "
-                               "(--spec-draft-p-min; 0 drafts n_max tokens)", ge=0.0, lt=1.0)
-    n_min: int = option(0, "drop a draft shorter than this, and decode the step plainly (--spec-draft-n-min; a "
-                           "verify of one drafted token costs most of a second step on a small CPU target)", ge=0)
+def p_min_option():
+    return option(0.0, "stop a draft at a token the drafter gives less than this probability (--spec-draft-p-min; "
+                       "0 drafts n_max tokens)", ge=0.0, lt=1.0)
+
+
+def n_min_option():
+    return option(0, "drop a draft shorter than this, and decode the step plainly (--spec-draft-n-min; a verify of "
+                     "one drafted token costs most of a second step on a small CPU target)", ge=0)
+
+
+class DraftLengthCheck:
+    """n_min and n_max checked together, for the options classes that declare both."""
+
+    n_min: int
+    n_max: int
 
     def __post_init__(self) -> None:
-        check_draft_length(self.n_min, self.n_max)
+        if self.n_min > self.n_max:
+            raise ConfigError(f"n_min={self.n_min} is above n_max={self.n_max}: no draft would ever be verified")
 
 
 @dataclass
-class Eagle3Options:
+class DraftOptions(DraftLengthCheck):
+    path: str = option(help="draft model: zoo name, HF model directory or .gguf file")
+    type: str = option("float32", "GGUF type the draft is converted to (not read for a .gguf path)")
+    n_max: int = n_max_option()
+    p_min: float = p_min_option()
+    n_min: int = n_min_option()
+
+
+@dataclass
+class Eagle3Options(DraftLengthCheck):
     path: str = option(help="an EAGLE-3 export (scripts/export.py dgf ... --layout speculators) or its .gguf")
     type: Literal["float32", "bfloat16", "float16", "q8_0"] = option(
         "float32", "GGUF type the drafter is converted to (the target verifies in its own type, so the output is "
                    "unchanged; not read for a .gguf)")
-    n_max: int = option(16, "most draft tokens per step (--spec-draft-n-max)", ge=1)
-    p_min: float = option(0.0, "stop a draft at a token the drafter gives less than this probability "
-                               "(--spec-draft-p-min; 0 drafts n_max tokens)", ge=0.0, lt=1.0)
-    n_min: int = option(0, "drop a draft shorter than this, and decode the step plainly (--spec-draft-n-min; a "
-                           "verify of one drafted token costs most of a second step on a small CPU target)", ge=0)
-
-    def __post_init__(self) -> None:
-        check_draft_length(self.n_min, self.n_max)
+    n_max: int = n_max_option()
+    p_min: float = p_min_option()
+    n_min: int = n_min_option()
     ngram: Literal["none", NgramKind] = option(
         "none", "a cascade in llama.cpp: this n-gram mode (its default settings) drafts first, the EAGLE-3 drafter "
                 "where it finds nothing (--spec-type <mode>,draft-eagle3; each keeps its own draft length)")

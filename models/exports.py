@@ -220,7 +220,8 @@ def read_export_manifest(path: str | Path) -> dict:
 def _base_manifest(kind: str, layout: str, source: Path, target: dict, fusion: str | None, tree: dict | None,
                    command: str | None) -> dict:
     return {"format": EXPORT_FORMAT, "kind": kind, "layout": layout, "source": str(source), "target": target,
-            "fusion": fusion, "tree": tree, "command": command, "parity": {"input": f"seed {PARITY_SEED}, {PARITY_TOKENS} positions"}}
+            "fusion": fusion, "tree": tree, "command": command,
+            "parity": {"input": f"seed {PARITY_SEED}, {PARITY_TOKENS} positions"}}
 
 
 def _parity_ids(vocab_size: int) -> torch.Tensor:

@@ -129,6 +129,9 @@ ablate)  # issue 32 item 4: the architectures at equal data (same records, order
   # the order they run in (the issue's named comparisons first: a cap on the call loses the last ones)
   ABLATE_ORDER=${ABLATE_ORDER:-eagle3 dgf_single_layer eagle3_no_unroll eagle3_hard_labels eagle3_full_vocab eagle3_gated_fusion eagle3_two_blocks}
   TAU_PROMPTS=${TAU_PROMPTS:-4}  # held-out prompts the snapshot's tau is measured on
+  for name in $ABLATE_ORDER; do  # a misspelt name would train the base config under that name
+    [ -v "variants[$name]" ] || { echo "error: ABLATE_ORDER: unknown variant $name (${!variants[*]})" >&2; exit 2; }
+  done
   ABLATE_TOTAL_S=${ABLATE_TOTAL_S:-480}  # the whole stage, packing included; a variant gets min(ABLATE_S, what is left)
   start=$SECONDS
   for name in $ABLATE_ORDER; do
