@@ -343,11 +343,14 @@ class AssistedOptions:
         return settings
 
 
+PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic, eager) | int8-weights (weight-only "
+                  "int8, bf16 activations); the target verifies in its own dtype")
+
+
 @dataclass
 class LMChainOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round", ge=1)
-    precision: DraftPrecision = option(DraftPrecision.FLOAT32, "the draft LM's arithmetic: float32 | bfloat16 | "
-                                       "int8 (dynamic, eager); the target verifies in its own dtype")
+    precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
     model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
@@ -359,8 +362,7 @@ class LMChainOptions:
 @dataclass
 class LMParallelOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round, all from one forward (budget - 1 mask tokens)", ge=1)
-    precision: DraftPrecision = option(DraftPrecision.FLOAT32, "the draft LM's arithmetic: float32 | bfloat16 | "
-                                       "int8 (dynamic, eager); the target verifies in its own dtype")
+    precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
     model: str | None = option(None, "a parallel (PARD) draft LM, with config.pard_token; null: the run's draft")
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
                                      "sliced to it at load time")
@@ -369,8 +371,7 @@ class LMParallelOptions:
 @dataclass
 class LMTreeOptions:
     budget: int = option(TREE_BUDGET, "draft nodes per round (the best by cumulative log-probability)", ge=1)
-    precision: DraftPrecision = option(DraftPrecision.FLOAT32, "the draft LM's arithmetic: float32 | bfloat16 | "
-                                       "int8 (dynamic, eager); the target verifies in its own dtype")
+    precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
     depth: int = option(LM_TREE.depth, "tree depth", ge=1)
     topk: int = option(LM_TREE.topk, "children per expanded node", ge=1)
     beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)

@@ -53,6 +53,7 @@ from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.engine import Backend, TargetOutput, with_cache
+from draftsmith.models.precision import Int8WeightLinear
 from draftsmith.models.zoo import draftsmith_cache
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,8 @@ def traced_code_digest(step: nn.Module) -> str:
     """sha256 of the code a package traces (its step module; the DGF model's file): an edit there builds
     new packages instead of reusing stale ones."""
     sources = [inspect.getsource(type(step)), inspect.getsource(point_cache)]
+    if any(isinstance(module, Int8WeightLinear) for module in step.modules()):
+        sources.append(inspect.getsource(Int8WeightLinear))
     if isinstance(step, DGFStepModule):
         sources.append(inspect.getsource(sys.modules[DGFModel.__module__]))
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]

@@ -392,10 +392,10 @@ def test_parallel_drafting_in_the_bench(tiny_pair, prompts_file, monkeypatch):
         assert all(entry["mismatches"] == [] for entry in results["summary"].values())
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+@pytest.mark.parametrize("precision", ["bfloat16", "int8", "int8-weights"])
 def test_a_cheaper_draft_lm_stays_lossless(tiny_pair, prompts_file, precision):
-    """The draft LM in bf16 or dynamic int8 (issue 35's first lever): its proposals change, the output does not
-    (the target verifies in float32)."""
+    """The draft LM in bf16, dynamic int8 or weight-only int8 (issue 35's first lever): its proposals change, the
+    output does not (the target verifies in float32)."""
     target, draft = tiny_pair
     specs = ["plain", "lm-chain:budget=3", f"lm-chain:budget=3,precision={precision}",
              f"lm-tree:depth=2,topk=2,budget=4,precision={precision}"]
@@ -403,3 +403,16 @@ def test_a_cheaper_draft_lm_stays_lossless(tiny_pair, prompts_file, precision):
                          max_new_tokens=10, plots=False, backend="eager")
     results = run_benchmark(config, target=target, draft=draft, progress=False)
     assert all(entry["mismatches"] == [] for entry in results["summary"].values())
+
+
+def test_an_int8_weight_draft_lm_compiles_and_stays_lossless(tiny_pair, prompts_file):
+    """Weight-only int8 runs on the compiled backend (AOTInductor has torch's int8 kernel), lossless; drafting with
+    the target's own layers (every=1) in int8 proposes what the target would, so most drafts are accepted."""
+    target, _ = tiny_pair
+    specs = ["plain", "lm-chain:budget=3,every=1,precision=int8-weights"]
+    extra = {key: value for key, value in FAST_COMPILE.items() if key != "backend"}
+    config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}"], num_prompts=2,
+                         max_new_tokens=10, plots=False, backend="compiled", **extra)
+    results = run_benchmark(config, target=target, progress=False)
+    assert all(entry["mismatches"] == [] for entry in results["summary"].values())
+    assert results["summary"]["lm-chain:budget=3,every=1,precision=int8-weights"]["tau"] > 2.5

@@ -5,6 +5,8 @@
 # time on the same prompts (NUM per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens), interleaved per
 # prompt, other jobs paused. Resumes from OUT/progress.jsonl (on a CPU of the same ISA only). The target verifies
 # in fp32, so every output must equal plain greedy (the bench checks).
+# Weight-only int8 (bf16 activations, session 13): PRECISIONS="bfloat16 int8-weights" CASCADE=1
+#   CASCADE_PRECISIONS="bfloat16 int8-weights" NUM=3 OUT=results/qwen_draft_int8/bench bash scripts/jobs/qwen_draft_bf16.sh
 # Refuses to run where the CPU has no bf16 arithmetic (there it is emulated, and slower: results/qwen_draft_cost.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,7 +16,16 @@ NUM=${NUM:-2}
 OUT=${OUT:-results/qwen_draft_bf16/bench}
 VOCAB=drafters/qwen2.5-coder_vocab_32768
 CHEAP="lm-chain:budget=8,vocab=$VOCAB,stop_below=${STOP:-0.3}"
-METHODS="plain-compiled $CHEAP $CHEAP,precision=bfloat16"
-# CASCADE=1 adds issue 35's winning method with the bf16 drafter: prompt lookup first, else the bf16 chain
-[ "${CASCADE:-0}" = 1 ] && METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),($CHEAP,precision=bfloat16)]"
+# PRECISIONS: the draft LM's arithmetic, one chain row each (float32 is the chain as it is);
+# CASCADE=1 adds, per CASCADE_PRECISIONS, issue 35's winning method: prompt lookup first, else that chain
+PRECISIONS=${PRECISIONS:-float32 bfloat16}
+METHODS="plain-compiled"
+for precision in $PRECISIONS; do
+  if [ "$precision" = float32 ]; then METHODS="$METHODS $CHEAP"; else METHODS="$METHODS $CHEAP,precision=$precision"; fi
+done
+if [ "${CASCADE:-0}" = 1 ]; then
+  for precision in ${CASCADE_PRECISIONS:-bfloat16}; do
+    METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),($CHEAP,precision=$precision)]"
+  done
+fi
 qwen15_goal_bench "$OUT" "$METHODS"

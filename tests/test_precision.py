@@ -1,0 +1,42 @@
+"""Draft LM precisions (models/precision.py): weight-only int8 against its own dequantized weights."""
+
+import torch
+from torch import nn
+from transformers import LlamaForCausalLM
+
+from draftsmith.models.precision import DraftPrecision, Int8WeightLinear, with_int8_weights, with_precision
+from tests.conftest import tiny_config
+
+
+def test_an_int8_weight_linear_computes_with_its_dequantized_weight():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 40, bias=True)
+    quantized = Int8WeightLinear(linear)
+    x = torch.randn(2, 3, 64)
+    dequantized = quantized.weight_int8.float() * quantized.scales.float()[:, None]
+    reference = x.bfloat16().float() @ dequantized.T + quantized.bias.float()
+    out = quantized(x)
+    assert out.shape == (2, 3, 40) and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), reference, atol=0.05, rtol=0.02)
+    assert (dequantized - linear.weight).abs().max() <= quantized.scales.float().max() / 2 + 1e-3
+
+
+def test_linears_the_kernel_cannot_take_stay_bf16_and_the_original_is_untouched():
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 24), nn.Linear(24, 8))  # 24 inputs: not a multiple of 16
+    model.config = type("Config", (), {"tie_word_embeddings": False})()
+    converted = with_int8_weights(model.to(torch.bfloat16))
+    assert [type(layer) for layer in converted] == [Int8WeightLinear, Int8WeightLinear, nn.Linear]
+
+
+def test_a_tied_head_gets_its_own_int8_copy_and_the_source_model_keeps_its_weights():
+    config = tiny_config("llama", hidden_size=48)
+    config.tie_word_embeddings = True
+    model = LlamaForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    converted = with_precision(model, DraftPrecision.INT8_WEIGHTS)
+    assert isinstance(converted.lm_head, Int8WeightLinear) and not converted.config.tie_word_embeddings
+    assert model.config.tie_word_embeddings and all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert converted(ids).logits.argmax(-1).shape == model(ids).logits.argmax(-1).shape
