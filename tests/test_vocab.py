@@ -20,6 +20,7 @@ from draftsmith.eval.decode.drafters.medusa import MedusaDrafter, load_medusa_dr
 from draftsmith.models.artifacts import DGF_WEIGHTS, float_state, read_manifest, save_dgf, save_medusa, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.precision import DraftPrecision, with_precision
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import TinyTokenizer
 from draftsmith.models.vocab import VOCAB_FILE, DraftVocab, with_sliced_head
@@ -224,3 +225,12 @@ def test_committed_qwen_draft_vocabulary_loads_with_the_special_tokens():
     assert (vocab.size, vocab.target_size) == (32768, 151936)
     for end_of_turn in (151643, 151645):  # <|endoftext|>, <|im_end|>
         assert int(vocab.to_draft(torch.tensor([end_of_turn]))[0]) >= 0
+
+
+def test_an_int8_weight_draft_lm_with_a_sliced_head_is_lossless(tiny):
+    """The bench's order (slice the head, then the precision): the int8 head keeps the draft vocabulary's size."""
+    target, vocab = tiny
+    draft = with_precision(with_sliced_head(target.model, vocab), DraftPrecision.INT8_WEIGHTS)
+    drafter = LMDrafter(TargetModel(draft, tokenizer=target.tokenizer, name="int8"), mode="chain", budget=4,
+                        vocab=vocab)
+    assert greedy_is_kept(target, drafter) > 1.0

@@ -54,7 +54,7 @@ class LMDrafter(Drafter):
         self.lm = model if isinstance(model, TargetModel) else None  # a given engine (e.g. compiled) is kept
         self.model = (model.model if self.lm is not None else model).eval()
         self.vocab = vocab
-        if vocab is not None and self.model.get_output_embeddings().weight.shape[0] != vocab.size:
+        if vocab is not None and self.model.get_output_embeddings().out_features != vocab.size:
             if self.lm is not None:
                 raise ValueError("slice the LM head before building the drafter's engine "
                                  "(models.vocab.with_sliced_head), or pass the model itself")
