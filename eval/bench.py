@@ -58,6 +58,7 @@ from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread
 from draftsmith.models.engine import Backend
+from draftsmith.models.precision import weight_count
 from draftsmith.models.target import TargetModel, dtype_name
 
 SUITES = {"mt-bench": "mt-bench", "gsm8k": "gsm8k:test", "humaneval": "humaneval"}
@@ -456,7 +457,7 @@ def prepare_engines(context: BuildContext, progress: bool) -> dict:
     for engine in context.compiled_engines():
         if progress:
             print(f"[bench] compiled engine for {engine.what} "
-                  f"({sum(p.numel() for p in engine.step.parameters()) / 1e6:.0f}M parameters): buckets "
+                  f"({weight_count(engine.step) / 1e6:.0f}M weights): buckets "
                   f"{list(engine.buckets)}, cache {engine.directory}", flush=True)
         engine.prepare()
         report[str(engine.directory.name)] = {"model_type": engine.what, "buckets": list(engine.buckets),

@@ -71,6 +71,12 @@ class Int8WeightLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def weight_count(model: nn.Module) -> int:
+    """The model's weights: its parameters and the int8 weights an Int8WeightLinear keeps as buffers."""
+    int8 = sum(module.weight_int8.numel() for module in model.modules() if isinstance(module, Int8WeightLinear))
+    return sum(parameter.numel() for parameter in model.parameters()) + int8
+
+
 def with_int8_weights(model: nn.Module) -> nn.Module:
     """`model` (in bf16) with every Linear the kernel can take replaced in place by an Int8WeightLinear; a tied
     output head gets its own int8 copy (the input embedding stays bf16)."""

@@ -4,7 +4,8 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from draftsmith.models.precision import DraftPrecision, Int8WeightLinear, with_int8_weights, with_precision
+from draftsmith.models.precision import (DraftPrecision, Int8WeightLinear, weight_count, with_int8_weights,
+                                        with_precision)
 from tests.conftest import tiny_config
 
 
@@ -26,6 +27,7 @@ def test_linears_the_kernel_cannot_take_stay_bf16_and_the_original_is_untouched(
     model.config = type("Config", (), {"tie_word_embeddings": False})()
     converted = with_int8_weights(model.to(torch.bfloat16))
     assert [type(layer) for layer in converted] == [Int8WeightLinear, Int8WeightLinear, nn.Linear]
+    assert weight_count(converted) == 64 * 32 + 32 * 24 + 24 * 8 + 8  # int8 buffers + the bf16 layer's weight, bias
 
 
 def test_a_tied_head_gets_its_own_int8_copy_and_the_source_model_keeps_its_weights():
