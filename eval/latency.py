@@ -93,7 +93,7 @@ def forward_seconds(target: TargetModel, cache, ids: torch.Tensor) -> float:
 
 def time_forward(target: TargetModel, cache, past: int, width: int, generator: torch.Generator) -> float:
     """Seconds of one causal forward of `width` random tokens after `past` cached ones (cache restored)."""
-    vocab = target.model.get_output_embeddings().weight.shape[0]
+    vocab = target.model.get_output_embeddings().out_features
     ids = torch.randint(0, vocab, (1, width), generator=generator).to(target.device)
     seconds = forward_seconds(target, cache, ids)
     target.truncate(cache, past)

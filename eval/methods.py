@@ -189,22 +189,26 @@ class BuildContext:
                               "lm-parallel, lm-tree, hf-assisted, llmcad or minions without model=/every=); drop it "
                               "or add one")
 
-    def engine(self, lm: TargetModel, backend: Backend | None = None) -> TargetModel:
-        """`lm` driven by `backend` (default: the run's), built once per model and backend."""
-        backend = backend or self.backend
-        key = (id(lm.model), backend)
+    def engine(self, lm: TargetModel, backend: Backend | None = None,
+               settings: CompileSettings | None = None) -> TargetModel:
+        """`lm` driven by `backend` (default: the run's) and compile `settings` (default: the run's), built once
+        per model, backend and settings."""
+        backend, settings = backend or self.backend, settings or self.settings
+        key = (id(lm.model), backend, repr(settings))
         if key not in self.engines:
-            self.engines[key] = lm.with_backend(backend, self.settings)
+            self.engines[key] = lm.with_backend(backend, settings)
         return self.engines[key]
 
     def target_for(self, method: Method) -> TargetModel:
         return self.engine(self.target, method.backend)
 
     def small_model(self, model: str | None, every: int | None, what: str, vocab: DraftVocab | None = None,
-                    precision: DraftPrecision = DraftPrecision.FLOAT32) -> TargetModel:
+                    precision: DraftPrecision = DraftPrecision.FLOAT32,
+                    shared_width: bool | None = None) -> TargetModel:
         """The LM of an LM drafter under the run's backend: every N-th target layer, a named model, or the
         run's draft; with `vocab`, that model with its LM head sliced to the draft vocabulary; in `precision`
-        (int8 runs eager whatever the run's backend)."""
+        (int8 runs eager whatever the run's backend); compiled with the run's settings, or with `shared_width`
+        in their place when given."""
         base = self._small_base(model, every, what)
         if vocab is not None:
             key = (id(base.model), vocab.digest())
@@ -216,7 +220,13 @@ class BuildContext:
             if key not in self.models:
                 self.models[key] = TargetModel(with_precision(base.model, precision), base.tokenizer, name=base.name)
             base = self.models[key]
-        return self.engine(base, None if precision.compiles else Backend.EAGER)
+        backend = self.backend if precision.compiles else Backend.EAGER
+        if shared_width is None:
+            return self.engine(base, backend)
+        if backend is not Backend.COMPILED:
+            raise ConfigError(f"{what}: shared_width is read by the compiled backend only, and this draft LM runs "
+                              f"eager (backend={self.backend.value}, precision={precision.value}); drop it")
+        return self.engine(base, backend, replace(self.settings, shared_width=shared_width))
 
     def _small_base(self, model: str | None, every: int | None, what: str) -> TargetModel:
         if every is not None and model is not None:
@@ -343,6 +353,9 @@ class AssistedOptions:
         return settings
 
 
+SHARED_WIDTH_HELP = ("the draft LM's compiled graphs: null as compile.shared_width; false: a static graph per "
+                     "bucket (a small draft LM's weight copies are cheap, and its one-token forwards get a graph of "
+                     "their own); compiled backend only")
 PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic, eager) | int8-weights (weight-only "
                   "int8, bf16 activations); the target verifies in its own dtype")
 
@@ -351,6 +364,7 @@ PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic
 class LMChainOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round", ge=1)
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
+    shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
     model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
@@ -363,6 +377,7 @@ class LMChainOptions:
 class LMParallelOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round, all from one forward (budget - 1 mask tokens)", ge=1)
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
+    shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
     model: str | None = option(None, "a parallel (PARD) draft LM, with config.pard_token; null: the run's draft")
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
                                      "sliced to it at load time")
@@ -372,6 +387,7 @@ class LMParallelOptions:
 class LMTreeOptions:
     budget: int = option(TREE_BUDGET, "draft nodes per round (the best by cumulative log-probability)", ge=1)
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
+    shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
     depth: int = option(LM_TREE.depth, "tree depth", ge=1)
     topk: int = option(LM_TREE.topk, "children per expanded node", ge=1)
     beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)
@@ -498,7 +514,7 @@ def build_plain_compiled(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision)
+    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision, o.shared_width)
     drafter = LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label, vocab=vocab, stop_below=o.stop_below)
     return DrafterMethod(drafter, spec.label)
 
@@ -506,14 +522,14 @@ def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_lm_parallel(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, None, spec.label, vocab, o.precision)
+    lm = ctx.small_model(o.model, None, spec.label, vocab, o.precision, o.shared_width)
     return DrafterMethod(LMDrafter(lm, mode="parallel", budget=o.budget, name=spec.label, vocab=vocab), spec.label)
 
 
 def build_lm_tree(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision)
+    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision, o.shared_width)
     drafter = LMDrafter(lm, mode="tree", budget=o.budget, depth=o.depth, topk=o.topk, beam=o.beam, name=spec.label,
                         vocab=vocab)
     return DrafterMethod(drafter, spec.label)

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from draftsmith.config import ConfigError
 from draftsmith.errors import UserError
 from draftsmith.eval import bench, report
 from draftsmith.eval.bench import BenchConfig, run_benchmark, turn_input_ids, write_outputs
@@ -409,10 +410,23 @@ def test_an_int8_weight_draft_lm_compiles_and_stays_lossless(tiny_pair, prompts_
     """Weight-only int8 runs on the compiled backend (AOTInductor has torch's int8 kernel), lossless; drafting with
     the target's own layers (every=1) in int8 proposes what the target would, so most drafts are accepted."""
     target, _ = tiny_pair
-    specs = ["plain", "lm-chain:budget=3,every=1,precision=int8-weights"]
+    specs = ["plain", "lm-chain:budget=3,every=1,precision=int8-weights",
+             "lm-chain:budget=3,every=1,precision=int8-weights,shared_width=false"]
     extra = {key: value for key, value in FAST_COMPILE.items() if key != "backend"}
     config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}"], num_prompts=2,
                          max_new_tokens=10, plots=False, backend="compiled", **extra)
     results = run_benchmark(config, target=target, progress=False)
     assert all(entry["mismatches"] == [] for entry in results["summary"].values())
     assert results["summary"]["lm-chain:budget=3,every=1,precision=int8-weights"]["tau"] > 2.5
+    assert results["summary"]["lm-chain:budget=3,every=1,precision=int8-weights,shared_width=false"]["tau"] > 2.5
+
+
+@pytest.mark.parametrize("backend, spec", [("eager", "lm-chain:budget=3,shared_width=false"),
+                                           ("compiled", "lm-chain:budget=3,precision=int8,shared_width=false")])
+def test_a_draft_graph_option_on_an_eager_draft_lm_is_refused(tiny_pair, prompts_file, backend, spec):
+    target, draft = tiny_pair
+    extra = {key: value for key, value in FAST_COMPILE.items() if key != "backend"} if backend == "compiled" else {}
+    config = BenchConfig(methods=[parse_method(spec)], suites=[f"jsonl:{prompts_file}"], num_prompts=1,
+                         max_new_tokens=4, plots=False, backend=backend, **extra)
+    with pytest.raises(ConfigError, match="shared_width is read by the compiled backend only"):
+        run_benchmark(config, target=target, draft=draft, progress=False)
