@@ -412,9 +412,8 @@ def test_an_int8_weight_draft_lm_compiles_and_stays_lossless(tiny_pair, prompts_
     target, _ = tiny_pair
     specs = ["plain", "lm-chain:budget=3,every=1,precision=int8-weights",
              "lm-chain:budget=3,every=1,precision=int8-weights,shared_width=false"]
-    extra = {key: value for key, value in FAST_COMPILE.items() if key != "backend"}
     config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}"], num_prompts=2,
-                         max_new_tokens=10, plots=False, backend="compiled", **extra)
+                         max_new_tokens=10, plots=False, backend="compiled", **FAST_COMPILE)
     results = run_benchmark(config, target=target, progress=False)
     assert all(entry["mismatches"] == [] for entry in results["summary"].values())
     assert results["summary"]["lm-chain:budget=3,every=1,precision=int8-weights"]["tau"] > 2.5
@@ -425,7 +424,7 @@ def test_an_int8_weight_draft_lm_compiles_and_stays_lossless(tiny_pair, prompts_
                                            ("compiled", "lm-chain:budget=3,precision=int8,shared_width=false")])
 def test_a_draft_graph_option_on_an_eager_draft_lm_is_refused(tiny_pair, prompts_file, backend, spec):
     target, draft = tiny_pair
-    extra = {key: value for key, value in FAST_COMPILE.items() if key != "backend"} if backend == "compiled" else {}
+    extra = FAST_COMPILE if backend == "compiled" else {}
     config = BenchConfig(methods=[parse_method(spec)], suites=[f"jsonl:{prompts_file}"], num_prompts=1,
                          max_new_tokens=4, plots=False, backend=backend, **extra)
     with pytest.raises(ConfigError, match="shared_width is read by the compiled backend only"):

@@ -24,7 +24,6 @@ def test_an_int8_weight_linear_computes_with_its_dequantized_weight():
 
 def test_linears_the_kernel_cannot_take_stay_bf16_and_the_original_is_untouched():
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 24), nn.Linear(24, 8))  # 24 inputs: not a multiple of 16
-    model.config = type("Config", (), {"tie_word_embeddings": False})()
     converted = with_int8_weights(model.to(torch.bfloat16))
     assert [type(layer) for layer in converted] == [Int8WeightLinear, Int8WeightLinear, nn.Linear]
     assert weight_count(converted) == 64 * 32 + 32 * 24 + 24 * 8 + 8  # int8 buffers + the bf16 layer's weight, bias
