@@ -7,6 +7,7 @@
 # in fp32, so every output must equal plain greedy (the bench checks).
 # Weight-only int8 (bf16 activations, session 13): PRECISIONS="bfloat16 int8-weights" CASCADE=1
 #   CASCADE_PRECISIONS="bfloat16 int8-weights" NUM=3 OUT=results/qwen_draft_int8/bench bash scripts/jobs/qwen_draft_bf16.sh
+# HF_ASSISTED=1 adds HF assisted generation with the same 0.5B in fp32 (the peer users run), in the same table.
 # Refuses to run where the CPU has no bf16 arithmetic (there it is emulated, and slower: results/qwen_draft_cost.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,4 +29,5 @@ if [ "${CASCADE:-0}" = 1 ]; then
     METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),($CHEAP,precision=$precision)]"
   done
 fi
+if [ "${HF_ASSISTED:-0}" = 1 ]; then METHODS="$METHODS hf-assisted"; fi
 qwen15_goal_bench "$OUT" "$METHODS"
