@@ -51,7 +51,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench_progress import Progress
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
-from draftsmith.eval.latency import cpu_isa, cpu_model
+from draftsmith.eval.latency import cpu_isa, cpu_model, memory_stall_seconds
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
@@ -200,6 +200,16 @@ def machine_info(target: TargetModel) -> dict:
         info["load_average_at_start"] = os.getloadavg()
     if target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(target.device)
+    return info
+
+
+def memory_stalls(loop_start: float, stall_start: float | None) -> dict:
+    """How long the timed loop ran in this process and, where the kernel reports it, how much of that the machine
+    stalled on memory (report.py flags a run whose timings include paging)."""
+    info = {"timed_loop_s": round(time.perf_counter() - loop_start, 1)}
+    stall_end = memory_stall_seconds()
+    if stall_start is not None and stall_end is not None:
+        info["memory_stall_s"] = round(stall_end - stall_start, 1)
     return info
 
 
@@ -505,6 +515,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     for method in methods.values():  # warm-up: allocator, kernels, lazy imports
         timed_run(method, context.target_for(method), decode, warmup_ids)
     total = sum(num_turns(conv, config.turns) for _, conv in records)
+    loop_start, stall_start = time.perf_counter(), memory_stall_seconds()
     with tqdm(total=total, desc="bench", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
         for suite, conv in records:
             key = f"{suite}/{conv.id}"
@@ -516,6 +527,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
             saved.append(key, state, before)
     if hasattr(os, "getloadavg"):
         machine["load_average_at_end"] = os.getloadavg()
+    machine.update(memory_stalls(loop_start, stall_start))
     policies = {str(spec): info for spec, method in methods.items() if (info := method.summary())}
     return {"config": config_to_dict(config), "machine": machine, "compile": compile_report,
             "models": {"target": target.name or config.target, "draft": (draft.name or config.draft) if draft else None},

@@ -194,6 +194,19 @@ def cpu_isa() -> str:
     return isa_name(flags)
 
 
+def memory_stall_seconds(pressure_file: Path = Path("/proc/pressure/memory")) -> float | None:
+    """Seconds, since boot, in which some task of this machine stalled waiting for memory (reclaim, or re-reading
+    evicted pages: Linux PSI's `some total`), or None where the kernel does not report it. The difference over a
+    timed loop says whether its timings include paging (a bench whose models outgrow the RAM)."""
+    try:
+        for line in pressure_file.read_text().splitlines():
+            if line.startswith("some"):
+                return int(line.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def isa_name(flags: list[str]) -> str:
     """"AVX-512 with BF16", "AVX-512", "AVX2" or "other", with "+AMX" where the flags list AMX tiles."""
     isa = ("AVX-512 with BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags

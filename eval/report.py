@@ -239,7 +239,22 @@ def run_line(results: dict) -> str:
             f"{machine['device']} {machine['dtype']}, {machine.get('processor', '')}"
             + (f" ({machine['isa']})" if machine.get("isa") else "") + f", {machine['cpu_count']} cores, "
             f"{machine['torch_threads']} torch threads, {machine['platform']}"
-            + (f", load average at start {load[0]:.2f}" if load else ""))
+            + (f", load average at start {load[0]:.2f}" if load else "") + memory_line(machine))
+
+
+PAGING_SHARE = 0.01  # memory stalls above this share of the timed loop: its timings include paging
+
+
+def memory_line(machine: dict) -> str:
+    """The memory stalls during the timed loop, flagged where they are large enough to move the timings."""
+    stall, loop = machine.get("memory_stall_s"), machine.get("timed_loop_s")
+    if stall is None or not loop:
+        return ""
+    line = f"; memory stalls {stall:.1f} s of the {loop:.0f} s timed loop"
+    if stall > PAGING_SHARE * loop:
+        line += (" (**the models outgrew the RAM: timings include paging; rerun with fewer methods in one run or on "
+                 "a machine with more memory**)")
+    return line
 
 
 def build_line(conditions: dict | None) -> str:

@@ -119,6 +119,8 @@ def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
         assert summary[method]["headline_speedup"] == pytest.approx(min(summary[method]["speedup"],
                                                                         summary[method]["speedup_compiled"]))
     assert results["compile"] and all(entry["compile_s"] + entry["load_s"] > 0 for entry in results["compile"].values())
+    assert results["machine"]["timed_loop_s"] > 0  # and, where Linux reports memory pressure, the stalls in it
+    assert results["machine"].get("memory_stall_s", 0.0) >= 0
     # 2 jsonl prompts (1 turn) + 2 MT-Bench questions x 2 turns
     rows = results["per_prompt"]
     assert [(r["suite"] == "mt-bench", r["turn"]) for r in rows] == [(False, 1), (False, 1), (True, 1), (True, 2),

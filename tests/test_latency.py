@@ -64,3 +64,21 @@ def test_the_machine_kind_names_its_vector_arithmetic():
     assert isa_name(["avx2", "avx512f", "amx_tile"]) == "AVX-512+AMX"
     assert isa_name(["sse4_2", "avx2"]) == "AVX2" and isa_name([]) == "other"
     assert cpu_isa() in {"AVX-512 with BF16", "AVX-512", "AVX2", "other"} or cpu_isa().endswith("+AMX")
+
+
+def test_a_bench_that_outgrew_the_ram_says_so(tmp_path):
+    """A 1.5B bench with too many models in one process paged its compiled weights in and out (session 14): the
+    bench records the machine's memory stalls during its timed loop (Linux PSI) and the table flags a large share."""
+    from draftsmith.eval.latency import memory_stall_seconds
+    from draftsmith.eval.report import memory_line
+
+    pressure = tmp_path / "memory"
+    pressure.write_text("some avg10=0.00 avg60=0.06 avg300=8.54 total=997805802\n"
+                        "full avg10=0.00 avg60=0.06 avg300=8.25 total=960958472\n")
+    assert memory_stall_seconds(pressure) == pytest.approx(997.805802)
+    assert memory_stall_seconds(tmp_path / "missing") is None
+    pressure.write_text("garbled\n")
+    assert memory_stall_seconds(pressure) is None
+    assert memory_line({}) == "" and memory_line({"timed_loop_s": 100.0}) == ""
+    assert memory_line({"memory_stall_s": 0.5, "timed_loop_s": 100.0}) == "; memory stalls 0.5 s of the 100 s timed loop"
+    assert "outgrew the RAM" in memory_line({"memory_stall_s": 30.0, "timed_loop_s": 100.0})
