@@ -7,7 +7,9 @@
 # in fp32, so every output must equal plain greedy (the bench checks).
 # Weight-only int8 (bf16 activations, session 13): PRECISIONS="bfloat16 int8-weights" CASCADE=1
 #   CASCADE_PRECISIONS="bfloat16 int8-weights" NUM=3 OUT=results/qwen_draft_int8/bench bash scripts/jobs/qwen_draft_bf16.sh
-# HF_ASSISTED=1 adds HF assisted generation with the same 0.5B in fp32 (the peer users run), in the same table.
+# HF_ASSISTED=1 adds HF assisted generation with the same 0.5B in fp32 (the peer users run), in the same table. With
+#   the int8 per-width chain beside it the process outgrows 24 GB and pages (session 14): there, run HF assisted in a
+#   bench of its own (results/qwen_draft_int8/README.md has the command).
 # Refuses to run where the CPU has no bf16 arithmetic (there it is emulated, and slower: results/qwen_draft_cost.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
