@@ -83,15 +83,18 @@ def markdown(train: list[dict], evals: list[dict], title: str) -> str:
     elapsed = max((r.get("train/elapsed_s") or 0.0) for r in train)
     last = train[-1]
     columns = [(key, name) for key, name in EVAL_COLUMNS if any(key in row for row in evals)]
+    seen = {0: 0} | {r["step"]: r["train/loss_tokens_seen"] for r in train if "train/loss_tokens_seen" in r}
+    seen_column = ["loss tokens seen"] if len(seen) > 1 else []
     lines = [f"# Training: {title}", "",
              f"{last['step']} optimizer steps, {last.get('train/samples_seen', '?')} sequences, "
              f"{elapsed / 3600:.2f} h of training (wall clock, the run's own `train/elapsed_s`); "
              f"final training loss {last['train/loss']:.3f}.", "",
-             "| step | " + " | ".join(name for _, name in columns) + " |",
-             "|---" * (len(columns) + 1) + "|"]
+             "| step | " + " | ".join(seen_column + [name for _, name in columns]) + " |",
+             "|---" * (len(columns) + len(seen_column) + 1) + "|"]
     for row in evals:
-        cells = [f"{row[key]:.3f}" if isinstance(row.get(key), float) else str(row.get(key, "-"))
-                 for key, _ in columns]
+        cells = [f"{seen[row['step']]:,}" if row["step"] in seen else "-"] if seen_column else []
+        cells += [f"{row[key]:.3f}" if isinstance(row.get(key), float) else str(row.get(key, "-"))
+                  for key, _ in columns]
         lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -136,6 +136,20 @@ def test_layer_and_shallow_students(tmp_path):
     assert info["num_layers"] == 1
 
 
+def test_pruned_student_keeps_layers_of_the_pretrained_model(tmp_path):
+    """student.init=pruned: a layer subset of student.model (issue 35 item 3: a layer-pruned 0.5B), not of the target."""
+    main(tiny_cfg(tmp_path / "pruned", "student.init=pruned", "student.layer_ids=[0]", "train.max_steps=2",
+                  "eval.every_steps=0", "train.log_every=1"))
+    seen = [train_metrics(tmp_path / "pruned")[step]["train/loss_tokens_seen"] for step in (1, 2)]
+    assert 0 < seen[0] < seen[1]  # the data curve's x: loss-bearing tokens trained on
+    info = read_manifest(tmp_path / "pruned" / "final")["student"]
+    assert info["init"] == "pruned" and info["num_layers"] == 1 and info["layer_ids"] == [0]
+    assert info["model"] == tiny_cfg(tmp_path).student.model
+    assert info["trainable_parameters"] < info["parameters"]
+    with pytest.raises(ConfigError, match="student.layer_ids.*read by student.init=layers\\|pruned"):
+        tiny_cfg(tmp_path, "student.init=pretrained", "student.layer_ids=[0]")
+
+
 def test_filter_wrong_gsm8k_answers(tmp_path, smol_tokenizer):
     from draftsmith.data.sources import Conversation, save_conversations
 

@@ -88,3 +88,21 @@ def test_curve_report_tables_and_plots_the_points(tmp_path):
     assert rows[0].startswith("| 100,017 | 33 | 0.300") and rows[1].startswith("| 250,017 | 80 | 0.410")
     assert rows[1].endswith("| 0.50 | 2.00 | 1.20 |") and rows[0].endswith("| - | - | - |")
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_training_report_says_the_loss_tokens_seen_at_each_evaluation(tmp_path):
+    """A recipe that counts its loss-bearing tokens (dgf, distill) gets them beside each held-out row: the x of a
+    data curve."""
+    from draftsmith.scripts import training_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 0, "eval/agreement": 0.30},
+            {"step": 25, "train/loss": 1.0, "train/loss_tokens_seen": 21000, "train/elapsed_s": 60.0},
+            {"step": 25, "eval/agreement": 0.50}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "training"
+    assert training_report.main([str(run), "--out", str(out)]) == 0
+    table = out.with_suffix(".md").read_text()
+    assert "| step | loss tokens seen | agreement |" in table
+    assert "| 0 | 0 | 0.300 |" in table and "| 25 | 21,000 | 0.500 |" in table

@@ -8,6 +8,8 @@ Student (`student.init`):
                 tokenizer equals the target's token by token (`models.target.check_same_tokenizer`)
     layers      a copy of the target keeping every `student.layer_stride`-th decoder layer (+ the last;
                 or `student.layer_ids`), `models/student.py`
+    pruned      the same layer subset of the pretrained `student.model` (a layer-pruned copy of a smaller model
+                of the family, e.g. 8 of the 0.5B's 24 layers)
     shallow     the target's config with `student.num_layers` freshly initialised decoder layers (optionally a
                 narrower MLP), sharing (copying) the target's embeddings, final norm and LM head
 Training: full fine-tune, or LoRA adapters (peft, `lora.enabled`) merged into the weights at export.
@@ -72,14 +74,17 @@ TOPK_FIELDS = ("topk_values", "topk_indices", "logsumexp")
 
 @dataclass
 class StudentConfig:
-    init: Literal["pretrained", "layers", "shallow"] = option("pretrained", "pretrained model, a layer subset of "
-                                                                            "the target, or new shallow layers")
-    model: str | None = option("qwen2.5-coder-0.5b-instruct", "pretrained: zoo name, dir, hub id or tiny:<family>")
-    layer_stride: int = option(2, "layers: keep layers 0, n, 2n, ... and the last", ge=1)
-    layer_ids: list[int] | None = option(None, "layers: explicit ids instead of the stride", ge=0)
+    init: Literal["pretrained", "layers", "pruned", "shallow"] = option(
+        "pretrained", "pretrained model, a layer subset of the target, a layer subset of the pretrained model, or "
+                      "new shallow layers")
+    model: str | None = option("qwen2.5-coder-0.5b-instruct",
+                               "pretrained, pruned: zoo name, dir, hub id or tiny:<family>")
+    layer_stride: int = option(2, "layers, pruned: keep layers 0, n, 2n, ... and the last", ge=1)
+    layer_ids: list[int] | None = option(None, "layers, pruned: explicit ids instead of the stride", ge=0)
     num_layers: int = option(2, "shallow: number of freshly initialised decoder layers", ge=1)
     intermediate_size: int | None = option(None, "shallow: MLP width (null: the target's)", ge=1)
-    freeze_embeddings: bool = option(True, "layers/shallow, full fine-tune: embeddings + LM head stay the target's")
+    freeze_embeddings: bool = option(True, "layers/pruned/shallow, full fine-tune: embeddings + LM head stay "
+                                                    "as copied")
     dtype: str = option("float32", "training dtype of the student")
     seed: int = option(0, "shallow: initialisation seed")
 
@@ -151,8 +156,8 @@ class DistillRecipeConfig(RunConfig):
     def __post_init__(self):
         divergence = self.loss.kind in KD_KINDS
         checks = [
-            (self.student.init != "pretrained" or bool(self.student.model),
-             "student.model is required with student.init: pretrained"),
+            (self.student.init not in PRETRAINED_INITS or bool(self.student.model),
+             f"student.model is required with student.init: {self.student.init}"),
             (not (self.data.feature_cache and self.loss.topk_tail == "bucket" and self.loss.temperature != 1.0),
              "loss.topk_tail: bucket needs loss.temperature 1 (use renormalize for another temperature)"),
             (not (self.data.feature_cache and not divergence),
@@ -171,8 +176,11 @@ class DistillRecipeConfig(RunConfig):
         return (self.loss.kind in KD_KINDS and not self.data.feature_cache) or self.on_policy.fraction > 0
 
 
+PRETRAINED_INITS = ("pretrained", "pruned")  # student.init kinds that start from student.model
+SUBSET_INITS = ("layers", "pruned")  # student.init kinds that keep a subset of decoder layers
+
 DISTILL_UNREAD = [
-    *[Unread(f"student.{key}", lambda c: c.student.init != "layers", "read by student.init=layers")
+    *[Unread(f"student.{key}", lambda c: c.student.init not in SUBSET_INITS, "read by student.init=layers|pruned")
       for key in ("layer_stride", "layer_ids")],
     *[Unread(f"student.{key}", lambda c: c.student.init != "shallow", "read by student.init=shallow")
       for key in ("num_layers", "intermediate_size", "seed")],
@@ -249,18 +257,20 @@ def load_pretrained_student(spec: str, dtype: torch.dtype):
 def build_student(cfg: DistillRecipeConfig, target: TargetModel | None, tokenizer) -> tuple[nn.Module, dict]:
     """(student in the student dtype, its description for the manifest)."""
     dtype = resolve_dtype(cfg.student.dtype)
-    info = {"init": cfg.student.init, "model": cfg.student.model if cfg.student.init == "pretrained" else None}
-    if cfg.student.init == "pretrained":
+    init = cfg.student.init
+    info = {"init": init, "model": cfg.student.model if init in PRETRAINED_INITS else None}
+    if init in PRETRAINED_INITS:
         student, student_tokenizer = load_pretrained_student(cfg.student.model, dtype)
         check_same_tokenizer(tokenizer, student_tokenizer, what="student")
-    elif cfg.student.init == "layers":
-        ids = list(cfg.student.layer_ids or every_nth_layer(target.num_layers, cfg.student.layer_stride))
-        student = layer_subset_student(target.model, ids).to(dtype).requires_grad_(True)
+    if init in SUBSET_INITS:
+        source = student if init == "pruned" else target.model
+        ids = list(cfg.student.layer_ids or every_nth_layer(source.config.num_hidden_layers, cfg.student.layer_stride))
+        student = layer_subset_student(source, ids).to(dtype).requires_grad_(True)
         info["layer_ids"] = ids
-    else:
+    elif init == "shallow":
         student = shallow_student(target.model, cfg.student.num_layers, cfg.student.intermediate_size,
                                   cfg.student.seed).to(dtype)
-    if cfg.student.init != "pretrained" and cfg.student.freeze_embeddings and not cfg.lora.enabled:
+    if init != "pretrained" and cfg.student.freeze_embeddings and not cfg.lora.enabled:
         student.get_input_embeddings().weight.requires_grad_(False)
         student.get_output_embeddings().weight.requires_grad_(False)
     if cfg.lora.enabled:
@@ -495,10 +505,12 @@ class DistillRecipe(RecipeBase):
         cfg, run = self.cfg, self.run
         batches, on_policy = self._micro_batches()
         online = cfg.online_teacher and (on_policy or not cfg.data.feature_cache)
-        count = torch.zeros((), device=run.device)
+        count = torch.zeros((), device=run.device)  # trained pairs (every mask copy counts)
+        answer_tokens = torch.zeros((), device=run.device)  # loss-bearing tokens of the data
         for batch in batches:
-            count += parallel_pair_count(kd_mask(batch["loss_mask"], batch["attention_mask"]),
-                                         cfg.parallel.copies).to(run.device)
+            mask = kd_mask(batch["loss_mask"], batch["attention_mask"])
+            count += parallel_pair_count(mask, cfg.parallel.copies).to(run.device)
+            answer_tokens += mask.sum().to(run.device)
         normalizer = run.reduce_sum(count).clamp(min=1) / run.world  # DDP averages gradients over processes
 
         def backward_one(batch) -> torch.Tensor:
@@ -508,7 +520,7 @@ class DistillRecipe(RecipeBase):
                                 terms["tokens"].float()])
 
         sums = run.accumulate(batches, backward_one)  # loss, divergence, ce, agree, tokens
-        metrics = run.optimizer_step(sums[0])
+        metrics = run.optimizer_step(sums[0], float(run.reduce_sum(answer_tokens)))
         sums = run.reduce_sum(sums)
         tokens = sums[4].clamp(min=1)
         metrics.update({f"train/{cfg.loss.kind}": float(sums[1] / tokens), "train/ce": float(sums[2] / tokens),
