@@ -1,7 +1,8 @@
 """T(w) of the compiled 0.5B draft LM of issue 35 (32k sliced head, capacity 1024) per precision, one width at a time
 in one process, medians of 20 (the evidence for lm-chain's shared_width=false; results/qwen_draft_int8/README.md).
     SHARED=1 scripts/jobs/quiet.sh python scripts/jobs/draft_width_probe.py bfloat16 int8-weights
-SHARED=0 compiles a static graph per width (1, 2, 4); THREADS sets torch's threads (default 2).
+SHARED=0 compiles a static graph per width (1, 2, 4); THREADS sets torch's threads (default 2); MODEL another draft
+LM of the 0.5B's tokenizer (a zoo name or a directory, e.g. a layer-pruned student's final/).
 """
 import os
 import statistics
@@ -19,7 +20,7 @@ from draftsmith.models.vocab import DraftVocab, with_sliced_head
 
 def main() -> None:
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
-    base = TargetModel.from_pretrained("qwen2.5-coder-0.5b-instruct")
+    base = TargetModel.from_pretrained(os.environ.get("MODEL", "qwen2.5-coder-0.5b-instruct"))
     sliced = with_sliced_head(base.model, DraftVocab.load("drafters/qwen2.5-coder_vocab_32768"))
     settings = CompileSettings(capacity=1024, buckets=[1, 2, 4], shared_width=os.environ.get("SHARED", "1") == "1")
     context = mt_bench_context(base.tokenizer, 256)
