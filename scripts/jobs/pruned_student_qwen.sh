@@ -11,7 +11,7 @@ OUT=${OUT:-outputs/distill_qwen/pruned8}
 REF=${OUT}_reference
 if [ ! -f "$REF/metrics.jsonl" ]; then
   python train/distill.py --config $CONFIG output_dir="$REF" student.init=pretrained student.layer_ids=null \
-    train.max_steps=1 eval.every_steps=0 optim.lr=1e-12 optim.warmup_steps=0 logging.tracker=none --overwrite --no-progress
+    train.max_steps=1 eval.every_steps=0 optim.lr=1e-12 optim.warmup_steps=0 logging.tracker=none logging.run_name=null --overwrite --no-progress
 fi
 RESUME=""
 [ -d "$OUT/checkpoints" ] && RESUME=--resume
