@@ -161,6 +161,9 @@ def measured(source_manifest: dict | None, bench: dict | None) -> list[str]:
         lines.append(f"- bench `{bench['method']}` on {bench['machine']}: tau {bench.get('tau') or float('nan'):.2f}, "
                      f"speedup {bench.get('headline_speedup') or float('nan'):.2f}x vs {bench.get('headline_baseline')} "
                      f"({bench['file']})")
+        lines.append("- that speedup is draftsmith's decoder running these weights with the settings the method "
+                     "names (its draft precision, vocabulary slice, stop rule and graphs are decoding settings, not "
+                     "part of the weights); another engine decodes them its own way and its speedup differs")
     return lines or ["- tau / speedup: not measured for this export (`scripts/export.py ... --bench bench.json "
                      "--bench-method LABEL` adds them)"]
 

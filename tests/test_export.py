@@ -263,6 +263,7 @@ def test_model_card_and_metadata_carry_target_training_and_measurements(tmp_path
     assert card.startswith("---\nbase_model: tiny-target\nlibrary_name: medusa\ntags:\n")
     assert "training command:" in card and "tau 2.50, speedup 1.60x vs plain-compiled" in card
     assert "on cpu (test cpu, 2 cores), 2 threads" in card and "weights: safetensors, float32" in card
+    assert "another engine decodes them its own way" in card  # the speedup is our decoder's, with its settings
     with safe_open(str(tmp_path / "fd" / "medusa_lm_head.safetensors"), "pt") as f:
         metadata = f.metadata()
     assert metadata["target_vocab_fingerprint"] == "abc" and metadata["producer"] == "draftsmith"
