@@ -84,7 +84,7 @@ class StudentConfig:
     num_layers: int = option(2, "shallow: number of freshly initialised decoder layers", ge=1)
     intermediate_size: int | None = option(None, "shallow: MLP width (null: the target's)", ge=1)
     freeze_embeddings: bool = option(True, "layers/pruned/shallow, full fine-tune: embeddings + LM head stay "
-                                                    "as copied")
+                                           "as copied")
     dtype: str = option("float32", "training dtype of the student")
     seed: int = option(0, "shallow: initialisation seed")
 
@@ -505,12 +505,10 @@ class DistillRecipe(RecipeBase):
         cfg, run = self.cfg, self.run
         batches, on_policy = self._micro_batches()
         online = cfg.online_teacher and (on_policy or not cfg.data.feature_cache)
-        count = torch.zeros((), device=run.device)  # trained pairs (every mask copy counts)
-        answer_tokens = torch.zeros((), device=run.device)  # loss-bearing tokens of the data
+        count = torch.zeros((), device=run.device)
         for batch in batches:
-            mask = kd_mask(batch["loss_mask"], batch["attention_mask"])
-            count += parallel_pair_count(mask, cfg.parallel.copies).to(run.device)
-            answer_tokens += mask.sum().to(run.device)
+            count += parallel_pair_count(kd_mask(batch["loss_mask"], batch["attention_mask"]),
+                                         cfg.parallel.copies).to(run.device)
         normalizer = run.reduce_sum(count).clamp(min=1) / run.world  # DDP averages gradients over processes
 
         def backward_one(batch) -> torch.Tensor:
@@ -519,12 +517,12 @@ class DistillRecipe(RecipeBase):
             return torch.stack([terms["loss"].detach(), terms["divergence"], terms["ce"], terms["agree"].float(),
                                 terms["tokens"].float()])
 
-        sums = run.accumulate(batches, backward_one)  # loss, divergence, ce, agree, tokens
-        metrics = run.optimizer_step(sums[0], float(run.reduce_sum(answer_tokens)))
-        sums = run.reduce_sum(sums)
-        tokens = sums[4].clamp(min=1)
-        metrics.update({f"train/{cfg.loss.kind}": float(sums[1] / tokens), "train/ce": float(sums[2] / tokens),
-                        "train/agreement": float(sums[3] / tokens), "train/tokens": int(sums[4]),
+        sums = run.accumulate(batches, backward_one)  # loss, divergence, ce, agree, tokens (this process)
+        totals = run.reduce_sum(sums.clone())
+        metrics = run.optimizer_step(sums[0], float(totals[4]))  # totals[4]: the step's loss-bearing data tokens
+        tokens = totals[4].clamp(min=1)
+        metrics.update({f"train/{cfg.loss.kind}": float(totals[1] / tokens), "train/ce": float(totals[2] / tokens),
+                        "train/agreement": float(totals[3] / tokens), "train/tokens": int(totals[4]),
                         "train/on_policy": int(on_policy)})
         return metrics
 

@@ -4,7 +4,8 @@
 # against answer tokens seen. First the unpruned 0.5B's agreement on the same held-out records (the reference: the
 # evaluation before one step at a negligible learning rate), then the pruned run for at most BUDGET (default 45m; it
 # stops on SIGTERM after a checkpoint and continues where it stopped when rerun on the same machine).
-# Summarize with `python scripts/jobs/pruned_student_curve.py` (results/pruned_student_qwen/).
+# Summarize with `python scripts/training_report.py outputs/distill_qwen/pruned8 --out
+#   results/pruned_student_qwen/training` (results/pruned_student_qwen/README.md).
 set -euo pipefail
 CONFIG=train/configs/distill_qwen_pruned.yaml
 OUT=${OUT:-outputs/distill_qwen/pruned8}
