@@ -12,12 +12,15 @@ import copy
 from torch import nn
 from transformers import PreTrainedModel
 
+from draftsmith.errors import UserError
+
 
 def layer_subset_student(model: PreTrainedModel, layer_ids: list[int]) -> PreTrainedModel:
     """A copy of `model` that keeps only decoder layers `layer_ids` (embeddings, norm, head shared copies)."""
     num_layers = model.config.num_hidden_layers
     if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
-        raise ValueError(f"layer_ids must be a non-empty subset of 0..{num_layers - 1}, got {layer_ids}")
+        raise UserError(f"layer_ids must be a non-empty subset of 0..{num_layers - 1} (the model's decoder layers), "
+                        f"got {layer_ids}")
     student = copy.deepcopy(model)
     decoder = student.get_decoder()
     decoder.layers = nn.ModuleList(decoder.layers[i] for i in layer_ids)

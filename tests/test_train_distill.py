@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from draftsmith.config import ConfigError, load_config
+from draftsmith.errors import UserError
 from draftsmith.train.runtime import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import load_records, synthetic_records
@@ -146,6 +147,8 @@ def test_pruned_student_keeps_layers_of_the_pretrained_model(tmp_path):
     assert info["init"] == "pruned" and info["num_layers"] == 1 and info["layer_ids"] == [0]
     assert info["model"] == tiny_cfg(tmp_path).student.model
     assert info["trainable_parameters"] < info["parameters"]
+    with pytest.raises(UserError, match=r"layer_ids must be a non-empty subset of 0\.\.1 .*got \[9\]"):
+        main(tiny_cfg(tmp_path / "bad", "student.init=pruned", "student.layer_ids=[9]"))  # one line, no traceback
     with pytest.raises(ConfigError, match="student.layer_ids.*read by student.init=layers\\|pruned"):
         tiny_cfg(tmp_path, "student.init=pretrained", "student.layer_ids=[0]")
 
