@@ -7,12 +7,14 @@
 # drafters/curve_smollm2_human/. A new machine resumes from there (AdamW's moments restart; logged).
 #   (nohup nice -n 5 bash scripts/jobs/data_curve_smollm2.sh >> outputs/jobs/data_curve_smollm2.log 2>&1 &)
 # Commit drafters/ after each sync you want to keep (git add drafters && git commit).
+# OVERRIDES="key=value ..." trains a variant of CONFIG (results/architecture_ablation_smollm2/README.md, at 1M).
 set -euo pipefail
 source "$(dirname "$0")/newest.sh"
 RUN=${RUN:-outputs/curve_smollm2_human}
 KEEP=${KEEP:-drafters/curve_smollm2_human}
 SYNC_S=${SYNC_S:-600}
 CONFIG=${CONFIG:-train/configs/dgf_smollm2_curve.yaml}
+read -r -a EXTRA <<< "${OVERRIDES:-}"  # key=value overrides of CONFIG (an ablation variant), e.g. drafter.layer_fusion=gated
 mkdir -p "$KEEP"
 sync_outputs() {  # snapshots -> $KEEP/loss_tokens_<N>/ (once each), newest checkpoint -> $KEEP/resume/
   for snap in "$RUN"/snapshots/loss_tokens_*; do
@@ -34,7 +36,7 @@ else
   RESUME=()
 fi
 OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-  train/dgf.py --config "$CONFIG" output_dir="$RUN" "${RESUME[@]}" --no-progress &
+  train/dgf.py --config "$CONFIG" output_dir="$RUN" "${RESUME[@]}" "${EXTRA[@]}" --no-progress &
 TRAIN=$!
 trap 'kill $TRAIN 2>/dev/null; wait $TRAIN 2>/dev/null; sync_outputs' TERM INT
 while kill -0 $TRAIN 2>/dev/null; do
