@@ -9,26 +9,30 @@
 # results/llamacpp/student_smollm2/ (training report).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/jobs/newest.sh
 CONFIG=train/configs/distill_smollm2_student.yaml
 RUN=${RUN:-outputs/distill_smollm2/student6}
 CPU=${CPU:-$(grep -m1 "model name" /proc/cpuinfo | grep -qi amd && echo epyc || echo xeon)}
+OUT=results/llamacpp/smollm2_student6_float32_${CPU}.json
+[ ! -f "$OUT" ] || { echo "$OUT exists (a committed result): move it away to rerun" >&2; exit 2; }
 if [ ! -d "$RUN/final" ]; then
   RESUME=(); [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
   rc=0
   timeout -s TERM "${BUDGET:-12m}" python train/distill.py --config $CONFIG output_dir="$RUN" "${RESUME[@]}" --no-progress || rc=$?
   if [ ! -d "$RUN/final" ]; then  # the budget stopped it after a checkpoint: one more step writes final/
     [ $rc -eq 0 ] || [ $rc -eq 124 ] || exit $rc
-    step=$(ls -d "$RUN"/checkpoints/step_* | sed 's/.*step_0*//' | sort -n | tail -1)
-    python train/distill.py --config $CONFIG output_dir="$RUN" --resume train.max_steps=$((step + 1)) --no-progress
+    newest=$(newest_numbered "$RUN"/checkpoints/step_*)
+    python train/distill.py --config $CONFIG output_dir="$RUN" --resume train.max_steps=$((10#${newest##*_} + 1)) \
+      --no-progress
   fi
 fi
 python scripts/training_report.py "$RUN" --out results/llamacpp/student_smollm2/training --overwrite
 STUDENT=$RUN/final
-EAGLE3=exports/eagle3_smollm2_all_regen
-[ -d "$EAGLE3" ] || python scripts/export.py dgf models/bundled/smollm2-135m-instruct-eagle3 "$EAGLE3" --layout speculators \
-  --target smollm2-135m-instruct
+EAGLE3=exports/eagle3_smollm2_all_regen  # from the bundled drafter's fp32 source (the bundled copy is bf16)
+[ -d "$EAGLE3" ] || python scripts/export.py dgf drafters/eagle3_smollm2_all_regen/loss_tokens_2400000 "$EAGLE3" \
+  --layout speculators --target smollm2-135m-instruct
 METHODS="ngram eagle3:$EAGLE3,n_max=4,type=q8_0,p_min=0.5 draft:$STUDENT,n_max=3 draft:$STUDENT,n_max=3,type=q8_0"
 METHODS="$METHODS draft:$STUDENT,n_max=8,type=q8_0,p_min=0.5"
 scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench target=smollm2-135m-instruct target_type=float32 \
   num_prompts=${NUM:-10} max_new_tokens=128 threads=2 "methods=$METHODS" pytorch_baselines=${BASELINES:-false} \
-  output=results/llamacpp/smollm2_student6_float32_${CPU}.json
+  output="$OUT"
