@@ -229,6 +229,7 @@ def test_parallel_student_trains_and_drafts_losslessly(tmp_path):
     main(tiny_cfg(tmp_path / "single", "train.max_steps=1", "eval.every_steps=0"))
     assert metrics[1]["train/tokens"] > train_metrics(tmp_path / "single")[1]["train/tokens"]  # the mask copies
     assert summary["eval_after"]["eval/fkl"] < summary["eval_before"]["eval/fkl"]
+    assert {f"eval/agreement_copy{copy}" for copy in range(3)} <= summary["eval_after"].keys()
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert student.config.pard_token == 95
     target = build_tiny_causal_lm("llama", seed=0)

@@ -64,7 +64,8 @@ from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_mo
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import KD_KINDS, kd_loss, kd_mask
-from draftsmith.train.parallel_draft import parallel_inputs, parallel_pair_count, parallel_positions
+from draftsmith.train.parallel_draft import (parallel_copy_index, parallel_inputs, parallel_pair_count,
+                                            parallel_positions)
 from draftsmith.train.runtime import (RUN_UNREAD, DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
                                      TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, record_prompt, recipe_cli)
@@ -484,9 +485,13 @@ class DistillRecipe(RecipeBase):
             loss, divergence = out.loss, out.total
             if cfg.loss.ce_weight > 0:
                 loss = loss + cfg.loss.ce_weight * ce / normalizer
-        agree = (logits.detach().argmax(-1) == teacher_top1).sum()
-        return {"loss": loss, "divergence": divergence, "ce": ce.detach(), "agree": agree,
-                "tokens": torch.tensor(len(labels), device=device)}
+        hits = logits.detach().argmax(-1) == teacher_top1
+        copies = self.cfg.parallel.copies
+        copy = parallel_copy_index(cols, copies) if source is not None else torch.zeros_like(labels)
+        return {"loss": loss, "divergence": divergence, "ce": ce.detach(), "agree": hits.sum(),
+                "tokens": torch.tensor(len(labels), device=device),
+                "agree_by_copy": torch.zeros(copies, device=device).index_add_(0, copy, hits.float()),
+                "tokens_by_copy": torch.bincount(copy, minlength=copies).float()}
 
     def _student_logits(self, batch: dict, rows: torch.Tensor, cols: torch.Tensor):
         """The student's logits at the trained pairs: those of copy 0, and with parallel.copies > 1 those of
@@ -533,6 +538,8 @@ class DistillRecipe(RecipeBase):
         cfg, run = self.cfg, self.run
         run.module.eval()
         sums = torch.zeros(4, dtype=torch.float64, device=run.device)  # divergence, ce, agree, tokens
+        copies = cfg.parallel.copies
+        by_copy = torch.zeros(2, copies, dtype=torch.float64, device=run.device)  # agree, tokens per copy
         online = cfg.loss.kind in KD_KINDS and not cfg.data.feature_cache
         size = cfg.eval.batch_size
         starts = list(range(0, len(self.heldout_records), size))
@@ -541,10 +548,14 @@ class DistillRecipe(RecipeBase):
             if real:
                 sums += torch.stack([terms["divergence"], terms["ce"], terms["agree"].float(),
                                      terms["tokens"].float()]).double()
-        sums = run.reduce_sum(sums)
+                by_copy += torch.stack([terms["agree_by_copy"], terms["tokens_by_copy"]]).double()
+        sums, by_copy = run.reduce_sum(sums), run.reduce_sum(by_copy)
         tokens = sums[3].clamp(min=1)
         metrics = {f"eval/{cfg.loss.kind}": float(sums[0] / tokens), "eval/ce": float(sums[1] / tokens),
                    "eval/agreement": float(sums[2] / tokens), "eval/tokens": int(sums[3])}
+        if copies > 1:  # the sequence (copy 0) and each mask: the j-th mask proposes the (j + 1)-th draft token
+            metrics.update({f"eval/agreement_copy{copy}": float(by_copy[0, copy] / by_copy[1, copy].clamp(min=1))
+                            for copy in range(copies)})
         return metrics | measure_tau(self, cfg.eval)
 
     def drafter(self) -> LMDrafter:

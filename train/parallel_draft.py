@@ -62,6 +62,12 @@ def parallel_positions(rows: torch.Tensor, cols: torch.Tensor, length: int,
     return torch.cat(out_rows), torch.cat(out_cols), torch.cat(source)
 
 
+def parallel_copy_index(cols: torch.Tensor, copies: int) -> torch.Tensor:
+    """The copy (0: the sequence, j: the j-th mask) of each pair parallel_positions returns, in its order."""
+    counts = torch.stack([(cols >= copy).sum() for copy in range(copies)])
+    return torch.repeat_interleave(torch.arange(copies, device=cols.device), counts)
+
+
 def parallel_pair_count(trained: torch.Tensor, copies: int) -> torch.Tensor:
     """Pairs trained over every copy, from copy 0's (B, T) bool mask of trained positions (col >= copy)."""
     return sum(trained[:, copy:].sum() for copy in range(copies))
