@@ -62,7 +62,7 @@ class Progress:
             return cls(None)
         file = Path(output_dir) / PROGRESS_FILE
         digest = config_digest(config)
-        if overwrite or not file.exists():
+        if overwrite or not file.exists() or len(read_lines(file)) <= 1:  # a header alone: nothing finished to keep
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(json.dumps({"format": PROGRESS_FORMAT, "config_digest": digest, "machine": cpu_model(),
                                         "isa": cpu_isa(), "config": config}) + "\n")

@@ -312,6 +312,20 @@ def test_bench_writes_each_conversation_and_a_rerun_continues(tiny_pair, prompts
         run_benchmark(config, target=target, draft=draft, progress=False)
 
 
+def test_a_refused_bench_does_not_block_the_corrected_rerun(tiny_pair, prompts_file, tmp_path):
+    """A run refused at its input (no conversation finished: the header alone) leaves nothing to keep, so the
+    corrected command starts afresh instead of being told to pass --overwrite."""
+    target, draft = tiny_pair
+    out = tmp_path / "run"
+    config = BenchConfig(methods=[parse_method("plain")], suites=[f"jsonl:{prompts_file}"], num_prompts=1,
+                         max_new_tokens=4, output_dir=str(out), backend="eager")
+    with pytest.raises(ValueError, match="no method reads it"):
+        run_benchmark(config, target=target, draft=draft, progress=False)
+    assert len((out / "progress.jsonl").read_text().splitlines()) == 1
+    corrected = run_benchmark(config, target=target, draft=None, progress=False)
+    assert corrected["summary"]["plain"]["prompts"] == 1
+
+
 def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
     from draftsmith.eval.report import build_line
 

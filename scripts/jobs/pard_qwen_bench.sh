@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 35 lever 2, measured: the CPU-trained PARD drafter (scripts/jobs/pard_qwen_cpu.sh; 3 tokens from one forward)
+# beside the off-the-shelf 0.5B as a chain of the same 3 tokens (3 forwards) and as issue 35's winning cheap chain
+# (up to 8, stop_below=0.3), every draft LM in bf16 with its head sliced to the 32k draft vocabulary, on the 1.5B
+# (fp32 target, compiled) with NUM prompts per suite of the goal bench (default 2), interleaved per prompt, other
+# jobs paused. The target verifies in fp32: every output must equal plain greedy (the bench checks). Resumes from
+# OUT/progress.jsonl. bf16 only where the CPU has AVX512-BF16.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/jobs/qwen15_goal_bench.sh
+grep -qw avx512_bf16 /proc/cpuinfo || { echo "error: this CPU has no AVX512-BF16; run it on one that has" >&2; exit 2; }
+NUM=${NUM:-2}
+OUT=${OUT:-results/pard_qwen_cpu/bench}
+MODEL=${MODEL:-outputs/pard_qwen/cpu_lora/final}
+[ -f "$MODEL/config.json" ] || { echo "error: no PARD drafter at $MODEL; run scripts/jobs/pard_qwen_cpu.sh first" >&2; exit 2; }
+VOCAB=drafters/qwen2.5-coder_vocab_32768
+SAME="vocab=$VOCAB,precision=bfloat16"
+METHODS="plain-compiled lm-chain:budget=3,$SAME lm-parallel:budget=3,model=$MODEL,$SAME"
+METHODS="$METHODS lm-chain:budget=8,stop_below=0.3,$SAME"
+qwen15_goal_bench "$OUT" "$METHODS"
