@@ -5,8 +5,7 @@ import torch
 
 from conftest import tiny_model
 from draftsmith.models.engine import additive_mask
-from draftsmith.train.parallel_draft import (parallel_attention, parallel_copy_index, parallel_inputs,
-                                            parallel_positions)
+from draftsmith.train.parallel_draft import parallel_attention, parallel_inputs, parallel_positions
 
 
 def test_the_attention_layout_of_three_copies():
@@ -40,7 +39,7 @@ def test_each_mask_sees_what_it_sees_when_decoding(family):
 
 def test_trained_pairs_of_every_copy_need_a_context():
     rows, cols = torch.tensor([0, 0, 0, 1]), torch.tensor([0, 1, 2, 1])
-    out_rows, out_cols, source = parallel_positions(rows, cols, length=5, copies=3)
+    out_rows, out_cols, source, copy = parallel_positions(rows, cols, length=5, copies=3)
     assert out_cols.tolist() == [0, 1, 2, 1, 5 + 1, 5 + 2, 5 + 1, 10 + 2]
     assert out_rows.tolist() == [0, 0, 0, 1, 0, 0, 1, 0] and source.tolist() == [0, 1, 2, 3, 1, 2, 3, 2]
-    assert parallel_copy_index(cols, copies=3).tolist() == [0, 0, 0, 0, 1, 1, 1, 2]  # held-out agreement per copy
+    assert copy.tolist() == [0, 0, 0, 0, 1, 1, 1, 2]  # held-out agreement per copy

@@ -64,8 +64,7 @@ from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_mo
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import KD_KINDS, kd_loss, kd_mask
-from draftsmith.train.parallel_draft import (parallel_copy_index, parallel_inputs, parallel_pair_count,
-                                            parallel_positions)
+from draftsmith.train.parallel_draft import parallel_inputs, parallel_pair_count, parallel_positions
 from draftsmith.train.runtime import (RUN_UNREAD, DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
                                      TrainConfig, TrainingRun,
                                       measure_tau, pad_id_of, record_prompt, recipe_cli)
@@ -460,7 +459,7 @@ class DistillRecipe(RecipeBase):
         mask = kd_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T)
         rows, cols = mask.nonzero(as_tuple=True)  # (N,), (N,)
         labels = batch["input_ids"][rows, cols + 1]  # (N,) the data's next tokens
-        logits, source = self._student_logits(batch, rows, cols)  # (N', V); pair i takes the labels of source[i]
+        logits, source, copy = self._student_logits(batch, rows, cols)  # (N', V); pair i: labels of source[i]
         pick = (lambda t: t) if source is None else (lambda t: t[source])  # ordinary students: no copy
         labels = pick(labels)
         ce = F.cross_entropy(logits, labels, reduction="sum")
@@ -487,7 +486,6 @@ class DistillRecipe(RecipeBase):
                 loss = loss + cfg.loss.ce_weight * ce / normalizer
         hits = logits.detach().argmax(-1) == teacher_top1
         copies = self.cfg.parallel.copies
-        copy = parallel_copy_index(cols, copies) if source is not None else torch.zeros_like(labels)
         return {"loss": loss, "divergence": divergence, "ce": ce.detach(), "agree": hits.sum(),
                 "tokens": torch.tensor(len(labels), device=device),
                 "agree_by_copy": torch.zeros(copies, device=device).index_add_(0, copy, hits.float()),
@@ -496,14 +494,15 @@ class DistillRecipe(RecipeBase):
     def _student_logits(self, batch: dict, rows: torch.Tensor, cols: torch.Tensor):
         """The student's logits at the trained pairs: those of copy 0, and with parallel.copies > 1 those of
         every mask copy too (train/parallel_draft.py); with the index of the copy-0 pair each one learns (None:
-        copy 0 only, pair i learns pair i's labels)."""
+        copy 0 only, pair i learns pair i's labels) and the copy of each (0: the sequence, j: the j-th mask)."""
         copies = self.cfg.parallel.copies
         if copies == 1:
-            return self.run.module(batch["input_ids"], batch["attention_mask"], rows, cols), None
+            logits = self.run.module(batch["input_ids"], batch["attention_mask"], rows, cols)
+            return logits, None, torch.zeros_like(rows)
         layout = parallel_inputs(batch["input_ids"], batch["attention_mask"], copies, self.mask_token)
-        layout_rows, layout_cols, source = parallel_positions(rows, cols, batch["input_ids"].shape[1], copies)
+        layout_rows, layout_cols, source, copy = parallel_positions(rows, cols, batch["input_ids"].shape[1], copies)
         mask = additive_mask(layout.allowed, self._student().dtype)
-        return self.run.module(layout.input_ids, mask, layout_rows, layout_cols, layout.position_ids), source
+        return self.run.module(layout.input_ids, mask, layout_rows, layout_cols, layout.position_ids), source, copy
 
 
     def train_step(self) -> dict:

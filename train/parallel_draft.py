@@ -50,22 +50,18 @@ def parallel_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, copie
 
 
 def parallel_positions(rows: torch.Tensor, cols: torch.Tensor, length: int,
-                       copies: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       copies: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trained (row, column) pairs of copy 0 -> those of every copy j whose context is not empty (col >= j):
-    (rows, columns in the PARD layout, index into the given pairs of the label each one takes)."""
-    out_rows, out_cols, source = [], [], []
+    (rows, columns in the PARD layout, index into the given pairs of the label each one takes, the copy of each:
+    0 the sequence, j the j-th mask)."""
+    out_rows, out_cols, source, copy_of = [], [], [], []
     for copy in range(copies):
         keep = (cols >= copy).nonzero(as_tuple=True)[0]
         out_rows.append(rows[keep])
         out_cols.append(cols[keep] + copy * length)
         source.append(keep)
-    return torch.cat(out_rows), torch.cat(out_cols), torch.cat(source)
-
-
-def parallel_copy_index(cols: torch.Tensor, copies: int) -> torch.Tensor:
-    """The copy (0: the sequence, j: the j-th mask) of each pair parallel_positions returns, in its order."""
-    counts = torch.stack([(cols >= copy).sum() for copy in range(copies)])
-    return torch.repeat_interleave(torch.arange(copies, device=cols.device), counts)
+        copy_of.append(torch.full_like(keep, copy))
+    return torch.cat(out_rows), torch.cat(out_cols), torch.cat(source), torch.cat(copy_of)
 
 
 def parallel_pair_count(trained: torch.Tensor, copies: int) -> torch.Tensor:
