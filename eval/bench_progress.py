@@ -62,12 +62,13 @@ class Progress:
             return cls(None)
         file = Path(output_dir) / PROGRESS_FILE
         digest = config_digest(config)
-        if overwrite or not file.exists() or len(read_lines(file)) <= 1:  # a header alone: nothing finished to keep
+        lines = [] if overwrite or not file.exists() else read_lines(file)
+        if len(lines) <= 1:  # new, --overwrite, or a header alone (a run refused at its input): nothing to keep
             file.parent.mkdir(parents=True, exist_ok=True)
             file.write_text(json.dumps({"format": PROGRESS_FORMAT, "config_digest": digest, "machine": cpu_model(),
                                         "isa": cpu_isa(), "config": config}) + "\n")
             return cls(file)
-        header, *records = read_lines(file)
+        header, *records = lines
         if header.get("format") != PROGRESS_FORMAT or header.get("config_digest") != digest:
             raise UserError(f"{file} holds the progress of a benchmark with another config (digest "
                             f"{header.get('config_digest')}, this one {digest}): rerun with that config to continue "
