@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/jobs/qwen15_goal_bench.sh
-grep -qw avx512_bf16 /proc/cpuinfo || { echo "error: this CPU has no AVX512-BF16; run it on one that has" >&2; exit 2; }
+require_avx512_bf16
 NUM=${NUM:-2}
 OUT=${OUT:-results/pard_qwen_cpu/bench}
 MODEL=${MODEL:-outputs/pard_qwen/cpu_lora/final}

@@ -5,10 +5,5 @@
 #   python train/distill.py --config train/configs/pard_qwen_cpu.yaml --resume train.max_steps=<its step>
 # and summarize with `python scripts/training_report.py outputs/pard_qwen/cpu_lora --out results/pard_qwen_cpu/training`.
 set -euo pipefail
-CONFIG=train/configs/pard_qwen_cpu.yaml
-OUT=${OUT:-outputs/pard_qwen/cpu_lora}
-RESUME=""
-[ -d "$OUT/checkpoints" ] && RESUME=--resume
-rc=0
-timeout -s TERM "${BUDGET:-80m}" python train/distill.py --config $CONFIG output_dir="$OUT" $RESUME --no-progress || rc=$?
-[ $rc -eq 0 ] || [ $rc -eq 124 ]  # 124: the budget ended the run after a checkpoint
+source "$(dirname "$0")/budget.sh"
+distill_for_budget train/configs/pard_qwen_cpu.yaml "${OUT:-outputs/pard_qwen/cpu_lora}" "${BUDGET:-80m}"

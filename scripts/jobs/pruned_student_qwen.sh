@@ -7,6 +7,7 @@
 # Summarize with `python scripts/training_report.py outputs/distill_qwen/pruned8 --out
 #   results/pruned_student_qwen/training` (results/pruned_student_qwen/README.md).
 set -euo pipefail
+source "$(dirname "$0")/budget.sh"
 CONFIG=train/configs/distill_qwen_pruned.yaml
 OUT=${OUT:-outputs/distill_qwen/pruned8}
 REF=${OUT}_reference
@@ -14,8 +15,4 @@ if [ ! -f "$REF/metrics.jsonl" ]; then
   python train/distill.py --config $CONFIG output_dir="$REF" student.init=pretrained student.layer_ids=null \
     train.max_steps=1 eval.every_steps=0 optim.lr=1e-12 optim.warmup_steps=0 logging.tracker=none logging.run_name=null --overwrite --no-progress
 fi
-RESUME=""
-[ -d "$OUT/checkpoints" ] && RESUME=--resume
-rc=0
-timeout -s TERM "${BUDGET:-45m}" python train/distill.py --config $CONFIG output_dir="$OUT" $RESUME --no-progress || rc=$?
-[ $rc -eq 0 ] || [ $rc -eq 124 ]  # 124: the budget ended the run after a checkpoint
+distill_for_budget $CONFIG "$OUT" "${BUDGET:-45m}"

@@ -3,7 +3,11 @@
 # both turns, GSM8K, HumanEval, 128 new tokens, both plain baselines, other jobs paused) into OUT, resuming from its
 # progress.jsonl; it does nothing when OUT/bench.json exists. The 1.5B's compiled package (7 GB) is built first in a
 # process of its own: built inside the bench beside the 0.5B it needs more than 24 GB and the bench is killed
-# (session 10). That build is a no-op where the cache has it.
+# (session 10). That build is a no-op where the cache has it. `require_avx512_bf16` stops a job whose bf16 draft LMs
+# would be emulated, and slower, on a CPU without AVX512-BF16 (results/qwen_draft_cost.md).
+require_avx512_bf16() {
+  grep -qw avx512_bf16 /proc/cpuinfo || { echo "error: this CPU has no AVX512-BF16; run it on one that has" >&2; exit 2; }
+}
 qwen15_goal_bench() {
   local out=$1 methods=$2
   [ -f "$out/bench.json" ] && return 0

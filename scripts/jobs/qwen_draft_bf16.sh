@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/jobs/qwen15_goal_bench.sh
-grep -qw avx512_bf16 /proc/cpuinfo || { echo "error: this CPU has no AVX512-BF16; run it on one that has" >&2; exit 2; }
+require_avx512_bf16
 NUM=${NUM:-2}
 OUT=${OUT:-results/qwen_draft_bf16/bench}
 VOCAB=drafters/qwen2.5-coder_vocab_32768

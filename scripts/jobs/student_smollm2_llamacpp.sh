@@ -10,17 +10,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/jobs/newest.sh
+source scripts/jobs/budget.sh
 CONFIG=train/configs/distill_smollm2_student.yaml
 RUN=${RUN:-outputs/distill_smollm2/student6}
 CPU=${CPU:-$(grep -m1 "model name" /proc/cpuinfo | grep -qi amd && echo epyc || echo xeon)}
 OUT=results/llamacpp/smollm2_student6_float32_${CPU}.json
 [ ! -f "$OUT" ] || { echo "$OUT exists (a committed result): move it away to rerun" >&2; exit 2; }
 if [ ! -d "$RUN/final" ]; then
-  RESUME=(); [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
-  rc=0
-  timeout -s TERM "${BUDGET:-12m}" python train/distill.py --config $CONFIG output_dir="$RUN" "${RESUME[@]}" --no-progress || rc=$?
+  distill_for_budget $CONFIG "$RUN" "${BUDGET:-12m}"
   if [ ! -d "$RUN/final" ]; then  # the budget stopped it after a checkpoint: one more step writes final/
-    [ $rc -eq 0 ] || [ $rc -eq 124 ] || exit $rc
     newest=$(newest_numbered "$RUN"/checkpoints/step_*)
     python train/distill.py --config $CONFIG output_dir="$RUN" --resume train.max_steps=$((10#${newest##*_} + 1)) \
       --no-progress
