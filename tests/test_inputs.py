@@ -208,6 +208,7 @@ def test_an_option_the_chosen_mode_does_not_read_is_refused_by_name(capsys):
     ("distill", ["student.num_layers=3"], "read by student.init=shallow"),
     ("distill", ["loss.beta=0.3"], "read by loss.kind=jsd"),
     ("distill", ["on_policy.temperature=0.5"], "read when on_policy.fraction > 0"),
+    ("distill", ["lora.enabled=true", "lora.adapter_samples_seen=240"], "read with lora.adapter"),
 ])
 def test_train_options_the_chosen_mode_does_not_read_are_refused(recipe, overrides, words):
     """A recipe option that the configuration as given never reads is refused by name, with what reads it."""

@@ -91,6 +91,44 @@ def test_lora_export_is_merged_and_generates_like_the_target(tmp_path):
     assert torch.equal(plain, assisted)
 
 
+def test_a_run_continues_from_a_saved_adapter_where_its_data_stopped(tmp_path):
+    """final/adapter is PEFT's format (merging it gives final/), and lora.adapter + adapter_samples_seen continue
+    a LoRA run without its checkpoint: the continued run's first step sees the data, and the weights, of the
+    uninterrupted run's third step."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    common = ["lora.enabled=true", "lora.r=4", "eval.every_steps=0", "optim.lr=0.05", "train.checkpoint_every=100"]
+    main(tiny_cfg(tmp_path / "whole", *common, "train.max_steps=3"))
+    main(tiny_cfg(tmp_path / "first", *common, "train.max_steps=2"))
+    adapter = tmp_path / "first" / "final" / "adapter"
+    merged = PeftModel.from_pretrained(build_tiny_causal_lm("llama", seed=1), adapter).merge_and_unload()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "first" / "final")
+    for name, weight in exported.state_dict().items():
+        assert torch.allclose(merged.state_dict()[name], weight, atol=1e-6), name
+    seen = train_metrics(tmp_path / "first")[2]["train/samples_seen"]
+    main(tiny_cfg(tmp_path / "next", *common, "train.max_steps=1", f"lora.adapter={adapter}",
+                  f"lora.adapter_samples_seen={seen}"))
+    whole, continued = train_metrics(tmp_path / "whole")[3], train_metrics(tmp_path / "next")[1]
+    assert continued["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-5)
+    assert continued["train/tokens"] == whole["train/tokens"]
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["lora.adapter={missing}"], "no adapter_config.json there"),
+    (["lora.adapter={adapter}", "lora.r=8"], "has r 4 (lora.r: 8)"),
+    (["lora.adapter={adapter}", "lora.target_modules=[q_proj]"], "has target_modules"),
+])
+def test_an_adapter_of_another_shape_is_refused_in_one_line(tmp_path, overrides, words):
+    main(tiny_cfg(tmp_path / "first", "lora.enabled=true", "lora.r=4", "train.max_steps=1", "eval.every_steps=0"))
+    paths = {"missing": tmp_path / "nowhere", "adapter": tmp_path / "first" / "final" / "adapter"}
+    with pytest.raises(ConfigError) as err:
+        main(tiny_cfg(tmp_path / "next", "lora.enabled=true", "lora.r=4", "train.max_steps=1",
+                      *[o.format(**paths) for o in overrides]))
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "next" / "final").exists()
+
+
 def test_on_policy_mode(tmp_path):
     summary = main(tiny_cfg(tmp_path, "on_policy.fraction=1.0", "loss.kind=rkl", "train.max_steps=3",
                             "eval.every_steps=0", "train.checkpoint_every=100"))

@@ -32,7 +32,8 @@ over k - 1 mask tokens after the context (train/parallel_draft.py); every loss a
 Layout of `output_dir`:
     checkpoints/step_<N>/   tensors.safetensors + state.json (trainable weights, optimizer, scheduler, RNG of
                             every process, data position); `--resume` continues exactly
-    final/                  the student in plain HF `save_pretrained` format (LoRA merged) + the target's
+    final/                  the student in plain HF `save_pretrained` format (LoRA merged; the adapters alone
+                            in final/adapter/, PEFT's format, which `lora.adapter` continues from) + the target's
                             tokenizer + manifest.json (target id, vocab fingerprint, loss, data, eval);
                             usable as `generate(assistant_model=AutoModelForCausalLM.from_pretrained(final))`
                             and as `python -m draftsmith.eval.bench --draft <output_dir>/final`
@@ -50,7 +51,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
 from torch import nn
 
 from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
@@ -97,6 +99,11 @@ class LoraConfig:
     dropout: float = option(0.0, "LoRA dropout", ge=0, lt=1)
     target_modules: list[str] = option(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                         "up_proj", "down_proj"], help="modules that get adapters")
+    adapter: str | None = option(None, "start the adapters from a PEFT adapter directory (a run's final/adapter, "
+                                       "or a committed one) instead of zero: a run continued on another machine; "
+                                       "its r, alpha and target modules must equal these")
+    adapter_samples_seen: int = option(0, "samples the adapter's run had trained on: this run's data order "
+                                          "continues there (0: from the start)", ge=0)
 
 
 @dataclass
@@ -185,7 +192,8 @@ DISTILL_UNREAD = [
     *[Unread(f"student.{key}", lambda c: c.student.init != "shallow", "read by student.init=shallow")
       for key in ("num_layers", "intermediate_size", "seed")],
     *[Unread(f"lora.{key}", lambda c: not c.lora.enabled, "read by lora.enabled=true")
-      for key in ("r", "alpha", "dropout", "target_modules")],
+      for key in ("r", "alpha", "dropout", "target_modules", "adapter")],
+    Unread("lora.adapter_samples_seen", lambda c: not c.lora.adapter, "read with lora.adapter"),
     Unread("loss.beta", lambda c: c.loss.kind != "jsd", "read by loss.kind=jsd"),
     Unread("loss.topk_tail", lambda c: not c.data.feature_cache, "read with data.feature_cache (top-k teachers)"),
     *[Unread(f"on_policy.{key}", lambda c: c.on_policy.fraction == 0, "read when on_policy.fraction > 0")
@@ -241,11 +249,45 @@ def teacher_logits_at(model, input_ids, attention_mask, rows, cols) -> torch.Ten
 
 
 def add_lora(cfg: LoraConfig, student):
+    """The student with trainable LoRA adapters: new ones (zero update), or lora.adapter's weights."""
+    if cfg.adapter:
+        return load_adapter(cfg, student)
     try:
         return get_peft_model(student, PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                                       bias="none", target_modules=list(cfg.target_modules)))
     except ValueError as err:
         raise ConfigError(f"lora.target_modules {cfg.target_modules}: {err}") from err
+
+
+def load_adapter(cfg: LoraConfig, student):
+    """lora.adapter loaded as trainable adapters on the student, after checking it is the configured shape."""
+    directory = Path(cfg.adapter)
+    if not (directory / "adapter_config.json").is_file():
+        raise ConfigError(f"lora.adapter {directory}: no adapter_config.json there (a PEFT adapter directory)")
+    saved = PeftConfig.from_pretrained(str(directory))
+    differences = [f"{name} {theirs} (lora.{name.split('_')[-1]}: {ours})" for name, theirs, ours in
+                   [("r", saved.r, cfg.r), ("lora_alpha", saved.lora_alpha, cfg.alpha),
+                    ("target_modules", sorted(saved.target_modules), sorted(cfg.target_modules))]
+                   if theirs != ours]
+    if differences:
+        raise ConfigError(f"lora.adapter {directory} has " + ", ".join(differences))
+    saved.lora_dropout = cfg.dropout
+    try:
+        return PeftModel.from_pretrained(student, str(directory), config=saved, is_trainable=True)
+    except (ValueError, RuntimeError, KeyError) as err:  # another base model's shapes or module names
+        raise ConfigError(f"lora.adapter {directory} does not fit student.model: {str(err).splitlines()[0]}") \
+            from err
+
+
+def write_adapter(peft_model, directory: Path, dtype: torch.dtype) -> None:
+    """The trained adapters alone in PEFT's format (what `PeftModel.from_pretrained` and lora.adapter read)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().to("cpu", dtype).contiguous()
+             for name, tensor in get_peft_model_state_dict(peft_model).items()}
+    save_file(state, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(peft_model.peft_config["default"])
+    config.inference_mode = True
+    config.save_pretrained(str(directory))
 
 
 def load_pretrained_student(spec: str, dtype: torch.dtype):
@@ -355,6 +397,8 @@ class DistillRecipe(RecipeBase):
         if not params:
             raise ConfigError("the student has no trainable parameter (check lora.target_modules)")
         run.setup_optimizer(DistillTrainModule(student), [{"params": params, "lr": cfg.optim.lr}])
+        if cfg.lora.adapter:  # the data order goes on where the adapter's run stopped (a resume overrides it)
+            run.samples_seen = cfg.lora.adapter_samples_seen
 
     def _parallel_mask_token(self, student) -> int:
         """parallel.mask_token, or the first embedding row the tokenizer never produces; written into the
@@ -583,6 +627,8 @@ class DistillRecipe(RecipeBase):
         """The student in HF format (LoRA merged) + the target's tokenizer + manifest."""
         cfg, run = self.cfg, self.run
         self.export_model().save_pretrained(str(directory))
+        if cfg.lora.enabled:
+            write_adapter(self._student(), directory / "adapter", resolve_dtype(cfg.export.dtype))
         saved_tokenizer = hasattr(self.tokenizer, "save_pretrained")
         if saved_tokenizer:
             self.tokenizer.save_pretrained(str(directory))
