@@ -283,3 +283,14 @@ def test_parallel_mask_token_must_be_a_free_row(tmp_path):
         main(tiny_cfg(tmp_path, "parallel.copies=2", "train.max_steps=1"))
     with pytest.raises(ConfigError, match=r"parallel\.mask_token.*read when parallel\.copies > 1"):
         tiny_cfg(tmp_path, "parallel.mask_token=3")
+
+
+def test_an_adapter_for_another_model_is_refused_in_one_line():
+    """The committed PARD adapter (for the 0.5B) on a tiny student: the first size mismatch, in one line."""
+    from draftsmith.train.distill import load_adapter
+
+    cfg = load_config(DistillRecipeConfig, REPO / "train" / "configs" / "pard_qwen_cpu.yaml",
+                      [f"lora.adapter={REPO / 'drafters' / 'pard_qwen_cpu'}", "lora.adapter_samples_seen=240"])
+    with pytest.raises(ConfigError) as err:
+        load_adapter(cfg.lora, build_tiny_causal_lm("llama", seed=1))
+    assert "does not fit student.model: size mismatch for" in str(err.value) and "\n" not in str(err.value)

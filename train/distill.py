@@ -275,8 +275,9 @@ def load_adapter(cfg: LoraConfig, student):
     try:
         return PeftModel.from_pretrained(student, str(directory), config=saved, is_trainable=True)
     except (ValueError, RuntimeError, KeyError) as err:  # another base model's shapes or module names
-        raise ConfigError(f"lora.adapter {directory} does not fit student.model: {str(err).splitlines()[0]}") \
-            from err
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0] if lines else type(err).__name__
+        raise ConfigError(f"lora.adapter {directory} does not fit student.model: {detail}") from err
 
 
 def write_adapter(peft_model, directory: Path, dtype: torch.dtype) -> None:
