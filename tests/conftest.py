@@ -45,6 +45,33 @@ def tiny_model(family: str = "llama", seed: int = 0, **kwargs):
     return model
 
 
+def repetitive_prompt(seed: int, period: int = 6, tail: int = 3) -> torch.Tensor:
+    """(1, 2 * period + tail) token ids: a random run repeated once, then a random tail (something for n-gram
+    lookup to find)."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 96, (period,), generator=gen)
+    return torch.cat([base, base, torch.randint(0, 96, (tail,), generator=gen)])[None]
+
+
+def pooled_chisquare_pvalue(counts: dict, exact: dict, samples: int) -> float:
+    """Chi-square p-value of sampled `counts` against the `exact` probabilities of the same keys, with the cells
+    expected fewer than 5 times pooled into one (so the approximation holds) and the expectation rescaled to the
+    samples (exact probabilities sum to 1 only up to float rounding)."""
+    from scipy.stats import chisquare
+
+    observed, expected, pool_observed, pool_expected = [], [], 0, 0.0
+    for key in sorted(exact, key=exact.get, reverse=True):
+        if exact[key] * samples >= 5:
+            observed.append(counts[key])
+            expected.append(exact[key] * samples)
+        else:
+            pool_observed, pool_expected = pool_observed + counts[key], pool_expected + exact[key] * samples
+    observed.append(pool_observed)
+    expected.append(pool_expected)
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module whose tests may change it (a CLI run with threads=2): tiny matmuls run

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import repetitive_prompt, tiny_model
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import DGFDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -112,9 +112,7 @@ def _drafters(compiled, draft):
 @pytest.mark.parametrize("seed", range(2))
 def test_compiled_greedy_equals_compiled_plain(compiled_pair, seed):
     eager, compiled, draft = compiled_pair
-    gen = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, 96, (5,), generator=gen)
-    prompt = torch.cat([base, base, torch.randint(0, 96, (3,), generator=gen)])[None]
+    prompt = repetitive_prompt(seed, period=5)
     config = DecodeConfig(max_new_tokens=20, budget_limit=7)
     plain = SpeculativeDecoder(compiled, None, config).generate(prompt).tokens
     hf = eager.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,

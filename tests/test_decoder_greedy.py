@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import repetitive_prompt, tiny_model
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import InputError
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -59,10 +59,7 @@ KINDS = ["none", "chain-shallow", "chain-other", "chain-stop", "tree-shallow", "
 def test_greedy_equivalence(family, kind, seed):
     model = tiny_model(family, seed=seed, num_layers=3)
     target = TargetModel(model, tokenizer=None)
-    # Repetitive prompts give the n-gram drafter something to find.
-    gen = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, 96, (6,), generator=gen)
-    prompt = torch.cat([base, base, torch.randint(0, 96, (3,), generator=gen)])[None]
+    prompt = repetitive_prompt(seed)  # something for the n-gram drafter to find
     decoder = SpeculativeDecoder(target, make_drafter(kind, model, seed), DecodeConfig(max_new_tokens=NEW_TOKENS))
     result = decoder.generate(prompt)
     assert result.tokens == reference_greedy(model, prompt)

@@ -9,9 +9,8 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from conftest import tiny_model
+from conftest import pooled_chisquare_pvalue, tiny_model
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import DGFDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -103,18 +102,5 @@ def test_sampling_matches_target_distribution(kind):
         counts[tuple(result.tokens)] += 1
         accepted_any += result.stats.round_tokens > result.stats.verify_forwards
     assert accepted_any > SAMPLES // 10, "drafts were (almost) never accepted: the test would prove little"
-    # Pool cells with small expected counts so the chi-square approximation holds.
-    keys = sorted(exact, key=exact.get, reverse=True)
-    observed, expected, pool_o, pool_e = [], [], 0, 0.0
-    for key in keys:
-        e = exact[key] * SAMPLES
-        if e >= 5:
-            observed.append(counts[key])
-            expected.append(e)
-        else:
-            pool_o, pool_e = pool_o + counts[key], pool_e + e
-    observed.append(pool_o)
-    expected.append(pool_e)
-    scale = sum(observed) / sum(expected)  # exact probabilities sum to 1 only up to float rounding
-    p_value = chisquare(observed, [e * scale for e in expected]).pvalue
+    p_value = pooled_chisquare_pvalue(counts, exact, SAMPLES)
     assert p_value > 1e-3, f"{kind}: chi-square p = {p_value:.2e}"

@@ -8,7 +8,7 @@ the pieces that carry the papers' formulas.
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import pooled_chisquare_pvalue, repetitive_prompt, tiny_model
 from draftsmith.eval.decode.decoder import DecodeConfig, DrafterMethod, Method, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter, pacer_pick, update_alpha
@@ -84,9 +84,7 @@ def decoder_for(policy, target, config):
 def test_greedy_equivalence(family, kind, seed):
     model = tiny_model(family, seed=seed, num_layers=3)
     target = TargetModel(model, tokenizer=None)
-    gen = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, 96, (6,), generator=gen)
-    prompt = torch.cat([base, base, torch.randint(0, 96, (3,), generator=gen)])[None]
+    prompt = repetitive_prompt(seed)
     policy = make_policy(kind, model, seed)
     expected = reference_greedy(model, prompt)
     for _ in range(2 if seed == 0 else 1):  # a second request: carried-over weights / alpha / s must not matter
@@ -113,8 +111,6 @@ def test_eos_stops_like_generate(family):
 @pytest.mark.parametrize("kind", ["minions-tree", "pipeline", "union", "union-first", pytest.param("llmcad", marks=pytest.mark.slow),
                                   pytest.param("self-draft", marks=pytest.mark.slow)])
 def test_sampling_matches_target_distribution(kind):
-    from scipy.stats import chisquare
-
     model = tiny_model("llama", seed=5, vocab_size=VOCAB, num_layers=1, hidden_size=32)
     target = TargetModel(model, tokenizer=None)
     other = tiny_model("llama", seed=12, vocab_size=VOCAB, num_layers=1)
@@ -146,19 +142,7 @@ def test_sampling_matches_target_distribution(kind):
         assert policy.hits > SAMPLES // 20
     if kind.startswith("union"):
         assert min(policy.proposed) > 0, policy.summary()  # every sub-drafter's tree was verified
-    keys = sorted(exact, key=exact.get, reverse=True)
-    observed, expected, pool_o, pool_e = [], [], 0, 0.0
-    for key in keys:
-        e = exact[key] * SAMPLES
-        if e >= 5:
-            observed.append(counts[key])
-            expected.append(e)
-        else:
-            pool_o, pool_e = pool_o + counts[key], pool_e + e
-    observed.append(pool_o)
-    expected.append(pool_e)
-    scale = sum(observed) / sum(expected)
-    assert chisquare(observed, [e * scale for e in expected]).pvalue > 1e-3
+    assert pooled_chisquare_pvalue(counts, exact, SAMPLES) > 1e-3
 
 
 # ----------------------------------------------------------------------------------- Minions
