@@ -40,7 +40,9 @@ OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_p
 TRAIN=$!
 trap 'kill $TRAIN 2>/dev/null; wait $TRAIN 2>/dev/null; sync_outputs' TERM INT
 while kill -0 $TRAIN 2>/dev/null; do
-  sleep "$SYNC_S" & wait $! || true
+  sleep "$SYNC_S" & SLEEPER=$!
+  wait -n $TRAIN $SLEEPER || true  # wakes when the training ends, not up to SYNC_S later
+  kill $SLEEPER 2>/dev/null || true
   sync_outputs
 done
 wait $TRAIN || true
