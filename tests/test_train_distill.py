@@ -117,7 +117,7 @@ def test_a_run_continues_from_a_saved_adapter_where_its_data_stopped(tmp_path):
 @pytest.mark.parametrize("overrides,words", [
     (["lora.adapter={missing}"], "no adapter_config.json there"),
     (["lora.adapter={adapter}", "lora.r=8"], "has r 4 (lora.r: 8)"),
-    (["lora.adapter={adapter}", "lora.target_modules=[q_proj]"], "has target_modules"),
+    (["lora.adapter={adapter}", "lora.target_modules=[q_proj]"], "'v_proj'] (lora.target_modules: ['q_proj'])"),
 ])
 def test_an_adapter_of_another_shape_is_refused_in_one_line(tmp_path, overrides, words):
     main(tiny_cfg(tmp_path / "first", "lora.enabled=true", "lora.r=4", "train.max_steps=1", "eval.every_steps=0"))

@@ -265,9 +265,9 @@ def load_adapter(cfg: LoraConfig, student):
     if not (directory / "adapter_config.json").is_file():
         raise ConfigError(f"lora.adapter {directory}: no adapter_config.json there (a PEFT adapter directory)")
     saved = PeftConfig.from_pretrained(str(directory))
-    differences = [f"{name} {theirs} (lora.{name.split('_')[-1]}: {ours})" for name, theirs, ours in
-                   [("r", saved.r, cfg.r), ("lora_alpha", saved.lora_alpha, cfg.alpha),
-                    ("target_modules", sorted(saved.target_modules), sorted(cfg.target_modules))]
+    differences = [f"{name} {theirs} (lora.{option_name}: {ours})" for name, option_name, theirs, ours in
+                   [("r", "r", saved.r, cfg.r), ("lora_alpha", "alpha", saved.lora_alpha, cfg.alpha),
+                    ("target_modules", "target_modules", sorted(saved.target_modules), sorted(cfg.target_modules))]
                    if theirs != ours]
     if differences:
         raise ConfigError(f"lora.adapter {directory} has " + ", ".join(differences))
