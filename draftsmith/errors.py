@@ -58,6 +58,15 @@ def one_line(err: BaseException) -> str:
     return " ".join(text.split())
 
 
+def first_detail(err: BaseException) -> str:
+    """The first informative line of a many-line message, e.g. torch's `Error(s) in loading state_dict ...:`
+    followed by one `size mismatch for ...` line per tensor: that first mismatch."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+
+
 def exit_with(main: Callable[[list[str]], object]) -> None:
     """`if __name__ == "__main__": exit_with(main)`."""
     sys.exit(run_main(main))

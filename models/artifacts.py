@@ -247,3 +247,20 @@ def read_student_manifest(path: str | Path) -> dict | None:
         return None
     manifest = read_json(file, "distillation manifest")
     return manifest if manifest.get("format") == STUDENT_FORMAT else None
+
+
+ADAPTER_SIDECAR = "draftsmith_adapter.json"  # beside a LoRA adapter: its base model and PARD mask token
+ADAPTER_FORMAT = "draftsmith.adapter/1"
+
+
+def write_adapter_sidecar(directory: str | Path, base: str | None, pard_token: int | None) -> None:
+    """What merging a PEFT adapter into a standalone model needs and PEFT's adapter_config.json does not hold:
+    the base model by zoo name or directory (None: the student was not a loadable model) and the PARD mask token."""
+    content = {"format": ADAPTER_FORMAT, "base": base, "pard_token": pard_token}
+    (Path(directory) / ADAPTER_SIDECAR).write_text(json.dumps(content, indent=2) + "\n")
+
+
+def read_adapter_sidecar(directory: str | Path) -> dict:
+    """The sidecar of an adapter directory; {} where there is none (an adapter from another tool)."""
+    file = Path(directory) / ADAPTER_SIDECAR
+    return read_json(file, "adapter sidecar") if file.is_file() else {}

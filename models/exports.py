@@ -33,10 +33,9 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.errors import UserError
-from draftsmith.models.artifacts import (ACCURACY_FILE, load_dgf, load_medusa_heads,
-                                         load_weights, manifest_layers, read_json, read_student_manifest,
-                                         save_dgf)
+from draftsmith.errors import UserError, first_detail
+from draftsmith.models.artifacts import (ACCURACY_FILE, load_dgf, load_medusa_heads, load_weights, manifest_layers,
+                                         read_adapter_sidecar, read_json, read_student_manifest, save_dgf)
 from draftsmith.models import eagle_layouts
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths, load_rank_accuracy
@@ -171,7 +170,14 @@ def measured(source_manifest: dict | None, bench: dict | None) -> list[str]:
 def provenance(manifest: dict, source_manifest: dict | None) -> list[str]:
     """Where the weights come from (a draftsmith training output, or a model exported as it is) and the command
     that made the export."""
-    if source_manifest is None:
+    merge = (manifest.get("student") or {}).get("adapter_merge")
+    if merge is not None:
+        pard = merge.get("pard_token")
+        lines = [f"- the LoRA adapter `{merge['adapter']}` merged into `{merge['base']}` (merged minus applied by PEFT: "
+                 f"max |logit diff| {merge['merge_max_abs_diff']:.2g})"
+                 + (f"; a parallel (PARD) draft model, mask token {pard} (`config.pard_token`)" if pard is not None
+                    else "")]
+    elif source_manifest is None:
         lines = [f"- not trained by draftsmith: `{Path(manifest['source']).name}` exported as it is (no draftsmith "
                  "training manifest beside it)"]
     else:
@@ -284,22 +290,40 @@ def _student_tokenizer(source_path: Path, target, distilled: dict | None):
 @removes_tmp_on_error
 def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: str = "float32",
                    tree: dict | None = None, tolerance: float = 0.0, check_assisted: bool = True,
-                   bench: dict | None = None, command: str | None = None) -> ExportResult:
-    """A distilled (or any) student -> plain HF directory. `source`: a HF model dir / zoo name or a
-    train/distill.py `final/` (its manifest names the target). `target`: a TargetModel (or zoo name /
-    dir) for the tokenizer check and the `generate(assistant_model=...)` check (greedy output of the
-    target with the reloaded student as assistant == without it)."""
+                   bench: dict | None = None, command: str | None = None, base: str | None = None) -> ExportResult:
+    """A distilled (or any) student -> plain HF directory. `source`: a HF model dir / zoo name, a
+    train/distill.py `final/` (its manifest names the target), or a LoRA adapter directory (PEFT's format,
+    e.g. a run's `final/adapter`), merged into `base` (default: the base its sidecar or adapter_config.json
+    names). `target`: a TargetModel (or zoo name / dir) for the tokenizer check and the
+    `generate(assistant_model=...)` check (greedy output of the target with the reloaded student as
+    assistant == without it)."""
     source_path = Path(resolve_model_path(str(source))) if not Path(source).exists() else Path(source)
-    if not (source_path / "config.json").is_file():
-        raise FileNotFoundError(f"{source_path} has no config.json: expected a HF model directory or a "
-                                "train/distill.py final/ directory")
-    distilled = read_student_manifest(source_path)  # None: a plain HF directory (or another project's manifest)
     if isinstance(target, (str, Path)):
         target = TargetModel.from_pretrained(str(target), dtype=dtype)
+    if (source_path / ADAPTER_CONFIG).is_file() and not (source_path / "config.json").is_file():
+        model, tokenizer, merge = _merged_adapter(source_path, base, resolve_dtype(dtype))
+        distilled = None
+    else:
+        if base is not None:
+            raise UserError(f"--base {base}: read only when the source is a LoRA adapter directory "
+                            f"({ADAPTER_CONFIG}), and {source_path} is not one")
+        if not (source_path / "config.json").is_file():
+            raise FileNotFoundError(f"{source_path} has no config.json: expected a HF model directory, a "
+                                    "train/distill.py final/ directory or a LoRA adapter directory")
+        distilled = read_student_manifest(source_path)  # None: a plain HF directory (or another project's manifest)
+        model, merge = _load_hf_model(str(source_path), resolve_dtype(dtype)), None
+        tokenizer = _student_tokenizer(source_path, target, distilled)
+    if merge is not None and target is not None:
+        check_same_tokenizer(target.tokenizer, tokenizer, what=f"adapter {source_path} on {merge['base']}")
+    return _write_student(model, tokenizer, source_path, Path(out_dir), target, dtype, tree, tolerance,
+                          check_assisted, bench, command, distilled, merge)
+
+
+def _write_student(model, tokenizer, source_path: Path, out_dir: Path, target, dtype: str, tree: dict | None,
+                   tolerance: float, check_assisted: bool, bench: dict | None, command: str | None,
+                   distilled: dict | None, merge: dict | None) -> ExportResult:
+    """save_pretrained of a loaded student, reloaded and checked (logits, and assisted generate with a target)."""
     torch_dtype = resolve_dtype(dtype)
-    model = _load_hf_model(str(source_path), torch_dtype)
-    tokenizer = _student_tokenizer(source_path, target, distilled)
-    out_dir = Path(out_dir)
     tmp = _fresh_tmp(out_dir)
     if target is not None:  # stop on the target's end-of-turn tokens, as train/distill.py does
         model.generation_config.eos_token_id = target.model.generation_config.eos_token_id
@@ -320,21 +344,71 @@ def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: 
                               tree or {"bench_methods": [LM_CHAIN_SPEC, LM_TREE_SPEC]}, command)
     manifest["student"] = {"model_type": model.config.model_type, "num_hidden_layers": model.config.num_hidden_layers,
                            "parameters": sum(p.numel() for p in model.parameters()), "dtype": dtype,
-                           "distillation": distilled.get("training") if distilled else None}
+                           "pard_token": getattr(model.config, "pard_token", None),
+                           "distillation": distilled.get("training") if distilled else None, "adapter_merge": merge}
     if check_assisted and target is not None:
-        prompt = _parity_ids(model.config.vocab_size)[:, :8].to(target.device)
-        common = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12)
-        plain = target.model.generate(prompt, **common)
-        assisted = target.model.generate(prompt, assistant_model=reloaded.to(target.device), **common)
-        if not torch.equal(plain, assisted):
-            raise ParityError("the target's greedy output with the exported student as assistant_model differs from "
-                              "its plain greedy output")
+        _check_assisted_generate(target, reloaded)
         manifest["parity"]["assisted_generate"] = "greedy output with assistant_model == plain greedy (12 tokens)"
     manifest["target"]["hub_id"] = hub_id(target_name)
     manifest["weights_dtype"] = dtype
     manifest["consumers"] = CONSUMERS["student"]
     write_model_card(tmp, manifest, distilled, bench)
     return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"student {source_path}")
+
+
+def _check_assisted_generate(target, assistant) -> None:
+    prompt = _parity_ids(assistant.config.vocab_size)[:, :8].to(target.device)
+    common = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12)
+    plain = target.model.generate(prompt, **common)
+    assisted = target.model.generate(prompt, assistant_model=assistant.to(target.device), **common)
+    if not torch.equal(plain, assisted):
+        raise ParityError("the target's greedy output with the exported student as assistant_model differs from "
+                          "its plain greedy output")
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+MERGE_TOLERANCE = 1e-3  # max |logit difference| between the adapter applied by PEFT and merged in, relative
+
+
+def adapter_base(adapter: Path, base: str | None) -> str:
+    """The model an adapter is merged into: `base`, else its sidecar's, else the zoo model whose hub id its
+    adapter_config.json names (else that name, a hub id or directory)."""
+    sidecar = read_adapter_sidecar(adapter)
+    if base is None and sidecar.get("base"):
+        base = sidecar["base"]
+    if base is None:
+        named = read_json(adapter / ADAPTER_CONFIG, "adapter config").get("base_model_name_or_path")
+        if not named:
+            raise UserError(f"{adapter}: the adapter names no base model; pass --base <zoo name or directory>")
+        base = next((entry.name for entry in REGISTRY.values() if entry.hub_id == named), named)
+    return base
+
+
+def _merged_adapter(adapter: Path, base: str | None, dtype: torch.dtype):
+    """(model with the adapter merged in `dtype`, the base's tokenizer, the merge's record). The merge is done in
+    fp32 and checked against PEFT applying the unmerged adapter on the parity input."""
+    from peft import PeftModel
+
+    base = adapter_base(adapter, base)
+    loaded = TargetModel.from_pretrained(base, dtype=torch.float32)
+    try:
+        peft_model = PeftModel.from_pretrained(loaded.model, str(adapter)).eval()
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise UserError(f"{adapter}: the adapter does not fit the base {base} ({first_detail(err)}); pass the "
+                        "--base it was trained on") from err
+    ids = _parity_ids(loaded.model.config.vocab_size)
+    with torch.inference_mode():
+        unmerged = peft_model(ids).logits
+        model = peft_model.merge_and_unload().eval()
+        merged = model(ids).logits
+    diff = (unmerged - merged).abs().max().item()
+    if not diff <= MERGE_TOLERANCE * max(1.0, unmerged.abs().max().item()):
+        raise ParityError(f"{adapter}: merging the adapter into {base} changed the logits by {diff:.3g}")
+    pard_token = read_adapter_sidecar(adapter).get("pard_token")
+    if pard_token is not None:
+        model.config.pard_token = pard_token
+    merge = {"adapter": str(adapter), "base": base, "pard_token": pard_token, "merge_max_abs_diff": diff}
+    return model.to(dtype), loaded.tokenizer, merge
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 
     python scripts/export.py student outputs/distill_qwen/run/final exports/qwen-student \\
         --target qwen2.5-coder-1.5b-instruct          # plain HF dir; checks generate(assistant_model=...)
+    python scripts/export.py student drafters/pard_qwen_cpu exports/pard_qwen_cpu --dtype bfloat16
+                                                      # a LoRA adapter (train/distill.py final/adapter) merged
+                                                      # into its base (--base names another)
     python scripts/export.py medusa outputs/medusa_smollm2_cpu/final exports/smollm2-medusa
                                                       # FasterDecoding layout (medusa_lm_head.safetensors)
     python scripts/export.py dgf outputs/dgf/<run>/final exports/eagle --target smollm2-135m-instruct
@@ -51,9 +54,12 @@ from draftsmith.models.zoo import resolve_model_path
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kind", required=True)
-    student = sub.add_parser("student", help="distilled student / any HF causal LM -> plain HF directory")
+    student = sub.add_parser("student", help="distilled student / any HF causal LM / LoRA adapter -> plain HF "
+                                              "directory")
     student.add_argument("--target", help="zoo name or dir: tokenizer check + assisted-generate check")
     student.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    student.add_argument("--base", help="a LoRA adapter source only: the zoo name or dir it is merged into (default: "
+                                        "the base its draftsmith_adapter.json or adapter_config.json names)")
     medusa = sub.add_parser("medusa", help="train/medusa.py final/ -> FasterDecoding Medusa layout")
     medusa.add_argument("--base-model", help="base_model_name_or_path to write (default: the target's hub id)")
     dgf = sub.add_parser("dgf", help="train/dgf.py final/ -> EAGLE-1/2, EAGLE-3 (speculators / sglang) or DGF layout")
@@ -139,7 +145,7 @@ def main(argv: list[str]) -> int:
     command = shlex.join(["python", "scripts/export.py", *argv])  # into the card: the command that made the export
     if args.kind == "student":
         result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,
-                                       tolerance=args.tolerance, bench=bench, command=command)
+                                       tolerance=args.tolerance, bench=bench, command=command, base=args.base)
     elif args.kind == "medusa":
         result = export.export_medusa(args.source, args.out, base_model=args.base_model, tolerance=args.tolerance,
                                       bench=bench, command=command)

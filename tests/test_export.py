@@ -100,6 +100,59 @@ def test_student_export_bad_input(student_setup, tmp_path):
         export.export_student(plain_dir, tmp_path / "o3", target=other)
 
 
+def make_adapter(student, directory, base: str, pard_token: int | None = 5):
+    """A LoRA adapter (random, nonzero) on `student` as train/distill.py writes it: PEFT files + sidecar."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from draftsmith.train.distill import write_adapter
+
+    model = copy.deepcopy(student)
+    if pard_token is not None:
+        model.config.pard_token = pard_token
+    torch.manual_seed(3)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    write_adapter(peft_model, directory, torch.float32, base)
+    return peft_model
+
+
+def test_a_lora_adapter_exports_merged_into_its_base(student_setup, tmp_path):
+    """An adapter directory (a distill run's final/adapter, or a committed one) -> the merged standalone model,
+    with the PARD mask token from the sidecar; the card says what was merged into what."""
+    target, student, plain_dir, _ = student_setup
+    peft_model = make_adapter(student, tmp_path / "adapter", base=str(plain_dir))
+    assert export_cli(["student", str(tmp_path / "adapter"), str(tmp_path / "out"), "--target", str(plain_dir)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    merged = peft_model.merge_and_unload()
+    for name, weight in exported.state_dict().items():
+        assert torch.allclose(merged.state_dict()[name], weight, atol=1e-6), name
+    assert exported.config.pard_token == 5
+    manifest = export.read_export_manifest(tmp_path / "out")
+    assert manifest["student"]["adapter_merge"]["base"] == str(plain_dir)
+    assert manifest["student"]["pard_token"] == 5 and "assisted_generate" in manifest["parity"]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"the LoRA adapter `{tmp_path / 'adapter'}` merged into `{plain_dir}`" in card and "mask token 5" in card
+
+
+def test_an_adapter_export_refuses_what_does_not_fit_in_one_line(student_setup, tmp_path, capsys):
+    _, student, plain_dir, final = student_setup
+    make_adapter(student, tmp_path / "adapter", base=str(plain_dir), pard_token=None)
+    other = tmp_path / "other"  # a model of another width: the adapter's matrices do not fit it
+    tiny_model("llama", vocab_size=student.config.vocab_size, hidden_size=48).save_pretrained(str(other))
+    student_setup[0].tokenizer.save_pretrained(str(other))
+    cases = [(["student", str(tmp_path / "adapter"), str(tmp_path / "o1"), "--base", str(other)],
+              "the adapter does not fit the base"),
+             (["student", str(final), str(tmp_path / "o2"), "--base", str(plain_dir)],
+              "read only when the source is a LoRA adapter directory")]
+    for argv, words in cases:
+        assert export_cli(argv) == 2
+        err = capsys.readouterr().err  # above the error line: transformers' loading progress bars
+        assert words in err.strip().splitlines()[-1] and "Traceback" not in err
+        assert not any(tmp_path.glob(argv[2].rsplit("/", 1)[-1] + "*"))
+
+
 # -- Medusa ------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from draftsmith.train.runtime import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import load_records, synthetic_records
 from draftsmith.eval.methods import parse_method
+from draftsmith.models.artifacts import read_adapter_sidecar
 from draftsmith.train.distill import DistillRecipeConfig, load_cache_records, main, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +103,8 @@ def test_a_run_continues_from_a_saved_adapter_where_its_data_stopped(tmp_path):
     main(tiny_cfg(tmp_path / "whole", *common, "train.max_steps=3"))
     main(tiny_cfg(tmp_path / "first", *common, "train.max_steps=2"))
     adapter = tmp_path / "first" / "final" / "adapter"
+    assert read_adapter_sidecar(adapter) == {"format": "draftsmith.adapter/1", "base": "tiny:llama,seed=1",
+                                             "pard_token": None}  # what scripts/export.py merges it into
     merged = PeftModel.from_pretrained(build_tiny_causal_lm("llama", seed=1), adapter).merge_and_unload()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "first" / "final")
     for name, weight in exported.state_dict().items():

@@ -56,10 +56,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
+from draftsmith.errors import first_detail
 from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset, cache_parts
 from draftsmith.data.records import collate, load_records, spec_needs_model, split_heldout
 from draftsmith.eval.decode.drafters.lm import LMDrafter
-from draftsmith.models.artifacts import read_student_manifest, write_student_manifest
+from draftsmith.models.artifacts import read_student_manifest, write_adapter_sidecar, write_student_manifest
 from draftsmith.models.engine import additive_mask
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_model_config, load_tokenizer,
@@ -275,14 +276,15 @@ def load_adapter(cfg: LoraConfig, student):
     try:
         return PeftModel.from_pretrained(student, str(directory), config=saved, is_trainable=True)
     except (ValueError, RuntimeError, KeyError) as err:  # another base model's shapes or module names
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        detail = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0] if lines else type(err).__name__
-        raise ConfigError(f"lora.adapter {directory} does not fit student.model: {detail}") from err
+        raise ConfigError(f"lora.adapter {directory} does not fit student.model: {first_detail(err)}") from err
 
 
-def write_adapter(peft_model, directory: Path, dtype: torch.dtype) -> None:
-    """The trained adapters alone in PEFT's format (what `PeftModel.from_pretrained` and lora.adapter read)."""
+def write_adapter(peft_model, directory: Path, dtype: torch.dtype, base: str | None) -> None:
+    """The trained adapters alone in PEFT's format (what `PeftModel.from_pretrained` and lora.adapter read), and
+    beside them what `scripts/export.py student` needs to merge them into a standalone model: the base model
+    (None where the student is not a loadable model, e.g. pruned) and the PARD mask token (ADAPTER_SIDECAR)."""
     directory.mkdir(parents=True, exist_ok=True)
+    write_adapter_sidecar(directory, base, getattr(peft_model.config, "pard_token", None))
     state = {name: tensor.detach().to("cpu", dtype).contiguous()
              for name, tensor in get_peft_model_state_dict(peft_model).items()}
     save_file(state, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -629,7 +631,8 @@ class DistillRecipe(RecipeBase):
         cfg, run = self.cfg, self.run
         self.export_model().save_pretrained(str(directory))
         if cfg.lora.enabled:
-            write_adapter(self._student(), directory / "adapter", resolve_dtype(cfg.export.dtype))
+            base = cfg.student.model if cfg.student.init == "pretrained" else None
+            write_adapter(self._student(), directory / "adapter", resolve_dtype(cfg.export.dtype), base)
         saved_tokenizer = hasattr(self.tokenizer, "save_pretrained")
         if saved_tokenizer:
             self.tokenizer.save_pretrained(str(directory))
