@@ -374,7 +374,10 @@ def adapter_base(adapter: Path, base: str | None) -> str:
     """The model an adapter is merged into: `base`, else its sidecar's, else the zoo model whose hub id its
     adapter_config.json names (else that name, a hub id or directory)."""
     sidecar = read_adapter_sidecar(adapter)
-    if base is None and sidecar.get("base"):
+    if base is None and sidecar:
+        if sidecar.get("base") is None:
+            raise UserError(f"{adapter}: its student was not a loadable model (student.init pruned or layers), so "
+                            "there is no base to merge it into: export the run's final/ (the merged student) instead")
         base = sidecar["base"]
     if base is None:
         named = read_json(adapter / ADAPTER_CONFIG, "adapter config").get("base_model_name_or_path")

@@ -145,7 +145,9 @@ def test_an_adapter_export_refuses_what_does_not_fit_in_one_line(student_setup, 
     cases = [(["student", str(tmp_path / "adapter"), str(tmp_path / "o1"), "--base", str(other)],
               "the adapter does not fit the base"),
              (["student", str(final), str(tmp_path / "o2"), "--base", str(plain_dir)],
-              "read only when the source is a LoRA adapter directory")]
+              "read only when the source is a LoRA adapter directory"),
+             (["student", str(tmp_path / "pruned"), str(tmp_path / "o3")], "export the run's final/")]
+    make_adapter(student, tmp_path / "pruned", base=None)  # a pruned student's adapter: no base to merge into
     for argv, words in cases:
         assert export_cli(argv) == 2
         err = capsys.readouterr().err  # above the error line: transformers' loading progress bars
