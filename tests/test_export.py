@@ -134,6 +134,8 @@ def test_a_lora_adapter_exports_merged_into_its_base(student_setup, tmp_path):
     assert manifest["student"]["pard_token"] == 5 and "assisted_generate" in manifest["parity"]
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"the LoRA adapter `{tmp_path / 'adapter'}` merged into `{plain_dir}`" in card and "mask token 5" in card
+    # in bf16 the reloaded export computes the same logits (exact parity): only weights are rounded
+    assert export_cli(["student", str(tmp_path / "adapter"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
 
 
 def test_an_adapter_export_refuses_what_does_not_fit_in_one_line(student_setup, tmp_path, capsys):
