@@ -249,6 +249,7 @@ def read_student_manifest(path: str | Path) -> dict | None:
     return manifest if manifest.get("format") == STUDENT_FORMAT else None
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: what makes a directory a LoRA adapter
 ADAPTER_SIDECAR = "draftsmith_adapter.json"  # beside a LoRA adapter: its base model and PARD mask token
 ADAPTER_FORMAT = "draftsmith.adapter/1"
 

@@ -34,8 +34,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.errors import UserError, first_detail
-from draftsmith.models.artifacts import (ACCURACY_FILE, load_dgf, load_medusa_heads, load_weights, manifest_layers,
-                                         read_adapter_sidecar, read_json, read_student_manifest, save_dgf)
+from draftsmith.models.artifacts import (ACCURACY_FILE, ADAPTER_CONFIG, load_dgf, load_medusa_heads, load_weights,
+                                         manifest_layers, read_adapter_sidecar, read_json, read_student_manifest, save_dgf)
 from draftsmith.models import eagle_layouts
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths, load_rank_accuracy
@@ -366,14 +366,12 @@ def _check_assisted_generate(target, assistant) -> None:
                           "its plain greedy output")
 
 
-ADAPTER_CONFIG = "adapter_config.json"
 MERGE_TOLERANCE = 1e-3  # max |logit difference| between the adapter applied by PEFT and merged in, relative
 
 
-def adapter_base(adapter: Path, base: str | None) -> str:
+def adapter_base(adapter: Path, base: str | None, sidecar: dict) -> str:
     """The model an adapter is merged into: `base`, else its sidecar's, else the zoo model whose hub id its
     adapter_config.json names (else that name, a hub id or directory)."""
-    sidecar = read_adapter_sidecar(adapter)
     if base is None and sidecar:
         if sidecar.get("base") is None:
             raise UserError(f"{adapter}: its student was not a loadable model (student.init pruned or layers), so "
@@ -392,7 +390,8 @@ def _merged_adapter(adapter: Path, base: str | None, dtype: torch.dtype):
     fp32 and checked against PEFT applying the unmerged adapter on the parity input."""
     from peft import PeftModel
 
-    base = adapter_base(adapter, base)
+    sidecar = read_adapter_sidecar(adapter)
+    base = adapter_base(adapter, base, sidecar)
     loaded = TargetModel.from_pretrained(base, dtype=torch.float32)
     try:
         peft_model = PeftModel.from_pretrained(loaded.model, str(adapter)).eval()
@@ -407,7 +406,7 @@ def _merged_adapter(adapter: Path, base: str | None, dtype: torch.dtype):
     diff = (unmerged - merged).abs().max().item()
     if not diff <= MERGE_TOLERANCE * max(1.0, unmerged.abs().max().item()):
         raise ParityError(f"{adapter}: merging the adapter into {base} changed the logits by {diff:.3g}")
-    pard_token = read_adapter_sidecar(adapter).get("pard_token")
+    pard_token = sidecar.get("pard_token")
     if pard_token is not None:
         model.config.pard_token = pard_token
     merge = {"adapter": str(adapter), "base": base, "pard_token": pard_token, "merge_max_abs_diff": diff}

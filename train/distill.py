@@ -60,7 +60,8 @@ from draftsmith.errors import first_detail
 from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset, cache_parts
 from draftsmith.data.records import collate, load_records, spec_needs_model, split_heldout
 from draftsmith.eval.decode.drafters.lm import LMDrafter
-from draftsmith.models.artifacts import read_student_manifest, write_adapter_sidecar, write_student_manifest
+from draftsmith.models.artifacts import (ADAPTER_CONFIG, read_student_manifest, write_adapter_sidecar,
+                                         write_student_manifest)
 from draftsmith.models.engine import additive_mask
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_model_config, load_tokenizer,
@@ -263,8 +264,8 @@ def add_lora(cfg: LoraConfig, student):
 def load_adapter(cfg: LoraConfig, student):
     """lora.adapter loaded as trainable adapters on the student, after checking it is the configured shape."""
     directory = Path(cfg.adapter)
-    if not (directory / "adapter_config.json").is_file():
-        raise ConfigError(f"lora.adapter {directory}: no adapter_config.json there (a PEFT adapter directory)")
+    if not (directory / ADAPTER_CONFIG).is_file():
+        raise ConfigError(f"lora.adapter {directory}: no {ADAPTER_CONFIG} there (a PEFT adapter directory)")
     saved = PeftConfig.from_pretrained(str(directory))
     differences = [f"{name} {theirs} (lora.{option_name}: {ours})" for name, option_name, theirs, ours in
                    [("r", "r", saved.r, cfg.r), ("lora_alpha", "alpha", saved.lora_alpha, cfg.alpha),
