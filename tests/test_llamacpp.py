@@ -99,6 +99,31 @@ def test_gguf_exports_decode_in_llamacpp_and_speculation_is_lossless(tiny_pair, 
     assert llamacpp.repacked_per_server(root / "draft-q8_0.gguf")
 
 
+def test_a_merged_pard_adapter_runs_as_a_llamacpp_draft_model(tiny_pair, capsys):
+    """Issue 35 item 5: a LoRA adapter as train/distill.py writes it (PARD mask token in its sidecar) -> `export
+    student` merges it -> `export gguf` -> llama.cpp drafts with it (draft-simple) and its output equals plain."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.train.distill import write_adapter
+
+    root = tiny_pair["root"]
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair["draft"])
+    draft.config.pard_token = len(draft.get_input_embeddings().weight) - 1
+    torch.manual_seed(4)
+    peft_model = get_peft_model(draft, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    write_adapter(peft_model, root / "pard_adapter", torch.float32, str(tiny_pair["draft"]))
+    assert run_main(export_cli.main, ["student", str(root / "pard_adapter"), str(root / "pard")]) == 0
+    capsys.readouterr()
+    exported = export(["gguf", str(root / "pard"), str(root / "pard-q8_0.gguf"), "--type", "q8_0"], capsys)
+    assert exported["kind"] == "causal-lm" and exported["check"]["plain_tokens"] > 0
+    prompt = llamacpp.check_prompt_ids(tiny_pair["target"])
+    check = llamacpp.decode_check(llamacpp.cached_gguf(tiny_pair["target"], "tiny-target"), prompt,
+                                  ("-md", str(root / "pard-q8_0.gguf"), "--spec-type", "draft-simple"))
+    assert check["identical_to_plain"] and check["drafted"] > 0
+
+
 def test_llamacpp_plain_greedy_equals_ours_in_float32(tiny_pair):
     target = tiny_pair["target_model"]
     gguf = llamacpp.cached_gguf(tiny_pair["target"], "tiny-target")
