@@ -131,3 +131,21 @@ def write_medusa_final(path, heads, adapter=None):
     (path / ACCURACY_FILE).write_text(json.dumps({"rank_accuracy": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]],
                                                   "top1": [0.6, 0.4, 0.3]}))
     return heads
+
+
+def make_adapter(student, directory, base: str, pard_token: int | None = 5):
+    """A LoRA adapter (random, nonzero) on `student` as train/distill.py writes it: PEFT files + sidecar."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from draftsmith.train.distill import write_adapter
+
+    model = copy.deepcopy(student)
+    if pard_token is not None:
+        model.config.pard_token = pard_token
+    torch.manual_seed(3)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    write_adapter(peft_model, directory, torch.float32, base)
+    return peft_model

@@ -16,7 +16,7 @@ from draftsmith.models import exports as export
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel, vocab_fingerprint
 from draftsmith.errors import run_main
-from tests.conftest import write_medusa_final
+from tests.conftest import make_adapter, write_medusa_final
 from draftsmith.scripts.export import main as export_main
 from draftsmith.models.tiny import TinyTokenizer
 
@@ -98,24 +98,6 @@ def test_student_export_bad_input(student_setup, tmp_path):
     other = TargetModel(tiny_model("llama", vocab_size=96), TinyTokenizer(96))
     with pytest.raises(ValueError):
         export.export_student(plain_dir, tmp_path / "o3", target=other)
-
-
-def make_adapter(student, directory, base: str, pard_token: int | None = 5):
-    """A LoRA adapter (random, nonzero) on `student` as train/distill.py writes it: PEFT files + sidecar."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    from draftsmith.train.distill import write_adapter
-
-    model = copy.deepcopy(student)
-    if pard_token is not None:
-        model.config.pard_token = pard_token
-    torch.manual_seed(3)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                  init_lora_weights=False))
-    write_adapter(peft_model, directory, torch.float32, base)
-    return peft_model
 
 
 def test_a_lora_adapter_exports_merged_into_its_base(student_setup, tmp_path):

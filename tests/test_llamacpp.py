@@ -21,6 +21,7 @@ from draftsmith.models.exports import export_dgf
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import build_tiny_causal_lm
 from draftsmith.scripts import export as export_cli
+from tests.conftest import make_adapter
 
 
 def require_build() -> None:
@@ -102,20 +103,13 @@ def test_gguf_exports_decode_in_llamacpp_and_speculation_is_lossless(tiny_pair, 
 def test_a_merged_pard_adapter_runs_as_a_llamacpp_draft_model(tiny_pair, capsys):
     """Issue 35 item 5: a LoRA adapter as train/distill.py writes it (PARD mask token in its sidecar) -> `export
     student` merges it -> `export gguf` -> llama.cpp drafts with it (draft-simple) and its output equals plain."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-
-    from draftsmith.train.distill import write_adapter
 
     root = tiny_pair["root"]
     draft = AutoModelForCausalLM.from_pretrained(tiny_pair["draft"])
-    draft.config.pard_token = len(draft.get_input_embeddings().weight) - 1
-    torch.manual_seed(4)
-    peft_model = get_peft_model(draft, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                  init_lora_weights=False))
-    write_adapter(peft_model, root / "pard_adapter", torch.float32, str(tiny_pair["draft"]))
-    assert run_main(export_cli.main, ["student", str(root / "pard_adapter"), str(root / "pard")]) == 0
-    capsys.readouterr()
+    make_adapter(draft, root / "pard_adapter", base=str(tiny_pair["draft"]),
+                 pard_token=len(draft.get_input_embeddings().weight) - 1)
+    export(["student", str(root / "pard_adapter"), str(root / "pard")], capsys)
     exported = export(["gguf", str(root / "pard"), str(root / "pard-q8_0.gguf"), "--type", "q8_0"], capsys)
     assert exported["kind"] == "causal-lm" and exported["check"]["plain_tokens"] > 0
     prompt = llamacpp.check_prompt_ids(tiny_pair["target"])
