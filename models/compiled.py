@@ -53,6 +53,7 @@ from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.engine import Backend, TargetOutput, with_cache
+from draftsmith.models.kernels import InvariantLinear, Kernels, WeightPrecision, invariant_attention, invariant_model
 from draftsmith.models.precision import Int8WeightLinear
 from draftsmith.models.zoo import draftsmith_cache
 
@@ -75,9 +76,16 @@ class CompileSettings:
     shared_width: bool = option(True, "one graph of symbolic width serves 1 .. the largest bucket (no padding, "
                                       "one weight copy); false: one padded graph per bucket")
     kernel_profile: bool = option(False, "record every generated kernel in torch.profiler (analysis builds only)")
+    kernels: Kernels = option(Kernels.INVARIANT, "invariant: the batch-invariant, weight-streaming kernels "
+                              "(models/kernels.py: a verify computes exactly what one-token steps compute); inductor: "
+                              "the stock graph (not batch-invariant)")
+    weights: WeightPrecision = option(WeightPrecision.MODEL, "the target's stored weights: model (its dtype) or int8 "
+                                      "(weight-only, a scale per output row; invariant kernels only)")
 
     def __post_init__(self):
         check_config(self)
+        if self.weights is WeightPrecision.INT8 and self.kernels is not Kernels.INVARIANT:
+            raise ConfigError("weights: int8 runs on the invariant kernels only (set kernels=invariant)")
         self.buckets = sorted(set(self.buckets))
         if not self.buckets:
             raise ConfigError("buckets: give at least one input size")
@@ -176,6 +184,8 @@ def traced_code_digest(step: nn.Module) -> str:
     sources = [inspect.getsource(type(step)), inspect.getsource(point_cache)]
     if any(isinstance(module, Int8WeightLinear) for module in step.modules()):
         sources.append(inspect.getsource(Int8WeightLinear))
+    if any(isinstance(module, InvariantLinear) for module in step.modules()):
+        sources += [inspect.getsource(InvariantLinear), inspect.getsource(invariant_attention)]
     if isinstance(step, DGFStepModule):
         sources.append(inspect.getsource(sys.modules[DGFModel.__module__]))
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
@@ -434,9 +444,10 @@ class CompiledEngine(BucketGraphs):
         settings = settings or CompileSettings()
         self.model = model.eval()
         device = model.device
-        cache, kv = static_cache(model.config, settings.capacity, lambda c: model(
+        runs = invariant_model(model, settings.weights) if settings.kernels is Kernels.INVARIANT else model
+        cache, kv = static_cache(model.config, settings.capacity, lambda c: runs(
             input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **with_cache(c), use_cache=True))
-        super().__init__(StepModule(model, cache), kv, model_fingerprint(model, model.config.to_dict()), settings,
+        super().__init__(StepModule(runs, cache), kv, model_fingerprint(runs, model.config.to_dict()), settings,
                          model.dtype, device, model.config.model_type, cache_dir)
 
     def example(self, width: int) -> tuple:

@@ -24,3 +24,6 @@ $PIP install -q "loguru>=0.7.2,<=0.7.3" "aiohttp" "openai>=2.0.0" "pydantic-sett
 GSM8K=()
 [ -d ../shared/data/gsm8k ] && GSM8K=(--gsm8k-from ../shared/data/gsm8k)
 ${PYTHON:-python} scripts/fetch_models.py smollm2-135m-instruct "${GSM8K[@]}" "$@"
+# The batch-invariant CPU kernels the compiled engine calls (models/native/; ~40 s once, then cached). A machine
+# where they cannot build still installs: the compiled engine then says so and compile.kernels=inductor runs.
+${PYTHON:-python} -m draftsmith.models.kernels build || echo "note: the batch-invariant kernels did not build here"

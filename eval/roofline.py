@@ -1,0 +1,179 @@
+"""Roofline probe: how far a target forward of w tokens is from what this machine allows.
+
+    python -m draftsmith.eval.roofline output=results/roofline/<machine kind>.json
+
+Measures, on the torch threads used:
+- the machine: the weight-stream bandwidth (the batch-invariant linear over a 256 MB fp32 weight, one row: what a
+  decode step streams) beside a plain reduction over 512 MB, and matmul throughput in float32, bfloat16 and int8
+  (torch's own large GEMMs) and the invariant kernel's at 64 rows;
+- the target on the compiled engine (`compile.kernels`, default the batch-invariant kernels): T(w) for every width,
+  beside its bound max(bytes / bandwidth, FLOPs / throughput), bytes = its weights + the KV cache it reads, FLOPs =
+  2 x weights x w + attention;
+- T(w) split by part: the decoder's linear layers and the LM head (their ops timed alone on the same weights),
+  attention (the op over the filled cache), and the rest (norms, rotary, residuals, cache writes, launch and
+  Python overhead) as T(w) minus those parts.
+Writes JSON and a markdown table (beside the JSON); prints the table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.config import check_config, config_to_dict, option, section
+from draftsmith.errors import exit_with
+from draftsmith.eval.latency import (cpu_isa, cpu_model, measure_forward_latency, mt_bench_context,
+                                     parse_document_command, write_document)
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import InvariantLinear, Kernels, kernel_isa, load_kernels, pack_weight
+from draftsmith.models.target import TargetModel
+
+WIDTHS = [1, 2, 4, 8, 16, 32, 64]
+
+
+@dataclass
+class RooflineConfig:
+    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory or tiny:<family>")
+    dtype: str = option("float32", "the target's dtype (float32 | bfloat16)")
+    widths: list[int] = option(factory=lambda: list(WIDTHS), help="tokens per forward", ge=1)
+    context_tokens: int = option(256, "KV-cache length each forward attends over", ge=1)
+    repeats: int = option(10, "timed forwards per width (the median is reported)", ge=1)
+    compile: CompileSettings = section(CompileSettings, "the compiled engine measured")
+    output: str | None = option(None, "JSON path (a markdown table is written beside it); null: print only")
+
+    def __post_init__(self):
+        check_config(self)
+
+
+def best_seconds(run, repeats: int = 5) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine_roofs() -> dict:
+    """Weight-stream bandwidth (GB/s) and matmul throughput (GFLOPS) on this machine's torch threads."""
+    load_kernels()
+    weight = pack_weight(torch.randn(65536, 1024))
+    row = torch.randn(1, 1024)
+    stream_s = best_seconds(lambda: torch.ops.draftsmith.linear(row, weight, None, None, 65536))
+    big = torch.ones(128 * 2 ** 20)
+    sum_s = best_seconds(big.sum)
+    roofs = {"stream_gbs": weight.numel() * 4 / stream_s / 1e9, "reduction_gbs": big.numel() * 4 / sum_s / 1e9}
+    del weight, big
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    flops = 2 * 2048 ** 3
+    roofs["float32_gflops"] = flops / best_seconds(lambda: a @ b, 3) / 1e9
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    roofs["bfloat16_gflops"] = flops / best_seconds(lambda: a16 @ b16, 3) / 1e9
+    ai, bi = torch.randint(-127, 127, (2048, 2048), dtype=torch.int8), torch.randint(-127, 127, (2048, 2048),
+                                                                                     dtype=torch.int8)
+    roofs["int8_gops"] = flops / best_seconds(lambda: torch._int_mm(ai, bi), 3) / 1e9
+    x64, w = torch.randn(64, 1024), pack_weight(torch.randn(4096, 1024))
+    roofs["kernel_float32_gflops"] = 2 * 64 * 4096 * 1024 / best_seconds(
+        lambda: torch.ops.draftsmith.linear(x64, w, None, None, 4096), 10) / 1e9
+    return roofs
+
+
+def model_linears(model) -> tuple[list, object]:
+    """(the decoder's linear modules, the LM head) of a model running on the invariant kernels."""
+    head = model.get_output_embeddings()
+    return [m for m in model.modules() if isinstance(m, InvariantLinear) and m is not head], head
+
+
+def part_seconds(model, config, width: int, context: int) -> dict:
+    """Seconds of the linear layers, the LM head and attention of one forward of `width` tokens, timed alone."""
+    linears, head = model_linears(model)
+    inputs = {k: torch.randn(width, k, dtype=model.dtype) for k in {m.in_features for m in [*linears, head]}}
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    q = torch.randn(1, heads, width, dim, dtype=model.dtype)
+    keys = torch.randn(1, kv_heads, config.compile.capacity, dim, dtype=model.dtype)
+    mask = torch.full((1, 1, width, config.compile.capacity), torch.finfo(torch.float32).min)
+    mask[..., :context + width] = 0
+    layers = cfg.num_hidden_layers
+    return {"linear": best_seconds(lambda: [m(inputs[m.in_features]) for m in linears]),
+            "head": best_seconds(lambda: head(inputs[head.in_features])),
+            "attention": best_seconds(lambda: [torch.ops.draftsmith.attention(q, keys, keys, mask, 0.125)
+                                               for _ in range(layers)])}
+
+
+def bound_seconds(model, roofs: dict, width: int, context: int) -> float:
+    weights = sum(m.packed.numel() * m.packed.element_size() for m in model.modules() if isinstance(m, InvariantLinear))
+    params = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, InvariantLinear))
+    cfg = model.config
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + width) * dim * model.dtype.itemsize
+    attention_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * width * (context + width) * dim
+    flops = 2 * params * width + attention_flops
+    throughput = roofs["float32_gflops"] if model.dtype == torch.float32 else roofs["bfloat16_gflops"]
+    return max((weights + kv_bytes) / (roofs["stream_gbs"] * 1e9), flops / (throughput * 1e9))
+
+
+def run_roofline(config: RooflineConfig) -> dict:
+    roofs = machine_roofs()
+    print("[roofline] machine: " + ", ".join(f"{k} {v:.1f}" for k, v in roofs.items()), flush=True)
+    base = TargetModel.from_pretrained(config.target, dtype=config.dtype)
+    target = base.with_backend(Backend.COMPILED, config.compile)
+    target.prepare(tuple(config.widths))
+    context = mt_bench_context(base.tokenizer, config.context_tokens)
+    times = measure_forward_latency(target, context, config.widths, config.repeats)
+    runs = target.engine.step.model
+    rows = {}
+    for width in config.widths:
+        total = statistics.median(times[width])
+        parts = part_seconds(runs, config, width, context.shape[1]) if config.compile.kernels is Kernels.INVARIANT \
+            else {}
+        parts["rest"] = total - sum(parts.values())
+        bound = bound_seconds(runs, roofs, width, context.shape[1]) if parts.get("linear") is not None else None
+        rows[width] = {"ms": 1000 * total, "bound_ms": bound and 1000 * bound,
+                       "parts_ms": {k: 1000 * v for k, v in parts.items()}}
+        print(f"  T({width}) = {1000 * total:.1f} ms" + (f", bound {1000 * bound:.1f} ms" if bound else ""),
+              flush=True)
+    info = {"processor": cpu_model(), "isa": cpu_isa(), "kernel_isa": kernel_isa(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads()}
+    return {"format": "draftsmith.roofline/1", "config": config_to_dict(config), "machine_info": info,
+            "roofs": roofs, "widths": rows}
+
+
+def format_roofline(document: dict) -> str:
+    info, roofs, config = document["machine_info"], document["roofs"], document["config"]
+    lines = [f"Roofline of {config['target']} ({config['dtype']}, compile.kernels={config['compile']['kernels']}, "
+             f"weights={config['compile']['weights']}) over {config['context_tokens']} cached tokens: "
+             f"{info['processor']} ({info['isa']}; kernels {info['kernel_isa']}), {info['torch_threads']} torch "
+             f"threads, torch {info['torch']}.", "",
+             f"Machine: weight stream {roofs['stream_gbs']:.1f} GB/s (a plain 512 MB reduction: "
+             f"{roofs['reduction_gbs']:.1f}); matmul float32 {roofs['float32_gflops']:.0f} GFLOPS, bfloat16 "
+             f"{roofs['bfloat16_gflops']:.0f}, int8 {roofs['int8_gops']:.0f} GOPS; the invariant kernel at 64 rows "
+             f"{roofs['kernel_float32_gflops']:.0f} GFLOPS float32.", "",
+             "| w | T(w) ms | T(w)/T(1) | bound ms | bound / T(w) | linear ms | LM head ms | attention ms | rest ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rows = document["widths"]
+    first = rows[min(rows, key=int)]["ms"]
+    for width, row in rows.items():
+        parts = row["parts_ms"]
+        bound, total = row["bound_ms"], row["ms"]
+        cells = [f"{parts[k]:.1f}" if k in parts else "-" for k in ("linear", "head", "attention", "rest")]
+        bound_cells = [f"{bound:.1f}", f"{bound / total:.0%}"] if bound else ["-", "-"]
+        lines.append(f"| {width} | {total:.1f} | {total / first:.2f} | " + " | ".join(bound_cells + cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> dict:
+    config, out = parse_document_command("draftsmith.eval.roofline", __doc__, RooflineConfig, argv)
+    document = run_roofline(config)
+    write_document(out, document, format_roofline(document))
+    return document
+
+
+if __name__ == "__main__":
+    exit_with(main)

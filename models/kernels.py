@@ -1,0 +1,210 @@
+"""Batch-invariant CPU kernels (models/native/batch_invariant.cpp) and the model surgery that runs a stock HF
+model on them: every Linear becomes an `InvariantLinear` (weights packed once, in float32, bfloat16 or weight-only
+int8) and attention goes through `draftsmith::attention`, registered in transformers' attention table.
+
+Why: a verify of w tokens must compute, row for row, exactly what w one-token steps compute, or a near-tie flips a
+speculative output away from the target's own plain output. Stock kernels (oneDNN, inductor's GEMM templates,
+SDPA) pick blockings and reduction splits by the number of rows; these kernels reduce every output element in one
+fixed order whatever the rows, the thread count, or (attention) where its visible keys lie in the cache, so
+speculative decoding is lossless by construction in every precision. They also stream each weight once per forward
+for up to 64 rows, so a verify of a few tokens costs about one step, and attention reads only the keys a row sees
+(not the whole preallocated cache).
+
+The extension is built once per machine (torch.utils.cpp_extension, ~40 s; `python -m draftsmith.models.kernels
+build`, which scripts/install.sh runs) into $DRAFTSMITH_CACHE/kernels/<source digest>; the instruction set is
+picked at load time (AVX-512 with BF16, AVX-512, AVX2 + FMA, scalar; DRAFTSMITH_KERNEL_ISA forces a lower one).
+Where it cannot build, `KernelsUnavailable` says so in one line and `compile.kernels=inductor` runs the stock
+kernels instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import enum
+import hashlib
+import io
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith.errors import UserError, exit_with
+from draftsmith.fileio import dir_lock
+from draftsmith.models.zoo import draftsmith_cache
+
+SOURCE_DIRECTORY = Path(__file__).with_name("native")
+SOURCES = ("batch_invariant.cpp", "invariant_impl.h")
+PANEL = 64  # output columns per packed weight panel (batch_invariant.cpp's PANEL)
+ATTENTION_NAME = "draftsmith_invariant"
+
+
+class KernelsUnavailable(UserError):
+    """The batch-invariant kernels could not be built or loaded here; compile.kernels=inductor runs without them."""
+
+
+class Kernels(str, enum.Enum):
+    """Which kernels a compiled graph calls; part of its package key."""
+
+    INVARIANT = "invariant"  # draftsmith::linear and draftsmith::attention: batch-invariant, weight-streaming
+    INDUCTOR = "inductor"  # the stock graph: inductor's GEMM templates, SDPA (not batch-invariant)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class WeightPrecision(str, enum.Enum):
+    """How an InvariantLinear stores its weights; activations stay in the model's dtype."""
+
+    MODEL = "model"  # the model's own dtype (float32 or bfloat16)
+    INT8 = "int8"  # weight-only int8, one float32 scale per output row (symmetric, round to nearest)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def source_digest() -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIRECTORY / name).read_bytes())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()[:16]
+
+
+_MODULE = None
+
+
+def load_kernels(verbose: bool = False):
+    """The extension module (built on first use, then loaded from the cache); registers the ops and their fake
+    kernels once per process."""
+    global _MODULE
+    if _MODULE is not None:
+        return _MODULE
+    from torch.utils import cpp_extension
+
+    build = draftsmith_cache() / "kernels" / source_digest()
+    build.mkdir(parents=True, exist_ok=True)
+    log = io.StringIO()
+    try:
+        with dir_lock(build), contextlib.redirect_stdout(log):
+            module = cpp_extension.load(
+                name="draftsmith_kernels", sources=[str(SOURCE_DIRECTORY / SOURCES[0])], build_directory=str(build),
+                extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                verbose=verbose)
+    except (RuntimeError, OSError, ImportError) as err:
+        first = " ".join(str(err).split())[:140]
+        raise KernelsUnavailable(f"the batch-invariant kernels did not build here ({first}); run with "
+                                 "compile.kernels=inductor") from err
+    register_fakes()
+    _MODULE = module
+    return module
+
+
+def register_fakes() -> None:
+    """Shape functions, so torch.export / AOTInductor graphs call the ops (the package calls them at run time)."""
+
+    @torch.library.register_fake("draftsmith::linear")
+    def _linear_fake(x, packed, scale, bias, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("draftsmith::attention")
+    def _attention_fake(q, k, v, mask, scaling):
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+
+
+def kernel_isa() -> str:
+    """The instruction set the kernels run with on this machine (avx512_bf16, avx512, avx2 or scalar)."""
+    return load_kernels().kernel_isa()
+
+
+# -- packing ------------------------------------------------------------------------------------------------------
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) Linear weight -> the kernel's panels: float32/int8 (ceil(N/64), K, 64); bfloat16 as K-pairs
+    (ceil(N/64), ceil(K/2), 64, 2). Padding columns are zero."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros((panels * PANEL, k))
+    padded[:n] = weight
+    if weight.dtype != torch.bfloat16:
+        return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
+    pairs = -(-k // 2)
+    even = padded.new_zeros((panels * PANEL, 2 * pairs))
+    even[:, :k] = padded
+    return even.view(panels, PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scale per output row): symmetric, round to nearest."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+class InvariantLinear(nn.Module):
+    """A Linear computed by draftsmith::linear: the weight packed once (the model's dtype, or int8 with scales)."""
+
+    def __init__(self, linear: nn.Linear, precision: WeightPrecision = WeightPrecision.MODEL):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        scale = None
+        if precision is WeightPrecision.INT8:
+            weight, scale = quantize_int8(weight)
+        self.register_buffer("packed", pack_weight(weight))
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.draftsmith.linear(x, self.packed, self.scale, self.bias, self.out_features)
+
+
+def invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over draftsmith::attention: query (B, H, q, D), key/value (B, Hkv, k, D),
+    an additive mask (B, 1, q, >= k) -> (B, q, H, D). Causal when no mask is given."""
+    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise UserError("the batch-invariant attention has no softcap or sliding window: use compile.kernels=inductor")
+    q_len, k_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+        attention_mask = torch.zeros(q_len, k_len, device=query.device).masked_fill_(~allowed, float("-inf"))
+        attention_mask = attention_mask[None, None]
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    return torch.ops.draftsmith.attention(query, key, value, attention_mask, scale), None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, invariant_attention)
+
+
+def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecision.MODEL) -> nn.Module:
+    """A copy of `model` that runs on the batch-invariant kernels: its Linears replaced by InvariantLinears and its
+    attention by draftsmith::attention. The original is unchanged (its other weights are shared, not copied)."""
+    load_kernels()
+    register_attention()
+    shared = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
+    clone = copy.deepcopy(model, memo=shared)
+    for parent in list(clone.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, InvariantLinear(child, precision))
+    for config in {id(c): c for c in (getattr(m, "config", None) for m in clone.modules()) if c is not None}.values():
+        if hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION_NAME
+    return clone
+
+
+def main(argv: list[str]) -> None:
+    """`python -m draftsmith.models.kernels build`: build (or find) the kernels and say which instruction set."""
+    if argv[:1] != ["build"] or len(argv) > 1:
+        raise UserError("usage: python -m draftsmith.models.kernels build")
+    load_kernels(verbose=False)
+    print(f"batch-invariant kernels ready ({kernel_isa()}) in {draftsmith_cache() / 'kernels' / source_digest()}")
+
+
+if __name__ == "__main__":
+    exit_with(main)

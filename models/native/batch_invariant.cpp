@@ -1,0 +1,364 @@
+// Batch-invariant CPU kernels for the compiled engine: a linear layer (float32, bfloat16 or weight-only int8
+// weights) and attention over a KV cache, registered as the torch ops draftsmith::linear and
+// draftsmith::attention. Each output element is reduced in one fixed order whatever the number of rows (a
+// decode step, a verify of 64 tokens), so a speculative verify computes exactly what one-token steps compute.
+// The instruction set (AVX-512 with BF16, AVX-512, AVX2 + FMA, scalar) is chosen once at load time from the CPU,
+// or from DRAFTSMITH_KERNEL_ISA; the kernels are written once (invariant_impl.h) and compiled per set.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr float MASKED_BELOW = -1e30f;  // an additive mask entry below this hides the key
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+// Cephes' single-precision exp polynomial, shared by every instruction set.
+constexpr float EXP_HI = 88.3f, EXP_LO = -87.3f, LOG2E = 1.44269504088896341f;
+constexpr float EXP_C1 = 0.693359375f, EXP_C2 = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                            4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
+}  // namespace
+
+// ---- scalar ----------------------------------------------------------------------------------------------------
+namespace isa_scalar {
+constexpr int VL = 1;
+using V = float;
+#define DPBF16 0
+inline V vzero() { return 0.0f; }
+inline V vset1(float a) { return a; }
+inline V vload(const float* p) { return *p; }
+inline V vload_partial(const float* p, int n) { return n > 0 ? *p : 0.0f; }
+inline V vmask_tail(V v, int n) { return n > 0 ? v : 0.0f; }
+inline void vstore(float* p, V v) { *p = v; }
+inline V vfma(V a, V b, V c) { return std::fma(a, b, c); }
+inline V vmul(V a, V b) { return a * b; }
+inline V vadd(V a, V b) { return a + b; }
+inline float vreduce_add(V v) { return v; }
+inline uint32_t vvisible_bits(V v) { return v > MASKED_BELOW ? 1u : 0u; }
+inline V vload_i8(const int8_t* p) { return float(*p); }
+inline V vload_bf16_partial(const uint16_t* p, int n) { return n > 0 ? bf16_to_float(*p) : 0.0f; }
+inline void vload_bf16_pairs(const uint16_t* p, V* w0, V* w1) { *w0 = bf16_to_float(p[0]); *w1 = bf16_to_float(p[1]); }
+inline void vstore_out(float* p, V v, int n) { if (n > 0) *p = v; }
+inline void vstore_out(uint16_t* p, V v, int n) { if (n > 0) *p = float_to_bf16(v); }
+inline V vexp(V x) {
+  x = std::min(std::max(x, EXP_LO), EXP_HI);
+  float n = std::nearbyint(x * LOG2E);
+  x = std::fma(-n, EXP_C1, x);
+  x = std::fma(-n, EXP_C2, x);
+  float y = EXP_P[0];
+  for (int i = 1; i < 6; ++i) y = std::fma(y, x, EXP_P[i]);
+  y = std::fma(y, x * x, x) + 1.0f;
+  return std::ldexp(y, int(n));
+}
+#include "invariant_impl.h"
+#undef DPBF16
+}  // namespace isa_scalar
+
+// ---- AVX2 + FMA ------------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+constexpr int VL = 8;
+using V = __m256;
+#define DPBF16 0
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset1(float a) { return _mm256_set1_ps(a); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256i tail_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V vload_partial(const float* p, int n) { return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask(n)); }
+inline V vmask_tail(V v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(tail_mask(n))); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline uint32_t vvisible_bits(V v) {
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(MASKED_BELOW), _CMP_GT_OQ)));
+}
+inline float vreduce_add(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline V bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V vload_bf16_partial(const uint16_t* p, int n) {
+  if (n >= 8) return bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  uint16_t tmp[8] = {0};
+  std::memcpy(tmp, p, sizeof(uint16_t) * n);
+  return bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp)));
+}
+inline void vload_bf16_pairs(const uint16_t* p, V* w0, V* w1) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  *w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int(0xffff0000u))));
+}
+inline void vstore_out(float* p, V v, int n) {
+  if (n >= 8) { _mm256_storeu_ps(p, v); return; }
+  _mm256_maskstore_ps(p, tail_mask(n), v);
+}
+inline void vstore_out(uint16_t* p, V v, int n) {
+  float tmp[8];
+  _mm256_storeu_ps(tmp, v);
+  for (int i = 0; i < n && i < 8; ++i) p[i] = float_to_bf16(tmp[i]);
+}
+inline V vexp(V x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, vset1(EXP_LO)), vset1(EXP_HI));
+  V n = _mm256_round_ps(_mm256_mul_ps(x, vset1(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, vset1(EXP_C1), x);
+  x = _mm256_fnmadd_ps(n, vset1(EXP_C2), x);
+  V y = vset1(EXP_P[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, vset1(EXP_P[i]));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), vset1(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#include "invariant_impl.h"
+#undef DPBF16
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+// ---- AVX-512 (F, BW, VL), with and without BF16 dot products -----------------------------------------------------
+#define AVX512_VOCABULARY                                                                                          \
+  constexpr int VL = 16;                                                                                           \
+  using V = __m512;                                                                                                \
+  inline __mmask16 tail(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }                 \
+  inline V vzero() { return _mm512_setzero_ps(); }                                                                 \
+  inline V vset1(float a) { return _mm512_set1_ps(a); }                                                            \
+  inline V vload(const float* p) { return _mm512_loadu_ps(p); }                                                   \
+  inline V vload_partial(const float* p, int n) { return _mm512_maskz_loadu_ps(tail(n), p); }                     \
+  inline V vmask_tail(V v, int n) { return _mm512_maskz_mov_ps(tail(n), v); }                                     \
+  inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }                                                   \
+  inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }                                               \
+  inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }                                                         \
+  inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }                                                         \
+  inline uint32_t vvisible_bits(V v) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(MASKED_BELOW), _CMP_GT_OQ); }   \
+  inline float vreduce_add(V v) {                                                                                  \
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),                                                            \
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));                    \
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));                                 \
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                                                        \
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));                                                                         \
+    return _mm_cvtss_f32(s);                                                                                       \
+  }                                                                                                                \
+  inline V vload_i8(const int8_t* p) {                                                                             \
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));         \
+  }                                                                                                                \
+  inline V vload_bf16_partial(const uint16_t* p, int n) {                                                          \
+    __m256i h = _mm256_maskz_loadu_epi16(tail(n), p);                                                              \
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));                                   \
+  }                                                                                                                \
+  inline void vload_bf16_pairs(const uint16_t* p, V* w0, V* w1) {                                                  \
+    __m512i raw = _mm512_loadu_si512(p);                                                                           \
+    *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));                                                         \
+    *w1 = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int(0xffff0000u))));                          \
+  }                                                                                                                \
+  inline void vstore_out(float* p, V v, int n) { _mm512_mask_storeu_ps(p, tail(n), v); }                          \
+  inline void vstore_out(uint16_t* p, V v, int n) {                                                                \
+    __m512i bits = _mm512_castps_si512(v);                                                                         \
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));                             \
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16); \
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                                        \
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));            \
+    _mm256_mask_storeu_epi16(p, tail(n), _mm512_cvtepi32_epi16(rounded));                                          \
+  }                                                                                                                \
+  inline V vexp(V x) {                                                                                             \
+    x = _mm512_min_ps(_mm512_max_ps(x, vset1(EXP_LO)), vset1(EXP_HI));                                             \
+    V n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset1(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);     \
+    x = _mm512_fnmadd_ps(n, vset1(EXP_C1), x);                                                                     \
+    x = _mm512_fnmadd_ps(n, vset1(EXP_C2), x);                                                                     \
+    V y = vset1(EXP_P[0]);                                                                                         \
+    for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, vset1(EXP_P[i]));                                        \
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), vset1(1.0f));                                    \
+    return _mm512_scalef_ps(y, n);                                                                                 \
+  }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace isa_avx512 {
+AVX512_VOCABULARY
+#define DPBF16 0
+#include "invariant_impl.h"
+#undef DPBF16
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+namespace isa_avx512_bf16 {
+AVX512_VOCABULARY
+#define DPBF16 1
+inline V vdpbf16(V acc, uint32_t pair, const uint16_t* w) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(pair)), (__m512bh)_mm512_loadu_si512(w));
+}
+#include "invariant_impl.h"
+#undef DPBF16
+}  // namespace isa_avx512_bf16
+#pragma GCC pop_options
+
+// ---- dispatch and registration ----------------------------------------------------------------------------------
+namespace {
+
+enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
+const char* ISA_NAMES[] = {"scalar", "avx2", "avx512", "avx512_bf16"};
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  Isa best = avx512 ? (__builtin_cpu_supports("avx512bf16") ? Isa::Avx512Bf16 : Isa::Avx512)
+                    : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::Avx2 : Isa::Scalar);
+  const char* forced = std::getenv("DRAFTSMITH_KERNEL_ISA");
+  if (forced && *forced) {
+    for (int i = 0; i <= int(best); ++i)
+      if (std::string(forced) == ISA_NAMES[i]) return Isa(i);
+    TORCH_CHECK(false, "DRAFTSMITH_KERNEL_ISA=", forced, ": this CPU runs at most ", ISA_NAMES[int(best)]);
+  }
+  return best;
+}
+
+Isa isa() {
+  static const Isa chosen = detect_isa();
+  return chosen;
+}
+
+#define DISPATCH_ISA(...)                                          \
+  switch (isa()) {                                                  \
+    case Isa::Avx512Bf16: { using namespace isa_avx512_bf16; __VA_ARGS__; break; } \
+    case Isa::Avx512: { using namespace isa_avx512; __VA_ARGS__; break; }  \
+    case Isa::Avx2: { using namespace isa_avx2; __VA_ARGS__; break; }      \
+    default: { using namespace isa_scalar; __VA_ARGS__; break; }           \
+  }
+
+template <typename XT, typename WT, typename OT>
+void run_linear(const XT* x, int64_t M, int64_t K, const WT* w, int64_t N, const float* scale, const float* bias,
+                OT* out) {
+  DISPATCH_ISA(linear_kernel<XT, WT, OT>(x, M, K, w, N, scale, bias, out))
+}
+
+int64_t packed_elements(int64_t K, int64_t N, bool pairs) {
+  int64_t panels = (N + 63) / 64;
+  return pairs ? panels * ((K + 1) / 2) * 128 : panels * K * 64;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+                  const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "draftsmith::linear runs on the CPU");
+  const int64_t K = x.size(-1), N = out_features;
+  const auto wt = packed.scalar_type(), xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16, "draftsmith::linear: inputs must be float32 or bfloat16");
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "draftsmith::linear: weights must be "
+              "float32, bfloat16 or int8");
+  TORCH_CHECK(wt != at::kBFloat16 || xt == at::kBFloat16, "draftsmith::linear: bfloat16 weights need bfloat16 inputs");
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() == packed_elements(K, N, wt == at::kBFloat16),
+              "draftsmith::linear: the packed weight does not match ", K, " inputs and ", N, " outputs");
+  TORCH_CHECK((wt == at::kChar) == scale.has_value(), "draftsmith::linear: int8 weights and only they take scales");
+  at::Tensor xc = x.contiguous();
+  const int64_t M = K ? xc.numel() / K : 0;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty(sizes, x.options());
+  if (M == 0) return out;
+  at::Tensor scale_f = scale.has_value() ? scale->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* s = scale.has_value() ? scale_f.data_ptr<float>() : nullptr;
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  auto xb = [&] { return reinterpret_cast<const uint16_t*>(xc.data_ptr()); };
+  auto ob = [&] { return reinterpret_cast<uint16_t*>(out.data_ptr()); };
+  if (wt == at::kFloat && xt == at::kFloat)
+    run_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<float>(), N, s, b, out.data_ptr<float>());
+  else if (wt == at::kFloat)
+    run_linear(xb(), M, K, packed.data_ptr<float>(), N, s, b, ob());
+  else if (wt == at::kChar && xt == at::kFloat)
+    run_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, s, b, out.data_ptr<float>());
+  else if (wt == at::kChar)
+    run_linear(xb(), M, K, packed.data_ptr<int8_t>(), N, s, b, ob());
+  else
+    run_linear(xb(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, s, b, ob());
+  return out;
+}
+
+template <typename T>
+void run_attention(const T* q, const int64_t* qs, const T* k, const T* v, const int64_t* kvs, const float* mask,
+                   const int64_t* ms, int64_t B, int64_t Hq, int64_t Hkv, int64_t W, int64_t C, int64_t D,
+                   float scaling, T* out) {
+  DISPATCH_ISA(attention_kernel<T>(q, qs, k, v, kvs, mask, ms, B, Hq, Hkv, W, C, D, scaling, out))
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                     double scaling) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4,
+              "draftsmith::attention: q, k, v and mask are 4-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "draftsmith::attention: q, k and v share one dtype, float32 or bfloat16");
+  const int64_t B = q.size(0), Hq = q.size(1), W = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), C = k.size(2);
+  TORCH_CHECK(Hq % Hkv == 0 && v.size(2) == C && k.size(3) == D && v.size(3) == D && D <= 128,
+              "draftsmith::attention: shapes do not fit (head_dim <= 128, heads a multiple of kv heads)");
+  TORCH_CHECK(mask.size(2) == W && mask.size(3) >= C && (mask.size(0) == 1 || mask.size(0) == B),
+              "draftsmith::attention: the mask must be (1 or B, 1, W, >= keys)");
+  at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  at::Tensor mc = mask.to(at::kFloat);
+  if (mc.stride(3) != 1) mc = mc.contiguous();
+  at::Tensor out = at::empty({B, W, Hq, D}, q.options());
+  const int64_t qs[3] = {qc.stride(0), qc.stride(1), qc.stride(2)};
+  const int64_t kvs[8] = {kc.stride(0), kc.stride(1), kc.stride(2), 1, vc.stride(0), vc.stride(1), vc.stride(2), 1};
+  const int64_t ms[3] = {mask.size(0) == 1 ? 0 : mc.stride(0), 0, mc.stride(2)};
+  if (q.scalar_type() == at::kFloat)
+    run_attention(qc.data_ptr<float>(), qs, kc.data_ptr<float>(), vc.data_ptr<float>(), kvs, mc.data_ptr<float>(),
+                  ms, B, Hq, Hkv, W, C, D, float(scaling), out.data_ptr<float>());
+  else
+    run_attention(reinterpret_cast<const uint16_t*>(qc.data_ptr()), qs,
+                  reinterpret_cast<const uint16_t*>(kc.data_ptr()), reinterpret_cast<const uint16_t*>(vc.data_ptr()),
+                  kvs, mc.data_ptr<float>(), ms, B, Hq, Hkv, W, C, D, float(scaling),
+                  reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+std::string kernel_isa() { return ISA_NAMES[int(isa())]; }
+
+}  // namespace
+
+TORCH_LIBRARY(draftsmith, m) {
+  m.def("linear(Tensor x, Tensor packed, Tensor? scale, Tensor? bias, int out_features) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("attention", &attention);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) { module.def("kernel_isa", &kernel_isa); }

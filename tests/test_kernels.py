@@ -1,0 +1,193 @@
+"""The batch-invariant kernels (models/kernels.py, models/native/): exact against a float64 reference within the
+precision's rounding, and row-for-row identical whatever the number of rows, the precision, the shape, the thread
+count and the instruction set; attention identical wherever a row's visible keys lie in the cache; a model on them
+verifies exactly what one-token steps compute, eager and compiled, in float32, bfloat16 and int8 weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_model
+from draftsmith.models.compiled import CompiledEngine, CompileSettings
+from draftsmith.models.kernels import (InvariantLinear, WeightPrecision, invariant_model, kernel_isa, load_kernels,
+                                       pack_weight, quantize_int8)
+from draftsmith.models.target import TargetModel
+
+load_kernels()
+ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
+AVAILABLE_ISAS = ISAS[:ISAS.index(kernel_isa()) + 1]
+
+
+def reference_linear(x, weight, scale, bias):
+    w = weight.double() * (scale.double()[:, None] if scale is not None else 1)
+    out = x.double() @ w.T
+    return out + bias.double() if bias is not None else out
+
+
+def linear_case(rows: int, n: int, k: int, precision: str, seed: int, bias: bool = True):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator)
+    x = torch.randn(rows, k, generator=generator)
+    b = torch.randn(n, generator=generator) if bias else None
+    scale = None
+    if precision == "bfloat16":
+        weight, x = weight.bfloat16(), x.bfloat16()
+    elif precision == "int8":
+        weight, scale = quantize_int8(weight)
+    return x, weight, scale, b
+
+
+@pytest.mark.parametrize("precision,tolerance", [("float32", 1e-5), ("bfloat16", 8e-3), ("int8", 1e-5)])
+def test_linear_matches_reference(precision, tolerance):
+    for n, k in [(64, 64), (100, 37), (192, 576), (7, 1)]:
+        x, weight, scale, bias = linear_case(9, n, k, precision, seed=n + k)
+        out = torch.ops.draftsmith.linear(x, pack_weight(weight), scale, bias, n)
+        assert out.dtype == x.dtype and out.shape == (9, n)
+        expected = reference_linear(x, weight, scale, bias)
+        assert (out.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(2, 64), n=st.integers(1, 200), k=st.integers(1, 300),
+       precision=st.sampled_from(["float32", "bfloat16", "int8"]), bias=st.booleans(), seed=st.integers(0, 99))
+def test_linear_rows_are_batch_invariant(rows, n, k, precision, bias, seed):
+    """Every row of a w-row product equals the same row computed alone and inside any other row count."""
+    x, weight, scale, b = linear_case(rows, n, k, precision, seed, bias)
+    packed = pack_weight(weight)
+    full = torch.ops.draftsmith.linear(x, packed, scale, b, n)
+    for start, stop in [(0, 1), (rows - 1, rows), (1, rows), (0, rows // 2 + 1)]:
+        part = torch.ops.draftsmith.linear(x[start:stop], packed, scale, b, n)
+        assert torch.equal(part, full[start:stop])
+
+
+def test_linear_is_thread_count_invariant():
+    x, weight, scale, bias = linear_case(13, 300, 130, "float32", seed=1)
+    packed, threads = pack_weight(weight), torch.get_num_threads()
+    full = torch.ops.draftsmith.linear(x, packed, scale, bias, 300)
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.draftsmith.linear(x, packed, scale, bias, 300), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def attention_inputs(rows: int, keys: int, dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, rows, 16, generator=generator).to(dtype)
+    k = torch.randn(1, 2, keys, 16, generator=generator).to(dtype)
+    v = torch.randn(1, 2, keys, 16, generator=generator).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_matches_softmax_reference(dtype):
+    q, k, v = attention_inputs(5, 40, dtype)
+    allowed = torch.rand(5, 40, generator=torch.Generator().manual_seed(2)) < 0.6
+    allowed[:, 0] = True
+    mask = torch.zeros(1, 1, 5, 40).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    out = torch.ops.draftsmith.attention(q, k, v, mask, 0.25)
+    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 0.25 + mask.double()
+    expected = (scores.softmax(-1) @ v.double().repeat_interleave(2, 1)).transpose(1, 2)
+    assert (out.double() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_ignores_where_visible_keys_lie(dtype):
+    """A tree row whose ancestors are scattered among other nodes' slots computes exactly what the same row computes
+    after the accepted path was moved to contiguous slots (plain decoding's layout), at any row count."""
+    q, k, v = attention_inputs(3, 30, dtype, seed=5)
+    visible = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 21]  # prefix 0..9, then ancestors among tree slots
+    scattered = torch.full((1, 1, 3, 30), torch.finfo(torch.float32).min)
+    scattered[..., visible] = 0
+    contiguous_k, contiguous_v = k.clone(), v.clone()
+    contiguous_k[:, :, 10:13], contiguous_v[:, :, 10:13] = k[:, :, [13, 17, 21]], v[:, :, [13, 17, 21]]
+    compact = torch.full((1, 1, 1, 30), torch.finfo(torch.float32).min)
+    compact[..., :13] = 0
+    tree = torch.ops.draftsmith.attention(q, k, v, scattered, 0.25)
+    plain = torch.ops.draftsmith.attention(q[:, :, 1:2], contiguous_k, contiguous_v, compact, 0.25)
+    assert torch.equal(tree[:, 1:2], plain)
+
+
+@pytest.mark.parametrize("isa", AVAILABLE_ISAS)
+def test_every_instruction_set_is_batch_invariant(isa):
+    """Each instruction set this CPU runs (forced through DRAFTSMITH_KERNEL_ISA in a fresh process)."""
+    script = (
+        "import torch\n"
+        "from draftsmith.models.kernels import load_kernels, kernel_isa, pack_weight, quantize_int8\n"
+        "load_kernels(); assert kernel_isa() == %r, kernel_isa()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for dtype in (torch.float32, torch.bfloat16, torch.int8):\n"
+        "    w = torch.randn(130, 77, generator=g); x = torch.randn(11, 77, generator=g); s = None\n"
+        "    if dtype is torch.int8: w, s = quantize_int8(w)\n"
+        "    elif dtype is torch.bfloat16: w, x = w.bfloat16(), x.bfloat16()\n"
+        "    p = pack_weight(w); full = torch.ops.draftsmith.linear(x, p, s, None, 130)\n"
+        "    ref = x.double() @ (w.double() * (s.double()[:, None] if s is not None else 1)).T\n"
+        "    assert (full.double() - ref).abs().max() < 0.05 * ref.abs().max()\n"
+        "    for r in range(11): assert torch.equal(torch.ops.draftsmith.linear(x[r:r + 1], p, s, None, 130), "
+        "full[r:r + 1])\n"
+        "q, k, v = torch.randn(1, 4, 6, 40, generator=g), torch.randn(1, 2, 50, 40, generator=g), "
+        "torch.randn(1, 2, 50, 40, generator=g)\n"
+        "mask = torch.zeros(1, 1, 6, 50); mask[..., 45:] = torch.finfo(torch.float32).min\n"
+        "full = torch.ops.draftsmith.attention(q, k, v, mask, 0.2)\n"
+        "ref = ((q @ k.repeat_interleave(2, 1)[..., :45, :].transpose(-1, -2)) * 0.2).softmax(-1) @ "
+        "v.repeat_interleave(2, 1)[..., :45, :]\n"
+        "assert (full - ref.transpose(1, 2)).abs().max() < 1e-4\n"
+        "for r in range(6): assert torch.equal(torch.ops.draftsmith.attention(q[:, :, r:r + 1], k, v, "
+        "mask[:, :, r:r + 1], 0.2), full[:, r:r + 1])\n" % isa)
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DRAFTSMITH_KERNEL_ISA": isa},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_invariant_linear_module_keeps_shape_and_bias():
+    linear = torch.nn.Linear(20, 70)
+    module = InvariantLinear(linear)
+    x = torch.randn(2, 3, 20)
+    assert torch.allclose(module(x), linear(x), atol=1e-5)
+    int8 = InvariantLinear(linear, WeightPrecision.INT8)
+    assert int8.packed.dtype == torch.int8 and torch.allclose(int8(x), linear(x), atol=0.05)
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),
+                                             (torch.bfloat16, WeightPrecision.MODEL),
+                                             (torch.float32, WeightPrecision.INT8)])
+def test_model_verify_equals_steps_eager(family, dtype, precision):
+    """A stock HF model on the invariant kernels: a 7-token forward over a cache gives exactly the logits of seven
+    one-token forwards, and the original model is left as it was."""
+    model = tiny_model(family, seed=1).to(dtype)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    runs = invariant_model(model, precision)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    target = TargetModel(runs, tokenizer=None)
+    cache = target.new_cache()
+    target.forward(ids[:, :5], cache)
+    together = target.forward(ids[:, 5:], cache).logits
+    target.truncate(cache, 5)
+    alone = torch.cat([target.forward(ids[:, i:i + 1], cache).logits for i in range(5, 12)], 1)
+    assert torch.equal(together, alone)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    assert not any(isinstance(m, InvariantLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype,weights", [(torch.float32, "model"), (torch.bfloat16, "model"),
+                                           (torch.float32, "int8")])
+def test_compiled_verify_equals_steps(tmp_path, dtype, weights):
+    """Through the compiled engine (one shared-width AOTInductor graph calling the ops): a verify of 6 tokens, a
+    prompt chunk and one-token steps agree bit for bit."""
+    model = tiny_model("llama", seed=2, num_layers=2).to(dtype)
+    settings = CompileSettings(buckets=[1, 8], capacity=64, autotune=False, weights=weights)
+    target = TargetModel(model, None, engine=CompiledEngine(model, settings, cache_dir=tmp_path))
+    ids = torch.randint(0, model.config.vocab_size, (1, 14), generator=torch.Generator().manual_seed(1))
+    cache = target.new_cache()
+    prefill = target.forward(ids[:, :8], cache).logits
+    verify = target.forward(ids[:, 8:], cache).logits
+    target.truncate(cache, 0)
+    steps = torch.cat([target.forward(ids[:, i:i + 1], cache).logits for i in range(14)], 1)
+    assert torch.equal(torch.cat([prefill, verify], 1), steps)
