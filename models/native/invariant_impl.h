@@ -138,100 +138,134 @@ inline V load_row(const T* p, int64_t d, int valid) {
 
 // One query row of one head: softmax(q.K_visible * scale + mask) . V_visible, the visible keys taken in cache order
 // and compacted, so where they lie (a tree's scattered ancestors, a chain's contiguous slots) changes nothing.
+struct AttentionScratch {
+  std::vector<uint64_t> who;     // per key: the rows of the block that see it
+  std::vector<float> scores;     // per (row, head): scores, then probabilities, of its visible keys in cache order
+  std::vector<int64_t> count;    // per row: its visible keys
+  std::vector<int64_t> cursor;   // per row: the next visible key
+  std::vector<float> query, sum; // per (row, head, chunk): VL floats each (a vector of __m512 would lose alignment)
+};
+
+// A block of rows (<= 64) and `heads` query heads sharing one kv head: every key and value vector is loaded once
+// for all the (row, head) pairs that see it. Each pair still reduces over its own visible keys in cache order, one
+// score and one accumulation at a time, with the same instructions as any other block: the result of a row is
+// what that row computes alone, wherever its visible keys lie.
 template <typename T>
-void attend_row(const T* q, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
-                const float* mask_row,
-                int64_t length, int64_t D, float scaling, std::vector<int64_t>& visible,
-                std::vector<float>& scores, T* out) {
-  visible.clear();
-  for (int64_t j = 0; j < length; j += VL) {
-    const int valid = int(std::min<int64_t>(VL, length - j));
-    uint32_t bits = vvisible_bits(vload_partial(mask_row + j, valid)) & uint32_t((uint64_t(1) << valid) - 1);
-    for (; bits; bits &= bits - 1) visible.push_back(j + __builtin_ctz(bits));
-  }
-  const int64_t n = int64_t(visible.size());
-  scores.resize(n + VL);
+void attend_block(const T* const* q_rows, int64_t q_head_stride, const T* keys, const T* values, int64_t key_stride,
+                  int64_t value_stride, const float* const* mask_rows, int rows, int heads, int64_t length, int64_t D,
+                  float scaling, AttentionScratch& s, T* const* out_rows) {
   const int64_t chunks = (D + VL - 1) / VL;
-  V query[128 / VL];
-  for (int64_t c = 0; c < chunks; ++c) query[c] = load_row(q, c * VL, int(std::min<int64_t>(VL, D - c * VL)));
-  // Four keys at a time (independent chains the core overlaps); each key's dot is the same sequence either way.
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const T* k0 = keys + visible[i] * key_stride;
-    const T* k1 = keys + visible[i + 1] * key_stride;
-    const T* k2 = keys + visible[i + 2] * key_stride;
-    const T* k3 = keys + visible[i + 3] * key_stride;
-    V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int valid = int(std::min<int64_t>(VL, D - c * VL));
-      a0 = vfma(query[c], load_row(k0, c * VL, valid), a0);
-      a1 = vfma(query[c], load_row(k1, c * VL, valid), a1);
-      a2 = vfma(query[c], load_row(k2, c * VL, valid), a2);
-      a3 = vfma(query[c], load_row(k3, c * VL, valid), a3);
+  auto valid_of = [&](int64_t c) { return int(std::min<int64_t>(VL, D - c * VL)); };
+  s.who.assign(length, 0);
+  s.count.assign(rows, 0);
+  for (int r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < length; j += VL) {
+      const int valid = int(std::min<int64_t>(VL, length - j));
+      uint32_t bits = vvisible_bits(vload_partial(mask_rows[r] + j, valid)) & uint32_t((uint64_t(1) << valid) - 1);
+      s.count[r] += __builtin_popcount(bits);
+      for (; bits; bits &= bits - 1) s.who[j + __builtin_ctz(bits)] |= uint64_t(1) << r;
     }
-    scores[i] = vreduce_add(a0) * scaling + mask_row[visible[i]];
-    scores[i + 1] = vreduce_add(a1) * scaling + mask_row[visible[i + 1]];
-    scores[i + 2] = vreduce_add(a2) * scaling + mask_row[visible[i + 2]];
-    scores[i + 3] = vreduce_add(a3) * scaling + mask_row[visible[i + 3]];
-  }
-  for (; i < n; ++i) {
-    const T* key = keys + visible[i] * key_stride;
-    V a0 = vzero();
-    for (int64_t c = 0; c < chunks; ++c)
-      a0 = vfma(query[c], load_row(key, c * VL, int(std::min<int64_t>(VL, D - c * VL))), a0);
-    scores[i] = vreduce_add(a0) * scaling + mask_row[visible[i]];
-  }
-  float maximum = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) maximum = std::max(maximum, scores[j]);
-  V total = vzero();
-  for (int64_t i = 0; i < n; i += VL) {
-    int valid = int(std::min<int64_t>(VL, n - i));
-    V e = vexp(vadd(vload_partial(scores.data() + i, valid), vset1(-maximum)));
-    e = vmask_tail(e, valid);
-    vstore(scores.data() + i, e);
-    total = vadd(total, e);
-  }
-  const float inverse = n ? 1.0f / vreduce_add(total) : 0.0f;
-  V acc[128 / VL];  // head_dim <= 128
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = vzero();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* value = values + visible[i] * value_stride;
-    V p = vset1(scores[i]);
-    for (int64_t c = 0; c < chunks; ++c) {
-      int valid = int(std::min<int64_t>(VL, D - c * VL));
-      acc[c] = vfma(p, load_row(value, c * VL, valid), acc[c]);
+  const int pairs = rows * heads;
+  s.query.resize(size_t(pairs) * chunks * VL);
+  s.sum.assign(size_t(pairs) * chunks * VL, 0.0f);
+  s.scores.resize(size_t(pairs) * (length + VL));
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < heads; ++h)
+      for (int64_t c = 0; c < chunks; ++c)
+        vstore(s.query.data() + ((r * heads + h) * chunks + c) * VL,
+               load_row(q_rows[r] + h * q_head_stride, c * VL, valid_of(c)));
+  auto scores_of = [&](int pair) { return s.scores.data() + size_t(pair) * (length + VL); };
+  V loaded[128 / VL];
+  s.cursor.assign(rows, 0);
+  for (int64_t j = 0; j < length; ++j) {
+    uint64_t seen = s.who[j];
+    if (!seen) continue;
+    const T* key = keys + j * key_stride;
+    for (int64_t c = 0; c < chunks; ++c) loaded[c] = load_row(key, c * VL, valid_of(c));
+    for (; seen; seen &= seen - 1) {
+      const int r = __builtin_ctzll(seen);
+      for (int h = 0; h < heads; ++h) {
+        const float* query = s.query.data() + (r * heads + h) * chunks * VL;
+        V acc = vzero();
+        for (int64_t c = 0; c < chunks; ++c) acc = vfma(vload(query + c * VL), loaded[c], acc);
+        scores_of(r * heads + h)[s.cursor[r]] = vreduce_add(acc) * scaling + mask_rows[r][j];
+      }
+      ++s.cursor[r];
     }
   }
-  for (int64_t c = 0; c < chunks; ++c) {
-    int valid = int(std::min<int64_t>(VL, D - c * VL));
-    vstore_out(out + c * VL, vmul(acc[c], vset1(inverse)), valid);
+  std::vector<float> inverse(pairs);
+  for (int pair = 0; pair < pairs; ++pair) {
+    const int64_t n = s.count[pair / heads];
+    float* sc = scores_of(pair);
+    float maximum = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) maximum = std::max(maximum, sc[i]);
+    V total = vzero();
+    for (int64_t i = 0; i < n; i += VL) {
+      const int valid = int(std::min<int64_t>(VL, n - i));
+      V e = vmask_tail(vexp(vadd(vload_partial(sc + i, valid), vset1(-maximum))), valid);
+      vstore(sc + i, e);
+      total = vadd(total, e);
+    }
+    inverse[pair] = n ? 1.0f / vreduce_add(total) : 0.0f;
   }
+  s.cursor.assign(rows, 0);
+  for (int64_t j = 0; j < length; ++j) {
+    uint64_t seen = s.who[j];
+    if (!seen) continue;
+    const T* value = values + j * value_stride;
+    for (int64_t c = 0; c < chunks; ++c) loaded[c] = load_row(value, c * VL, valid_of(c));
+    for (; seen; seen &= seen - 1) {
+      const int r = __builtin_ctzll(seen);
+      for (int h = 0; h < heads; ++h) {
+        V p = vset1(scores_of(r * heads + h)[s.cursor[r]]);
+        float* sum = s.sum.data() + (r * heads + h) * chunks * VL;
+        for (int64_t c = 0; c < chunks; ++c) vstore(sum + c * VL, vfma(p, loaded[c], vload(sum + c * VL)));
+      }
+      ++s.cursor[r];
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < heads; ++h)
+      for (int64_t c = 0; c < chunks; ++c)
+        vstore_out(out_rows[r] + h * D + c * VL,
+                   vmul(vload(s.sum.data() + ((r * heads + h) * chunks + c) * VL), vset1(inverse[r * heads + h])),
+                   valid_of(c));
 }
 
 // q (B, Hq, W, D), keys/values (B, Hkv, C, D) (last axis contiguous), mask (B or 1, 1, W, >= C) float32;
-// out (B, W, Hq, D) contiguous.
+// out (B, W, Hq, D) contiguous. Tasks: (batch, kv head, row block, head block), enough of them for every thread.
 template <typename T>
 void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T* v, const int64_t* kv_strides,
                       const float* mask, const int64_t* mask_strides, int64_t B, int64_t Hq, int64_t Hkv, int64_t W,
                       int64_t C, int64_t D, float scaling, T* out) {
-  const int64_t groups = Hq / Hkv;
-  const int64_t tasks = B * Hq * W;
+  const int64_t groups = Hq / Hkv, threads = omp_get_max_threads();
+  int64_t row_blocks = std::max<int64_t>((W + 63) / 64, std::min<int64_t>(W, (2 * threads + B * Hkv - 1) / (B * Hkv)));
+  const int64_t head_blocks = B * Hkv * row_blocks >= 2 * threads ? 1 : groups;
+  const int64_t rows_per_block = (W + row_blocks - 1) / row_blocks;
+  row_blocks = (W + rows_per_block - 1) / rows_per_block;
+  const int64_t heads_per_block = groups / head_blocks;
+  const int64_t tasks = B * Hkv * row_blocks * head_blocks;
 #pragma omp parallel if (tasks > 1)
   {
-    std::vector<int64_t> visible;
-    std::vector<float> scores;
-    visible.reserve(C);
-    scores.reserve(C + VL);
+    AttentionScratch scratch;
+    std::vector<const T*> q_rows(rows_per_block);
+    std::vector<const float*> mask_rows(rows_per_block);
+    std::vector<T*> out_rows(rows_per_block);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / (Hq * W), h = (task / W) % Hq, row = task % W;
-      const int64_t g = h / groups;
-      const T* qr = q + b * q_strides[0] + h * q_strides[1] + row * q_strides[2];
-      const T* keys = k + b * kv_strides[0] + g * kv_strides[1];
-      const T* values = v + b * kv_strides[4] + g * kv_strides[5];
-      const float* mask_row = mask + b * mask_strides[0] + row * mask_strides[2];
-      T* o = out + ((b * W + row) * Hq + h) * D;
-      attend_row(qr, keys, values, kv_strides[2], kv_strides[6], mask_row, C, D, scaling, visible, scores, o);
+      const int64_t hb = task % head_blocks, rb = (task / head_blocks) % row_blocks;
+      const int64_t g = (task / (head_blocks * row_blocks)) % Hkv, b = task / (head_blocks * row_blocks * Hkv);
+      const int64_t first_row = rb * rows_per_block, rows = std::min(rows_per_block, W - first_row);
+      const int64_t first_head = g * groups + hb * heads_per_block;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = first_row + r;
+        q_rows[r] = q + b * q_strides[0] + first_head * q_strides[1] + row * q_strides[2];
+        mask_rows[r] = mask + b * mask_strides[0] + row * mask_strides[2];
+        out_rows[r] = out + ((b * W + row) * Hq + first_head) * D;
+      }
+      attend_block(q_rows.data(), q_strides[1], k + b * kv_strides[0] + g * kv_strides[1],
+                   v + b * kv_strides[4] + g * kv_strides[5], kv_strides[2], kv_strides[6], mask_rows.data(),
+                   int(rows), int(heads_per_block), C, D, scaling, scratch, out_rows.data());
     }
   }
 }
