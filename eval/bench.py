@@ -57,6 +57,7 @@ from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread
+from draftsmith.models.kernels import Kernels
 from draftsmith.models.engine import Backend
 from draftsmith.models.precision import weight_count
 from draftsmith.models.target import TargetModel, dtype_name
@@ -441,14 +442,17 @@ def summarize(state: BenchState) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def precision_note(dtype: torch.dtype) -> str | None:
-    """What a reduced-precision target means for the lossless check (None in fp32)."""
+def precision_note(dtype: torch.dtype, config: "BenchConfig") -> str | None:
+    """What a reduced-precision target means for the lossless check (None in fp32, and None on the compiled backend's
+    batch-invariant kernels, where a verify is row for row what one-token steps compute in every precision)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return None
-    return (f"note: {dtype_name(dtype)}: a forward over w tokens is not row-for-row identical to w one-token "
-            "forwards, and near-ties can flip the argmax, so speculative outputs may differ from plain greedy "
-            "(each difference is reported as a MISMATCH; measured: results/goal_bench_smollm2.md); float32 "
-            "is the lossless setting")
+    if config.backend is Backend.COMPILED and config.compile.kernels is Kernels.INVARIANT:
+        return None
+    return (f"note: {dtype_name(dtype)} without the batch-invariant kernels: a forward over w tokens is not "
+            "row-for-row identical to w one-token forwards, and near-ties can flip the argmax, so speculative "
+            "outputs may differ from plain greedy (each difference is reported as a MISMATCH); backend=compiled "
+            "with compile.kernels=invariant is lossless in every precision")
 
 
 def load_models(config: BenchConfig, target: TargetModel | None, draft: TargetModel | None):
@@ -495,7 +499,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     check_bench_parts(config, target, draft)
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target, draft = load_models(config, target, draft)
-    note = precision_note(target.dtype)
+    note = precision_note(target.dtype, config)
     if progress and note:
         print(note, flush=True)
     records = [(suite, conv) for suite in config.suites

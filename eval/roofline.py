@@ -115,7 +115,8 @@ def bound_seconds(model, roofs: dict, width: int, context: int) -> float:
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + width) * dim * model.dtype.itemsize
     attention_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * width * (context + width) * dim
     flops = 2 * params * width + attention_flops
-    throughput = roofs["float32_gflops"] if model.dtype == torch.float32 else roofs["bfloat16_gflops"]
+    throughput = (max(roofs["float32_gflops"], roofs["kernel_float32_gflops"]) if model.dtype == torch.float32
+                  else roofs["bfloat16_gflops"])  # the best measured: torch's GEMM or the invariant kernel's
     return max((weights + kv_bytes) / (roofs["stream_gbs"] * 1e9), flops / (throughput * 1e9))
 
 

@@ -35,7 +35,7 @@ from draftsmith.models.zoo import draftsmith_cache
 
 SOURCE_DIRECTORY = Path(__file__).with_name("native")
 SOURCES = ("batch_invariant.cpp", "invariant_impl.h")
-PANEL = 64  # output columns per packed weight panel (batch_invariant.cpp's PANEL)
+PANEL = 48  # output columns per packed weight panel (invariant_impl.h's PANEL)
 ATTENTION_NAME = "draftsmith_invariant"
 
 
@@ -120,8 +120,8 @@ def kernel_isa() -> str:
 # -- packing ------------------------------------------------------------------------------------------------------
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) Linear weight -> the kernel's panels: float32/int8 (ceil(N/64), K, 64); bfloat16 as K-pairs
-    (ceil(N/64), ceil(K/2), 64, 2). Padding columns are zero."""
+    """(N, K) Linear weight -> the kernel's panels: float32/int8 (ceil(N/48), K, 48); bfloat16 as K-pairs
+    (ceil(N/48), ceil(K/2), 48, 2). Padding columns are zero."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = weight.new_zeros((panels * PANEL, k))

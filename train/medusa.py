@@ -263,7 +263,7 @@ class MedusaRecipe(RecipeBase):
                               out.head_ce, out.head_kl])
 
         sums = run.accumulate(batches, backward_one)  # loss, lm, tokens, ce_k, kl_k
-        metrics = run.optimizer_step(sums[0])
+        metrics = run.optimizer_step(sums[0], loss_tokens=float(counts[0]))  # head 1's labels: the answer tokens
         sums = run.reduce_sum(sums)
         metrics["train/tokens"] = int(sums[2])
         if medusa2:

@@ -664,7 +664,7 @@ class TrainingRun:
             self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
         if cfg.train.snapshots_at_loss_tokens and "train/loss_tokens_seen" not in metrics:
             raise ConfigError("train.snapshots_at_loss_tokens: this recipe does not count its loss-bearing tokens "
-                              "(train/dgf.py does); drop the option")
+                              "(train/dgf.py and train/medusa.py do); drop the option")
         self._snapshots(recipe, metrics.get("train/loss_tokens_seen"))
 
     def _snapshots(self, recipe: Recipe, seen: int | None) -> None:

@@ -266,9 +266,11 @@ void run_linear(const XT* x, int64_t M, int64_t K, const WT* w, int64_t N, const
   DISPATCH_ISA(linear_kernel<XT, WT, OT>(x, M, K, w, N, scale, bias, out))
 }
 
+constexpr int64_t PACKED_PANEL = 48;  // invariant_impl.h's PANEL
+
 int64_t packed_elements(int64_t K, int64_t N, bool pairs) {
-  int64_t panels = (N + 63) / 64;
-  return pairs ? panels * ((K + 1) / 2) * 128 : panels * K * 64;
+  int64_t panels = (N + PACKED_PANEL - 1) / PACKED_PANEL;
+  return pairs ? panels * ((K + 1) / 2) * PACKED_PANEL * 2 : panels * K * PACKED_PANEL;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,

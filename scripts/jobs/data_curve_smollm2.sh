@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Issue 32, the acceptance-vs-data curve (train/configs/dgf_smollm2_curve.yaml): one pass over human-written
+# The acceptance-vs-data curve (train/configs/dgf_smollm2_curve.yaml; RECIPE=medusa with
+# CONFIG=train/configs/medusa_smollm2_curve.yaml RUN=outputs/curve_smollm2_medusa KEEP=drafters/curve_smollm2_medusa
+# for Medusa heads on the same data): one pass over human-written
 # answers scored by the target in the loop, a snapshot of the drafter at 0.1M, 0.25M, 1M, 4M and 10M loss-bearing
 # tokens. ~150 loss tokens/s on 2 cores (the target's forward dominates), so 10M is several sessions: the job runs
 # until it is stopped and every SYNC_S seconds copies new snapshots, and a lean resume point of the newest
@@ -14,6 +16,7 @@ RUN=${RUN:-outputs/curve_smollm2_human}
 KEEP=${KEEP:-drafters/curve_smollm2_human}
 SYNC_S=${SYNC_S:-600}
 CONFIG=${CONFIG:-train/configs/dgf_smollm2_curve.yaml}
+RECIPE=${RECIPE:-dgf}  # the train/<recipe>.py that CONFIG configures
 read -r -a EXTRA <<< "${OVERRIDES:-}"  # key=value overrides of CONFIG (an ablation variant), e.g. drafter.layer_fusion=gated
 mkdir -p "$KEEP"
 sync_outputs() {  # snapshots -> $KEEP/loss_tokens_<N>/ (once each), newest checkpoint -> $KEEP/resume/
@@ -36,7 +39,7 @@ else
   RESUME=()
 fi
 OMP_NUM_THREADS=2 accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-  train/dgf.py --config "$CONFIG" output_dir="$RUN" "${RESUME[@]}" "${EXTRA[@]}" --no-progress &
+  "train/$RECIPE.py" --config "$CONFIG" output_dir="$RUN" "${RESUME[@]}" "${EXTRA[@]}" --no-progress &
 TRAIN=$!
 trap 'kill $TRAIN 2>/dev/null; wait $TRAIN 2>/dev/null; sync_outputs' TERM INT
 while kill -0 $TRAIN 2>/dev/null; do
