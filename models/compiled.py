@@ -30,6 +30,7 @@ LM head), compiled ahead of time over a preallocated KV cache (gpt-fast's recipe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -505,6 +506,18 @@ def extraction_directory() -> Path:
     return mine
 
 
+def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:
+    """A feature drafter on the batch-invariant kernels (kernels.invariant_model); a frozen slice of the target's
+    LM head becomes the copy's own head (an InvariantLinear over the same rows), so it streams like the rest."""
+    runs = invariant_model(model, precision)
+    if runs.config.head == "slice":
+        rows = nn.Linear(runs.sliced_head.shape[1], runs.sliced_head.shape[0], bias=False)
+        rows.weight = nn.Parameter(runs.sliced_head, requires_grad=False)
+        runs.draft_head = InvariantLinear(rows, precision)
+        runs.config = dataclasses.replace(runs.config, head="own")
+    return runs
+
+
 class CompiledDGFEngine(BucketGraphs):
     """The DGF drafter's static-shape forwards (the interface of models.dgf.EagerDGFEngine)."""
 
@@ -513,10 +526,12 @@ class CompiledDGFEngine(BucketGraphs):
         settings = settings or CompileSettings()
         self.model = model.eval()
         device, dtype, hidden = model.device, model.dtype, model.config.hidden_size
+        if settings.kernels is Kernels.INVARIANT:
+            model = invariant_drafter(model, settings.weights)
         cache, kv = static_cache(model.block_config, settings.capacity, lambda c: model(
             torch.zeros(1, 1, hidden, dtype=dtype, device=device), torch.zeros(1, 1, dtype=torch.long, device=device),
             cache=c))
-        step = DGFStepModule(model, cache)
+        step = DGFStepModule(model, cache)  # the invariant copy, when it runs on those kernels
         fingerprint = model_fingerprint(step, model.config.to_dict())  # the drafter and the target's parts
         super().__init__(step, kv, fingerprint, settings, dtype, device, f"dgf drafter ({model.config.fusion})",
                          cache_dir)

@@ -376,7 +376,7 @@ class DGFModel(nn.Module):
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.config.head == "own":
-            return self.draft_head(hidden.to(self.draft_head.weight.dtype))
+            return self.draft_head(hidden.to(self.dtype))
         if self.config.head == "slice":
             return nn.functional.linear(hidden.to(self.sliced_head.dtype), self.sliced_head)
         return self._lm_head(hidden.to(self._lm_head.weight.dtype))

@@ -186,8 +186,11 @@ def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecisi
     attention by draftsmith::attention. The original is unchanged (its other weights are shared, not copied)."""
     load_kernels()
     register_attention()
-    shared = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
-    clone = copy.deepcopy(model, memo=shared)
+    referenced = [value for module in model.modules() for value in vars(module).values()
+                  if isinstance(value, nn.Module)]  # modules held outside the tree (a drafter's target embedding)
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for module in referenced for t in [*module.parameters(), *module.buffers()]]
+    clone = copy.deepcopy(model, memo={id(tensor): tensor for tensor in tensors})
     for parent in list(clone.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

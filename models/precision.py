@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from draftsmith.models.kernels import InvariantLinear
+
 INT8_KERNEL_ALIGNMENT = 16  # torch 2.13's _weight_int8pack_mm returns wrong sums (or crashes) unless in_features is a
 #                            multiple of 16 (measured: 904 and 24 wrong, 897 a segfault); other Linears stay in bf16
 
@@ -75,9 +77,11 @@ class Int8WeightLinear(nn.Module):
 
 
 def weight_count(model: nn.Module) -> int:
-    """The model's weights: its parameters and the int8 weights an Int8WeightLinear keeps as buffers."""
+    """The model's weights: its parameters and the weights an Int8WeightLinear or InvariantLinear keeps as buffers."""
     int8 = sum(module.weight_int8.numel() for module in model.modules() if isinstance(module, Int8WeightLinear))
-    return sum(parameter.numel() for parameter in model.parameters()) + int8
+    packed = sum(module.in_features * module.out_features for module in model.modules()
+                 if isinstance(module, InvariantLinear))
+    return sum(parameter.numel() for parameter in model.parameters()) + int8 + packed
 
 
 def with_int8_weights(model: nn.Module) -> nn.Module:
