@@ -49,7 +49,7 @@ from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
 from draftsmith.models.precision import DraftPrecision, with_precision
 from draftsmith.models.student import every_nth_layer, layer_subset_student
-from draftsmith.models.target import TargetModel
+from draftsmith.models.target import TargetModel, resolve_dtype
 from draftsmith.models.trees import LM_TREE
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
 from draftsmith.specs import SpecError, check_spec_name, split_items, split_top
@@ -424,6 +424,8 @@ class DGFOptions:
                                       f"{TREE_BUDGET}", ge=1)
     stop_below: float | None = option(None, "dynamic depth: no deeper level once the drafter's probability of its "
                                             "best path falls below this (null: always the full depth)", gt=0, lt=1)
+    dtype: Literal["float32", "bfloat16"] | None = option(
+        None, "the drafter's arithmetic (bfloat16 halves the weights a draft step streams); null: the target's dtype")
 
 
 @dataclass
@@ -553,13 +555,13 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     path = o.path if o.path is not None else bundled_drafter(ctx.target.name)
-    key = ("dgf", str(path))
+    key = ("dgf", str(path), o.dtype)
     if key in ctx.models:  # the same drafter in another tree shape: one model, one engine per run
         depth, topk, budget = drafter_tree(path, o.depth, o.topk, o.budget)
         return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label, o.stop_below), spec.label)
     drafter = ctx.models[key] = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget,
                                                  name=spec.label, backend=ctx.backend, settings=ctx.settings,
-                                                 stop_below=o.stop_below)
+                                                 stop_below=o.stop_below, dtype=o.dtype and resolve_dtype(o.dtype))
     ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)
 

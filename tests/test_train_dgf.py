@@ -248,10 +248,15 @@ def test_a_curve_run_stops_at_its_last_snapshot(tmp_path):
     assert (run / "checkpoints" / "step_1").is_dir() and not (run / "final").exists()
 
 
-def test_snapshots_need_a_recipe_that_counts_tokens(tmp_path):
+def test_medusa_writes_curve_snapshots(tmp_path):
+    """Medusa heads count their loss-bearing tokens (head 1's labels), so an acceptance-vs-data curve of heads
+    snapshots them like the feature drafter's: a loadable final/ layout per milestone, then the run stops."""
     from draftsmith.train.medusa import MedusaRecipeConfig, main as medusa_main
 
     cfg = load_config(MedusaRecipeConfig, "train/configs/medusa_tiny.yaml",
-                      [f"output_dir={tmp_path}", "train.max_steps=2", "train.snapshots_at_loss_tokens=[1]"])
-    with pytest.raises(ConfigError, match="does not count its loss-bearing tokens"):
-        medusa_main(cfg)
+                      [f"output_dir={tmp_path}", "train.max_steps=5", "train.snapshots_at_loss_tokens=[1]"])
+    medusa_main(cfg)
+    snapshot = tmp_path / "snapshots" / "loss_tokens_1"
+    record = json.loads((snapshot / "snapshot.json").read_text())
+    assert record["loss_tokens_seen"] >= 1 and record["step"] == 1
+    assert (snapshot / "medusa_heads.safetensors").is_file()

@@ -257,11 +257,12 @@ def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = 
 
 def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: int | None = None,
                      budget: int | None = None, name: str | None = None, backend: Backend = Backend.EAGER,
-                     settings: CompileSettings | None = None, stop_below: float | None = None) -> DGFDrafter:
+                     settings: CompileSettings | None = None, stop_below: float | None = None,
+                     dtype: torch.dtype | None = None) -> DGFDrafter:
     """A DGFDrafter for `target` from a recipe's final/ directory or a dgf-layout export (refuses another
-    target's drafter); tree shape as `drafter_tree`. The drafter runs in the target's dtype on the
+    target's drafter); tree shape as `drafter_tree`. The drafter runs in `dtype` (default: the target's) on the
     target's device, on the `backend` engine."""
-    model, _ = load_dgf(path, target, dtype=target.dtype)
+    model, _ = load_dgf(path, target, dtype=dtype or target.dtype)
     engine = make_engine(model.eval(), backend, settings)
     depth, topk, budget = drafter_tree(path, depth, topk, budget)
     return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine,
