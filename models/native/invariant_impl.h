@@ -260,7 +260,7 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
                       const float* mask, const int64_t* mask_strides, int64_t B, int64_t Hq, int64_t Hkv, int64_t W,
                       int64_t C, int64_t D, float scaling, T* out) {
   const int64_t groups = Hq / Hkv, threads = omp_get_max_threads();
-  const int64_t head_blocks = (B * Hkv * W >= 2 * threads && groups <= 4 && D % VL == 0 && D / VL <= 8) ? 1 : groups;
+  const int64_t head_blocks = (B * Hkv * W >= threads && groups <= 4 && D % VL == 0 && D / VL <= 8) ? 1 : groups;
   const int64_t heads = groups / head_blocks, tasks = B * Hkv * W * head_blocks;
 #pragma omp parallel if (tasks > 1)
   {
