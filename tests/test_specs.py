@@ -87,3 +87,13 @@ def test_one_error_style(load, spec, words):
     with pytest.raises((UserError, ConfigError)) as err:
         call(spec)
     assert words in one_line(err.value) and "\n" not in str(err.value)
+
+
+def test_feature_drafter_dtype_option():
+    """`dgf:dtype=bfloat16` runs the drafter in bf16 beside any target (the target verifies: lossless either way);
+    another dtype is refused in one line."""
+    spec = parse_method("cascade:drafters=[(ngram:min_n=2), (dgf:depth=6,topk=2,budget=8,dtype=bfloat16)]")
+    assert spec.options.drafters[1].options.dtype == "bfloat16"
+    assert parse_method("dgf").options.dtype is None
+    with pytest.raises(ValueError, match="dtype"):
+        parse_method("dgf:dtype=float16")
