@@ -6,9 +6,9 @@ Why: a verify of w tokens must compute, row for row, exactly what w one-token st
 speculative output away from the target's own plain output. Stock kernels (oneDNN, inductor's GEMM templates,
 SDPA) pick blockings and reduction splits by the number of rows; these kernels reduce every output element in one
 fixed order whatever the rows, the thread count, or (attention) where its visible keys lie in the cache, so
-speculative decoding is lossless by construction in every precision. They also stream each weight once per forward
-for up to 64 rows, so a verify of a few tokens costs about one step, and attention reads only the keys a row sees
-(not the whole preallocated cache).
+speculative decoding is lossless by construction in every precision. They also read each weight from memory once per
+forward (up to 9 rows in one pass of a register tile), so a verify of a few tokens costs about one step, and attention
+reads only the keys a row sees (not the whole preallocated cache).
 
 The extension is built once per machine (torch.utils.cpp_extension, ~40 s; `python -m draftsmith.models.kernels
 build`, which scripts/install.sh runs) into $DRAFTSMITH_CACHE/kernels/<source digest>; the instruction set is
