@@ -21,25 +21,15 @@ inline float x_value(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]);
 // Every accumulator: acc = fma(x[m, k], w[k, n], acc) for k = 0, 1, ..., K - 1 (bf16 pairs: k even, then odd, or
 // one bf16 dot per pair), whatever tile it sits in. Weight panels: float32 / int8 (panels, K, 64); bf16 as pairs
 // (panels, K/2, 64, 2).
-template <int MB, int NV, typename XT>
-inline void tile_f32(const XT* x, int64_t ldx, const float* panel, int64_t K, int c0, V acc[MB][NV]) {
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = panel + k * PANEL + c0;
-    V wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = vload(w + v * VL);
-    for (int m = 0; m < MB; ++m) {
-      V xb = vset1(x_value(x, m * ldx + k));
-      for (int v = 0; v < NV; ++v) acc[m][v] = vfma(xb, wv[v], acc[m][v]);
-    }
-  }
-}
+inline V load_weight(const float* p) { return vload(p); }
+inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 -> float
 
-template <int MB, int NV, typename XT>
-inline void tile_i8(const XT* x, int64_t ldx, const int8_t* panel, int64_t K, int c0, V acc[MB][NV]) {
+template <int MB, int NV, typename XT, typename WT>
+inline void tile_fma(const XT* x, int64_t ldx, const WT* panel, int64_t K, int c0, V acc[MB][NV]) {
   for (int64_t k = 0; k < K; ++k) {
-    const int8_t* w = panel + k * PANEL + c0;
+    const WT* w = panel + k * PANEL + c0;
     V wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = vload_i8(w + v * VL);
+    for (int v = 0; v < NV; ++v) wv[v] = load_weight(w + v * VL);
     for (int m = 0; m < MB; ++m) {
       V xb = vset1(x_value(x, m * ldx + k));
       for (int v = 0; v < NV; ++v) acc[m][v] = vfma(xb, wv[v], acc[m][v]);
@@ -89,9 +79,8 @@ inline void tile(const XT* x, int64_t K, const WT* panel, int c0, OT* out, int64
   V acc[MB][NV];
   for (int m = 0; m < MB; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = vzero();
-  if constexpr (std::is_same_v<WT, float>) tile_f32<MB, NV>(x, K, panel, K, c0, acc);
-  else if constexpr (std::is_same_v<WT, int8_t>) tile_i8<MB, NV>(x, K, panel, K, c0, acc);
-  else tile_bf16<MB, NV>(x, K, panel, K, c0, acc);
+  if constexpr (std::is_same_v<WT, uint16_t>) tile_bf16<MB, NV>(x, K, panel, K, c0, acc);
+  else tile_fma<MB, NV>(x, K, panel, K, c0, acc);
   for (int m = 0; m < MB; ++m) store_row<NV>(out + m * N, acc[m], column, N, scale, bias);
 }
 
