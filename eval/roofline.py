@@ -89,13 +89,17 @@ def model_linears(model) -> tuple[list, object]:
     return [m for m in model.modules() if isinstance(m, InvariantLinear) and m is not head], head
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def part_seconds(model, config, width: int, context: int) -> dict:
     """Seconds of the linear layers, the LM head and attention of one forward of `width` tokens, timed alone."""
     linears, head = model_linears(model)
     inputs = {k: torch.randn(width, k, dtype=model.dtype) for k in {m.in_features for m in [*linears, head]}}
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dim = head_dim(cfg)
     q = torch.randn(1, heads, width, dim, dtype=model.dtype)
     keys = torch.randn(1, kv_heads, config.compile.capacity, dim, dtype=model.dtype)
     mask = torch.full((1, 1, width, config.compile.capacity), torch.finfo(torch.float32).min)
@@ -111,7 +115,7 @@ def bound_seconds(model, roofs: dict, width: int, context: int) -> float:
     weights = sum(m.packed.numel() * m.packed.element_size() for m in model.modules() if isinstance(m, InvariantLinear))
     params = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, InvariantLinear))
     cfg = model.config
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dim = head_dim(cfg)
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + width) * dim * model.dtype.itemsize
     attention_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * width * (context + width) * dim
     flops = 2 * params * width + attention_flops

@@ -153,7 +153,8 @@ class InvariantLinear(nn.Module):
             weight, scale = quantize_int8(weight)
         self.register_buffer("packed", pack_weight(weight))
         self.register_buffer("scale", scale)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        # float32 once here: the kernel adds the bias in float32, so no call converts it again
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.draftsmith.linear(x, self.packed, self.scale, self.bias, self.out_features)

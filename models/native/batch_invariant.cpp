@@ -5,7 +5,6 @@
 // The instruction set (AVX-512 with BF16, AVX-512, AVX2 + FMA, scalar) is chosen once at load time from the CPU,
 // or from DRAFTSMITH_KERNEL_ISA; the kernels are written once (invariant_impl.h) and compiled per set.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -266,11 +265,10 @@ void run_linear(const XT* x, int64_t M, int64_t K, const WT* w, int64_t N, const
   DISPATCH_ISA(linear_kernel<XT, WT, OT>(x, M, K, w, N, scale, bias, out))
 }
 
-constexpr int64_t PACKED_PANEL = 48;  // invariant_impl.h's PANEL
-
 int64_t packed_elements(int64_t K, int64_t N, bool pairs) {
-  int64_t panels = (N + PACKED_PANEL - 1) / PACKED_PANEL;
-  return pairs ? panels * ((K + 1) / 2) * PACKED_PANEL * 2 : panels * K * PACKED_PANEL;
+  constexpr int64_t panel = isa_scalar::PANEL;  // one panel width for every instruction set (kernels.py packs it)
+  int64_t panels = (N + panel - 1) / panel;
+  return pairs ? panels * ((K + 1) / 2) * panel * 2 : panels * K * panel;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,

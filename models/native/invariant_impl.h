@@ -2,8 +2,9 @@
 // instruction set (batch_invariant.cpp includes this file inside a namespace and a `#pragma GCC target`).
 //
 // Before including, the including namespace defines: VL (lanes), V (a float vector), vzero, vset1, vload,
-// vload_partial, vstore, vstore_partial, vfma, vmul, vadd, vmax, vreduce_add, vreduce_max, vload_bf16
-// (8/16 bf16 -> floats), vload_i8 (int8 -> floats), vexp, and DPBF16 (1 where a bf16 pair dot exists: vdpbf16).
+// vload_partial, vmask_tail, vstore, vstore_out (float or bf16, the first n lanes), vfma, vmul, vadd, vreduce_add,
+// vvisible_bits (lanes above MASKED_BELOW), vload_i8 (int8 -> floats), vload_bf16_partial, vload_bf16_pairs, vexp,
+// and DPBF16 (1 where a bf16 pair dot exists: vdpbf16).
 //
 // Batch invariance: every output element is reduced by the same sequence of operations whatever the number of
 // rows, the thread count, and (for attention) wherever its visible keys lie in the cache.
@@ -196,8 +197,8 @@ void attend_row(const T* q_row, int64_t q_head_stride, const T* keys, const T* v
     for (int c = 0; c < CHUNKS; ++c) vstore_out(out_row + h * (CHUNKS * VL) + c * VL, vmul(sum[h][c], vset1(inverse[h])), VL);
 }
 
-// head_dim that is not a multiple of the vector: one head at a time through a zero-padded copy of q, k rows and v
-// rows would cost a copy; instead the scalar-width path below (VL-wide chunks with a masked tail).
+// Any other shape (a head_dim that is not 64 or 128, more heads per kv head than the fixed paths take): one head
+// of one row, VL-wide chunks with a masked tail. Same compaction and order as attend_row, so just as invariant.
 template <typename T>
 void attend_row_any(const T* q, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
                     const float* mask_row, int64_t length, int64_t D, float scaling, AttentionScratch& s, T* out) {
