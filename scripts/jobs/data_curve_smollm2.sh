@@ -3,8 +3,8 @@
 # CONFIG=train/configs/medusa_smollm2_curve.yaml RUN=outputs/curve_smollm2_medusa KEEP=drafters/curve_smollm2_medusa
 # for Medusa heads on the same data): one pass over human-written
 # answers scored by the target in the loop, a snapshot of the drafter at 0.1M, 0.25M, 1M, 4M and 10M loss-bearing
-# tokens. ~150 loss tokens/s on 2 cores (the target's forward dominates), so 10M is several sessions: the job runs
-# until it is stopped and every SYNC_S seconds copies new snapshots, and a lean resume point of the newest
+# tokens. ~150 loss tokens/s on 2 cores (the target's forward dominates), so 10M takes several machines in turn: the
+# job runs until it is stopped and every SYNC_S seconds copies new snapshots, and a lean resume point of the newest
 # checkpoint (weights, step, data position, schedule, RNG; no optimizer moments), into the committed
 # drafters/curve_smollm2_human/. A new machine resumes from there (AdamW's moments restart; logged).
 #   (nohup nice -n 5 bash scripts/jobs/data_curve_smollm2.sh >> outputs/jobs/data_curve_smollm2.log 2>&1 &)
