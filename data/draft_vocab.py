@@ -24,13 +24,14 @@ from draftsmith.config import check_config, command_parser, config_to_dict, opti
 from draftsmith.data.records import load_records
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write_json, refuse_overwrite
+from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.target import load_model_config, load_tokenizer
 from draftsmith.models.vocab import VOCAB_FILE, DraftVocab
 
 
 @dataclass
 class DraftVocabConfig:
-    target: str = option("smollm2-135m-instruct", "the target whose tokens are ranked (its tokenizer is used)")
+    target: str = option(DEFAULT_TARGET, "the target whose tokens are ranked (its tokenizer is used)")
     sources: list[str] = option(factory=list, help="source specs counted (e.g. conversations:<regeneration dir>)")
     size: int = option(8192, "tokens in the draft vocabulary", ge=1)
     report_sizes: list[int] = option(factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768],

@@ -62,7 +62,7 @@ from draftsmith.data.chat import render_and_mask
 from draftsmith.data.shards import (IncompleteDataError, PlanMismatch, ShardLedger, fingerprint, incomplete_message,
                                     parse_job_command, rank_items, read_job_index,
                                     resolve_rank_device, resolve_rank_world)
-from draftsmith.data.sources import Conversation, load_source
+from draftsmith.data.sources import Conversation, load_source, source_help
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
 from draftsmith.models.target import TargetModel, dtype_name, resolve_dtype, vocab_fingerprint
@@ -84,7 +84,7 @@ class FeatureCacheConfig:
     """What `build_feature_cache` stores; every default is declared here once."""
 
     target: str = option(help="the model whose features are cached: zoo name, model directory, hub id, tiny:<family>")
-    source: str | None = option(help="data.sources spec (conversations:<regenerated dir>, gsm8k:train, ...)")
+    source: str | None = option(help="a source spec: " + source_help())
     output_dir: str = option(help="cache directory")
     hidden_layers: tuple[int, ...] = option((-1,), "output_hidden_states indices to store (-1: final normed state)")
     topk_logits: int = option(0, "store the top-k logits per token (0: none)", ge=0)

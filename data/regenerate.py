@@ -60,7 +60,7 @@ from draftsmith.config import check_config, option
 from draftsmith.data.chat import end_of_turn_candidates, prompt_ids, render_text
 from draftsmith.data.shards import (ShardLedger, chunk, fingerprint, parse_job_command, rank_items,
                                     resolve_rank_device, resolve_rank_world)
-from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, load_source
+from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, load_source, source_help
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
 from draftsmith.models.llamacpp import CONVERTER_TYPES, LlamaServer, ServerSettings, cached_gguf
@@ -81,7 +81,7 @@ class RegenerateConfig:
     """What `regenerate` does; every default is declared here once."""
 
     target: str = option(help="the model that answers: zoo name, model directory, hub id or tiny:<family>")
-    source: str | None = option(help="data.sources spec of the conversations (gsm8k:train, sharegpt, ...)")
+    source: str | None = option(help="the conversations, a source spec: " + source_help())
     output_dir: str = option(help="run directory (shards + ledgers + index.json)")
     max_new_tokens: int = option(512, "new tokens per assistant turn", ge=1)
     temperature: float = option(0.0, "0 = greedy; > 0 samples at this temperature", ge=0)

@@ -46,19 +46,19 @@ from tqdm.auto import tqdm
 from draftsmith.config import (ConfigError, check_config, command_parser, config_to_dict, option, parse_command,
                                refuse_unread, section)
 from draftsmith.data.chat import prompt_ids
-from draftsmith.data.sources import load_source
+from draftsmith.data.sources import load_source, source_help
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench_progress import Progress
-from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, Method
+from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
 from draftsmith.eval.latency import cpu_isa, cpu_model, memory_stall_seconds
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
 from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
-from draftsmith.models.bundled import has_bundled_drafter
+from draftsmith.models.bundled import DEFAULT_TARGET, has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread
 from draftsmith.models.kernels import Kernels
-from draftsmith.models.engine import Backend
+from draftsmith.models.engine import Backend, sync
 from draftsmith.models.precision import weight_count
 from draftsmith.models.target import TargetModel, dtype_name
 
@@ -85,12 +85,12 @@ def default_methods(target: str) -> list[MethodSpec]:
 
 @dataclass
 class BenchConfig:
-    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree / hf-assisted use by default")
     methods: list[MethodSpec] | None = option(None, "methods to compare (plain is always run); null: plain, "
                                               "ngram + dgf (the target's bundled drafter) where one is bundled")
     suites: list[str] = option(factory=lambda: ["mt-bench", "gsm8k", "humaneval"],
-                               help="mt-bench | gsm8k | humaneval | a source spec")
+                               help="mt-bench | gsm8k | humaneval | a source spec: " + source_help())
     num_prompts: int = option(3, "prompts per suite", ge=1)
     turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
     max_new_tokens: int = option(64, "new tokens per prompt", ge=1)
@@ -99,7 +99,8 @@ class BenchConfig:
     device: str = option("cpu", "cpu | cuda | cuda:<i> | auto")
     threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
     seed: int = option(0, "sampling seed and GSM8K sample seed")
-    budget_limit: int = option(63, "the largest tree a drafter may propose (+ the root: the largest bucket)", ge=0)
+    budget_limit: int = option(BUDGET_LIMIT, "the largest tree a drafter may propose (+ the root: the largest "
+                                             "bucket)", ge=0)
     backend: Backend = option(Backend.COMPILED, "engine of our methods: compiled (static shapes, AOT-compiled "
                                                 "graphs, cached on disk) or eager")
     compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
@@ -212,11 +213,6 @@ def memory_stalls(loop_start: float, stall_start: float | None) -> dict:
     if stall_start is not None and stall_end is not None:
         info["memory_stall_s"] = round(stall_end - stall_start, 1)
     return info
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_run(method: Method, target: TargetModel, config: DecodeConfig, input_ids: torch.Tensor):
@@ -464,6 +460,19 @@ def load_models(config: BenchConfig, target: TargetModel | None, draft: TargetMo
     return target, draft
 
 
+def check_sizes(config: BenchConfig, target: TargetModel) -> None:
+    """Sizes the target cannot hold are refused before any work starts, in one line naming the value and its limit:
+    new tokens beyond the target's positions, or beyond the compiled engine's KV capacity."""
+    positions = getattr(target.config, "max_position_embeddings", None)
+    if positions is not None and config.max_new_tokens >= positions:
+        raise ConfigError(f"max_new_tokens={config.max_new_tokens}: {target.name or 'the target'} has {positions} "
+                          f"positions, prompt included; use fewer than {positions}")
+    need = config.max_new_tokens + config.budget_limit + 1
+    if config.backend is Backend.COMPILED and need > config.compile.capacity:
+        raise ConfigError(f"max_new_tokens={config.max_new_tokens} with budget_limit={config.budget_limit} needs "
+                          f"compile.capacity >= {need} plus the prompt; it is {config.compile.capacity}")
+
+
 def prepare_engines(context: BuildContext, progress: bool) -> dict:
     """Compile (first run) or load every compiled engine's graphs before anything is timed; returns the
     seconds spent per model (reported on their own, never inside tokens/s)."""
@@ -499,6 +508,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     check_bench_parts(config, target, draft)
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target, draft = load_models(config, target, draft)
+    check_sizes(config, target)
     note = precision_note(target.dtype, config)
     if progress and note:
         print(note, flush=True)

@@ -25,6 +25,7 @@ from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.errors import exit_with
 from draftsmith.eval.latency import (cpu_model, forward_seconds, mt_bench_context, parse_document_command,
                                      write_document)
+from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.engine import Backend
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
@@ -34,7 +35,7 @@ CATEGORIES = ("gemm", "lm_head", "attention", "other_kernels", "python_dispatch"
 
 @dataclass
 class ForwardProfileConfig:
-    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
     backends: list[Backend] = option(factory=lambda: list(Backend), help="engines")
     dtype: str = option("float32", "dtype of the target")
     width: int = option(8, "new tokens in the profiled forward", ge=1, le=64)

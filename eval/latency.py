@@ -31,8 +31,9 @@ from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write, atomic_write_json, refuse_overwrite
+from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.compiled import CompileSettings, compile_unread
-from draftsmith.models.engine import Backend
+from draftsmith.models.engine import Backend, sync
 from draftsmith.models.target import TargetModel
 
 DEFAULT_WIDTHS = [1, 2, 4, 8, 16, 32, 64]
@@ -40,7 +41,7 @@ DEFAULT_WIDTHS = [1, 2, 4, 8, 16, 32, 64]
 
 @dataclass
 class LatencyConfig:
-    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
     backends: list[Backend] = option(factory=lambda: list(Backend),
                                                            help="engines measured")
     dtypes: list[str] = option(factory=lambda: ["float32"], help="dtypes measured (float32 | bfloat16 | float16)")
@@ -75,11 +76,6 @@ def context_ids(prompt: torch.Tensor, length: int) -> torch.Tensor:
 def mt_bench_context(tokenizer, length: int) -> torch.Tensor:
     first = load_source("mt-bench")[0]
     return context_ids(torch.tensor([prompt_ids(tokenizer, first.messages)]), length)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def forward_seconds(target: TargetModel, cache, ids: torch.Tensor) -> float:

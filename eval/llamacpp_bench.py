@@ -36,6 +36,7 @@ from draftsmith.eval.bench import (SUITES, WARMUP_MESSAGES, BenchConfig, check_s
 from draftsmith.eval.latency import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
 from draftsmith.models import llamacpp
+from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.compiled import machine_load
 from draftsmith.models.target import load_tokenizer
 from draftsmith.models.zoo import resolve_model_path
@@ -219,7 +220,7 @@ class EngineBenchConfig:
 @dataclass
 class LlamaCppBenchConfig(EngineBenchConfig):
     plain: ClassVar[MethodSpec] = PLAIN
-    target: str = option("smollm2-135m-instruct", "the target: zoo name or HF model directory")
+    target: str = option(DEFAULT_TARGET, "the target: zoo name or HF model directory")
     target_type: str = option("float32", f"the target's GGUF type: {', '.join(llamacpp.GGUF_TYPES)}")
     methods: list[LlamaCppMethodSpec] = option(factory=lambda: [LlamaCppMethodSpec.from_config("ngram")],
                                                help="methods beside plain (always run): plain | ngram | draft | eagle3")

@@ -548,7 +548,8 @@ def build_ngram(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    drafter = load_medusa_drafter(o.path, ctx.target, budget=o.budget, target_adapter=o.adapter, name=spec.label)
+    drafter = load_medusa_drafter(o.path, ctx.target, budget=o.budget, target_adapter=o.adapter, name=spec.label,
+                                  backend=ctx.backend, settings=ctx.settings)
     return DrafterMethod(drafter, spec.label)
 
 
@@ -632,7 +633,8 @@ def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
     ctx = replace(ctx, backend=backend)  # an LM drafter runs on the engine the profile picked (models shared)
     if drafter_spec.name == "medusa":
         o = drafter_spec.options
-        drafter = load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=spec.label)
+        drafter = load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=spec.label,
+                                      backend=backend, settings=ctx.settings)
     else:
         drafter = inner_drafter(build_method(drafter_spec.replace(budget=max(budget, 1)), ctx), spec.label)
     ratio = profile["best"].get("hcmp_ratio")

@@ -32,6 +32,7 @@ from draftsmith.eval.llamacpp_bench import (EngineBenchConfig, PlainOptions, ben
                                             fits_in_memory, run_groups)
 from draftsmith.eval.methods import MethodEntry, MethodSpec
 from draftsmith.models import openvino
+from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.target import load_tokenizer
 from draftsmith.models.zoo import resolve_model_path
 
@@ -129,7 +130,7 @@ PLAIN = OpenVinoMethodSpec.from_config("plain")
 @dataclass
 class OpenVinoBenchConfig(EngineBenchConfig):
     plain: ClassVar[MethodSpec] = PLAIN
-    target: str = option("smollm2-135m-instruct", "the target: zoo name or HF model directory")
+    target: str = option(DEFAULT_TARGET, "the target: zoo name or HF model directory")
     target_format: str = option("fp32", f"the target's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)}")
     methods: list[OpenVinoMethodSpec] = option(factory=lambda: [OpenVinoMethodSpec.from_config("lookup")],
                                                help="methods beside plain (always run): plain | lookup | draft | eagle3")

@@ -47,12 +47,13 @@ from draftsmith.eval.policies.arca import (RankRecorder, arca_paths, expected_ac
                                   load_rank_accuracy, refine_paths, replay_tau, save_profile, PROFILE_VERSION)
 from draftsmith.eval.bench import BenchConfig, format_table, load_prompts, machine_info, run_benchmark, sync
 from draftsmith.eval.latency import context_ids
-from draftsmith.eval.decode.decoder import DecodeConfig, Generation, SpeculativeDecoder
+from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, Generation, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.eval.policies.hcmp import HcmpConfig, hcmp_mode
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, inner_drafter, parse_method
 from draftsmith.eval.policies.placement import PlacedDrafter
 from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel, dtype_name
@@ -62,7 +63,7 @@ DEFAULT_BUDGETS = [0, 1, 2, 4, 8, 16, 32, 64]
 
 @dataclass
 class ProfileConfig:
-    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree use by default")
     drafter: MethodSpec = option(parse_method("lm-tree:every=2,depth=5,topk=4"),
                                  "the drafter method (its budget is what the profile varies)")
@@ -83,7 +84,7 @@ class ProfileConfig:
     suite: str = option("mt-bench", "calibration (and benchmark) prompts")
     calibration_offset: int = option(40, "skip this many prompts (the ones a benchmark uses)", ge=0)
     calibration_prompts: int = option(8, "calibration prompts", ge=1)
-    calibration_budget: int = option(63, "tree size while calibrating", ge=1)
+    calibration_budget: int = option(BUDGET_LIMIT, "tree size while calibrating", ge=1)
     calibration_new_tokens: int = option(64, "new tokens per calibration prompt", ge=1)
     acceptance: Literal["auto", "saved", "measured"] = option("auto", "acceptance table: saved (Medusa's head "
                                                                       "accuracies) or measured; auto picks")
@@ -93,7 +94,7 @@ class ProfileConfig:
     bench_prompts: int = option(0, "> 0: benchmark the pick against compare_budgets right after", ge=0)
     bench_new_tokens: int = option(64, "new tokens per benchmark prompt", ge=1)
     bench_turns: int = option(1, "MT-Bench turns per prompt in the benchmark", ge=1)
-    compare_budgets: list[int] = option(factory=lambda: [4, 63], help="fixed budgets benchmarked beside the pick",
+    compare_budgets: list[int] = option(factory=lambda: [4, BUDGET_LIMIT], help="fixed budgets benchmarked beside the pick",
                                         ge=1)
     output: str | None = option(None, "profile JSON path (default outputs/arca_profile_<target>.json)")
 
@@ -134,12 +135,16 @@ def settings_of(config: ProfileConfig) -> list[Setting]:
 
 
 def measured_budgets(config: ProfileConfig, setting: Setting) -> list[int]:
-    """Where T(b) is measured: the config's budgets (eager, shared-width graphs), each bucket's top (padded
-    compiled graphs: b + 1 tokens)."""
-    if not setting.step:
+    """Where T(b) is measured: the config's budgets (eager; shared-width graphs up to the largest bucket's top,
+    b + 1 tokens), each bucket's top (padded compiled graphs)."""
+    if setting.step:
+        tops = [bucket - 1 for bucket in config.compile.buckets if bucket - 1 <= max(config.budgets)]
+        return sorted(set([0] + tops))
+    if setting.backend is not Backend.COMPILED:
         return config.budgets
-    tops = [bucket - 1 for bucket in config.compile.buckets if bucket - 1 <= max(config.budgets)]
-    return sorted(set([0] + tops))
+    largest = max(config.compile.buckets) - 1  # a tree and its root fit the largest graph width
+    kept = [budget for budget in config.budgets if budget <= largest]
+    return sorted(set(kept + ([largest] if len(kept) < len(config.budgets) else [])))
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,10 @@ Measures, on the torch threads used:
   2 x weights x w + attention;
 - T(w) split by part: the decoder's linear layers and the LM head (their ops timed alone on the same weights),
   attention (the op over the filled cache), and the rest (norms, rotary, residuals, cache writes, launch and
-  Python overhead) as T(w) minus those parts.
+  Python overhead) as T(w) minus those parts;
+- the drafters on the same engine and kernels: the feature drafter (`drafter`, default the target's bundled one)
+  T(w) of its forward over the same cached length, and Medusa heads (`medusa`, a trained final/ or snapshot
+  directory) T(w) of their logits, each beside its bound.
 Writes JSON and a markdown table (beside the JSON); prints the table.
 """
 
@@ -27,7 +30,9 @@ from draftsmith.config import check_config, config_to_dict, option, section
 from draftsmith.errors import exit_with
 from draftsmith.eval.latency import (cpu_isa, cpu_model, measure_forward_latency, mt_bench_context,
                                      parse_document_command, write_document)
-from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.artifacts import load_dgf, load_medusa_heads
+from draftsmith.models.bundled import DEFAULT_TARGET, bundled_drafter
+from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine, InvariantMedusaHeads
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import InvariantLinear, Kernels, kernel_isa, load_kernels, pack_weight
 from draftsmith.models.target import TargetModel
@@ -37,11 +42,15 @@ WIDTHS = [1, 2, 4, 8, 16, 32, 64]
 
 @dataclass
 class RooflineConfig:
-    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory or tiny:<family>")
     dtype: str = option("float32", "the target's dtype (float32 | bfloat16)")
     widths: list[int] = option(factory=lambda: list(WIDTHS), help="tokens per forward", ge=1)
     context_tokens: int = option(256, "KV-cache length each forward attends over", ge=1)
     repeats: int = option(10, "timed forwards per width (the median is reported)", ge=1)
+    drafter: str | None = option("bundled", "the feature drafter timed on the same engine: a train/dgf.py final/ or "
+                                            "snapshot directory, bundled (the target's bundled drafter) or null")
+    medusa: str | None = option(None, "Medusa heads timed on the same kernels: a train/medusa.py final/ or snapshot "
+                                      "directory (null: none)")
     compile: CompileSettings = section(CompileSettings, "the compiled engine measured")
     output: str | None = option(None, "JSON path (a markdown table is written beside it); null: print only")
 
@@ -111,17 +120,72 @@ def part_seconds(model, config, width: int, context: int) -> dict:
                                                for _ in range(layers)])}
 
 
-def bound_seconds(model, roofs: dict, width: int, context: int) -> float:
-    weights = sum(m.packed.numel() * m.packed.element_size() for m in model.modules() if isinstance(m, InvariantLinear))
-    params = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, InvariantLinear))
-    cfg = model.config
-    dim = head_dim(cfg)
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + width) * dim * model.dtype.itemsize
-    attention_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * width * (context + width) * dim
+def bound_seconds(model, roofs: dict, width: int, context: int, layers_config=None, dtype=None) -> float:
+    """max(bytes / stream, FLOPs / throughput) of a forward of `width` tokens over `context` cached ones: the
+    InvariantLinears' packed weights and params, plus attention over `layers_config` (default model.config;
+    None of either: no attention, as Medusa heads)."""
+    linears = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+    weights = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    params = sum(m.in_features * m.out_features for m in linears)
+    cfg = layers_config if layers_config is not None else getattr(model, "config", None)
+    dtype = dtype or model.dtype
+    kv_bytes = attention_flops = 0
+    if cfg is not None and hasattr(cfg, "num_key_value_heads"):
+        dim = head_dim(cfg)
+        kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + width) * dim * dtype.itemsize
+        attention_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * width * (context + width) * dim
     flops = 2 * params * width + attention_flops
-    throughput = (max(roofs["float32_gflops"], roofs["kernel_float32_gflops"]) if model.dtype == torch.float32
+    throughput = (max(roofs["float32_gflops"], roofs["kernel_float32_gflops"]) if dtype == torch.float32
                   else roofs["bfloat16_gflops"])  # the best measured: torch's GEMM or the invariant kernel's
     return max((weights + kv_bytes) / (roofs["stream_gbs"] * 1e9), flops / (throughput * 1e9))
+
+
+def timed_widths(forward, widths: list[int], repeats: int, warmup: int = 2) -> dict[int, float]:
+    """{width: median seconds of forward(width)} over `repeats` interleaved rounds after `warmup`."""
+    times = {width: [] for width in widths}
+    for rep in range(warmup + repeats):
+        for width in widths:
+            start = time.perf_counter()
+            forward(width)
+            if rep >= warmup:
+                times[width].append(time.perf_counter() - start)
+    return {width: statistics.median(t) for width, t in times.items()}
+
+
+def feature_drafter_rows(config: RooflineConfig, base: TargetModel, roofs: dict, context: int) -> dict:
+    """T(w) of the feature drafter's compiled forward over `context` cached tokens, beside its bound."""
+    path = bundled_drafter(base.name) if config.drafter == "bundled" else config.drafter
+    model, _ = load_dgf(path, base, dtype=base.dtype)
+    engine = CompiledDGFEngine(model.eval(), config.compile)
+    engine.prepare(tuple(config.widths))
+    hidden, vocab = model.config.hidden_size, base.model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    cache = engine.new_cache(context + max(config.widths))
+    engine.forward(torch.randn(1, context, hidden, generator=generator, dtype=base.dtype),
+                   torch.randint(0, vocab, (1, context), generator=generator), cache)
+    past = cache.length
+
+    def forward(width: int) -> None:
+        engine.forward(torch.randn(1, width, hidden, dtype=base.dtype), torch.randint(0, vocab, (1, width)), cache)
+        engine.truncate(cache, past)
+
+    times = timed_widths(forward, config.widths, config.repeats)
+    runs = engine.step.model
+    return {"path": str(path), "widths": {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(
+        runs, roofs, w, context, model.block_config, base.dtype)} for w, t in times.items()}}
+
+
+def medusa_rows(config: RooflineConfig, base: TargetModel, roofs: dict) -> dict:
+    """T(w) of Medusa heads' logits for w hidden states on the invariant kernels, beside their bound (weights
+    streamed once, no attention)."""
+    heads, _ = load_medusa_heads(config.medusa, device=base.device, target=base)
+    runs = InvariantMedusaHeads(heads.eval(), config.compile.weights)  # in the heads' dtype, as the decoder runs them
+    dtype = heads.sliced_head.dtype if heads.config.head == "slice" else next(heads.parameters()).dtype
+    hidden = torch.randn(max(config.widths), heads.config.hidden_size, dtype=dtype)
+    with torch.inference_mode():
+        times = timed_widths(lambda width: runs(hidden[:width]), config.widths, config.repeats)
+    return {"path": config.medusa, "widths": {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(
+        runs, roofs, w, 0, dtype=dtype)} for w, t in times.items()}}
 
 
 def run_roofline(config: RooflineConfig) -> dict:
@@ -144,10 +208,18 @@ def run_roofline(config: RooflineConfig) -> dict:
                        "parts_ms": {k: 1000 * v for k, v in parts.items()}}
         print(f"  T({width}) = {1000 * total:.1f} ms" + (f", bound {1000 * bound:.1f} ms" if bound else ""),
               flush=True)
+    drafters = {}
+    if config.drafter is not None:
+        drafters["feature drafter"] = feature_drafter_rows(config, base, roofs, context.shape[1])
+    if config.medusa is not None:
+        drafters["Medusa heads"] = medusa_rows(config, base, roofs)
+    for name, drafter in drafters.items():
+        print(f"  {name}: " + ", ".join(f"T({w}) = {row['ms']:.2f} ms" for w, row in drafter["widths"].items()),
+              flush=True)
     info = {"processor": cpu_model(), "isa": cpu_isa(), "kernel_isa": kernel_isa(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads()}
     return {"format": "draftsmith.roofline/1", "config": config_to_dict(config), "machine_info": info,
-            "roofs": roofs, "widths": rows}
+            "roofs": roofs, "widths": rows, "drafters": drafters}
 
 
 def format_roofline(document: dict) -> str:
@@ -170,6 +242,13 @@ def format_roofline(document: dict) -> str:
         cells = [f"{parts[k]:.1f}" if k in parts else "-" for k in ("linear", "head", "attention", "rest")]
         bound_cells = [f"{bound:.1f}", f"{bound / total:.0%}"] if bound else ["-", "-"]
         lines.append(f"| {width} | {total:.1f} | {total / first:.2f} | " + " | ".join(bound_cells + cells) + " |")
+    for name, drafter in document.get("drafters", {}).items():
+        rows = drafter["widths"]
+        first = rows[min(rows, key=int)]["ms"]
+        lines += ["", f"{name[0].upper() + name[1:]} ({drafter['path']}) on the same engine and kernels:", "",
+                  "| w | T(w) ms | T(w)/T(1) | bound ms | bound / T(w) |", "|---|---|---|---|---|"]
+        lines += [f"| {w} | {row['ms']:.2f} | {row['ms'] / first:.2f} | {row['bound_ms']:.2f} | "
+                  f"{row['bound_ms'] / row['ms']:.0%} |" for w, row in rows.items()]
     return "\n".join(lines)
 
 

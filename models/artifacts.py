@@ -39,6 +39,8 @@ ACCURACY_FILE = "head_accuracy.json"
 DGF_FORMAT = "draftsmith.dgf/1"
 DGF_WEIGHTS = "dgf.safetensors"
 STUDENT_FORMAT = "draftsmith.distilled/1"
+EXPORT_MANIFEST = "export_manifest.json"  # beside a scripts/export.py output (models/exports.py writes it)
+EXPORT_FORMAT = "draftsmith.export/1"
 
 
 class ArtifactError(UserError):
@@ -265,3 +267,16 @@ def read_adapter_sidecar(directory: str | Path) -> dict:
     """The sidecar of an adapter directory; {} where there is none (an adapter from another tool)."""
     file = Path(directory) / ADAPTER_SIDECAR
     return read_json(file, "adapter sidecar") if file.is_file() else {}
+
+
+def read_export_manifest(path: str | Path) -> dict:
+    file = Path(path) / EXPORT_MANIFEST
+    if not file.is_file():
+        raise FileNotFoundError(f"no {EXPORT_MANIFEST} in {path}: not a scripts/export.py output")
+    try:
+        manifest = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{file} is corrupt ({err})") from err
+    if manifest.get("format") != EXPORT_FORMAT:
+        raise UserError(f"{file}: format {manifest.get('format')!r} is not {EXPORT_FORMAT!r}")
+    return manifest

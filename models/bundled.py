@@ -11,12 +11,13 @@ from pathlib import Path
 from draftsmith.errors import UserError
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
+DEFAULT_TARGET = "smollm2-135m-instruct"  # every command's target when none is named (declared here only)
 
 # zoo target name -> directory under BUNDLED_DIR
 BUNDLED_DRAFTERS: dict[str, str] = {
     "smollm2-135m-instruct": "smollm2-135m-instruct-eagle3",
 }
-# smollm2-135m-instruct-eagle3 holds the EAGLE-3 drafter trained on all regenerated data since session 11 (the one
+# smollm2-135m-instruct-eagle3 holds the EAGLE-3 drafter trained on all regenerated data (the one
 # before it is drafters/eagle3_smollm2_human_then_regen/loss_tokens_1000000, exported the same way).
 # smollm2-135m-instruct-dgf, the bundled drafter until 2026-11-26 (DGF, 1 block; 0.96x alone where the EAGLE-3 one
 # gives 1.15x, results/regenerated_smollm2), stays: its 8k draft vocabulary is the one the SmolLM2 training configs

@@ -50,6 +50,12 @@ class TargetOutput:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> (B, n, H)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a timer around GPU work reads nothing otherwise); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool (…, q, k) 'may attend' -> additive float mask: 0 allowed, dtype-min forbidden."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)

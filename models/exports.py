@@ -34,16 +34,17 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.errors import UserError, first_detail
-from draftsmith.models.artifacts import (ACCURACY_FILE, ADAPTER_CONFIG, load_dgf, load_medusa_heads, load_weights,
-                                         manifest_layers, read_adapter_sidecar, read_json, read_student_manifest, save_dgf)
+from draftsmith.models.artifacts import (ACCURACY_FILE, ADAPTER_CONFIG, EXPORT_FORMAT, EXPORT_MANIFEST, load_dgf,
+                                         load_medusa_heads, load_weights, manifest_layers, read_adapter_sidecar,
+                                         read_export_manifest, read_json, read_student_manifest, save_dgf)
 from draftsmith.models import eagle_layouts
 from draftsmith.models.dgf import DGFModel
-from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths, load_rank_accuracy
+from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths,
+                                      full_vocabulary_heads, load_rank_accuracy)
 from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
 from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC
 from draftsmith.models.zoo import REGISTRY
 
-EXPORT_MANIFEST = "export_manifest.json"
 MODEL_CARD = "README.md"
 ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 LAYOUT_NAMES = {"eagle": "eagle", "speculators": "speculators-eagle3", "sglang": "sglang-eagle3",
@@ -65,7 +66,6 @@ CONSUMERS = {
                "checked": ["FasterDecoding GitHub medusa_model.py (medusa_lm_head.safetensors)", "TGI medusa loader"]},
     "student": {"loaded": ["transformers AutoModelForCausalLM + generate(assistant_model=...)"], "checked": []},
 }
-EXPORT_FORMAT = "draftsmith.export/1"
 MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_FD_CONFIG = "config.json"
 PARITY_TOKENS = 16  # length of the fixed parity input
@@ -211,19 +211,6 @@ def write_model_card(directory: Path, manifest: dict, source_manifest: dict | No
     lines += ["", f"Parity: {json.dumps(manifest.get('parity', {}), default=str)}", "",
               "Produced by `python scripts/export.py` (draftsmith); `export_manifest.json` has the details.", ""]
     (directory / MODEL_CARD).write_text("\n".join(lines))
-
-
-def read_export_manifest(path: str | Path) -> dict:
-    file = Path(path) / EXPORT_MANIFEST
-    if not file.is_file():
-        raise FileNotFoundError(f"no {EXPORT_MANIFEST} in {path}: not a scripts/export.py output")
-    try:
-        manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"{file} is corrupt ({err})") from err
-    if manifest.get("format") != EXPORT_FORMAT:
-        raise UserError(f"{file}: format {manifest.get('format')!r} is not {EXPORT_FORMAT!r}")
-    return manifest
 
 
 def _base_manifest(kind: str, layout: str, source: Path, target: dict, fusion: str | None, tree: dict | None,
@@ -449,7 +436,8 @@ def load_fasterdecoding_medusa(path: str | Path):
 
 
 def _check_medusa_exportable(source: Path, heads: MedusaHeads, source_manifest: dict) -> None:
-    """FasterDecoding's head cannot carry a LoRA adapter, several distinct ResBlocks or a draft vocabulary."""
+    """FasterDecoding's head cannot carry a LoRA adapter or several distinct ResBlocks (a draft vocabulary is
+    written over the full vocabulary)."""
     config = heads.config
     if source_manifest.get("target_adapter"):
         raise UserError(f"{source} holds Medusa-2 heads trained with a LoRA adapter on the target; the FasterDecoding "
@@ -458,10 +446,6 @@ def _check_medusa_exportable(source: Path, heads: MedusaHeads, source_manifest: 
         raise UserError(f"{source}: heads.num_layers={config.num_layers}; FasterDecoding builds a head from ONE ResBlock "
                          "repeated ([ResBlock(h)] * n shares its weights), so these heads would load and compute "
                          "something else: export heads trained with heads.num_layers=1")
-    if getattr(config, "draft_vocab_size", None):
-        raise UserError(f"{source}: the heads score a draft vocabulary of {config.draft_vocab_size} tokens; "
-                         "FasterDecoding's head is a full-vocabulary Linear: export heads trained without "
-                         "heads.draft_vocab (draftsmith's own checkpoint keeps the reduced head)")
 
 
 def _save_tokenizer(name: str | None, out: Path) -> bool:
@@ -482,18 +466,27 @@ def _save_tokenizer(name: str | None, out: Path) -> bool:
 
 @removes_tmp_on_error
 def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
-                  tolerance: float = 0.0, bench: dict | None = None, command: str | None = None) -> ExportResult:
+                  tolerance: float = 0.0, bench: dict | None = None, command: str | None = None,
+                  target_model: TargetModel | None = None) -> ExportResult:
     """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
     to write (default: the hub id of the manifest's target). The manifest records the Medusa choices
-    built from the saved head accuracies (models.medusa.arca_paths) when they are there."""
+    built from the saved head accuracies (models.medusa.arca_paths) when they are there. Heads over a draft
+    vocabulary are written over the full vocabulary (models.medusa.full_vocabulary_heads), with the LM head of
+    `target_model` (default: the manifest's target, loaded)."""
     source = Path(source)
     heads, source_manifest = load_medusa_heads(source)
     _check_medusa_exportable(source, heads, source_manifest)
-    config = heads.config
     out_dir = Path(out_dir)
-    tmp = _fresh_tmp(out_dir)
     target = source_manifest["target"]
-    state = {name: t.detach().float().contiguous() for name, t in heads.medusa_head.state_dict().items()}
+    exported, vocab = heads, heads.draft_vocab
+    if vocab is not None:
+        lm_head = (target_model or TargetModel.from_pretrained(target["name"])).model.get_output_embeddings().weight
+        if heads.config.head == "slice":
+            heads.init_lm_heads(lm_head)
+        exported = full_vocabulary_heads(heads, lm_head)
+    config = exported.config
+    tmp = _fresh_tmp(out_dir)
+    state = {name: t.detach().float().contiguous() for name, t in exported.medusa_head.state_dict().items()}
     save_file(state, str(tmp / MEDUSA_FD_WEIGHTS), metadata=eagle_layouts.tensor_metadata(
         producer="draftsmith", layout="fasterdecoding-medusa", target=hub_id(target.get("name")),
         target_vocab_fingerprint=target.get("vocab_fingerprint"), feature_layers=manifest_layers(target) or [-1]))
@@ -510,14 +503,17 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
     reloaded, _ = load_fasterdecoding_medusa(tmp)
     generator = torch.Generator().manual_seed(PARITY_SEED)
     hidden = torch.randn(1, PARITY_TOKENS, config.hidden_size, generator=generator)
-    with torch.inference_mode():
+    with torch.inference_mode():  # a draft vocabulary: its tokens' logits, as the heads score them
         reference_logits, reloaded_logits = heads(hidden), reloaded(hidden)
+        if vocab is not None:
+            reloaded_logits = reloaded_logits[..., vocab.draft_to_target]
     block = {key: target.get(key) for key in ("name", "model_type", "hidden_size", "vocab_size", "num_hidden_layers",
                                               "vocab_fingerprint")}
     block.update(hidden_layers=manifest_layers(target) or [-1], hub_id=hub_id(target.get("name")))
     manifest = _base_manifest("medusa", "fasterdecoding-medusa", source, block, None,
                               {"medusa_choices": tree} if tree else None, command)
-    manifest["medusa"] = {"method": source_manifest.get("method"), **config.to_dict()}
+    manifest["medusa"] = {"method": source_manifest.get("method"), **config.to_dict(),
+                          "trained_draft_vocab_size": vocab and vocab.size}
     manifest["tokenizer_saved"] = tokenizer_saved
     manifest["consumers"] = CONSUMERS["medusa"]
     write_model_card(tmp, manifest, source_manifest, bench)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -136,6 +136,24 @@ class MedusaHeads(nn.Module):
             raise RuntimeError("sliced Medusa heads need the target's LM head: call init_lm_heads(weight) first")
         return nn.functional.linear(out, self.sliced_head.to(out.dtype))
 
+
+
+def full_vocabulary_heads(heads: MedusaHeads, lm_head: torch.Tensor) -> MedusaHeads:
+    """The heads over the target's whole vocabulary, for layouts that have no draft vocabulary (FasterDecoding's):
+    each head's ResBlocks as trained, its output layer the target's LM head `lm_head` (V, H) with the draft tokens'
+    rows as the heads score them (a slice head's rows are the target's own, unchanged). A draft token keeps its
+    logit; the tokens outside the draft vocabulary now score too, from the target's rows."""
+    config = replace(heads.config, draft_vocab_size=None, head="own")
+    full = MedusaHeads(config)
+    index = heads.draft_to_target.to(lm_head.device)
+    with torch.no_grad():
+        for mine, theirs in zip(full.medusa_head, heads.medusa_head):
+            for layer in range(config.num_layers):
+                mine[layer].load_state_dict(theirs[layer].state_dict())
+            rows = lm_head.detach().float().clone()
+            rows[index] = (heads.sliced_head if heads.config.head == "slice" else theirs[-1].weight).float()
+            mine[-1].weight.copy_(rows)
+    return full.eval()
 
 # ---------------------------------------------------------------------------------------------
 # Trees from head accuracies

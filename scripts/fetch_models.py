@@ -20,8 +20,9 @@ from pathlib import Path
 from draftsmith.data.sources import gsm8k_dir
 from draftsmith.errors import UserError, exit_with
 from draftsmith.models import zoo
+from draftsmith.models.bundled import DEFAULT_TARGET
 
-DEFAULT_MODELS = ["smollm2-135m-instruct"]
+DEFAULT_MODELS = [DEFAULT_TARGET]
 
 
 def copy_gsm8k(source: Path) -> Path:

@@ -27,8 +27,8 @@ CASES = [
     *[(name, ["--config", CONFIGS.format(name), "optim.lrr=1"], ["lrr", "optim.lr"]) for name in RECIPES],
     *[(name, ["--config", CONFIGS.format(name), "target=smolm2-135m-instruct"], ["smolm2", "smollm2-135m-instruct"])
       for name in RECIPES],
-    ("regenerate", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid source kinds"]),
-    ("features", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid source kinds"]),
+    ("regenerate", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid kinds"]),
+    ("features", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid kinds"]),
     ("draft_vocab", ["target=tiny:llama", "sources=nosuch", "size=8", "output=OUT"], ["nosuch"]),
     ("regenerate", ["target=smolm2", "source=gsm8k:train", "output_dir=OUT"], ["smolm2"]),
     ("bench", ["target=tiny:llama", "methods=lm-tree:depth=abc"], ["depth", "integer", "abc"]),
@@ -44,6 +44,18 @@ CASES = [
     ("fetch", ["nosuch-model"], ["nosuch-model", "smollm2-135m-instruct"]),
 ]
 MAINS = {**COMMANDS, "export": export.main, "fetch": fetch_models.main}
+# Lines a user meets often enough that they must stay short: under SHORT characters, naming the value and the valid
+# ones (the full list is in --help). A size beyond the target is refused before any work starts.
+SHORT = 200
+SHORT_CASES = [
+    ("bench", ["target=tiny:llama", "suites=[jsonl:/no/such/prompts.jsonl]"], ["/no/such/prompts.jsonl", "usage"]),
+    ("regenerate", ["target=tiny:llama", "source=jsonl:/no/such/prompts.jsonl", "output_dir=OUT"],
+     ["/no/such/prompts.jsonl", "usage"]),
+    ("bench", ["target=tiny:llama", "suites=[nosuch:x]"], ["nosuch", "valid kinds", "--help"]),
+    ("regenerate", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid kinds"]),
+    ("bench", ["target=tiny:llama", "backend=eager", "max_new_tokens=100000"], ["max_new_tokens=100000", "1024"]),
+    ("bench", ["target=tiny:llama", "max_new_tokens=1000"], ["max_new_tokens=1000", "compile.capacity >= 1064"]),
+]
 
 
 def run_command(name: str, argv: list[str]) -> int:
@@ -63,3 +75,15 @@ def test_bad_input_is_one_line_exit_2(name, argv, words, tmp_path, capsys, monke
     for word in words:
         assert word in err, (word, err)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("name,argv,words", SHORT_CASES, ids=[f"{c[0]}-short-{i}" for i, c in enumerate(SHORT_CASES)])
+def test_common_bad_input_is_short(name, argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
+    argv = [arg.replace("OUT", str(tmp_path / "out")) for arg in argv]
+    code = run_command(name, argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert len(err) < SHORT, (len(err), err)
+    for word in words:
+        assert word in err, (word, err)

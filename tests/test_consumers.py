@@ -195,6 +195,29 @@ def test_medusa_llm_loads_fasterdecoding_export(tmp_path):
     assert (their_logits - ours).abs().max().item() <= TOLERANCE
 
 
+def test_medusa_llm_loads_draft_vocabulary_heads(tmp_path):
+    """Heads over a draft vocabulary (a frozen slice of the target's LM head) are written over the full vocabulary:
+    medusa-llm's MedusaModel loads them strictly, and its logits of the draft tokens are the heads' own."""
+    medusa_model = pytest.importorskip("medusa.model.medusa_model")
+    base = build_tiny_causal_lm("llama")
+    heads = MedusaHeads(MedusaConfig(hidden_size=48, vocab_size=96, num_heads=3, num_layers=1, draft_vocab_size=40,
+                                     head="slice"))
+    torch.manual_seed(0)
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    heads.set_vocab(DraftVocab(torch.arange(0, 80, 2), 96))
+    write_medusa_final(tmp_path / "final", heads)
+    export.export_medusa(tmp_path / "final", tmp_path / "fd", target_model=TargetModel(base, None))
+    theirs = medusa_model.MedusaModel(base, 3, 1, word_level_tokenizer(tmp_path / "tok", 96))
+    theirs.medusa_head.load_state_dict(load_file(str(tmp_path / "fd" / "medusa_lm_head.safetensors")), strict=True)
+    heads.init_lm_heads(base.get_output_embeddings().weight)
+    hidden = torch.randn(1, 5, 48)
+    with torch.no_grad():
+        their_logits = torch.stack([head(hidden) for head in theirs.medusa_head])
+        ours = heads(hidden)
+    assert (their_logits[..., torch.arange(0, 80, 2)] - ours).abs().max().item() <= TOLERANCE
+
+
 def test_student_export_is_readable_by_transformers4(tmp_path):
     """transformers 4 reads top-level rope_theta (else 10000) and cannot resolve `TokenizersBackend`."""
     model = build_tiny_causal_lm("llama")

@@ -317,9 +317,9 @@ def test_load_source_dispatch(tmp_path):
 
 
 def test_load_source_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown source kind 'sharegtp'.*valid source kinds: sharegpt.*gsm8k.*mt-bench"):
+    with pytest.raises(ValueError, match=r"unknown source kind 'sharegtp'.*valid kinds: sharegpt.*gsm8k.*mt-bench"):
         load_source("sharegtp:/x.json")
-    with pytest.raises(FileNotFoundError, match=r"file not found: '/no/such/file.json'.*valid source kinds"):
+    with pytest.raises(FileNotFoundError, match=r"file not found: '/no/such/file.json'.*usage: sharegpt"):
         load_source("sharegpt:/no/such/file.json")
     with pytest.raises(FileNotFoundError, match="file not found"):
         load_source({"kind": "jsonl", "path": str(tmp_path / "missing.jsonl")})

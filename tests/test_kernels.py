@@ -15,10 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from draftsmith.models.compiled import CompiledEngine, CompileSettings
+from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
+from draftsmith.models.compiled import CompiledEngine, CompileSettings, InvariantMedusaHeads
 from draftsmith.models.kernels import (InvariantLinear, WeightPrecision, invariant_model, kernel_isa, load_kernels,
                                        pack_weight, quantize_int8)
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
+from draftsmith.models.vocab import DraftVocab
 
 load_kernels()
 ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
@@ -191,3 +194,19 @@ def test_compiled_verify_equals_steps(tmp_path, dtype, weights):
     target.truncate(cache, 0)
     steps = torch.cat([target.forward(ids[:, i:i + 1], cache).logits for i in range(14)], 1)
     assert torch.equal(torch.cat([prefill, verify], 1), steps)
+
+
+@pytest.mark.parametrize("head", ["slice", "own"])
+def test_medusa_heads_on_the_invariant_kernels(head):
+    """The compiled engine's Medusa heads (models.compiled.InvariantMedusaHeads) give the heads' logits, a row
+    the same whatever rows come with it, and the decoder's drafter runs them on the compiled backend."""
+    config = MedusaConfig(hidden_size=32, vocab_size=50, num_heads=3, draft_vocab_size=20, head=head)
+    heads = MedusaHeads(config).eval()
+    heads.set_vocab(DraftVocab(torch.arange(0, 40, 2), 50))
+    heads.init_lm_heads(torch.randn(50, 32, generator=torch.Generator().manual_seed(0)))
+    runs = InvariantMedusaHeads(heads)
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert torch.allclose(runs(hidden), heads(hidden), atol=1e-5)
+        assert torch.equal(runs(hidden)[:, 2], runs(hidden[2:3])[:, 0])
+    assert MedusaDrafter(heads, runs=runs).runs is runs

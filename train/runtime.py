@@ -53,6 +53,7 @@ from draftsmith.data.records import batch_indices
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
 from draftsmith.errors import UserError, run_main
 from draftsmith.fileio import atomic_write, atomic_write_json
+from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.target import resolve_device
 from draftsmith.tracking import prepare_wandb_env
 from draftsmith.train.checkpoints import (CheckpointError, latest_verified_checkpoint, load_checkpoint,
@@ -80,7 +81,7 @@ class RunConfig:
 
     output_dir: str = option("outputs/run", "run directory (checkpoints/, final/, metrics.jsonl)")
     device: str = option("auto", "auto | cpu | cuda")
-    target: str = option("smollm2-135m-instruct", "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
     dtype: str = option("float32", "the target's dtype (drafters train in float32)")
     attn_implementation: str = option("sdpa", "the target's attention implementation (transformers)")
 

@@ -57,7 +57,7 @@ from draftsmith.data.sources.code import (LEETCODE_INSTRUCTION, PYTHON_DOCSTRING
 from draftsmith.data.sources.hf import HF_SLOTS, load_hf_dataset
 from draftsmith.data.sources.records import (REGEN_FORMAT, ROLES, Conversation, LoadReport, iter_json_records,
                                              load_conversations, load_regenerated, save_conversations)
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 from draftsmith.specs import SpecError, parse_spec
 
 __all__ = [
@@ -67,7 +67,8 @@ __all__ = [
     "load_sharegpt", "read_sharegpt", "sharegpt_item_to_messages", "LEETCODE_INSTRUCTION",
     "PYTHON_DOCSTRING_INSTRUCTION", "leetcode_dir", "load_leetcode", "load_python_docstrings", "load_python_source", "load_breadth", "HF_SLOTS",
     "load_hf_dataset", "REGEN_FORMAT", "ROLES", "Conversation", "LoadReport", "iter_json_records",
-    "load_conversations", "load_regenerated", "save_conversations", "SOURCE_KINDS", "source_usage", "load_source"
+    "load_conversations", "load_regenerated", "save_conversations", "SOURCE_KINDS", "source_usage", "source_help",
+    "load_source"
 ]
 
 # ---------------------------------------------------------------------------
@@ -93,8 +94,18 @@ SOURCE_KINDS: dict[str, tuple[Callable[..., list[Conversation]], str | None, str
 _ALIASES = {"mt_bench": "mt-bench", "mtbench": "mt-bench", "human-eval": "humaneval", "human_eval": "humaneval"}
 
 
+class SourceFileMissing(UserError, FileNotFoundError):
+    """A source names a file or folder that is not there."""
+
+
 def source_usage() -> str:
-    return "valid source kinds: " + "; ".join(usage for _, _, usage in SOURCE_KINDS.values())
+    """The valid kinds in one short clause (an error line's tail); `source_help()` gives each one's usage."""
+    return "valid kinds: " + ", ".join(SOURCE_KINDS) + " (usage: --help)"
+
+
+def source_help() -> str:
+    """Every source kind's usage, for a command's --help."""
+    return "; ".join(usage for _, _, usage in SOURCE_KINDS.values())
 
 
 def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -116,7 +127,7 @@ def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if kind in SOURCE_KINDS and parsed.first is not None:
         _, first_arg, _ = SOURCE_KINDS[kind]
         if first_arg is None:
-            raise UserError(f"source {spec!r}: kind {kind!r} takes no argument; {source_usage()}")
+            raise UserError(f"source {spec!r}: kind {kind!r} takes no argument")
         kwargs[first_arg] = parsed.first
     return kind, kwargs
 
@@ -126,8 +137,8 @@ def load_source(spec: str | Mapping[str, Any], limit: int | None = None) -> list
 
     ``limit`` keeps the first N records (a ``limit`` key in a dict spec wins).
 
-    Raises ValueError for an unknown kind or argument (listing the valid kinds) and
-    FileNotFoundError for a missing file.
+    Raises UserError (one short line) for an unknown kind or argument, naming the valid ones, and for a missing
+    file, naming it and the kind's usage.
     """
     kind, kwargs = _parse_spec(spec)
     kind = _ALIASES.get(kind, kind)
@@ -135,7 +146,7 @@ def load_source(spec: str | Mapping[str, Any], limit: int | None = None) -> list
         hint = ""
         if isinstance(spec, str) and Path(spec).expanduser().exists():
             hint = f" (it looks like a path: prefix it with a kind, e.g. 'sharegpt:{spec}' or 'jsonl:{spec}')"
-        raise UserError(f"unknown source kind {kind!r} in {spec!r}{hint}; {source_usage()}")
+        raise UserError(f"unknown source kind {kind!r}{hint}; {source_usage()}")
     loader, _, usage = SOURCE_KINDS[kind]
     params = inspect.signature(loader).parameters
     unknown = [k for k in kwargs if k not in params]
@@ -148,4 +159,4 @@ def load_source(spec: str | Mapping[str, Any], limit: int | None = None) -> list
     try:
         return loader(**kwargs)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"source {spec!r}: {e}. Usage: {usage}; {source_usage()}") from e
+        raise SourceFileMissing(f"source {spec!r}: {one_line(e)} (usage: {usage})") from None

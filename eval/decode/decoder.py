@@ -40,14 +40,17 @@ from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 
+BUDGET_LIMIT = 63  # the largest draft tree by default: with its root, the compiled engine's largest bucket (64)
+
+
 @dataclass
 class DecodeConfig:
     max_new_tokens: int = option(128, "new tokens per request (the prefill's first token included)", ge=1)
     temperature: float = option(0.0, "0 = greedy; > 0 = speculative sampling at this temperature", ge=0)
     top_k: int = option(0, "sampling: keep the k most likely tokens (0: off)", ge=0)
     top_p: float = option(1.0, "sampling: nucleus mass", gt=0, le=1)
-    budget_limit: int = option(64, "the largest tree a drafter may propose (verification cost grows with it)",
-                               ge=0)
+    budget_limit: int = option(BUDGET_LIMIT, "the largest tree a drafter may propose (+ the root: the compiled "
+                                             "engine's largest bucket; verification cost grows with it)", ge=0)
     stop_on_eos: bool = option(True, "stop after an end-of-sequence token")
     seed: int = option(0, "sampling seed")
 

@@ -33,11 +33,10 @@ import torch
 from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
                                                   draw_children)
 from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
-from draftsmith.models.artifacts import load_dgf
+from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
 from draftsmith.models.dgf import DGFModel, EagerDGFEngine
-from draftsmith.models.exports import EXPORT_MANIFEST, read_export_manifest
 from draftsmith.models.target import make_engine
 from draftsmith.models.trees import DGF_TREE, TreeShape
 from draftsmith.models.vocab import DraftVocab

@@ -14,10 +14,14 @@ from pathlib import Path
 from typing import Literal
 
 from peft import PeftModel
+from torch import nn
 
 from draftsmith.eval.decode.drafters.base import Drafter, Sampling, draw_children
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 from draftsmith.models.artifacts import ACCURACY_FILE, ArtifactError, load_medusa_heads
+from draftsmith.models.compiled import CompileSettings, InvariantMedusaHeads
+from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import Kernels
 from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaHeads, arca_paths, load_rank_accuracy
 
 
@@ -25,8 +29,10 @@ from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaHeads, arca_pat
 class MedusaDrafter(Drafter):
     hidden_layers = (-1,)  # the final normed hidden state, as the target's LM head reads it
 
-    def __init__(self, heads: MedusaHeads, paths: list[list[int]] | None = None, name: str = "medusa"):
+    def __init__(self, heads: MedusaHeads, paths: list[list[int]] | None = None, name: str = "medusa",
+                 runs: nn.Module | None = None):
         self.heads = heads.eval()
+        self.runs = runs or self.heads  # what computes the logits: the heads, or their batch-invariant copy
         self.vocab = heads.draft_vocab  # None: the heads score the full vocabulary
         self.name = name
         if paths is None:  # the default tree, cut to the depth these heads can fill
@@ -48,7 +54,7 @@ class MedusaDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, root, context, sampling: Sampling | None, generator) -> DraftTree:
         param = next(self.heads.parameters())
-        logits = self.heads(self.last_hidden.to(param.device, param.dtype)).float()  # (K, V)
+        logits = self.runs(self.last_hidden.to(param.device, param.dtype)).float()  # (K, V)
         device = context.device
         tokens = torch.empty(self.parents.numel(), dtype=torch.long)
         rows = [] if sampling is not None else None
@@ -70,14 +76,16 @@ class MedusaDrafter(Drafter):
 
 
 def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None = None, budget: int | None = None,
-                        target_adapter: Literal["refuse", "merge", "ignore"] = "refuse", name: str | None = None):
+                        target_adapter: Literal["refuse", "merge", "ignore"] = "refuse", name: str | None = None,
+                        backend: Backend = Backend.EAGER, settings: CompileSettings | None = None):
     """A MedusaDrafter for `target` from a recipe's final/ directory.
 
     Refuses a manifest whose target hidden size, vocab size or vocab fingerprint differs from the
     given target's. Tree: `paths` if given; else an ARCA tree of `budget` nodes (default: as many as
     the default tree) from the held-out per-rank accuracies saved with the heads. Medusa-2 heads
     were trained on the LoRA-adapted target: `target_adapter="merge"` merges the saved adapter into
-    `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises.
+    `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises. On the compiled
+    `backend` with the batch-invariant kernels (`settings`), the heads run on those kernels too.
     """
     path = Path(path)
     heads, manifest = load_medusa_heads(path, device=target.device, target=target)
@@ -97,4 +105,8 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
             raise ArtifactError(f"{accuracy_file} is missing: pass explicit paths")
         else:
             paths = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
-    return MedusaDrafter(heads, paths, name=name or f"medusa:{path}")
+    settings = settings or CompileSettings()
+    runs = None
+    if backend is Backend.COMPILED and settings.kernels is Kernels.INVARIANT:
+        runs = InvariantMedusaHeads(heads, settings.weights)
+    return MedusaDrafter(heads, paths, name=name or f"medusa:{path}", runs=runs)

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Medusa heads for SmolLM2 on a lent GPU (the `device` tool): Medusa-1 on the acceptance-vs-data curve's data
-# (train/configs/medusa_smollm2_curve.yaml: the same records, order, batch and schedule as on the CPU, the target
-# scoring in the loop), trained for MEDUSA1_S seconds with snapshots up to 40M loss tokens, then Medusa-2 (joint
-# LoRA on the target) to 1M on the same data. fp32, no TF32, no tracker (W&B is not installed there).
+# The drafter families for SmolLM2 on a lent GPU (the `device` tool); today Medusa heads: Medusa-1 on the
+# acceptance-vs-data curve's data (train/configs/medusa_smollm2_curve.yaml: the same records, order, batch and
+# schedule as on the CPU, the target scoring in the loop), trained for MEDUSA1_S seconds with snapshots up to 40M
+# loss tokens, then Medusa-2 (joint LoRA on the target) to 1M on the same data. fp32, no TF32, no tracker (W&B is
+# not installed there). An H200 ran ~9.6 steps/s (~33k loss tokens/s): 10.9M tokens in 330 s.
 #
 # A call carries at most 64 MiB with the tracked tree, so drafters/ and results/ leave the index for the calls
 # (`slim`; `unpack` puts them back) and the GGUF travels in three parts, one call each, on one warm machine:
-#   here:   bash scripts/jobs/device_medusa_smollm2.sh payload      # .dev/c1 .dev/c2 .dev/c3
-#   here:   bash scripts/jobs/device_medusa_smollm2.sh slim         # untracks drafters/ results/ (not committed)
-#   device: bash scripts/jobs/device_curve_smollm2.sh setup         # carry .dev/c1
-#   device: bash scripts/jobs/device_curve_smollm2.sh convert       # carry .dev/c2
-#   device: bash scripts/jobs/device_medusa_smollm2.sh train        # carry .dev/c3: the last part, the records
-#   here:   bash scripts/jobs/device_medusa_smollm2.sh unpack DIR   # DIR: the train call's files_at; -> drafters/
-# DEVICE=cpu MEDUSA1_S=60 MEDUSA2_S=30 OVERRIDES="data.max_length=64 data.max_heldout=4" rehearses the train stage here (after setup and convert with DEVICE=cpu).
+#   here:   bash scripts/jobs/device_families_smollm2.sh payload    # .dev/c1 .dev/c2 .dev/c3
+#   here:   bash scripts/jobs/device_families_smollm2.sh slim       # untracks drafters/ results/ (not committed)
+#   device: bash scripts/jobs/device_curve_smollm2.sh setup         # carry .dev/c1: install, the GGUF's 1st part
+#   device: cp .dev/c2/gguf.part.* /tmp/draftsmith_device/          # carry .dev/c2: its 2nd part
+#   device: bash scripts/jobs/device_families_smollm2.sh train      # carry .dev/c3: the 3rd part and the records;
+#                                                                   # converts the target, trains, packs into $OUT
+#   here:   bash scripts/jobs/device_families_smollm2.sh unpack DIR # DIR: the train call's files_at; -> drafters/
+# Rehearsal here (after setup, the part copy and convert with DEVICE=cpu STATE=/tmp/rehearse OUT=/tmp/out):
+#   DEVICE=cpu MEDUSA1_S=100 MEDUSA2_S=60 MEDUSA1_AT="[2000,4000]" MEDUSA2_AT="[2000]" \
+#   OVERRIDES="data.max_length=64 data.max_heldout=4" bash scripts/jobs/device_families_smollm2.sh train
 set -euo pipefail
 source "$(dirname "$0")/newest.sh"
 STAGE=${1:?stage: payload | slim | train | unpack DIR}

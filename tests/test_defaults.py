@@ -1,0 +1,38 @@
+"""Every default is declared once: the default target (models/bundled.py DEFAULT_TARGET), the draft-tree budget
+limit (eval/decode/decoder.py BUDGET_LIMIT). A literal copy in a config's option() would drift from it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from draftsmith.eval.bench import BenchConfig
+from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig
+from draftsmith.eval.profile import ProfileConfig
+from draftsmith.models.bundled import DEFAULT_TARGET
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = ["draftsmith", "models", "data", "eval", "train", "scripts"]
+
+
+def option_defaults() -> list[tuple[str, int, object]]:
+    """(file, line, default) of every option(<literal>, ...) call in the package's sources."""
+    found = []
+    for folder in PACKAGE_DIRS:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "option" and node.args
+                        and isinstance(node.args[0], ast.Constant)):
+                    found.append((str(path.relative_to(ROOT)), node.lineno, node.args[0].value))
+    return found
+
+
+def test_default_target_is_declared_once():
+    copies = [(path, line) for path, line, value in option_defaults() if value == DEFAULT_TARGET]
+    assert not copies, f"option({DEFAULT_TARGET!r}, ...) written out; use models.bundled.DEFAULT_TARGET: {copies}"
+
+
+def test_budget_limit_is_declared_once():
+    assert DecodeConfig().budget_limit == BenchConfig().budget_limit == ProfileConfig().calibration_budget == BUDGET_LIMIT
+    copies = [(path, line) for path, line, value in option_defaults() if value == BUDGET_LIMIT]
+    assert not copies, f"option({BUDGET_LIMIT}, ...) written out; use eval.decode.decoder.BUDGET_LIMIT: {copies}"
