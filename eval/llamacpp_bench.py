@@ -31,13 +31,14 @@ from typing import ClassVar, Literal
 from draftsmith.config import ConfigError, check_config, option
 from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
-from draftsmith.eval.bench import (SUITES, WARMUP_MESSAGES, BenchConfig, check_suites, mean_ci, num_turns,
-                                   run_benchmark, select_conversations, turn_input_ids)
+from draftsmith.eval.bench import WARMUP_MESSAGES, BenchConfig, mean_ci, run_benchmark
+from draftsmith.eval.prompts import SUITES, check_suites, num_turns, select_conversations, turn_input_ids
 from draftsmith.eval.latency import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
 from draftsmith.models import llamacpp
 from draftsmith.models.bundled import DEFAULT_TARGET
-from draftsmith.models.compiled import machine_load
+from draftsmith.models.compiled import CompileSettings, machine_load
+from draftsmith.models.kernels import WeightPrecision
 from draftsmith.models.target import load_tokenizer
 from draftsmith.models.zoo import resolve_model_path
 
@@ -204,7 +205,12 @@ class EngineBenchConfig:
     max_new_tokens: int = option(128, "new tokens per turn", ge=1)
     seed: int = option(0, "GSM8K sample seed")
     pytorch_baselines: bool = option(True, "also time the toolkit's plain baselines (HF generate, compiled) on the "
-                                           "same prompts, fp32")
+                                           "same prompts")
+    pytorch_dtype: Literal["float32", "bfloat16"] = option("float32", "the PyTorch target's dtype")
+    pytorch_weights: WeightPrecision = option(WeightPrecision.MODEL, "the compiled PyTorch target's weights: model (its dtype) or "
+                                                     "int8 (weight-only)")
+    pytorch_methods: list[MethodSpec] = option(factory=list, help="the toolkit's methods run beside its baselines "
+                                                                  "(bench specs, e.g. a cascade)")
     output: str | None = option(None, "where the JSON goes (the table beside it as .md); null: print only")
 
     def __post_init__(self) -> None:
@@ -374,13 +380,17 @@ def summarize(rows: list, labels: list[str]) -> dict:
     return summary
 
 
-def pytorch_baselines(config: LlamaCppBenchConfig) -> dict:
-    """tokens/s of the toolkit's plain baselines (fp32) on the same prompts."""
-    bench = BenchConfig(target=config.target, methods=[parse_method("plain")], suites=list(config.suites),
-                        num_prompts=config.num_prompts, turns=config.turns, max_new_tokens=config.max_new_tokens,
-                        seed=config.seed, threads=config.threads, plots=False)
+def pytorch_baselines(config: EngineBenchConfig) -> dict:
+    """tokens/s (and tau, lossless) of the toolkit's plain baselines and `pytorch_methods` on the same prompts, in
+    `pytorch_dtype` with `pytorch_weights` on the compiled engine."""
+    bench = BenchConfig(target=config.target, methods=[parse_method("plain"), *config.pytorch_methods],
+                        suites=list(config.suites), num_prompts=config.num_prompts, turns=config.turns,
+                        max_new_tokens=config.max_new_tokens, seed=config.seed, threads=config.threads, plots=False,
+                        dtype=config.pytorch_dtype, compile=CompileSettings(weights=config.pytorch_weights))
     results = run_benchmark(bench, progress=False)
-    return {label: {"tokens_per_s": entry["tokens_per_s"]} for label, entry in results["summary"].items()}
+    return {label: {"tokens_per_s": entry["tokens_per_s"], "tau": entry.get("tau"),
+                    "lossless": entry.get("lossless"), "dtype": config.pytorch_dtype,
+                    "weights": config.pytorch_weights.value} for label, entry in results["summary"].items()}
 
 
 def run_llamacpp_bench(config: LlamaCppBenchConfig, log_dir: Path) -> dict:
@@ -433,7 +443,12 @@ def engine_table(document: dict, engine: str, baseline: str, target: str) -> str
                      f"{entry['speedup_per_prompt']:.2f}x ± {entry['speedup_ci95']:.2f} | {rate} | {length} | "
                      f"{same} |")
     for label, entry in document.get("pytorch", {}).items():
-        lines.append(f"| PyTorch {label} (fp32, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | - | - |")
+        precision = {"float32": "fp32", "bfloat16": "bf16"}[entry.get("dtype", "float32")]
+        precision += ", int8 weights" if entry.get("weights") == "int8" else ""
+        lossless = {True: "lossless", False: "NOT lossless"}.get(entry.get("lossless"), "-")
+        lines.append(f"| PyTorch {label} ({precision}, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | "
+                     f"{entry['tau']:.2f} (tau) | {lossless} |" if entry.get("tau") else
+                     f"| PyTorch {label} ({precision}, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | - | - |")
     return "\n".join(lines)
 
 

@@ -18,19 +18,18 @@ parsed spec. Every drafter's node budget is called `budget` (`eval.decode.drafte
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-import torch
 import yaml
 
 from draftsmith.config import ConfigError, Parsable, config_from_dict, option
-from draftsmith.eval.decode.decoder import (DecodeConfig, DecodeResult, DrafterMethod, Method)
+from draftsmith.eval.build_context import BuildContext
+from draftsmith.eval.decode.decoder import DrafterMethod, Method
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
 from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
 from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter
@@ -39,19 +38,17 @@ from draftsmith.eval.decode.drafters.medusa import load_medusa_drafter
 from draftsmith.eval.decode.drafters.minions import MinionsConfig, MinionsDrafter
 from draftsmith.eval.decode.drafters.ngram import NGRAM_BUDGET, NgramDrafter
 from draftsmith.eval.decode.drafters.union import UnionDrafter
+from draftsmith.eval.hf_methods import HFGenerate
 from draftsmith.eval.policies.arca import load_profile, profile_paths
 from draftsmith.eval.policies.hcmp import LAYER_TYPES, HcmpConfig, HcmpPolicy
 from draftsmith.eval.policies.pipeline import PipelinePolicy
 from draftsmith.eval.policies.placement import DovetailPolicy
 from draftsmith.eval.policies.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.bundled import bundled_drafter
-from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.precision import DraftPrecision, with_precision
-from draftsmith.models.student import every_nth_layer, layer_subset_student
-from draftsmith.models.target import TargetModel, resolve_dtype
+from draftsmith.models.precision import DraftPrecision
+from draftsmith.models.target import resolve_dtype
 from draftsmith.models.trees import LM_TREE
-from draftsmith.models.vocab import DraftVocab, with_sliced_head
 from draftsmith.specs import SpecError, check_spec_name, split_items, split_top
 
 # ---------------------------------------------------------------------------------------------
@@ -160,160 +157,6 @@ class MethodSpec(Parsable):
 
 def parse_method(value: Any, path: str = "method") -> MethodSpec:
     return MethodSpec.from_config(value, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# What builders get
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class BuildContext:
-    """The run's loaded models and the engine our methods run on (`backend`); extra models named in
-    specs are loaded once per run, here, and every model gets one engine per backend."""
-
-    target: TargetModel
-    draft: TargetModel | None = None
-    backend: Backend = Backend.EAGER
-    settings: CompileSettings = field(default_factory=CompileSettings)
-    models: dict = field(default_factory=dict)
-    engines: dict = field(default_factory=dict)  # (id(module), backend) -> TargetModel
-    drafter_engines: list = field(default_factory=list)  # feature drafters' own engines (built with them)
-    draft_read: bool = False  # a method drafts with the run's draft model
-
-    def check_draft_read(self) -> None:
-        """After the methods are built: a draft model no method reads is refused (it would be loaded for nothing,
-        and a user who named it believes it is in effect)."""
-        if self.draft is not None and not self.draft_read:
-            raise ConfigError(f"draft={self.draft.name or 'the given draft model'}: no method reads it (lm-chain, "
-                              "lm-parallel, lm-tree, hf-assisted, llmcad or minions without model=/every=); drop it "
-                              "or add one")
-
-    def engine(self, lm: TargetModel, backend: Backend | None = None,
-               settings: CompileSettings | None = None) -> TargetModel:
-        """`lm` driven by `backend` (default: the run's) and compile `settings` (default: the run's), built once
-        per model, backend and settings."""
-        backend, settings = backend or self.backend, settings or self.settings
-        key = (id(lm.model), backend, repr(settings))
-        if key not in self.engines:
-            self.engines[key] = lm.with_backend(backend, settings)
-        return self.engines[key]
-
-    def target_for(self, method: Method) -> TargetModel:
-        return self.engine(self.target, method.backend)
-
-    def small_model(self, model: str | None, every: int | None, what: str, vocab: DraftVocab | None = None,
-                    precision: DraftPrecision = DraftPrecision.FLOAT32,
-                    shared_width: bool | None = None) -> TargetModel:
-        """The LM of an LM drafter under the run's backend: every N-th target layer, a named model, or the
-        run's draft; with `vocab`, that model with its LM head sliced to the draft vocabulary; in `precision`
-        (int8 runs eager whatever the run's backend); compiled with the run's settings, or with `shared_width`
-        in their place when given."""
-        base = self._small_base(model, every, what)
-        if vocab is not None:
-            key = (id(base.model), vocab.digest())
-            if key not in self.models:
-                self.models[key] = TargetModel(with_sliced_head(base.model, vocab), base.tokenizer, name=base.name)
-            base = self.models[key]
-        if precision is not DraftPrecision.FLOAT32:
-            key = (id(base.model), precision)
-            if key not in self.models:
-                self.models[key] = TargetModel(with_precision(base.model, precision), base.tokenizer, name=base.name)
-            base = self.models[key]
-        backend = self.backend if precision.compiles else Backend.EAGER
-        if shared_width is None:
-            return self.engine(base, backend)
-        if backend is not Backend.COMPILED:
-            raise ConfigError(f"{what}: shared_width is read by the compiled backend only, and this draft LM runs "
-                              f"eager (backend={self.backend.value}, precision={precision.value}); drop it")
-        return self.engine(base, backend, replace(self.settings, shared_width=shared_width))
-
-    def _small_base(self, model: str | None, every: int | None, what: str) -> TargetModel:
-        if every is not None and model is not None:
-            raise ConfigError(f"{what}: give model= or every=, not both")
-        if every is not None:
-            key = ("every", every)
-            if key not in self.models:
-                layers = every_nth_layer(self.target.num_layers, every)
-                self.models[key] = TargetModel(layer_subset_student(self.target.model, layers), self.target.tokenizer)
-            return self.models[key]
-        if model in (None, "draft"):
-            if self.draft is None:
-                raise ConfigError(f"{what} needs the bench's draft model: set draft=<name> (or give the method "
-                                  "model=<name> or every=<N>)")
-            self.draft_read = True
-            return self.draft
-        if model not in self.models:
-            self.models[model] = TargetModel.from_pretrained(model, dtype=self.target.dtype, device=self.target.device)
-        return self.models[model]
-
-    def vocab(self, path: str | None) -> DraftVocab | None:
-        """A draft vocabulary, loaded once per run."""
-        if path is None:
-            return None
-        if ("vocab", path) not in self.models:
-            self.models[("vocab", path)] = DraftVocab.load(path)
-        return self.models[("vocab", path)]
-
-    def compiled_engines(self) -> list:
-        """Every compiled engine of the run (targets, LM drafters, feature drafters), to build before timing."""
-        engines = [lm.engine for lm in self.engines.values()] + self.drafter_engines
-        return [engine for engine in engines if engine.name is Backend.COMPILED]
-
-
-class HFGenerate(Method):
-    """HF `generate` of the target (greedy, or sampling with top_k=0, top_p=1), optionally assisted.
-    `assistant_settings`: generation-config fields of the assistant this method sets for its own calls
-    (HF reads the draft length and confidence stop from the assistant's config, which methods may share)."""
-
-    backend = Backend.EAGER
-
-    def __init__(self, name: str, assistant=None, assistant_settings: Mapping[str, Any] | None = None):
-        self.name, self.assistant = name, assistant
-        self.assistant_settings = dict(assistant_settings or {})
-
-    def make_decoder(self, target: TargetModel, config: DecodeConfig) -> "HFDecoder":
-        return HFDecoder(target, config, self.assistant, self.assistant_settings)
-
-
-class HFDecoder:
-    def __init__(self, target: TargetModel, config: DecodeConfig, assistant=None,
-                 assistant_settings: Mapping[str, Any] | None = None):
-        self.target, self.config, self.assistant = target, config, assistant
-        self.assistant_settings = dict(assistant_settings or {})
-
-    @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor) -> DecodeResult:
-        config, extra = self.config, {}
-        if config.temperature > 0:
-            torch.manual_seed(config.seed)
-            extra.update(do_sample=True, temperature=config.temperature, top_k=0, top_p=1.0)
-        else:
-            extra["do_sample"] = False
-        if self.assistant is not None:
-            extra["assistant_model"] = self.assistant
-        input_ids = input_ids.to(self.target.device)
-        with assistant_config(self.assistant, self.assistant_settings):
-            out = self.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                             max_new_tokens=config.max_new_tokens, **extra)
-        return DecodeResult(tokens=out[0, input_ids.shape[1]:].tolist(), stats=None)
-
-
-@contextlib.contextmanager
-def assistant_config(assistant, settings: Mapping[str, Any]):
-    """The assistant's generation config with `settings` set for one call, restored afterwards."""
-    if assistant is None or not settings:
-        yield
-        return
-    generation_config = assistant.generation_config
-    before = {name: getattr(generation_config, name, None) for name in settings}
-    for name, value in settings.items():
-        setattr(generation_config, name, value)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            setattr(generation_config, name, value)
 
 
 def inner_drafter(method: Method, what: str) -> Drafter:

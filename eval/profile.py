@@ -45,7 +45,8 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import refuse_overwrite
 from draftsmith.eval.policies.arca import (RankRecorder, arca_paths, expected_accepted, interpolate_latency,
                                   load_rank_accuracy, refine_paths, replay_tau, save_profile, PROFILE_VERSION)
-from draftsmith.eval.bench import BenchConfig, format_table, load_prompts, machine_info, run_benchmark, sync
+from draftsmith.eval.bench import BenchConfig, format_table, machine_info, run_benchmark
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.latency import context_ids
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, Generation, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
@@ -55,7 +56,7 @@ from draftsmith.eval.policies.placement import PlacedDrafter
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.engine import Backend
+from draftsmith.models.engine import Backend, sync
 from draftsmith.models.target import TargetModel, dtype_name
 
 DEFAULT_BUDGETS = [0, 1, 2, 4, 8, 16, 32, 64]

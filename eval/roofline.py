@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -171,7 +172,8 @@ def feature_drafter_rows(config: RooflineConfig, base: TargetModel, roofs: dict,
 
     times = timed_widths(forward, config.widths, config.repeats)
     runs = engine.step.model
-    return {"path": str(path), "widths": {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(
+    shown = f"bundled: {Path(path).name}" if config.drafter == "bundled" else str(path)
+    return {"path": shown, "widths": {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(
         runs, roofs, w, context, model.block_config, base.dtype)} for w, t in times.items()}}
 
 

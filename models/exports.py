@@ -3,13 +3,8 @@
   student  any HF causal LM directory (or a train/distill.py `final/` with its manifest) ->
            a plain `save_pretrained` directory (safetensors + tokenizer), loadable with
            `AutoModelForCausalLM.from_pretrained` and usable as `generate(assistant_model=...)`.
-  medusa   a train/medusa.py `final/` -> the FasterDecoding Medusa layout: `config.json` with
-           `medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path` (their MedusaConfig)
-           and `medusa_lm_head.safetensors` holding the `medusa_head` ModuleList's state dict:
-           `{k}.{j}.linear.weight|bias` (ResBlock j of head k) and `{k}.{num_layers}.weight` (the
-           head's LM head) - the file FasterDecoding's training script writes and TGI / TensorRT-LLM
-           read; inside FasterDecoding's MedusaModel the same tensors are `medusa_head.{k}.{j}...`
-           (the loader here accepts both spellings).
+  medusa   a train/medusa.py `final/` -> the FasterDecoding Medusa layout (models/export_medusa.py, which uses
+           the shared steps here).
   dgf      a train/dgf.py `final/` -> EAGLE's checkpoint layout (`export_eagle`: config.json +
            model.safetensors) when fusion=linear, else a copy in draftsmith's own DGF layout
            (models.artifacts.save_dgf: weights + config + manifest).
@@ -29,18 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.errors import UserError, first_detail
-from draftsmith.models.artifacts import (ACCURACY_FILE, ADAPTER_CONFIG, EXPORT_FORMAT, EXPORT_MANIFEST, load_dgf,
-                                         load_medusa_heads, load_weights, manifest_layers, read_adapter_sidecar,
-                                         read_export_manifest, read_json, read_student_manifest, save_dgf)
+from draftsmith.models.artifacts import (ADAPTER_CONFIG, EXPORT_FORMAT, EXPORT_MANIFEST, load_dgf, manifest_layers,
+                                         read_adapter_sidecar, read_export_manifest, read_json, read_student_manifest,
+                                         save_dgf)
 from draftsmith.models import eagle_layouts
 from draftsmith.models.dgf import DGFModel
-from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths,
-                                      full_vocabulary_heads, load_rank_accuracy)
 from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
 from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC
 from draftsmith.models.zoo import REGISTRY
@@ -66,8 +58,6 @@ CONSUMERS = {
                "checked": ["FasterDecoding GitHub medusa_model.py (medusa_lm_head.safetensors)", "TGI medusa loader"]},
     "student": {"loaded": ["transformers AutoModelForCausalLM + generate(assistant_model=...)"], "checked": []},
 }
-MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"
-MEDUSA_FD_CONFIG = "config.json"
 PARITY_TOKENS = 16  # length of the fixed parity input
 PARITY_SEED = 1234
 
@@ -112,7 +102,7 @@ def removes_tmp_on_error(export):
     return wrapped
 
 
-def _fresh_tmp(out_dir: Path) -> Path:
+def fresh_tmp(out_dir: Path) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportExistsError(f"{out_dir} exists and is not empty: choose a new output directory or remove it")
     tmp = _tmp_of(out_dir)
@@ -121,7 +111,7 @@ def _fresh_tmp(out_dir: Path) -> Path:
     return tmp
 
 
-def _finish(tmp: Path, out_dir: Path, manifest: dict, reference: torch.Tensor, reloaded: torch.Tensor,
+def finish_export(tmp: Path, out_dir: Path, manifest: dict, reference: torch.Tensor, reloaded: torch.Tensor,
             tolerance: float, what: str) -> ExportResult:
     """Compare logits, write the manifest, rename tmp -> out_dir (or raise: the export's wrapper removes tmp)."""
     if reference.shape != reloaded.shape:
@@ -134,7 +124,7 @@ def _finish(tmp: Path, out_dir: Path, manifest: dict, reference: torch.Tensor, r
     manifest["files"] = sorted(p.name for p in tmp.iterdir()) + [EXPORT_MANIFEST]
     (tmp / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
     if out_dir.exists():
-        out_dir.rmdir()  # empty (checked by _fresh_tmp)
+        out_dir.rmdir()  # empty (checked by fresh_tmp)
     tmp.rename(out_dir)
     return ExportResult(out_dir, manifest)
 
@@ -213,14 +203,14 @@ def write_model_card(directory: Path, manifest: dict, source_manifest: dict | No
     (directory / MODEL_CARD).write_text("\n".join(lines))
 
 
-def _base_manifest(kind: str, layout: str, source: Path, target: dict, fusion: str | None, tree: dict | None,
+def base_manifest(kind: str, layout: str, source: Path, target: dict, fusion: str | None, tree: dict | None,
                    command: str | None) -> dict:
     return {"format": EXPORT_FORMAT, "kind": kind, "layout": layout, "source": str(source), "target": target,
             "fusion": fusion, "tree": tree, "command": command,
             "parity": {"input": f"seed {PARITY_SEED}, {PARITY_TOKENS} positions"}}
 
 
-def _parity_ids(vocab_size: int) -> torch.Tensor:
+def parity_ids(vocab_size: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(PARITY_SEED)
     return torch.randint(0, vocab_size, (1, PARITY_TOKENS), generator=generator)
 
@@ -311,7 +301,7 @@ def _write_student(model, tokenizer, source_path: Path, out_dir: Path, target, d
                    distilled: dict | None, merge: dict | None) -> ExportResult:
     """save_pretrained of a loaded student, reloaded and checked (logits, and assisted generate with a target)."""
     torch_dtype = resolve_dtype(dtype)
-    tmp = _fresh_tmp(out_dir)
+    tmp = fresh_tmp(out_dir)
     if target is not None:  # stop on the target's end-of-turn tokens, as train/distill.py does
         model.generation_config.eos_token_id = target.model.generation_config.eos_token_id
     model.save_pretrained(str(tmp))
@@ -319,7 +309,7 @@ def _write_student(model, tokenizer, source_path: Path, out_dir: Path, target, d
     readable_by_transformers4(tmp)
 
     reloaded = _load_hf_model(str(tmp), torch_dtype)
-    ids = _parity_ids(model.config.vocab_size)
+    ids = parity_ids(model.config.vocab_size)
     with torch.inference_mode():
         reference_logits = model(ids).logits
         reloaded_logits = reloaded(ids).logits
@@ -327,7 +317,7 @@ def _write_student(model, tokenizer, source_path: Path, out_dir: Path, target, d
     block = {"name": target_name, "vocab_fingerprint": vocab_fingerprint(tokenizer), "vocab_size": len(tokenizer),
              "hidden_size": getattr(target.config, "hidden_size", None) if target is not None else None,
              "hidden_layers": []}  # a standalone LM: it reads no target hidden state
-    manifest = _base_manifest("student", "hf", source_path, block, None,
+    manifest = base_manifest("student", "hf", source_path, block, None,
                               tree or {"bench_methods": [LM_CHAIN_SPEC, LM_TREE_SPEC]}, command)
     manifest["student"] = {"model_type": model.config.model_type, "num_hidden_layers": model.config.num_hidden_layers,
                            "parameters": sum(p.numel() for p in model.parameters()), "dtype": dtype,
@@ -340,11 +330,11 @@ def _write_student(model, tokenizer, source_path: Path, out_dir: Path, target, d
     manifest["weights_dtype"] = dtype
     manifest["consumers"] = CONSUMERS["student"]
     write_model_card(tmp, manifest, distilled, bench)
-    return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"student {source_path}")
+    return finish_export(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"student {source_path}")
 
 
 def _check_assisted_generate(target, assistant) -> None:
-    prompt = _parity_ids(assistant.config.vocab_size)[:, :8].to(target.device)
+    prompt = parity_ids(assistant.config.vocab_size)[:, :8].to(target.device)
     common = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12)
     plain = target.model.generate(prompt, **common)
     assisted = target.model.generate(prompt, assistant_model=assistant.to(target.device), **common)
@@ -385,7 +375,7 @@ def _merged_adapter(adapter: Path, base: str | None, dtype: torch.dtype):
     except (RuntimeError, ValueError, KeyError) as err:
         raise UserError(f"{adapter}: the adapter does not fit the base {base} ({first_detail(err)}); pass the "
                         "--base it was trained on") from err
-    ids = _parity_ids(loaded.model.config.vocab_size)
+    ids = parity_ids(loaded.model.config.vocab_size)
     with torch.inference_mode():
         unmerged = peft_model(ids).logits
         model = peft_model.merge_and_unload().eval()
@@ -401,123 +391,6 @@ def _merged_adapter(adapter: Path, base: str | None, dtype: torch.dtype):
         for param in model.parameters():  # from_pretrained(dtype=...) keeps in fp32 (0.19 in bf16 logits)
             param.data = param.data.to(dtype)
     return model, loaded.tokenizer, merge
-
-
-# ---------------------------------------------------------------------------------------------
-# Medusa heads (FasterDecoding layout)
-# ---------------------------------------------------------------------------------------------
-
-
-def load_fasterdecoding_medusa(path: str | Path):
-    """MedusaHeads (float32) from a FasterDecoding-layout directory (config.json + medusa_lm_head.safetensors)."""
-    path = Path(path)
-    config_file = path / MEDUSA_FD_CONFIG
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no {MEDUSA_FD_CONFIG} (expected a FasterDecoding Medusa directory)")
-    config = read_json(config_file, "Medusa config")
-    missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in config]
-    if missing:
-        raise UserError(f"{config_file} lacks {missing}: not a FasterDecoding Medusa config")
-    state = load_weights(path / MEDUSA_FD_WEIGHTS)
-    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
-    num_heads, num_layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
-    head_key = f"0.{num_layers}.weight"
-    if head_key not in state:
-        raise UserError(f"{path / MEDUSA_FD_WEIGHTS} has no {head_key!r}: it does not fit {MEDUSA_FD_CONFIG} "
-                         f"(medusa_num_layers={num_layers})")
-    vocab_size, hidden_size = state[head_key].shape
-    heads = MedusaHeads(MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads,
-                                     num_layers=num_layers))
-    try:
-        heads.medusa_head.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise UserError(f"{path / MEDUSA_FD_WEIGHTS} does not fit {MEDUSA_FD_CONFIG}: {err}") from err
-    return heads.eval(), config
-
-
-def _check_medusa_exportable(source: Path, heads: MedusaHeads, source_manifest: dict) -> None:
-    """FasterDecoding's head cannot carry a LoRA adapter or several distinct ResBlocks (a draft vocabulary is
-    written over the full vocabulary)."""
-    config = heads.config
-    if source_manifest.get("target_adapter"):
-        raise UserError(f"{source} holds Medusa-2 heads trained with a LoRA adapter on the target; the FasterDecoding "
-                         "head file cannot carry it: merge the adapter into the base model and export that model too")
-    if config.num_layers > 1:
-        raise UserError(f"{source}: heads.num_layers={config.num_layers}; FasterDecoding builds a head from ONE ResBlock "
-                         "repeated ([ResBlock(h)] * n shares its weights), so these heads would load and compute "
-                         "something else: export heads trained with heads.num_layers=1")
-
-
-def _save_tokenizer(name: str | None, out: Path) -> bool:
-    """The target's tokenizer beside the heads (FasterDecoding and TGI load it from the directory)."""
-    try:
-        local = Path(resolve_model_path(str(name)))
-    except UserError:
-        return False
-    if not local.is_dir():  # a hub id: never looked up from here (the engine resolves it itself)
-        return False
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(local))
-    except (OSError, ValueError):
-        return False
-    tokenizer.save_pretrained(str(out))
-    return True
-
-
-@removes_tmp_on_error
-def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | None = None,
-                  tolerance: float = 0.0, bench: dict | None = None, command: str | None = None,
-                  target_model: TargetModel | None = None) -> ExportResult:
-    """train/medusa.py `final/` -> FasterDecoding layout. `base_model`: `base_model_name_or_path`
-    to write (default: the hub id of the manifest's target). The manifest records the Medusa choices
-    built from the saved head accuracies (models.medusa.arca_paths) when they are there. Heads over a draft
-    vocabulary are written over the full vocabulary (models.medusa.full_vocabulary_heads), with the LM head of
-    `target_model` (default: the manifest's target, loaded)."""
-    source = Path(source)
-    heads, source_manifest = load_medusa_heads(source)
-    _check_medusa_exportable(source, heads, source_manifest)
-    out_dir = Path(out_dir)
-    target = source_manifest["target"]
-    exported, vocab = heads, heads.draft_vocab
-    if vocab is not None:
-        lm_head = (target_model or TargetModel.from_pretrained(target["name"])).model.get_output_embeddings().weight
-        if heads.config.head == "slice":
-            heads.init_lm_heads(lm_head)
-        exported = full_vocabulary_heads(heads, lm_head)
-    config = exported.config
-    tmp = _fresh_tmp(out_dir)
-    state = {name: t.detach().float().contiguous() for name, t in exported.medusa_head.state_dict().items()}
-    save_file(state, str(tmp / MEDUSA_FD_WEIGHTS), metadata=eagle_layouts.tensor_metadata(
-        producer="draftsmith", layout="fasterdecoding-medusa", target=hub_id(target.get("name")),
-        target_vocab_fingerprint=target.get("vocab_fingerprint"), feature_layers=manifest_layers(target) or [-1]))
-    fd_config = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
-                 "base_model_name_or_path": base_model or hub_id(target.get("name")),
-                 "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
-    (tmp / MEDUSA_FD_CONFIG).write_text(json.dumps(fd_config, indent=2))
-    tokenizer_saved = _save_tokenizer(target.get("name"), tmp)
-    tree = None
-    if (source / ACCURACY_FILE).is_file():
-        shutil.copy(source / ACCURACY_FILE, tmp / ACCURACY_FILE)
-        tree = arca_paths(load_rank_accuracy(source / ACCURACY_FILE), len(DEFAULT_MEDUSA_PATHS))
-
-    reloaded, _ = load_fasterdecoding_medusa(tmp)
-    generator = torch.Generator().manual_seed(PARITY_SEED)
-    hidden = torch.randn(1, PARITY_TOKENS, config.hidden_size, generator=generator)
-    with torch.inference_mode():  # a draft vocabulary: its tokens' logits, as the heads score them
-        reference_logits, reloaded_logits = heads(hidden), reloaded(hidden)
-        if vocab is not None:
-            reloaded_logits = reloaded_logits[..., vocab.draft_to_target]
-    block = {key: target.get(key) for key in ("name", "model_type", "hidden_size", "vocab_size", "num_hidden_layers",
-                                              "vocab_fingerprint")}
-    block.update(hidden_layers=manifest_layers(target) or [-1], hub_id=hub_id(target.get("name")))
-    manifest = _base_manifest("medusa", "fasterdecoding-medusa", source, block, None,
-                              {"medusa_choices": tree} if tree else None, command)
-    manifest["medusa"] = {"method": source_manifest.get("method"), **config.to_dict(),
-                          "trained_draft_vocab_size": vocab and vocab.size}
-    manifest["tokenizer_saved"] = tokenizer_saved
-    manifest["consumers"] = CONSUMERS["medusa"]
-    write_model_card(tmp, manifest, source_manifest, bench)
-    return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"Medusa heads {source}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -612,12 +485,12 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     if target is None:  # load_dgf attached the real target already
         model.attach_target(target_model)
     out_dir = Path(out_dir)
-    tmp = _fresh_tmp(out_dir)
+    tmp = fresh_tmp(out_dir)
     reloaded = _write_dgf_layout(model, tmp, layout, source_manifest, target_model, stored)
     reloaded = reloaded.to(device=model.device, dtype=model.dtype)
     generator = torch.Generator().manual_seed(PARITY_SEED)
     layers = torch.randn(1, PARITY_TOKENS, len(config.layers_read), config.hidden_size, generator=generator)
-    ids = _parity_ids(config.vocab_size).to(model.device)
+    ids = parity_ids(config.vocab_size).to(model.device)
     reference_logits = _dgf_logits(model, layers.to(model.device), ids)
     reloaded_logits = _dgf_logits(reloaded, layers.to(model.device), ids)
     want = source_manifest["target"]
@@ -625,7 +498,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
                                             "vocab_fingerprint")}
     block["hidden_layers"] = manifest_layers(want) or config.layers_read
     block["hub_id"] = hub_id(want.get("name"))
-    manifest = _base_manifest({"dgf": "dgf"}.get(config.fusion, "eagle"), LAYOUT_NAMES[layout], source, block,
+    manifest = base_manifest({"dgf": "dgf"}.get(config.fusion, "eagle"), LAYOUT_NAMES[layout], source, block,
                               config.fusion, tree or source_manifest.get("tree") or DGF_TREE.to_manifest(), command)
     manifest["drafter"] = {"num_blocks": config.num_blocks, "fusion_act": config.fusion_act,
                            "feature_layers": config.layers_read, "draft_vocab_size": config.draft_vocab_size,
@@ -634,4 +507,4 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     manifest["consumers"] = CONSUMERS[layout]
     manifest["parity"]["embedding_and_head"] = "target" if target is not None else f"seeded stand-in ({PARITY_SEED})"
     write_model_card(tmp, manifest, source_manifest, bench)
-    return _finish(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"DGF drafter {source}")
+    return finish_export(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"DGF drafter {source}")

@@ -1,5 +1,5 @@
 """Export trained drafters into the layouts serving engines and reference implementations load
-(thin CLI over models/exports.py).
+(thin CLI over models/exports.py and models/export_medusa.py).
 
     python scripts/export.py student outputs/distill_qwen/run/final exports/qwen-student \\
         --target qwen2.5-coder-1.5b-instruct          # plain HF dir; checks generate(assistant_model=...)
@@ -44,6 +44,7 @@ from draftsmith.errors import UserError, exit_with, one_line
 from draftsmith.eval.decode.drafters.dgf import drafter_tree
 from draftsmith.eval.methods import parse_method
 from draftsmith.fileio import refuse_overwrite
+from draftsmith.models import export_medusa
 from draftsmith.models import exports as export
 from draftsmith.models.artifacts import read_json
 from draftsmith.models import llamacpp
@@ -147,8 +148,8 @@ def main(argv: list[str]) -> int:
         result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,
                                        tolerance=args.tolerance, bench=bench, command=command, base=args.base)
     elif args.kind == "medusa":
-        result = export.export_medusa(args.source, args.out, base_model=args.base_model, tolerance=args.tolerance,
-                                      bench=bench, command=command)
+        result = export_medusa.export_medusa(args.source, args.out, base_model=args.base_model,
+                                             tolerance=args.tolerance, bench=bench, command=command)
     else:
         result = export.export_dgf(args.source, args.out, target=args.target, layout=args.layout,
                                    tree=measured_tree(args.source, args.bench_method), tolerance=args.tolerance,

@@ -139,7 +139,7 @@ def make_adapter(student, directory, base: str, pard_token: int | None = 5):
 
     from peft import LoraConfig, get_peft_model
 
-    from draftsmith.train.distill import write_adapter
+    from draftsmith.train.student_parts import write_adapter
 
     model = copy.deepcopy(student)
     if pard_token is not None:

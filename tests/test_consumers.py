@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from draftsmith.models import export_medusa
 from draftsmith.models import exports as export
 from draftsmith.models.artifacts import save_dgf, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel
@@ -183,7 +184,7 @@ def test_medusa_llm_loads_fasterdecoding_export(tmp_path):
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=0.2)
     write_medusa_final(tmp_path / "final", heads)
-    export.export_medusa(tmp_path / "final", tmp_path / "fd")
+    export_medusa.export_medusa(tmp_path / "final", tmp_path / "fd")
     config = json.loads((tmp_path / "fd" / "config.json").read_text())
     theirs = medusa_model.MedusaModel(base, config["medusa_num_heads"], config["medusa_num_layers"],
                                       word_level_tokenizer(tmp_path / "tok", 96))
@@ -207,7 +208,7 @@ def test_medusa_llm_loads_draft_vocabulary_heads(tmp_path):
         torch.nn.init.normal_(parameter, std=0.2)
     heads.set_vocab(DraftVocab(torch.arange(0, 80, 2), 96))
     write_medusa_final(tmp_path / "final", heads)
-    export.export_medusa(tmp_path / "final", tmp_path / "fd", target_model=TargetModel(base, None))
+    export_medusa.export_medusa(tmp_path / "final", tmp_path / "fd", target_model=TargetModel(base, None))
     theirs = medusa_model.MedusaModel(base, 3, 1, word_level_tokenizer(tmp_path / "tok", 96))
     theirs.medusa_head.load_state_dict(load_file(str(tmp_path / "fd" / "medusa_lm_head.safetensors")), strict=True)
     heads.init_lm_heads(base.get_output_embeddings().weight)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from draftsmith.data.features import FeatureDataset, load_index
 from draftsmith.data.sources import load_regenerated
 from draftsmith.data.sources import Conversation, save_conversations
-from draftsmith.train.runtime import MetricsFile
+from draftsmith.train.run_guards import MetricsFile
 from draftsmith.config import load_config
 from draftsmith.train.medusa import MedusaRecipeConfig, main
 

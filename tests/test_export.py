@@ -12,6 +12,7 @@ from draftsmith.errors import UserError
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_model, tiny_target_for
+from draftsmith.models import export_medusa
 from draftsmith.models import exports as export
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel, vocab_fingerprint
@@ -155,7 +156,7 @@ def test_medusa_fasterdecoding_layout_and_parity(tmp_path):
     from safetensors import safe_open
 
     heads = make_medusa_final(tmp_path / "final", num_heads=3, num_layers=1)
-    result = export.export_medusa(tmp_path / "final", tmp_path / "fd", base_model="org/base")
+    result = export_medusa.export_medusa(tmp_path / "final", tmp_path / "fd", base_model="org/base")
     out = tmp_path / "fd"
     assert result.max_abs_diff == 0.0
     with safe_open(str(out / "medusa_lm_head.safetensors"), "pt") as f:
@@ -170,7 +171,7 @@ def test_medusa_fasterdecoding_layout_and_parity(tmp_path):
     manifest = export.read_export_manifest(out)
     assert manifest["layout"] == "fasterdecoding-medusa" and manifest["target"]["hidden_layers"] == [-1]
     assert manifest["target"]["vocab_fingerprint"] == "abc" and manifest["tree"]["medusa_choices"]
-    reloaded, _ = export.load_fasterdecoding_medusa(out)
+    reloaded, _ = export_medusa.load_fasterdecoding_medusa(out)
     hidden = torch.randn(2, 5, 16)
     torch.testing.assert_close(reloaded(hidden), heads(hidden), rtol=0, atol=0)
 
@@ -178,7 +179,7 @@ def test_medusa_fasterdecoding_layout_and_parity(tmp_path):
 def test_medusa_export_refuses_what_fasterdecoding_cannot_hold(tmp_path):
     make_medusa_final(tmp_path / "final", num_layers=2)
     with pytest.raises(UserError, match="ONE ResBlock"):
-        export.export_medusa(tmp_path / "final", tmp_path / "fd")
+        export_medusa.export_medusa(tmp_path / "final", tmp_path / "fd")
     assert not (tmp_path / "fd").exists() and not (tmp_path / "fd.tmp").exists()
 
 
@@ -186,10 +187,10 @@ def test_medusa_loader_accepts_model_prefixed_names(tmp_path):
     from safetensors.torch import load_file, save_file
 
     heads = make_medusa_final(tmp_path / "final")
-    export.export_medusa(tmp_path / "final", tmp_path / "fd")
+    export_medusa.export_medusa(tmp_path / "final", tmp_path / "fd")
     file = tmp_path / "fd" / "medusa_lm_head.safetensors"
     save_file({f"medusa_head.{k}": v for k, v in load_file(str(file)).items()}, str(file))
-    reloaded, config = export.load_fasterdecoding_medusa(tmp_path / "fd")
+    reloaded, config = export_medusa.load_fasterdecoding_medusa(tmp_path / "fd")
     assert config["base_model_name_or_path"] == "tiny-target"
     hidden = torch.randn(1, 3, 16)
     torch.testing.assert_close(reloaded(hidden), heads(hidden), rtol=0, atol=0)
@@ -197,20 +198,20 @@ def test_medusa_loader_accepts_model_prefixed_names(tmp_path):
 
 def test_medusa_export_errors(tmp_path, monkeypatch):
     make_medusa_final(tmp_path / "final")
-    export.export_medusa(tmp_path / "final", tmp_path / "fd")
+    export_medusa.export_medusa(tmp_path / "final", tmp_path / "fd")
     (tmp_path / "fd" / "medusa_lm_head.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
     with pytest.raises(ValueError, match="corrupt or truncated"):
-        export.load_fasterdecoding_medusa(tmp_path / "fd")
+        export_medusa.load_fasterdecoding_medusa(tmp_path / "fd")
     (tmp_path / "fd" / "medusa_lm_head.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="medusa_lm_head.safetensors is missing"):
-        export.load_fasterdecoding_medusa(tmp_path / "fd")
+        export_medusa.load_fasterdecoding_medusa(tmp_path / "fd")
     with pytest.raises(FileNotFoundError, match="manifest.json"):
-        export.export_medusa(tmp_path / "nothing", tmp_path / "o")
+        export_medusa.export_medusa(tmp_path / "nothing", tmp_path / "o")
     make_medusa_final(tmp_path / "m2", adapter="target_lora")
     with pytest.raises(ValueError, match="LoRA adapter"):
-        export.export_medusa(tmp_path / "m2", tmp_path / "o")
+        export_medusa.export_medusa(tmp_path / "m2", tmp_path / "o")
     # a reload that does not reproduce the logits fails the export and leaves no output directory
-    real = export.load_fasterdecoding_medusa
+    real = export_medusa.load_fasterdecoding_medusa
 
     def perturbed(path):
         heads, config = real(path)
@@ -218,18 +219,18 @@ def test_medusa_export_errors(tmp_path, monkeypatch):
             heads.medusa_head[0][-1].weight.add_(1e-3)
         return heads, config
 
-    monkeypatch.setattr(export, "load_fasterdecoding_medusa", perturbed)
+    monkeypatch.setattr(export_medusa, "load_fasterdecoding_medusa", perturbed)
     with pytest.raises(export.ParityError, match="differs"):
-        export.export_medusa(tmp_path / "final", tmp_path / "bad")
+        export_medusa.export_medusa(tmp_path / "final", tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()
     # any exception mid-export (here: the tokenizer copy) leaves no half-written `<out>.tmp` either
 
     def broken(name, out):
         raise OSError("disk full")
 
-    monkeypatch.setattr(export, "_save_tokenizer", broken)
+    monkeypatch.setattr(export_medusa, "_save_tokenizer", broken)
     with pytest.raises(OSError, match="disk full"):
-        export.export_medusa(tmp_path / "final", tmp_path / "half")
+        export_medusa.export_medusa(tmp_path / "final", tmp_path / "half")
     assert not (tmp_path / "half").exists() and not (tmp_path / "half.tmp").exists()
 
 

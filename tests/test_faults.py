@@ -17,7 +17,7 @@ from draftsmith.data.features import FeatureCacheConfig, build_feature_cache, lo
 from draftsmith.data.regenerate import RegenerateConfig, regenerate
 from draftsmith.data.sources import Conversation, save_conversations
 from draftsmith.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, load_latest_checkpoint, recover_checkpoints, save_checkpoint
-from draftsmith.train.runtime import MetricsFile, NonFiniteLossError, check_finite
+from draftsmith.train.run_guards import MetricsFile, NonFiniteLossError, check_finite
 from draftsmith.config import load_config
 from draftsmith.train.medusa import MedusaRecipeConfig, main
 

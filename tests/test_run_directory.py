@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from draftsmith.train import dgf, distill, medusa
-from draftsmith.train.runtime import DirectoryLock
+from draftsmith.train.run_guards import DirectoryLock
 from launch_utils import REPO
 
 RECIPES = {"medusa": medusa.cli, "dgf": dgf.cli, "distill": distill.cli}

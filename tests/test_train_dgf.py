@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
 from draftsmith.config import ConfigError, load_config
-from draftsmith.train.runtime import MetricsFile
+from draftsmith.train.run_guards import MetricsFile
 from draftsmith.models.target import TargetModel
 from draftsmith.train.dgf import DGFRecipeConfig, main, pair_targets, unrolled_mask
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,

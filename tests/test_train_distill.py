@@ -9,7 +9,7 @@ import torch
 
 from draftsmith.config import ConfigError, load_config
 from draftsmith.errors import UserError
-from draftsmith.train.runtime import MetricsFile
+from draftsmith.train.run_guards import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import load_records, synthetic_records
 from draftsmith.eval.methods import parse_method
@@ -290,7 +290,7 @@ def test_parallel_mask_token_must_be_a_free_row(tmp_path):
 
 def test_an_adapter_for_another_model_is_refused_in_one_line():
     """The committed PARD adapter (for the 0.5B) on a tiny student: the first size mismatch, in one line."""
-    from draftsmith.train.distill import load_adapter
+    from draftsmith.train.student_parts import load_adapter
 
     cfg = load_config(DistillRecipeConfig, REPO / "train" / "configs" / "pard_qwen_cpu.yaml",
                       [f"lora.adapter={REPO / 'drafters' / 'pard_qwen_cpu'}", "lora.adapter_samples_seen=240"])

@@ -18,7 +18,7 @@ from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.models.target import TargetModel
 from draftsmith.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from draftsmith.config import ConfigError, load_config
-from draftsmith.train.runtime import MetricsFile
+from draftsmith.train.run_guards import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import batch_indices, load_records, read_records, split_heldout, write_records
 from draftsmith.train.rng import rng_state, set_rng_state

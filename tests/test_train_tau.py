@@ -9,7 +9,7 @@ import pytest
 
 from draftsmith.config import load_config
 from draftsmith.train import dgf, distill, medusa
-from draftsmith.train.runtime import MetricsFile
+from draftsmith.train.run_guards import MetricsFile
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -50,9 +50,9 @@ from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                                      topk_soft_cross_entropy, unrolled_step_weights)
-from draftsmith.train.runtime import (RUN_UNREAD, DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
-                                     TrainConfig, TrainingRun,
-                                      measure_tau, pad_id_of, recipe_cli)
+from draftsmith.train.recipe import (RUN_UNREAD, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase, RunConfig,
+                                    TrainConfig, measure_tau, pad_id_of)
+from draftsmith.train.runtime import TrainingRun, recipe_cli
 
 
 @dataclass

@@ -41,9 +41,9 @@ from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss,
                                      rank_hits, teacher_positions)
-from draftsmith.train.runtime import (RUN_UNREAD, DataConfig, RunConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
-                                     TrainConfig, TrainingRun,
-                                      measure_tau, pad_id_of, recipe_cli)
+from draftsmith.train.recipe import (RUN_UNREAD, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase, RunConfig,
+                                    TrainConfig, measure_tau, pad_id_of)
+from draftsmith.train.runtime import TrainingRun, recipe_cli
 
 LORA_DIR = "target_lora"
 

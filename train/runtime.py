@@ -1,5 +1,6 @@
-"""What every training recipe shares, written once: config sections, the run's directory, resume,
-schedule, optimizer step, checkpoints, the train loop, logging and the command line.
+"""The run every training recipe shares, written once: the run's directory, resume, optimizer step, checkpoints,
+snapshots, the train loop, logging and the command line. What a recipe is to the run (its config sections and the
+Recipe protocol) is train/recipe.py; the run's small guards (lock, metrics file, stop requests) train/run_guards.py.
 
 A recipe (train/medusa.py, train/dgf.py, train/distill.py) keeps only its behaviour: which modules
 train, its loss (`train_step`), its held-out metrics (`evaluate`), the drafter it would decode with
@@ -25,306 +26,42 @@ Guarantees (README "Guarantees", tests/test_faults.py):
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import shlex
 import shutil
 import signal
-import socket
 import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
-from draftsmith.config import (ConfigError, Unread, command_parser, config_to_dict, flatten_dict, option, parse_command,
-                               save_config)
+from draftsmith.config import ConfigError, command_parser, config_to_dict, flatten_dict, parse_command, save_config
 from draftsmith.data.records import batch_indices
-from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
 from draftsmith.errors import UserError, run_main
-from draftsmith.fileio import atomic_write, atomic_write_json
-from draftsmith.models.bundled import DEFAULT_TARGET
+from draftsmith.fileio import atomic_write_json
 from draftsmith.models.target import resolve_device
 from draftsmith.tracking import prepare_wandb_env
 from draftsmith.train.checkpoints import (CheckpointError, latest_verified_checkpoint, load_checkpoint,
                                           load_latest_checkpoint, save_checkpoint)
 from draftsmith.train.distributed import gather_trainable_state, local_rank_zero
+from draftsmith.train.recipe import Recipe, lr_factor
 from draftsmith.train.rng import rng_state, seed_everything, set_rng_state
+from draftsmith.train.run_guards import (METRICS_FILE, DirectoryLock, Interrupted, MetricsFile, RunDirectoryError,
+                                         StopRequest, check_finite, launch_command, print_summary)
 
 log = logging.getLogger("draftsmith.train")
 
 # Keys a resumed run may change without a warning (everything else is compared with the checkpoint's config).
 RESUME_MAY_CHANGE = {"train.stop_after_steps", "train.max_steps", "logging.run_name", "output_dir", "device",
                      "train.progress"}
-LOCK_FILE = ".lock"
-METRICS_FILE = "metrics.jsonl"
-
-
-# ---------------------------------------------------------------------------------------------
-# Config sections shared by the recipes (a recipe may change a default: `section(OptimConfig, lr=1e-4)`)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunConfig:
-    """The keys every recipe's config starts with (a recipe redeclares a key to change its default)."""
-
-    output_dir: str = option("outputs/run", "run directory (checkpoints/, final/, metrics.jsonl)")
-    device: str = option("auto", "auto | cpu | cuda")
-    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
-    dtype: str = option("float32", "the target's dtype (drafters train in float32)")
-    attn_implementation: str = option("sdpa", "the target's attention implementation (transformers)")
-
-
-@dataclass
-class DataConfig:
-    source: str = option("gsm8k:train", "data source spec (data.sources / data.records; `a + b` mixes sources)")
-    limit: int | None = option(None, "at most this many conversations / records per source", ge=1)
-    max_length: int = option(512, "tokens per record (longer ones are cut)", ge=2)
-    heldout_fraction: float = option(0.05, "share of records held out for evaluation", gt=0, lt=1)
-    max_heldout: int | None = option(256, "at most this many held-out records", ge=1)
-    seed: int = option(0, "seed of the held-out split and the shuffling")
-    group_by_length: int = option(0, "records per window of the shuffled order sorted by length before batching "
-                                     "(0: off): less padding, the same data", ge=0)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = option(1e-3, "peak learning rate", gt=0)
-    weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
-    betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas", ge=0, lt=1)
-    eps: float = option(1e-8, "AdamW epsilon", gt=0)
-    schedule: Literal["constant", "linear", "cosine"] = option("cosine", "learning-rate schedule after warm-up")
-    warmup_steps: int = option(0, "linear warm-up steps", ge=0)
-    min_lr_ratio: float = option(0.0, "final learning rate / peak (linear, cosine)", ge=0, le=1)
-    max_grad_norm: float | None = option(1.0, "gradient clipping norm (null: no clipping)", gt=0)
-
-
-@dataclass
-class TrainConfig:
-    max_steps: int = option(1000, "optimizer steps", ge=1)
-    batch_size: int = option(4, "records per micro-batch and process", ge=1)
-    grad_accum_steps: int = option(1, "micro-batches per optimizer step", ge=1)
-    seed: int = option(0, "seed of initialisation, dropout and noise")
-    log_every: int = option(10, "steps between logged training metrics", ge=1)
-    checkpoint_every: int = option(500, "steps between checkpoints", ge=1)
-    keep_checkpoints: int = option(2, "newest checkpoints kept", ge=1)
-    stop_after_steps: int | None = option(None, "exit right after this step's checkpoint (interruption tests)", ge=1)
-    snapshots_at_loss_tokens: list[int] = option(factory=list, help="write the drafter as trained so far to "
-                                                 "snapshots/loss_tokens_<N>/ (final/'s layout) at the first step "
-                                                 "whose loss-bearing tokens seen reach N: a data curve from one run",
-                                                 ge=1)
-    progress: bool = option(True, "progress bar (main process only; --no-progress turns it off)")
-
-
-@dataclass
-class EvalConfig:
-    every_steps: int = option(100, "steps between held-out evaluations (0: before and after training only)", ge=0)
-    batch_size: int = option(8, "held-out records per batch", ge=1)
-    tau_prompts: int = option(0, "held-out prompts decoded by the bundled decoder for tau (0: off)", ge=0)
-    tau_new_tokens: int = option(32, "new tokens per prompt for tau", ge=1)
-
-
-@dataclass
-class LoggingConfig:
-    tracker: Literal["wandb", "none"] = option("wandb", "experiment tracker (W&B runs offline without network)")
-    project: str = option("draftsmith", "W&B project")
-    run_name: str | None = option(None, "W&B run name")
-
-
-# Options of the shared sections that some settings do not read (each recipe adds its own: refuse_unread).
-RUN_UNREAD = [
-    Unread("optim.min_lr_ratio", lambda c: c.optim.schedule == "constant", "read by optim.schedule=linear|cosine"),
-    Unread("eval.tau_new_tokens", lambda c: c.eval.tau_prompts == 0, "read when eval.tau_prompts > 0"),
-    Unread("logging.project", lambda c: c.logging.tracker == "none", "read by logging.tracker=wandb"),
-    Unread("logging.run_name", lambda c: c.logging.tracker == "none", "read by logging.tracker=wandb"),
-]
-
-
-class Recipe(Protocol):
-    """What a recipe gives the run (see the module docstring); `RecipeBase` has the optional parts."""
-
-    train_records: list
-
-    def train_step(self) -> dict: ...
-
-    def evaluate(self) -> dict: ...
-
-    def write_final(self, directory: Path) -> None: ...
-
-    def checkpoint_extra(self) -> dict: ...
-
-    def restore_extra(self, extra: dict) -> None: ...
-
-
-class RecipeBase:
-    """The parts of the Recipe protocol most recipes leave as they are: no state beyond the model, optimizer,
-    RNG and batch order (which the run checkpoints itself)."""
-
-    def checkpoint_extra(self) -> dict:
-        """Recipe state to put in a checkpoint."""
-        return {}
-
-    def restore_extra(self, extra: dict) -> None:
-        """Take back what `checkpoint_extra` saved."""
-
-
-def lr_factor(optim: OptimConfig, max_steps: int, hold_steps: int = 0) -> Callable[[int], float]:
-    """Multiplier of the base learning rate after `step` optimizer steps (hold, warm-up, schedule)."""
-
-    def factor(step: int) -> float:
-        if step < hold_steps:
-            return 0.0
-        if optim.warmup_steps and step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        if optim.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps))
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
-        return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
-
-    return factor
-
-
-# ---------------------------------------------------------------------------------------------
-# Small pieces: launch command, metrics file, summary print, NaN stop, directory lock
-# ---------------------------------------------------------------------------------------------
-
-
-def launch_command(argv: Sequence[str], environ: Mapping[str, str]) -> str:
-    """How this process was started, as a user retypes it: `accelerate launch ... train/x.py args` when
-    accelerate's launcher started it (it sets ACCELERATE_MIXED_PRECISION in every process it starts),
-    else `python train/x.py args`."""
-    if not argv or not argv[0].endswith(".py"):
-        return shlex.join(argv)
-    if "ACCELERATE_MIXED_PRECISION" in environ:
-        launcher = ["accelerate", "launch", "--num_processes", environ.get("WORLD_SIZE", "1"),
-                    "--mixed_precision", environ["ACCELERATE_MIXED_PRECISION"]]
-        return shlex.join([*launcher, *argv])
-    return shlex.join(["python", *argv])
-
-
-class NonFiniteLossError(UserError, FloatingPointError):
-    """A loss (or gradient norm) became NaN/inf; the message names the step."""
-
-
-def check_finite(value: Any, step: int, what: str = "loss", checkpoints_dir: str | Path | None = None) -> None:
-    """Stop the run when `value` (float or tensor) is NaN or inf, naming the step and the last good
-    checkpoint. Call it on a value that is identical on every process, so every rank stops together."""
-    tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-    if bool(torch.isfinite(tensor).all()):
-        return
-    kind = "NaN" if bool(torch.isnan(tensor).any()) else "inf"
-    last = latest_verified_checkpoint(checkpoints_dir) if checkpoints_dir is not None else None
-    keep = (f"; the last good checkpoint is {last} (resume with --resume after fixing the cause, e.g. a lower "
-            f"learning rate)") if last is not None else "; no checkpoint was written before it"
-    raise NonFiniteLossError(f"{what} is {kind} at step {step}: stopping the run{keep}")
-
-
-def print_summary(summary: Mapping) -> None:
-    """The final JSON summary as one line in one write (ranks share the stdout pipe)."""
-    sys.stdout.write(json.dumps(dict(summary), default=str) + "\n")
-    sys.stdout.flush()
-
-
-class MetricsFile:
-    """Append-only JSONL of logged metrics (main process only), read back by tests and reports."""
-
-    def __init__(self, path: str | Path, enabled: bool = True):
-        self.path = Path(path)
-        self.enabled = enabled
-
-    def write(self, record: Mapping) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(dict(record)) + "\n")
-
-    def drop_after(self, step: int) -> None:
-        """Forget rows logged after `step` (a resumed run redoes those steps and logs them again)."""
-        if not (self.enabled and self.path.is_file()):
-            return
-        kept = [row for row in self.read(self.path) if int(row.get("step", 0)) <= step]
-        atomic_write(self.path, lambda tmp: tmp.write_text("".join(json.dumps(row) + "\n" for row in kept)))
-
-    @staticmethod
-    def read(path: str | Path) -> list[dict]:
-        path = Path(path)
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-class DirectoryLock:
-    """An exclusive flock on `<dir>/.lock` for the lifetime of a run; the file names the holder."""
-
-    def __init__(self, directory: Path):
-        self.path = directory / LOCK_FILE
-        self.handle = None
-
-    def acquire(self) -> None:
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise UserError(f"{self.path.parent} is in use by another run ({holder}); wait for it to finish or "
-                            "choose another output_dir") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                     f"{shlex.join(sys.argv)}\n")
-        handle.flush()
-        self.handle = handle
-
-    def release(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
-
-
-class StopRequest:
-    """SIGINT / SIGTERM set a flag; the loop saves and stops at the next step boundary."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        self.previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:  # a second signal: stop at once
-            raise KeyboardInterrupt
-        self.signal = signum
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        self.previous = {}
-
-
-class RunDirectoryError(UserError, RuntimeError):
-    """The output directory belongs to another run, or holds files this run would replace."""
-
-
-class Interrupted(UserError):
-    """The run stopped on SIGINT / SIGTERM after saving a checkpoint; the message says how to resume."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -761,41 +498,3 @@ def recipe_cli(config_cls: type, main: Callable[..., dict], prog: str, descripti
         return 0
 
     return run_main(run, argv)
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers the recipes share
-# ---------------------------------------------------------------------------------------------
-
-
-def pad_id_of(tokenizer) -> int:
-    """The tokenizer's pad id, else its EOS id, else 0 (padded positions are masked out anyway)."""
-    for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            return value
-    return 0
-
-
-def record_prompt(record: Mapping) -> list[int]:
-    """The tokens of a record before its first trained token (the prompt of a held-out answer)."""
-    mask = list(record["loss_mask"])
-    ids = [int(t) for t in record["input_ids"]]
-    return ids[: mask.index(1)] if 1 in mask else ids[:-1]
-
-
-@torch.no_grad()
-def measure_tau(recipe, eval_cfg: EvalConfig) -> dict:
-    """tau of the recipe's drafter on its first `eval_cfg.tau_prompts` held-out prompts, through the
-    bundled decoder (greedy; the bench's definition and code path). {} when tau_prompts is 0."""
-    if eval_cfg.tau_prompts == 0 or getattr(recipe, "target", None) is None:
-        return {}
-    drafter = recipe.drafter()
-    decoder = SpeculativeDecoder(recipe.target, drafter, DecodeConfig(max_new_tokens=eval_cfg.tau_new_tokens))
-    stats = DecodeStats()
-    for record in recipe.heldout_records[: eval_cfg.tau_prompts]:
-        prompt = record_prompt(record)
-        if prompt:
-            stats.merge(decoder.generate(torch.tensor([prompt], device=recipe.target.device)).stats)
-    out = {"eval/tau": stats.tau, "eval/tau_prompts": min(eval_cfg.tau_prompts, len(recipe.heldout_records))}
-    out.update({f"eval/tau_accept_depth{depth}": rate for depth, rate in stats.depth_acceptance.items()})
-    return out
