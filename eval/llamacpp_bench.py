@@ -388,8 +388,8 @@ def pytorch_baselines(config: EngineBenchConfig) -> dict:
                         max_new_tokens=config.max_new_tokens, seed=config.seed, threads=config.threads, plots=False,
                         dtype=config.pytorch_dtype, compile=CompileSettings(weights=config.pytorch_weights))
     results = run_benchmark(bench, progress=False)
-    return {label: {"tokens_per_s": entry["tokens_per_s"], "tau": entry.get("tau"),
-                    "lossless": entry.get("lossless"), "dtype": config.pytorch_dtype,
+    return {label: {"tokens_per_s": entry["tokens_per_s"], "tau": entry["tau"],
+                    "lossless": not entry["mismatches"], "dtype": config.pytorch_dtype,
                     "weights": config.pytorch_weights.value} for label, entry in results["summary"].items()}
 
 

@@ -64,12 +64,16 @@ def run_command(name: str, argv: list[str]) -> int:
     return run_main(MAINS[name], argv)
 
 
+def error_line(name, argv, tmp_path, capsys, monkeypatch) -> tuple[int, str]:
+    """(exit status, stderr) of a command run from the checkout's root, OUT in argv a fresh folder."""
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
+    code = run_command(name, [arg.replace("OUT", str(tmp_path / "out")) for arg in argv])
+    return code, capsys.readouterr().err.strip()
+
+
 @pytest.mark.parametrize("name,argv,words", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_input_is_one_line_exit_2(name, argv, words, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
-    argv = [arg.replace("OUT", str(tmp_path / "out")) for arg in argv]
-    code = run_command(name, argv)
-    err = capsys.readouterr().err.strip()
+    code, err = error_line(name, argv, tmp_path, capsys, monkeypatch)
     assert code == 2, err
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
     for word in words:
@@ -79,10 +83,7 @@ def test_bad_input_is_one_line_exit_2(name, argv, words, tmp_path, capsys, monke
 
 @pytest.mark.parametrize("name,argv,words", SHORT_CASES, ids=[f"{c[0]}-short-{i}" for i, c in enumerate(SHORT_CASES)])
 def test_common_bad_input_is_short(name, argv, words, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
-    argv = [arg.replace("OUT", str(tmp_path / "out")) for arg in argv]
-    code = run_command(name, argv)
-    err = capsys.readouterr().err.strip()
+    code, err = error_line(name, argv, tmp_path, capsys, monkeypatch)
     assert code == 2 and err.startswith("error: ") and "\n" not in err, err
     assert len(err) < SHORT, (len(err), err)
     for word in words:
