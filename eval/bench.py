@@ -53,7 +53,8 @@ from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, DecodeSta
 from draftsmith.eval.decode.drafters.base import check_types
 from draftsmith.eval.latency import cpu_isa, cpu_model, memory_stall_seconds
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
-from draftsmith.eval.prompts import SUITES, category_of, check_suites, num_turns, select_conversations, turn_input_ids
+from draftsmith.eval.prompts import (PromptSettings, category_of, check_suites, num_turns, select_conversations,
+                                    turn_input_ids)
 from draftsmith.eval.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import DEFAULT_TARGET, has_bundled_drafter
@@ -83,21 +84,15 @@ def default_methods(target: str) -> list[MethodSpec]:
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(PromptSettings):
     target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree / hf-assisted use by default")
     methods: list[MethodSpec] | None = option(None, "methods to compare (plain is always run); null: plain, "
                                               "ngram + dgf (the target's bundled drafter) where one is bundled")
-    suites: list[str] = option(factory=lambda: ["mt-bench", "gsm8k", "humaneval"],
-                               help="mt-bench | gsm8k | humaneval | a source spec: " + source_help())
-    num_prompts: int = option(3, "prompts per suite", ge=1)
-    turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
-    max_new_tokens: int = option(64, "new tokens per prompt", ge=1)
     temperature: float = option(0.0, "0 = greedy (token-exact check); > 0 = sampling (tau, tokens/s)", ge=0)
     dtype: str = option("float32", "dtype of the target and the draft")
     device: str = option("cpu", "cpu | cuda | cuda:<i> | auto")
     threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
-    seed: int = option(0, "sampling seed and GSM8K sample seed")
     budget_limit: int = option(BUDGET_LIMIT, "the largest tree a drafter may propose (+ the root: the largest "
                                              "bucket)", ge=0)
     backend: Backend = option(Backend.COMPILED, "engine of our methods: compiled (static shapes, AOT-compiled "

@@ -32,7 +32,7 @@ from draftsmith.config import ConfigError, check_config, option
 from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench import WARMUP_MESSAGES, BenchConfig, mean_ci, run_benchmark
-from draftsmith.eval.prompts import SUITES, check_suites, num_turns, select_conversations, turn_input_ids
+from draftsmith.eval.prompts import PromptSettings, check_suites, num_turns, select_conversations, turn_input_ids
 from draftsmith.eval.latency import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
 from draftsmith.models import llamacpp
@@ -193,17 +193,12 @@ PLAIN = LlamaCppMethodSpec.from_config("plain")  # the baseline every method is 
 
 
 @dataclass
-class EngineBenchConfig:
+class EngineBenchConfig(PromptSettings):
     """What every engine's bench (llama.cpp's, OpenVINO's) shares: the prompts, their lengths, the PyTorch baselines
     beside them and the output; each engine adds its target, methods and threads. `plain` is the engine's baseline
     spec, run first whether named or not."""
 
     plain: ClassVar[MethodSpec]
-    suites: list[str] = option(factory=lambda: list(SUITES), help="mt-bench | gsm8k | humaneval | a source spec")
-    num_prompts: int = option(3, "prompts per suite", ge=1)
-    turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
-    max_new_tokens: int = option(128, "new tokens per turn", ge=1)
-    seed: int = option(0, "GSM8K sample seed")
     pytorch_baselines: bool = option(True, "also time the toolkit's plain baselines (HF generate, compiled) on the "
                                            "same prompts")
     pytorch_dtype: Literal["float32", "bfloat16"] = option("float32", "the PyTorch target's dtype")

@@ -4,14 +4,30 @@ in category round-robin order), and each turn's prompt through the target's chat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from draftsmith.config import option
 from draftsmith.data.chat import prompt_ids
-from draftsmith.data.sources import load_source
+from draftsmith.data.sources import load_source, source_help
 from draftsmith.errors import UserError
 
 SUITES = {"mt-bench": "mt-bench", "gsm8k": "gsm8k:test", "humaneval": "humaneval"}
 SAMPLED_SUITES = ("gsm8k",)  # suites drawn as a seeded random sample (the others: first N, categories round-robin)
+
+
+@dataclass
+class PromptSettings:
+    """The prompt options every bench shares (the PyTorch bench, the llama.cpp and OpenVINO benches), declared once:
+    each bench's config extends this section."""
+
+    suites: list[str] = option(factory=lambda: list(SUITES),
+                               help="mt-bench | gsm8k | humaneval | a source spec: " + source_help())
+    num_prompts: int = option(3, "prompts per suite", ge=1)
+    turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
+    max_new_tokens: int = option(64, "new tokens per prompt turn", ge=1)
+    seed: int = option(0, "GSM8K's sample seed (and the sampling seed at temperature > 0)")
 
 
 def check_suites(suites: list[str]) -> None:

@@ -36,3 +36,13 @@ def test_budget_limit_is_declared_once():
     assert DecodeConfig().budget_limit == BenchConfig().budget_limit == ProfileConfig().calibration_budget == BUDGET_LIMIT
     copies = [(path, line) for path, line, value in option_defaults() if value == BUDGET_LIMIT]
     assert not copies, f"option({BUDGET_LIMIT}, ...) written out; use eval.decode.decoder.BUDGET_LIMIT: {copies}"
+
+
+def test_every_bench_shares_one_prompt_section():
+    from draftsmith.eval.llamacpp_bench import EngineBenchConfig, LlamaCppBenchConfig
+    from draftsmith.eval.openvino_bench import OpenVinoBenchConfig
+    from draftsmith.eval.prompts import PromptSettings
+
+    for config in (BenchConfig, EngineBenchConfig, LlamaCppBenchConfig, OpenVinoBenchConfig):
+        assert issubclass(config, PromptSettings), config
+    assert BenchConfig().max_new_tokens == OpenVinoBenchConfig().max_new_tokens == PromptSettings().max_new_tokens

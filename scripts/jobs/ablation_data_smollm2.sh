@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 ablation data (SmolLM2-135M-Instruct): draft vocabularies ranked on the target's own GSM8K
+# The ablation's data (SmolLM2-135M-Instruct): draft vocabularies ranked on the target's own GSM8K
 # answers, and one offline feature cache that every variant trains on (layers 2, 15, 27 = EAGLE-3's
 # low/mid/high of 30 layers, and -1 = the final normed state for single-layer variants and soft labels).
 set -euo pipefail

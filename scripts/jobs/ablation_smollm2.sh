@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 ablation, SmolLM2-135M-Instruct: every variant trains on the same cache for the same steps
+# The drafter ablation, SmolLM2-135M-Instruct: every variant trains on the same cache for the same steps
 # (train/configs/dgf_ablation_smollm2.yaml), then one bench compares them side by side.
 # Data first: scripts/jobs/ablation_data_smollm2.sh. Resumable: a finished variant is skipped.
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 16 ablation, Qwen2.5-Coder-1.5B target with the 0.5B as a training-free LM drafter: full vocabulary
+# The draft-vocabulary ablation, Qwen2.5-Coder-1.5B target with the 0.5B as a training-free LM drafter: full vocabulary
 # vs a sliced 32k / 8k head (draft vocabularies from scripts/jobs/vocab_qwen.sh), chain and tree, fp32,
-# eager backend (the 1.5B's compiled packages hold a 6 GB weight copy per bucket; see issue 15 notes).
+# eager backend (the 1.5B's compiled packages hold a 6 GB weight copy per bucket).
 set -euo pipefail
 V32=outputs/vocab/qwen_32768
 V8=outputs/vocab/qwen_8192

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32, session 10: the bundled EAGLE-3 drafter (10M human + 1M regenerated tokens) trained one more pass over
+# The bundled EAGLE-3 drafter (10M human + 1M regenerated tokens) trained one more pass over
 # all 2.57M regenerated tokens on an H100 (drafters/eagle3_smollm2_all_regen/loss_tokens_2400000), on the goal
 # bench (10 prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens, compiled backend, fp32, both
 # plain baselines, interleaved per prompt, other jobs paused), beside the bundled drafter and prompt lookup.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32 item 6: the drafter on the kinds of prompt its training mix under-represents (translation,
+# The drafter on the kinds of prompt its training mix under-represents (translation,
 # summarization, extraction, QA over a given text: the `breadth` source, never trained on), with the goal bench's
 # settings (10 prompts per kind, 128 new tokens, compiled backend, fp32, both plain baselines, interleaved per
 # prompt): plain, prompt lookup, the drafter alone and the cascade of both. Other jobs pause while it times.

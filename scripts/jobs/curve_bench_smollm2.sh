@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32's curve, measured: every committed point of a curve run (drafters/<run>/loss_tokens_<N>/) through the
+# The acceptance-vs-data curve, measured: every committed point of a curve run (drafters/<run>/loss_tokens_<N>/) through the
 # bundled decoder on the goal bench's prompts and settings (10 prompts per suite, MT-Bench both turns, GSM8K,
 # HumanEval, 128 new tokens, compiled backend, fp32, both plain baselines in the same run), each point alone and
 # the newest in a cascade with prompt lookup; then the table and plot (scripts/curve_report.py). Other jobs are

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32 on a lent GPU (the `device` tool): the EAGLE-3 curve run (train/configs/eagle3_smollm2.yaml) resumed
+# The acceptance-vs-data curve on a lent GPU (the `device` tool): the EAGLE-3 curve run (train/configs/eagle3_smollm2.yaml) resumed
 # from its committed resume point and trained on to the 4M and 10M snapshots, the same data, order, batch and
 # schedule as on the CPU; only the device differs (fp32, no TF32, no tracker: W&B is not installed there).
 #
@@ -10,14 +10,14 @@
 #   device: bash scripts/jobs/device_curve_smollm2.sh convert     # carry .dev/c2: the GGUF whole, converted; records
 #   device: bash scripts/jobs/device_curve_smollm2.sh train       # carry .dev/c3: resume, train, pack into $OUT
 #   here:   bash scripts/jobs/device_curve_smollm2.sh unpack DIR  # DIR: the call's files_at; -> drafters/
-# Regenerated data (issue 32 items 1 and 3: regenerated-only against human-only at equal tokens, and the 10M point
+# Regenerated data (regenerated-only against human-only at equal tokens, and the 10M point
 # trained on on the target's own answers), the same way with other parts:
 #   here:   bash scripts/jobs/device_curve_smollm2.sh payload_regen  # c2: the GGUF's 2nd half + the prompt pool;
 #                                                                    # c3: the 10M point
 #   device: setup (carry .dev/c1), then convert+regen (carry .dev/c2): the target answers the pool (REGEN_S)
 #   device: regen_train (carry .dev/c3): regenerated-only from scratch to 1M, then the 10M point on on it (TRAIN_S)
 #   here:   bash scripts/jobs/device_curve_smollm2.sh unpack_regen DIR_OF_REGEN_CALL DIR_OF_TRAIN_CALL
-# More regenerated data and the bundled drafter trained on all of it (session 10), in two calls:
+# More regenerated data and the bundled drafter trained on all of it, in two calls:
 #   here:   bash scripts/jobs/device_curve_smollm2.sh payload_more   # c1 as above; c2: the GGUF's 2nd half + the pool
 #   device: setup (carry .dev/c1), then more (carry .dev/c2): the committed pool_bf16 shards seed the regeneration,
 #           which resumes for REGEN_S; then MORE_INIT trained on every regenerated record, one pass, the learning
@@ -39,7 +39,7 @@ REGEN_DTYPE=${REGEN_DTYPE:-bfloat16}
 REGEN_NEW_TOKENS=${REGEN_NEW_TOKENS:-384}  # a reply longer is cut (and kept: it trains as far as it goes)
 INIT_POINT=${INIT_POINT:-loss_tokens_10000000}  # the human curve's point that goes on on regenerated data
 MORE_INIT=${MORE_INIT:-drafters/eagle3_smollm2_human_then_regen/loss_tokens_1000000}  # tracked: travels with the tree
-POOL=datasets/regenerated/smollm2-135m-instruct/pool_bf16  # the committed regeneration (session 6 on)
+POOL=datasets/regenerated/smollm2-135m-instruct/pool_bf16  # the committed regeneration
 REGEN_ONLY_AT=${REGEN_ONLY_AT:-[250000,1000000]}  # the human curve's first points, at equal tokens
 REGEN_ONLY_S=${REGEN_ONLY_S:-150}
 CONTINUE_AT=${CONTINUE_AT:-[1000000,2000000,3000000,4000000,5000000,6000000,8000000]}
@@ -110,10 +110,10 @@ train)
   tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/run.tar.gz."
   ls -la "$OUT"
   ;;
-ablate)  # issue 32 item 4: the architectures at equal data (same records, order and schedule), one after another
+ablate)  # the architectures at equal data (same records, order and schedule), one after another
   # (seven processes on one H200 ran ~0.65 steps/s each, one alone ~9). Each variant is packed into $OUT as soon
   # as it stops, and ABLATE_TOTAL_S caps the stage: a call that hits the tool's limit still brings back what ran
-  # (session 12 lost a whole call's ablation: it ran past the limit and packed nothing).
+  # (a call that ran past the limit once brought back nothing: it packed at the end only).
   device_config "$STATE/device.yaml"
   mkdir -p outputs/ablate
   ABLATE_S=${ABLATE_S:-200}  # wall-clock cap per variant

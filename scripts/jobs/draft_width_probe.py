@@ -1,4 +1,4 @@
-"""T(w) of the compiled 0.5B draft LM of issue 35 (32k sliced head, capacity 1024) per precision, one width at a time
+"""T(w) of the compiled 0.5B draft LM of the Qwen pair (32k sliced head, capacity 1024) per precision, one width at a time
 in one process, medians of 20 (the evidence for lm-chain's shared_width=false; results/qwen_draft_int8/README.md).
     SHARED=1 scripts/jobs/quiet.sh python scripts/jobs/draft_width_probe.py bfloat16 int8-weights
 SHARED=0 compiles a static graph per width (1, 2, 4); THREADS sets torch's threads (default 2); MODEL another draft

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17's goal bench for SmolLM2-135M at full size with the bundled drafter (models/bundled, 1800 steps)
+# The goal bench for SmolLM2-135M at full size with the bundled drafter (models/bundled, 1800 steps)
 # alone, in a cascade and in a union with prompt lookup: the same settings as results/dgf_smollm2_long/bench.md
 # (compiled backend, 10 prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens), which the
 # union/cascade probe (results/union_probe_smollm2.md) ran on 4 prompts and two suites only. ~21 min on 2 cores,

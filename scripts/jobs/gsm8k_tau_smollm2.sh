@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32's GSM8K goal (tau >= 3.0) through the tree the decoder verifies rather than the drafter's training: the
+# The GSM8K goal (tau >= 3.0) through the tree the decoder verifies rather than the drafter's training: the
 # bundled SmolLM2 drafter on the goal bench's 10 GSM8K questions (128 new tokens, compiled backend, fp32, both plain
 # baselines, interleaved per prompt, other jobs paused) as chains of 3 and 4, a dynamic chain of up to 6, and
 # dynamic trees (EAGLE-2 style: topk children per expanded node, the budget best nodes verified in one forward).

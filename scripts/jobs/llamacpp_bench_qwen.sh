@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34's Qwen rows: Qwen2.5-Coder-1.5B-Instruct in llama.cpp (q4_k_m, then f32) with llama.cpp's own modes:
+# The llama.cpp bench's Qwen rows: Qwen2.5-Coder-1.5B-Instruct in llama.cpp (q4_k_m, then f32) with llama.cpp's own modes:
 # n-gram lookup and the off-the-shelf 0.5B as a draft model (q8_0; the target verifies in its own type, so the
 # drafter's type never changes the output), with fixed-length drafts and with llama.cpp's per-token confidence stop
 # (p_min: --spec-draft-p-min), the analogue of this toolkit's stop_below. NUM prompts per suite (MT-Bench both

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34: SmolLM2-135M-Instruct in llama.cpp (f32 and q8_0 GGUF), plain decoding against its n-gram modes, on the
+# SmolLM2-135M-Instruct in llama.cpp (f32 and q8_0 GGUF), plain decoding against its n-gram modes, on the
 # goal bench's prompts (10 per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens, greedy, 2 threads);
 # the f32 run also times the toolkit's PyTorch plain baselines on the same prompts. Background data jobs are paused
 # while it runs (scripts/jobs/quiet.sh). Results: results/llamacpp/smollm2_<type>_<cpu>.{json,md}.

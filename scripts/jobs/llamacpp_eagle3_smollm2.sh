@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34's goal row: the toolkit's EAGLE-3 drafter for SmolLM2-135M-Instruct in llama.cpp (--spec-type
+# The toolkit's EAGLE-3 drafter for SmolLM2-135M-Instruct in llama.cpp (--spec-type
 # draft-eagle3), against llama.cpp's plain decoding and its best n-gram mode, on the goal bench's prompts (10 per
 # suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens, greedy, 2 threads), f32 and q8_0 targets. The
 # drafter is a committed curve point (POINT, default the newest of drafters/eagle3_smollm2_human), exported in the

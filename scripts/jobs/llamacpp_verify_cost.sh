@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34's evidence, in one command: what a verify batch costs llama.cpp against one decoding step, per GGUF type
+# In one command: what a verify batch costs llama.cpp against one decoding step, per GGUF type
 # of the target (the price of every speculative round there). `llama-bench` (the pinned build) runs the target's GGUF
 # on batches of 1, 2, 3, 4 and 8 tokens (`-p`), TRIALS times each, `threads` threads, flash attention as each
 # FLASH setting says; the table gives ms per batch and each batch's cost in single steps. Other jobs paused.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15 measurements on the Qwen pair, 2-core CPU, each step on a quiet machine (quiet.sh pauses the
+# Measurements of the Qwen pair, 2-core CPU, each step on a quiet machine (quiet.sh pauses the
 # background data jobs): T(w) curves eager vs compiled, fp32 vs bf16, for the 0.5B and the 1.5B; one
 # verification forward of the 1.5B profiled; the 1.5B with the 0.5B as drafter (chain and tree) against
 # both plain baselines and HF assisted generation, compiled backend, fp32.

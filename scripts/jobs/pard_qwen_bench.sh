@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 35 lever 2, measured: the CPU-trained PARD drafter (3 tokens from one forward) beside the off-the-shelf 0.5B
-# as a chain of the same 3 tokens (3 forwards) and as issue 35's winning cheap chain (up to 8, stop_below=0.3), every
+# The CPU-trained PARD drafter (3 tokens from one forward) beside the off-the-shelf 0.5B
+# as a chain of the same 3 tokens (3 forwards) and as the cheap chain that won the Qwen draft-cost study (up to 8, stop_below=0.3), every
 # draft LM in PRECISION (default bfloat16; int8-weights on a CPU without AVX512-BF16, where bf16 is emulated) with its
 # head sliced to the 32k draft vocabulary, on the 1.5B (fp32 target, compiled) with NUM prompts per suite of the goal
 # bench (default 2), interleaved per prompt, other jobs paused. The target verifies in fp32: every output must equal
@@ -23,9 +23,9 @@ VOCAB=drafters/qwen2.5-coder_vocab_32768
 SAME="vocab=$VOCAB,precision=$PRECISION"
 PARD="lm-parallel:budget=3,model=$MODEL,$SAME"
 if [ "${VS_WINNER:-0}" = 1 ]; then
-  # in the cascade with prompt lookup (issue 35's winning form), PARD against the cheap chain, both in PRECISION. Session
-  # 14's int8 chain with a graph per width does not fit beside them: with it the process filled 24 GB and thrashed
-  # the page cache before its first prompt (session 17)
+  # in the cascade with prompt lookup (the draft-cost study's winning form), PARD against the cheap chain, both in
+  # PRECISION. The int8 chain with a graph per width does not fit beside them: with it the process filled 24 GB and
+  # thrashed the page cache before its first prompt
   CHEAP="lm-chain:budget=8,stop_below=0.3,$SAME"
   METHODS="plain-compiled $PARD cascade:drafters=[(ngram:min_n=2),($CHEAP)] cascade:drafters=[(ngram:min_n=2),($PARD)]"
 else  # the lever alone: the same 3 tokens from 1 forward against 3, and the cheap chain, all in PRECISION

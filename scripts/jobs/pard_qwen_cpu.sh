@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35 lever 2 at CPU budget (train/configs/pard_qwen_cpu.yaml): the 0.5B adapted by LoRA into a parallel (PARD)
+# The PARD drafter at CPU budget (train/configs/pard_qwen_cpu.yaml): the 0.5B adapted by LoRA into a parallel (PARD)
 # draft model of 3 tokens a forward for the 1.5B, for at most BUDGET (default 80m). The budget stops it by SIGTERM
 # after a checkpoint; rerun on the same machine and it continues where it stopped. Then export the newest state with
 #   python train/distill.py --config train/configs/pard_qwen_cpu.yaml --resume train.max_steps=<its step>

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35 item 3 at CPU budget (train/configs/distill_qwen_pruned.yaml): 8 of Qwen2.5-Coder-0.5B's 24 layers, healed
+# A pruned student at CPU budget (train/configs/distill_qwen_pruned.yaml): 8 of Qwen2.5-Coder-0.5B's 24 layers, healed
 # toward the 1.5B's distribution (online bf16 teacher) on human-written answers, with held-out top-1 agreement
 # against answer tokens seen. First the unpruned 0.5B's agreement on the same held-out records (the reference: the
 # evaluation before one step at a negligible learning rate), then the pruned run for at most BUDGET (default 45m; it

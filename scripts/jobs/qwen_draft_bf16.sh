@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 35, lever 1 on a CPU with AVX512-BF16 (the Intel Xeon, or the Zen 4 AMD EPYC some sessions land on):
+# Cheaper draft arithmetic on a CPU with AVX512-BF16 (the Intel Xeon, or the Zen 4 AMD EPYC some sessions land on):
 # Qwen2.5-Coder-1.5B-Instruct (fp32 target, compiled) with the off-the-shelf 0.5B as the winning cheap chain (32k
 # sliced head, up to 8 tokens, stop_below=0.3), its draft LM compiled in float32 against bfloat16, one lever at a
 # time on the same prompts (NUM per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens), interleaved per
 # prompt, other jobs paused. Resumes from OUT/progress.jsonl (on a CPU of the same ISA only). The target verifies
 # in fp32, so every output must equal plain greedy (the bench checks).
-# Weight-only int8 (bf16 activations, session 13): PRECISIONS="bfloat16 int8-weights" CASCADE=1
+# Weight-only int8 (bf16 activations): PRECISIONS="bfloat16 int8-weights" CASCADE=1
 #   CASCADE_PRECISIONS="bfloat16 int8-weights" NUM=3 OUT=results/qwen_draft_int8/bench bash scripts/jobs/qwen_draft_bf16.sh
 # HF_ASSISTED=1 adds HF assisted generation with the same 0.5B in fp32 (the peer users run), in the same table. With
-#   the int8 per-width chain beside it the process outgrows 24 GB and pages (session 14): there, run HF assisted in a
+#   the int8 per-width chain beside it the process outgrows 24 GB and pages: there, run HF assisted in a
 #   bench of its own (results/qwen_draft_int8/README.md has the command).
 # Refuses to run where the CPU has no bf16 arithmetic (there it is emulated, and slower: results/qwen_draft_cost.md).
 set -euo pipefail
@@ -20,7 +20,7 @@ OUT=${OUT:-results/qwen_draft_bf16/bench}
 VOCAB=drafters/qwen2.5-coder_vocab_32768
 CHEAP="lm-chain:budget=8,vocab=$VOCAB,stop_below=${STOP:-0.3}"
 # PRECISIONS: the draft LM's arithmetic, one chain row each (float32 is the chain as it is);
-# CASCADE=1 adds, per CASCADE_PRECISIONS, issue 35's winning method: prompt lookup first, else that chain
+# CASCADE=1 adds, per CASCADE_PRECISIONS, the draft-cost study's winning method: prompt lookup first, else that chain
 PRECISIONS=${PRECISIONS:-float32 bfloat16}
 METHODS="plain-compiled"
 for precision in $PRECISIONS; do

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35, lever 1 (cheaper arithmetic for the drafter): Qwen2.5-Coder-1.5B-Instruct (fp32, eager) with the
+# Cheaper arithmetic for the drafter: Qwen2.5-Coder-1.5B-Instruct (fp32, eager) with the
 # off-the-shelf 0.5B as a chain of 4 in float32, bfloat16 and dynamic int8, one lever at a time on the same prompts
 # (NUM per suite, MT-Bench both turns), interleaved per prompt, on a quiet machine. The output is the target's
 # greedy output in every case (the bench checks each prompt against plain). QUIET= runs it beside the background

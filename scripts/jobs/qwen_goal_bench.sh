@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's goal bench for Qwen2.5-Coder-1.5B-Instruct (fp32 target, compiled backend, 2 threads): the
+# The goal bench for Qwen2.5-Coder-1.5B-Instruct (fp32 target, compiled backend, 2 threads): the
 # goal bench's prompts (NUM prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens), both
 # plain baselines (HF eager `generate` = plain, plain-compiled) in the same run, every output checked against
 # plain greedy. The draft-cost levers of the 0.5B drafter, one at a time:
@@ -13,7 +13,7 @@
 # twice that, HF=1 (HF assisted generation) about a fifth more: split it over sessions by committing OUT.
 #   NUM=10 HF=1 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
 # CHAIN4=0 leaves out the chain of 4 (the lever's "before" row, measured at NUM=5): the goal run of 2026-11-26
-# (session 9) is   NUM=10 HF=1 CHAIN4=0 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
+# (the first study) is   NUM=10 HF=1 CHAIN4=0 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
 # HF=1's row is HF's assisted generation with transformers' defaults for the assistant: up to 20 tokens a round,
 # stopped by its confidence threshold (0.4 to start, adapted per call when scikit-learn is installed).
 set -euo pipefail

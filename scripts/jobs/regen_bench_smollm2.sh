@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32, regenerated data on the goal bench (10 prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new
+# Regenerated data on the goal bench (10 prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new
 # tokens, compiled backend, fp32, both plain baselines, other jobs paused): in one run,
 #   - the 10M human point trained on on 1M tokens of the target's own answers (drafters/eagle3_smollm2_human_then_regen)
 #     as chains of 3 and 5 and in a cascade with prompt lookup, beside the 10M human point and the bundled drafter;

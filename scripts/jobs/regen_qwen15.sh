@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 item 4: Qwen2.5-Coder-1.5B-Instruct's own answers (greedy, first turn, <= 256 new tokens) for
+# Qwen2.5-Coder-1.5B-Instruct's own answers (greedy, first turn, <= 256 new tokens) for
 # the distilled 0.5B student and the 1.5B's feature drafter: GSM8K train, python-docstrings code and
 # ShareGPT prompts, batched, resumable per shard (rerun to continue). Measured on the 2-core CPU at batch 32
 # (results/archive/regen_qwen15.md): GSM8K 18.0 answer tok/s, code 11.5, ShareGPT 7.7 (short answers wait in the batch

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 data budget: SmolLM2-135M-Instruct answers (greedy, first turn, <= 256 new tokens) to 2000
+# The data budget: SmolLM2-135M-Instruct answers (greedy, first turn, <= 256 new tokens) to 2000
 # GSM8K-train, ~1127 python-docstrings and ~1940 ShareGPT prompts (~5067 conversations), batched,
 # resumable per shard: rerun the same command to continue after an interruption. Code and ShareGPT
 # prompts longer than 384 tokens are dropped (the drafter trains on 384-token windows, and one long prompt

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32, the regenerated half of SmolLM2-135M-Instruct's training data: the target's own greedy answers (f32 GGUF
+# The regenerated half of SmolLM2-135M-Instruct's training data: the target's own greedy answers (f32 GGUF
 # in llama.cpp's server, 64 parallel slots on loopback: `engine=llamacpp`, ~110-130 answer tok/s on 2 cores against
 # ~53 for HF generate) to ShareGPT (first two user turns), LeetCode statements, python-docstrings and GSM8K train;
 # none of them is a test suite (MT-Bench, GSM8K test, HumanEval). The shards are gzipped JSONL written straight

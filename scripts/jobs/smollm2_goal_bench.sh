@@ -1,4 +1,4 @@
-# Sourced by the job scripts: `smollm2_goal_bench OUT METHODS [key=value ...]` runs issue 32's goal bench for
+# Sourced by the job scripts: `smollm2_goal_bench OUT METHODS [key=value ...]` runs the goal bench for
 # SmolLM2-135M-Instruct (10 prompts per suite unless NUM says otherwise, MT-Bench both turns, GSM8K, HumanEval, 128
 # new tokens, compiled backend, fp32, both plain baselines, other jobs paused) into OUT, resuming from its
 # progress.jsonl; it does nothing when OUT/bench.json exists.

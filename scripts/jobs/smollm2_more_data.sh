@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, the data lever for SmolLM2: more chat and code answers (ShareGPT past the first 2400 prompts, the
+# The data lever for SmolLM2: more chat and code answers (ShareGPT past the first 2400 prompts, the
 # LeetCode statements) -> their features -> the 1800-step drafter continued on all caches
 # (train/configs/dgf_smollm2_more.yaml) -> report -> goal bench beside the bundled (1800-step) drafter, same
 # settings as results/dgf_smollm2_long/bench.md, each drafter also in a cascade / union with prompt lookup. About 3 h of regeneration at ~53 answer tok/s, then ~20 min of

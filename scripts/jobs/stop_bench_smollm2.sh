@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32's goal bench (10 prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens, compiled
+# The goal bench (10 prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens, compiled
 # backend, fp32, both plain baselines, other jobs paused) for the bundled drafter's dynamic depth: the chain of 3
 # it ships with against a chain of up to 6 that stops once the drafter's probability of the chain so far falls
 # below STOP (`stop_below`, default 0.3), alone and in a cascade after prompt lookup. ~23 min on 2 cores; skips

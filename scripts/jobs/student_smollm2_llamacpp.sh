@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34 item 4, the "toolkit's distilled student" row for SmolLM2-135M-Instruct in llama.cpp: a 6-layer student
+# The "toolkit's distilled student" row for SmolLM2-135M-Instruct in llama.cpp: a 6-layer student
 # of the target (train/configs/distill_smollm2_student.yaml) distilled for at most BUDGET (default 12m; SIGTERM
 # saves a checkpoint, then one more step at train.max_steps writes final/), then llama.cpp's bench on the goal
 # bench's prompts (10 per suite, MT-Bench both turns, 128 new tokens, greedy, 2 threads, f32 target): plain,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 item 4, Qwen2.5-Coder pair on the 2-core CPU: the 1.5B's own answers -> one 1.5B pass over them
+# The Qwen2.5-Coder pair on the 2-core CPU: the 1.5B's own answers -> one 1.5B pass over them
 # (last normed hidden state + top-32 logits) -> a 1.5B feature drafter (dgf) and the distilled 0.5B student
 # (forward KL on the stored logits) -> bench against the original 0.5B, HF assisted generation and both plain
 # baselines, compiled fp32. Every step resumes: rerun after an interruption. Run after the SmolLM2 job.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, SmolLM2: regenerated data -> draft vocabulary -> feature caches -> >= 1 h of training -> bench
+# SmolLM2: regenerated data -> draft vocabulary -> feature caches -> >= 1 h of training -> bench
 # (scripts/jobs/train_smollm2_long.sh continues the drafter and ships it).
 # Every step resumes: rerun the script after an interruption. DRAFTER: the ablation's best variant
 # (single-layer DGF, 8k draft vocabulary, frozen sliced head: equal tau at a third of the draft step).

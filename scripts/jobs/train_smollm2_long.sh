@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17, the steps lever and the bundled drafter: continue the SmolLM2 drafter (outputs/dgf_smollm2_final/final,
+# The steps lever and the bundled drafter: continue the SmolLM2 drafter (outputs/dgf_smollm2_final/final,
 # from scripts/jobs/train_smollm2_final.sh) for 800 more steps on the same feature caches and draft vocabulary
 # (train/configs/dgf_smollm2_long.yaml) -> report -> goal bench beside the 1000-step drafter and prompt lookup
 # (compiled, 10 prompts per suite, MT-Bench round-robin over its 8 categories and both turns, 128 new tokens,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 16 and 35: the draft vocabulary of the Qwen2.5-Coder pair (one tokenizer), for the training-free
+# The draft vocabulary of the Qwen2.5-Coder pair (one tokenizer), for the training-free
 # sliced head of the 0.5B LM drafter (`lm-chain:...,vocab=drafters/qwen2.5-coder_vocab_32768`). Ranked, with
 # the Qwen tokenizer, on answers kept out of the test suites: SmolLM2's regenerated pool (ShareGPT, GSM8K
 # train, docstrings and LeetCode prompts), GSM8K-train references, ShareGPT answers and permissively licensed
