@@ -50,12 +50,12 @@ from draftsmith.data.sources.benchmarks import (CHECKERS, HUMANEVAL_INSTRUCTION,
                                                 load_mt_bench, mt_bench_question_path, normalize_number,
                                                 strip_gsm8k_calculator)
 from draftsmith.data.sources.breadth import load_breadth
-from draftsmith.data.sources.chat import (alpaca_prompt, bundled_sharegpt_path, load_alpaca, load_jsonl_prompts,
+from draftsmith.data.sources.dumps import (alpaca_prompt, bundled_sharegpt_path, load_alpaca, load_jsonl_prompts,
                                           load_sharegpt, read_sharegpt, sharegpt_item_to_messages)
 from draftsmith.data.sources.code import (LEETCODE_INSTRUCTION, PYTHON_DOCSTRING_INSTRUCTION, leetcode_dir,
                                           load_leetcode, load_python_docstrings, load_python_source)
 from draftsmith.data.sources.hf import HF_SLOTS, load_hf_dataset
-from draftsmith.data.sources.records import (REGEN_FORMAT, ROLES, Conversation, LoadReport, iter_json_records,
+from draftsmith.data.sources.conversation import (REGEN_FORMAT, ROLES, Conversation, LoadReport, iter_json_records,
                                              load_conversations, load_regenerated, save_conversations)
 from draftsmith.errors import UserError, one_line
 from draftsmith.specs import SpecError, parse_spec

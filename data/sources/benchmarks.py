@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator
 
-from draftsmith.data.sources.records import Conversation, iter_json_records, package_folder, require_file
+from draftsmith.data.sources.conversation import Conversation, iter_json_records, package_folder, require_file
 from draftsmith.models.zoo import draftsmith_cache
 
 # GSM8K is located explicitly: $DRAFTSMITH_GSM8K_DIR, else the copy that `scripts/fetch_models.py

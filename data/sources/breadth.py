@@ -12,7 +12,7 @@ its own passages (sorted topic names dealt round-robin), so no passage is seen u
 
 from __future__ import annotations
 
-from draftsmith.data.sources.records import Conversation
+from draftsmith.data.sources.conversation import Conversation
 from draftsmith.errors import UserError
 
 KINDS = ("translation", "summarization", "extraction", "qa")

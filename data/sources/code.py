@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith.data.sources.records import Conversation, package_folder
+from draftsmith.data.sources.conversation import Conversation, package_folder
 
 PYTHON_DOCSTRING_INSTRUCTION = (
     "Write a Python function `{name}{signature}` (from the `{module}` module) that does the following:\n\n"

@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
-from draftsmith.data.sources.chat import alpaca_prompt, sharegpt_item_to_messages
-from draftsmith.data.sources.records import Conversation, LoadReport, finish_load
+from draftsmith.data.sources.dumps import alpaca_prompt, sharegpt_item_to_messages
+from draftsmith.data.sources.conversation import Conversation, LoadReport, finish_load
 from draftsmith.errors import UserError
 
 log = logging.getLogger(__name__)

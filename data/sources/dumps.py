@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data.sources.records import (SHAREGPT_ROLE_MAP, Conversation, LoadReport, finish_load,
+from draftsmith.data.sources.conversation import (SHAREGPT_ROLE_MAP, Conversation, LoadReport, finish_load,
                                              iter_json_records, package_folder, require_file)
 
 # ---------------------------------------------------------------------------
