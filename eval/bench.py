@@ -334,10 +334,12 @@ def add_headline(entry: dict, runs: list[dict], plain_runs, compiled_runs, sampl
 GROUPS = {"by_suite": "suite", "by_category": "category", "by_turn": "turn"}
 
 
-def method_budget(method, spec: MethodSpec) -> int | None:
-    """The draft nodes per round the method ran with (its drafter's, which may come from its export)."""
-    budget = getattr(getattr(method, "drafter", None), "budget", None)
-    return budget if isinstance(budget, int) else getattr(spec.options, "budget", None)
+def method_budget(method: Method, spec: MethodSpec) -> int | None:
+    """The draft nodes per round the method ran with (its drafter's, which may come from its export), else the
+    spec's `budget` option where it has one."""
+    if method.drafter is not None and method.drafter.budget is not None:
+        return method.drafter.budget
+    return spec.options.budget if spec.has_option("budget") else None
 
 
 def summarize(state: BenchState) -> dict:

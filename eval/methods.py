@@ -145,6 +145,10 @@ class MethodSpec(Parsable):
     def __hash__(self) -> int:  # options are plain dataclasses: equal specs have equal names and labels
         return hash((self.name, self.label))
 
+    def has_option(self, name: str) -> bool:
+        """Whether this method's options declare `name` (e.g. a `budget` a sweep can set)."""
+        return name in {f.name for f in dataclasses.fields(self.options)}
+
     def family(self) -> str:
         """The spec without its size options (budget, depth, topk, beam): what a budget sweep varies over."""
         sizes = {"budget", "depth", "topk", "beam", "branches"}

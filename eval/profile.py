@@ -216,7 +216,7 @@ def calibration_spec(spec: MethodSpec, budget: int) -> MethodSpec:
     """The drafter with the calibration tree size (chains and prompt lookup: at most 16 tokens)."""
     if spec.name in ("lm-chain", "ngram"):
         return spec.replace(budget=min(budget, 16))
-    return spec.replace(budget=budget) if hasattr(spec.options, "budget") else spec
+    return spec.replace(budget=budget) if spec.has_option("budget") else spec
 
 
 def medusa_rank_paths(drafter: MedusaDrafter) -> list[list[int]]:

@@ -121,17 +121,16 @@ def part_seconds(model, config, width: int, context: int) -> dict:
                                                for _ in range(layers)])}
 
 
-def bound_seconds(model, roofs: dict, width: int, context: int, layers_config=None, dtype=None) -> float:
+def bound_seconds(model, roofs: dict, width: int, context: int, layers_config, dtype: torch.dtype) -> float:
     """max(bytes / stream, FLOPs / throughput) of a forward of `width` tokens over `context` cached ones: the
-    InvariantLinears' packed weights and params, plus attention over `layers_config` (default model.config;
-    None of either: no attention, as Medusa heads)."""
+    InvariantLinears' packed weights and params, plus attention over the layers `layers_config` describes (an HF
+    config; None: no attention, as Medusa heads)."""
     linears = [m for m in model.modules() if isinstance(m, InvariantLinear)]
     weights = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     params = sum(m.in_features * m.out_features for m in linears)
-    cfg = layers_config if layers_config is not None else getattr(model, "config", None)
-    dtype = dtype or model.dtype
+    cfg = layers_config
     kv_bytes = attention_flops = 0
-    if cfg is not None and hasattr(cfg, "num_key_value_heads"):
+    if cfg is not None:
         dim = head_dim(cfg)
         kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + width) * dim * dtype.itemsize
         attention_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * width * (context + width) * dim
@@ -187,7 +186,7 @@ def medusa_rows(config: RooflineConfig, base: TargetModel, roofs: dict) -> dict:
     with torch.inference_mode():
         times = timed_widths(lambda width: runs(hidden[:width]), config.widths, config.repeats)
     return {"path": config.medusa, "widths": {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(
-        runs, roofs, w, 0, dtype=dtype)} for w, t in times.items()}}
+        runs, roofs, w, 0, None, dtype)} for w, t in times.items()}}
 
 
 def run_roofline(config: RooflineConfig) -> dict:
@@ -205,7 +204,8 @@ def run_roofline(config: RooflineConfig) -> dict:
         parts = part_seconds(runs, config, width, context.shape[1]) if config.compile.kernels is Kernels.INVARIANT \
             else {}
         parts["rest"] = total - sum(parts.values())
-        bound = bound_seconds(runs, roofs, width, context.shape[1]) if parts.get("linear") is not None else None
+        bound = (bound_seconds(runs, roofs, width, context.shape[1], runs.config, runs.dtype)
+                 if parts.get("linear") is not None else None)
         rows[width] = {"ms": 1000 * total, "bound_ms": bound and 1000 * bound,
                        "parts_ms": {k: 1000 * v for k, v in parts.items()}}
         print(f"  T({width}) = {1000 * total:.1f} ms" + (f", bound {1000 * bound:.1f} ms" if bound else ""),
