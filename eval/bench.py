@@ -401,7 +401,7 @@ def load_models(config: BenchConfig, target: TargetModel | None, draft: TargetMo
 def check_sizes(config: BenchConfig, target: TargetModel) -> None:
     """Sizes the target cannot hold are refused before any work starts, in one line naming the value and its limit:
     new tokens beyond the target's positions, or beyond the compiled engine's KV capacity."""
-    positions = getattr(target.config, "max_position_embeddings", None)
+    positions = target.max_positions
     if positions is not None and config.max_new_tokens >= positions:
         raise ConfigError(f"max_new_tokens={config.max_new_tokens}: {target.name or 'the target'} has {positions} "
                           f"positions, prompt included; use fewer than {positions}")

@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,19 @@ def time_forward(target: TargetModel, cache, past: int, width: int, generator: t
     return seconds
 
 
+def interleaved_seconds(seconds_of: Callable[[int], float], widths: Sequence[int], repeats: int,
+                        warmup: int = 2) -> dict[int, list[float]]:
+    """{width: [seconds, ...]}: `repeats` rounds over every width in turn (load changes hit all widths alike), after
+    `warmup` untimed rounds; `seconds_of(width)` times one forward."""
+    times: dict[int, list[float]] = {width: [] for width in widths}
+    for rep in range(warmup + repeats):
+        for width in widths:
+            seconds = seconds_of(width)
+            if rep >= warmup:
+                times[width].append(seconds)
+    return times
+
+
 @torch.inference_mode()
 def measure_forward_latency(target: TargetModel, context: torch.Tensor, widths: list[int], repeats: int,
                             warmup: int = 2, release: bool = False, seed: int = 0) -> dict[int, list[float]]:
@@ -104,15 +118,12 @@ def measure_forward_latency(target: TargetModel, context: torch.Tensor, widths: 
     target.forward(context.to(target.device), cache)
     past = target.cache_length(cache)
     generator = torch.Generator().manual_seed(seed)
-    times: dict[int, list[float]] = {w: [] for w in widths}
+    times: dict[int, list[float]] = {w: [] for w in widths}  # in the order of `widths`, whatever the groups
     groups = target.graph_groups(tuple(widths)) if release else [tuple(widths)]  # interleaved within a graph
     for group in groups:
         target.prepare(tuple(group))
-        for rep in range(warmup + repeats):
-            for width in group:
-                seconds = time_forward(target, cache, past, width, generator)
-                if rep >= warmup:
-                    times[width].append(seconds)
+        times.update(interleaved_seconds(lambda width: time_forward(target, cache, past, width, generator), group,
+                                         repeats, warmup))
         if release:
             target.release(tuple(group))
             gc.collect()

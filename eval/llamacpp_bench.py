@@ -32,7 +32,8 @@ from draftsmith.config import ConfigError, check_config, option
 from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench import WARMUP_MESSAGES, BenchConfig, mean_ci, run_benchmark
-from draftsmith.eval.prompts import PromptSettings, check_suites, num_turns, select_conversations, turn_input_ids
+from draftsmith.eval.prompts import (PromptSettings, check_suites, num_turns, prompt_options, select_conversations,
+                                    turn_input_ids)
 from draftsmith.eval.latency import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
 from draftsmith.models import llamacpp
@@ -379,8 +380,7 @@ def pytorch_baselines(config: EngineBenchConfig) -> dict:
     """tokens/s (and tau, lossless) of the toolkit's plain baselines and `pytorch_methods` on the same prompts, in
     `pytorch_dtype` with `pytorch_weights` on the compiled engine."""
     bench = BenchConfig(target=config.target, methods=[parse_method("plain"), *config.pytorch_methods],
-                        suites=list(config.suites), num_prompts=config.num_prompts, turns=config.turns,
-                        max_new_tokens=config.max_new_tokens, seed=config.seed, threads=config.threads, plots=False,
+                        **prompt_options(config), threads=config.threads, plots=False,
                         dtype=config.pytorch_dtype, compile=CompileSettings(weights=config.pytorch_weights))
     results = run_benchmark(bench, progress=False)
     return {label: {"tokens_per_s": entry["tokens_per_s"], "tau": entry["tau"],
@@ -440,10 +440,10 @@ def engine_table(document: dict, engine: str, baseline: str, target: str) -> str
     for label, entry in document.get("pytorch", {}).items():
         precision = {"float32": "fp32", "bfloat16": "bf16"}[entry.get("dtype", "float32")]
         precision += ", int8 weights" if entry.get("weights") == "int8" else ""
-        lossless = {True: "lossless", False: "NOT lossless"}.get(entry.get("lossless"), "-")
+        tau = f"{entry['tau']:.2f} (tau)" if entry.get("tau") else "-"
+        lossless = {True: "lossless", False: "NOT lossless"}.get(entry.get("lossless"), "-")  # written with tau
         lines.append(f"| PyTorch {label} ({precision}, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | "
-                     f"{entry['tau']:.2f} (tau) | {lossless} |" if entry.get("tau") else
-                     f"| PyTorch {label} ({precision}, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | - | - |")
+                     f"{tau} | {lossless} |")
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ in category round-robin order), and each turn's prompt through the target's chat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -28,6 +28,11 @@ class PromptSettings:
     turns: int = option(2, "turns per conversation (MT-Bench has 2)", ge=1)
     max_new_tokens: int = option(64, "new tokens per prompt turn", ge=1)
     seed: int = option(0, "GSM8K's sample seed (and the sampling seed at temperature > 0)")
+
+
+def prompt_options(settings: PromptSettings) -> dict:
+    """The prompt section of any bench's config, as keyword arguments of another's (the same prompts)."""
+    return {field.name: getattr(settings, field.name) for field in fields(PromptSettings)}
 
 
 def check_suites(suites: list[str]) -> None:

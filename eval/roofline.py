@@ -29,8 +29,8 @@ import torch
 
 from draftsmith.config import check_config, config_to_dict, option, section
 from draftsmith.errors import exit_with
-from draftsmith.eval.latency import (cpu_isa, cpu_model, measure_forward_latency, mt_bench_context,
-                                     parse_document_command, write_document)
+from draftsmith.eval.latency import (cpu_isa, cpu_model, interleaved_seconds, measure_forward_latency,
+                                     mt_bench_context, parse_document_command, write_document)
 from draftsmith.models.artifacts import load_dgf, load_medusa_heads
 from draftsmith.models.bundled import DEFAULT_TARGET, bundled_drafter
 from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine, InvariantMedusaHeads
@@ -57,6 +57,17 @@ class RooflineConfig:
 
     def __post_init__(self):
         check_config(self)
+
+
+def call_seconds(run) -> float:
+    """Wall seconds of one call of `run`."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def median_seconds(times: dict[int, list[float]]) -> dict[int, float]:
+    return {width: statistics.median(seconds) for width, seconds in times.items()}
 
 
 def best_seconds(run, repeats: int = 5) -> float:
@@ -140,18 +151,6 @@ def bound_seconds(model, roofs: dict, width: int, context: int, layers_config, d
     return max((weights + kv_bytes) / (roofs["stream_gbs"] * 1e9), flops / (throughput * 1e9))
 
 
-def timed_widths(forward, widths: list[int], repeats: int, warmup: int = 2) -> dict[int, float]:
-    """{width: median seconds of forward(width)} over `repeats` interleaved rounds after `warmup`."""
-    times = {width: [] for width in widths}
-    for rep in range(warmup + repeats):
-        for width in widths:
-            start = time.perf_counter()
-            forward(width)
-            if rep >= warmup:
-                times[width].append(time.perf_counter() - start)
-    return {width: statistics.median(t) for width, t in times.items()}
-
-
 def feature_drafter_rows(config: RooflineConfig, base: TargetModel, roofs: dict, context: int) -> dict:
     """T(w) of the feature drafter's compiled forward over `context` cached tokens, beside its bound."""
     path = bundled_drafter(base.name) if config.drafter == "bundled" else config.drafter
@@ -165,11 +164,13 @@ def feature_drafter_rows(config: RooflineConfig, base: TargetModel, roofs: dict,
                    torch.randint(0, vocab, (1, context), generator=generator), cache)
     past = cache.length
 
-    def forward(width: int) -> None:
-        engine.forward(torch.randn(1, width, hidden, dtype=base.dtype), torch.randint(0, vocab, (1, width)), cache)
+    def seconds_of(width: int) -> float:
+        features, ids = torch.randn(1, width, hidden, dtype=base.dtype), torch.randint(0, vocab, (1, width))
+        seconds = call_seconds(lambda: engine.forward(features, ids, cache))
         engine.truncate(cache, past)
+        return seconds
 
-    times = timed_widths(forward, config.widths, config.repeats)
+    times = median_seconds(interleaved_seconds(seconds_of, config.widths, config.repeats))
     runs = engine.step.model
     shown = f"bundled: {Path(path).name}" if config.drafter == "bundled" else str(path)
     return {"path": shown, "widths": {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(
@@ -180,11 +181,12 @@ def medusa_rows(config: RooflineConfig, base: TargetModel, roofs: dict) -> dict:
     """T(w) of Medusa heads' logits for w hidden states on the invariant kernels, beside their bound (weights
     streamed once, no attention)."""
     heads, _ = load_medusa_heads(config.medusa, device=base.device, target=base)
-    runs = InvariantMedusaHeads(heads.eval(), config.compile.weights)  # in the heads' dtype, as the decoder runs them
-    dtype = heads.sliced_head.dtype if heads.config.head == "slice" else next(heads.parameters()).dtype
+    runs = InvariantMedusaHeads(heads.eval(), config.compile.weights)
+    dtype = next(heads.parameters()).dtype  # the hidden state's, as MedusaDrafter casts it
     hidden = torch.randn(max(config.widths), heads.config.hidden_size, dtype=dtype)
     with torch.inference_mode():
-        times = timed_widths(lambda width: runs(hidden[:width]), config.widths, config.repeats)
+        times = median_seconds(interleaved_seconds(lambda width: call_seconds(lambda: runs(hidden[:width])),
+                                                   config.widths, config.repeats))
     return {"path": config.medusa, "widths": {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(
         runs, roofs, w, 0, None, dtype)} for w, t in times.items()}}
 

@@ -507,14 +507,19 @@ def extraction_directory() -> Path:
     return mine
 
 
+def invariant_rows(rows: torch.Tensor, precision: WeightPrecision) -> InvariantLinear:
+    """A frozen slice (V, H) of the target's LM head as an InvariantLinear over the same rows (no bias)."""
+    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    linear.weight = nn.Parameter(rows, requires_grad=False)
+    return InvariantLinear(linear, precision)
+
+
 def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:
     """A feature drafter on the batch-invariant kernels (kernels.invariant_model); a frozen slice of the target's
     LM head becomes the copy's own head (an InvariantLinear over the same rows), so it streams like the rest."""
     runs = invariant_model(model, precision)
     if runs.config.head == "slice":
-        rows = nn.Linear(runs.sliced_head.shape[1], runs.sliced_head.shape[0], bias=False)
-        rows.weight = nn.Parameter(runs.sliced_head, requires_grad=False)
-        runs.draft_head = InvariantLinear(rows, precision)
+        runs.draft_head = invariant_rows(runs.sliced_head, precision)
         runs.config = dataclasses.replace(runs.config, head="own")
     return runs
 
@@ -528,11 +533,7 @@ class InvariantMedusaHeads(nn.Module):
     def __init__(self, heads: MedusaHeads, precision: WeightPrecision = WeightPrecision.MODEL):
         super().__init__()
         self.blocks = invariant_model(heads.medusa_head, precision)
-        self.slice = None
-        if heads.config.head == "slice":
-            rows = nn.Linear(heads.sliced_head.shape[1], heads.sliced_head.shape[0], bias=False)
-            rows.weight = nn.Parameter(heads.sliced_head, requires_grad=False)
-            self.slice = InvariantLinear(rows, precision)
+        self.slice = invariant_rows(heads.sliced_head, precision) if heads.config.head == "slice" else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """As MedusaHeads.forward: hidden (..., H) -> logits (K, ..., V or the draft vocabulary's size)."""

@@ -137,7 +137,6 @@ class MedusaHeads(nn.Module):
         return nn.functional.linear(out, self.sliced_head.to(out.dtype))
 
 
-
 def full_vocabulary_heads(heads: MedusaHeads, lm_head: torch.Tensor) -> MedusaHeads:
     """The heads over the target's whole vocabulary, for layouts that have no draft vocabulary (FasterDecoding's):
     each head's ResBlocks as trained, its output layer the target's LM head `lm_head` (V, H) with the draft tokens'
@@ -154,6 +153,7 @@ def full_vocabulary_heads(heads: MedusaHeads, lm_head: torch.Tensor) -> MedusaHe
             rows[index] = (heads.sliced_head if heads.config.head == "slice" else theirs[-1].weight).float()
             mine[-1].weight.copy_(rows)
     return full.eval()
+
 
 # ---------------------------------------------------------------------------------------------
 # Trees from head accuracies

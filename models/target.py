@@ -199,6 +199,11 @@ class TargetModel:
         return self.config.num_hidden_layers
 
     @property
+    def max_positions(self) -> int | None:
+        """Positions the target holds, prompt and new tokens together (None where its config does not say)."""
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
     def eos_token_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id
         if ids is None and self.tokenizer is not None:

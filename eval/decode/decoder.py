@@ -190,8 +190,7 @@ class Generation:
 
     def __init__(self, target: TargetModel, config: DecodeConfig, input_ids: torch.Tensor,
                  hidden_layers: tuple[int, ...] = ()):
-        check_input_ids(input_ids, target.config.vocab_size, getattr(target.config, "max_position_embeddings", None),
-                        config.max_new_tokens)
+        check_input_ids(input_ids, target.config.vocab_size, target.max_positions, config.max_new_tokens)
         self.target, self.config = target, config
         self.sampling = config.sampling
         device = target.device
