@@ -1,5 +1,5 @@
 """Every command x every class of bad input: one line `error: ...` naming the bad value (and what is
-valid), exit status 2, no traceback, nothing written over (issue 19). In-process through run_main, the
+valid), exit status 2, no traceback, nothing written over. In-process through run_main, the
 entry point every command's `__main__` uses."""
 
 from __future__ import annotations

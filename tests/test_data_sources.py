@@ -426,7 +426,7 @@ def test_packed_records_round_trip_and_refuse_other_files(tmp_path):
 
 
 def test_breadth_prompts_cover_four_kinds_on_disjoint_passages():
-    """Issue 32 item 6: translation, summarization, extraction and QA prompts over the standard library's
+    """Translation, summarization, extraction and QA prompts over the standard library's
     Language Reference topics; each passage serves one kind only, and a wrong kind is one clear line."""
     from draftsmith.data.sources import load_source
     from draftsmith.errors import UserError

@@ -1,4 +1,4 @@
-"""Prompts of the kinds a chat/math/code training mix under-represents (issue 32 item 6): translation,
+"""Prompts of the kinds a chat/math/code training mix under-represents: translation,
 summarization, extraction and question answering over a given text.
 
 The passages are the Python Language Reference's own topics as the standard library ships them
