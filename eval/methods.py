@@ -34,6 +34,7 @@ from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Draf
 from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
 from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.eval.decode.drafters.dflash import load_dflash_drafter
 from draftsmith.eval.decode.drafters.medusa import load_medusa_drafter
 from draftsmith.eval.decode.drafters.minions import MinionsConfig, MinionsDrafter
 from draftsmith.eval.decode.drafters.ngram import NGRAM_BUDGET, NgramDrafter
@@ -167,7 +168,7 @@ def inner_drafter(method: Method, what: str) -> Drafter:
     """The drafter of a built nested method (composites take drafters, not policies)."""
     if not isinstance(method, DrafterMethod) or method.drafter is None:
         raise ConfigError(f"{what}: {method.name!r} is not a drafter method (lm-chain, lm-tree, ngram, medusa, "
-                          "dgf, llmcad, minions, union, cascade)")
+                          "dflash, dgf, llmcad, minions, union, cascade)")
     return method.drafter
 
 
@@ -260,6 +261,16 @@ class MedusaOptions:
                                 ge=1)
     adapter: Literal["refuse", "merge", "ignore"] = option("refuse", "Medusa-2 heads: merge the LoRA adapter "
                                                                      "into the target, or ignore it")
+
+
+@dataclass
+class DFlashOptions:
+    path: str = option(help="a train/dflash.py final/ (or snapshot) directory")
+    budget: int | None = option(None, "draft tokens per round (null: the block's, block_size - 1)", ge=1)
+    stop_below: float | None = option(None, "cut the chain where the drafter's probability of it falls below this "
+                                            "(null: always the whole budget)", gt=0, lt=1)
+    vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the drafter scores only that "
+                                     "slice of the LM head (cheaper; null: the whole vocabulary, as exported)")
 
 
 @dataclass
@@ -400,6 +411,13 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
     return DrafterMethod(drafter, spec.label)
 
 
+def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
+    o = spec.options
+    drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
+                                  vocab=ctx.vocab(o.vocab))
+    return DrafterMethod(drafter, spec.label)
+
+
 def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     path = o.path if o.path is not None else bundled_drafter(ctx.target.name)
@@ -511,6 +529,7 @@ METHODS: dict[str, MethodEntry] = {
     "lm-parallel": MethodEntry(LMParallelOptions, build_lm_parallel, "a PARD draft LM: a chain from one forward"),
     "ngram": MethodEntry(NgramOptions, build_ngram, "prompt lookup (training-free)"),
     "medusa": MethodEntry(MedusaOptions, build_medusa, "trained Medusa heads, static tree"),
+    "dflash": MethodEntry(DFlashOptions, build_dflash, "trained DFlash block drafter: a chain from one forward"),
     "dgf": MethodEntry(DGFOptions, build_dgf, "trained feature drafter (EAGLE / DGF), dynamic tree"),
     "llmcad": MethodEntry(LLMCadOptions, build_llmcad, "LLMCad: confidence-paced tree with fallback"),
     "minions": MethodEntry(MinionsOptions, build_minions, "Minions: weighted majority of several drafters"),

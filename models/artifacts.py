@@ -10,7 +10,7 @@ model type, hidden size, vocabulary size and fingerprint (sha256 of the token ->
 layers, the hidden-state layers the drafter reads, the dtype it was trained against, and (reduced
 draft vocabularies) the draft vocabulary. `check_target` refuses a drafter for another target and
 names every difference. Kinds: Medusa heads (`save_medusa` / `load_medusa_heads`), feature drafters
-(`save_dgf` / `load_dgf`), distilled students (`write_student_manifest` beside a `save_pretrained`
+(`save_dgf` / `load_dgf`), block drafters (`save_dflash` / `load_dflash`), distilled students (`write_student_manifest` beside a `save_pretrained`
 directory). Exports into the layouts other projects load are in `models.exports`.
 """
 
@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import UserError
 from draftsmith.fileio import atomic_write_json
+from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.vocab import DraftVocab
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
@@ -38,6 +39,8 @@ MEDUSA_WEIGHTS = "medusa_heads.safetensors"
 ACCURACY_FILE = "head_accuracy.json"
 DGF_FORMAT = "draftsmith.dgf/1"
 DGF_WEIGHTS = "dgf.safetensors"
+DFLASH_FORMAT = "draftsmith.dflash/1"
+DFLASH_WEIGHTS = "dflash.safetensors"
 STUDENT_FORMAT = "draftsmith.distilled/1"
 EXPORT_MANIFEST = "export_manifest.json"  # beside a scripts/export.py output (models/exports.py writes it)
 EXPORT_FORMAT = "draftsmith.export/1"
@@ -230,6 +233,42 @@ def load_dgf(path: str | Path, target=None, device: str | torch.device | None = 
         device = target.device if device is None else device
         model.attach_target(target.model)
     return model.to(device=resolve_device(device), dtype=dtype).eval(), manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Block drafters (DFlash)
+# ---------------------------------------------------------------------------------------------
+
+
+def save_dflash(model: DFlashModel, out_dir: str | Path, target: dict, **sections: Any) -> dict:
+    """Weights (float32, z-lab's names) + DFlashConfig + manifest into `out_dir` (created; files replaced)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(float_state(model), str(out / DFLASH_WEIGHTS), metadata={"format": DFLASH_FORMAT})
+    atomic_write_json(out / CONFIG_FILE, model.config.to_dict())
+    drafter = {"file": DFLASH_WEIGHTS, "config": CONFIG_FILE, "dtype": "float32",
+               "parameters": sum(p.numel() for p in model.parameters()), **model.config.to_dict()}
+    return write_manifest(out, DFLASH_FORMAT, "dflash", target, drafter=drafter, **sections)
+
+
+def load_dflash(path: str | Path, target=None, device: str | torch.device | None = None) -> tuple[DFlashModel, dict]:
+    """(DFlashModel in float32, manifest) from a `save_dflash` directory. With `target` (a TargetModel): refuse a
+    manifest for another target, then attach its embedding and LM head and move to its device."""
+    path = Path(path)
+    manifest = read_manifest(path, DFLASH_FORMAT)
+    config_file = path / manifest["drafter"]["config"]
+    if not config_file.is_file():
+        raise ArtifactMissing(f"DFlash checkpoint {path} is incomplete: {config_file.name} is missing")
+    config = DFlashConfig.from_dict(read_json(config_file, "DFlash config"))
+    if target is not None:
+        check_target(manifest, target, f"DFlash checkpoint {path}", config.hidden_layers)
+    model = DFlashModel(config)
+    weights = path / manifest["drafter"]["file"]
+    load_state(model, load_weights(weights), weights, config_file)
+    if target is not None:
+        device = target.device if device is None else device
+        model.attach_target(target.model)
+    return model.to(device=resolve_device(device)).eval(), manifest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,11 +12,13 @@ import torch
 
 from conftest import pooled_chisquare_pvalue, tiny_model
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dflash import DFlashDrafter
 from draftsmith.eval.decode.drafters.dgf import DGFDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.decode.verify import logits_to_probs
+from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
@@ -74,6 +76,11 @@ def make_vocab_drafter(kind, model):
         heads = MedusaHeads(MedusaConfig(model.config.hidden_size, VOCAB, num_heads=2, draft_vocab_size=3, head=head))
         heads.set_vocab(DRAFT_VOCAB).init_lm_heads(model.get_output_embeddings().weight)
         return MedusaDrafter(heads, paths=[[0], [1], [0, 0], [0, 1], [1, 0]])
+    if kind.startswith("dflash"):  # every block position drawn from its own q row, one forward
+        config = DFlashConfig.from_target(model.config, num_layers=1, block_size=3, target_layer_ids=[0],
+                                          mask_token_id=VOCAB - 1)
+        return DFlashDrafter(DFlashModel(config).attach_target(model).eval(),
+                             vocab=DRAFT_VOCAB if "vocab" in kind else None)
     if kind.startswith("dgf"):
         layers = [1, -1] if "multi_layer" in kind else None
         config = DGFConfig.for_target(model.config, draft_vocab_size=3, head="own" if "own" in kind else "slice",
@@ -87,7 +94,8 @@ def make_vocab_drafter(kind, model):
 
 @pytest.mark.parametrize("kind", ["chain", "chain-stop", "tree", "parallel", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
                                   "medusa-vocab-slice", "dgf-vocab-slice", "dgf-stop-vocab-slice", "dgf-multi_layer-vocab-own",
-                                  "dgf-eagle3-multi_layer-vocab-own"])
+                                  "dgf-eagle3-multi_layer-vocab-own", "dflash",
+                                  "dflash-vocab"])
 def test_sampling_matches_target_distribution(kind):
     model = tiny_model("llama", seed=5, vocab_size=VOCAB, num_layers=1, hidden_size=32)
     target = TargetModel(model, tokenizer=None)

@@ -1,0 +1,110 @@
+"""DFlash block drafter in the decoder: one drafter forward per round proposes a chain of up to block - 1 tokens.
+
+State per request: each draft layer's keys and values of the committed positions, computed from the target
+features `observe` hands over (the target's hidden states at the drafter's layers). `propose(root, context)` runs
+the block [root, mask, ..., mask] at the positions after the committed ones; the block attends to the whole
+context and to itself, and block position k proposes the token k steps after the root. Greedy: the argmax at
+each position (a chain; `stop_below` cuts it where the product of the drafter's probabilities so far falls below
+the threshold). Sampling: block position k's token is drawn from its own distribution q_k, which does not depend
+on the tokens drawn before it, so q_k is exactly the distribution the verifier needs for that node.
+The decoder verifies every proposal, so the output is the target's whatever the drafter says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from draftsmith.eval.decode.drafters.base import Drafter, InputError, Sampling, check_open_unit, check_sizes
+from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.models.artifacts import load_dflash
+from draftsmith.models.dflash import DFlashModel
+from draftsmith.models.vocab import DraftVocab
+
+
+class DFlashDrafter(Drafter):
+    def __init__(self, model: DFlashModel, budget: int | None = None, name: str = "dflash",
+                 stop_below: float | None = None, vocab: DraftVocab | None = None):
+        most = model.config.block_size - 1
+        budget = most if budget is None else budget
+        check_sizes(name, budget=budget)
+        check_open_unit(name, "stop_below", stop_below)
+        if budget > most:
+            raise InputError(f"{name}: budget={budget} is more than the block of {model.config.block_size} can "
+                             f"propose ({most} tokens after the root)")
+        model._need_target()
+        self.model = model.eval()
+        self.budget, self.name, self.stop_below = budget, name, stop_below
+        self.hidden_layers = model.config.hidden_layers
+        # an optional draft vocabulary: the drafter's argmax over that slice of the LM head only (cheaper)
+        self.head_rows = None if vocab is None else vocab.draft_to_target.to(model.fc.weight.device)
+        self.head = model.lm_head.weight if vocab is None else model.lm_head.weight[self.head_rows]
+        self.context: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.length = 0
+
+    def begin(self, prompt_ids):
+        self.context, self.length = [], 0
+
+    @torch.inference_mode()
+    def observe(self, tokens, hidden):
+        device = self.model.fc.weight.device
+        features = torch.cat([hidden[layer].to(device) for layer in self.hidden_layers], -1)[None]  # (1, m, kH)
+        positions = torch.arange(self.length, self.length + features.shape[1], device=device)[None]
+        new = self.model.context_kv(features, positions)
+        if not self.context:
+            self.context = new
+        else:
+            self.context = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.context, new)]
+        self.length += features.shape[1]
+
+    @torch.inference_mode()
+    def block_logits(self, root: int) -> torch.Tensor:
+        """The logits of block positions 1..budget (budget, V or draft V)."""
+        device = self.model.fc.weight.device
+        ids = torch.full((1, self.budget + 1), self.model.config.mask_token_id, device=device)
+        ids[0, 0] = root
+        positions = torch.arange(self.length, self.length + self.budget + 1, device=device)[None]
+        hidden = self.model.block_hidden(ids, positions, self.context, None)[0, 1:]
+        return hidden.float() @ self.head.float().T
+
+    def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
+        if self.length != context.numel() - 1:
+            raise RuntimeError(f"DFlashDrafter has features for {self.length} positions but the context holds "
+                               f"{context.numel() - 1} committed tokens (observe() must see every committed token)")
+        logits = self.block_logits(root)
+        if sampling is None:
+            probs = torch.softmax(logits, -1)
+            best, tokens = probs.max(-1)
+            keep = self._kept(best)
+            return DraftTree.chain(self._to_target(tokens[:keep]).to(context.device))
+        probs = sampling.probs(logits)
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        rows = self._full_rows(probs)
+        return DraftTree.chain(self._to_target(tokens).to(context.device), rows.to(context.device))
+
+    def _kept(self, best: torch.Tensor) -> int:
+        """How many of the chain's tokens to propose (all, or until the path's probability falls below
+        stop_below; at least one)."""
+        if self.stop_below is None:
+            return best.numel()
+        below = (best.cumprod(0) < self.stop_below).nonzero()
+        return max(1, int(below[0])) if below.numel() else best.numel()
+
+    def _to_target(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens if self.head_rows is None else self.head_rows[tokens]
+
+    def _full_rows(self, probs: torch.Tensor) -> torch.Tensor:
+        """Draft distributions over the target's vocabulary (a draft vocabulary's rows scattered)."""
+        if self.head_rows is None:
+            return probs
+        rows = probs.new_zeros(probs.shape[0], self.model.config.vocab_size)
+        rows[:, self.head_rows] = probs
+        return rows
+
+
+def load_dflash_drafter(path: str | Path, target, budget: int | None = None, name: str = "dflash",
+                        stop_below: float | None = None, vocab: DraftVocab | None = None) -> DFlashDrafter:
+    """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel)."""
+    model, _ = load_dflash(path, target)
+    return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab)

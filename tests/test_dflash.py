@@ -1,0 +1,114 @@
+"""The DFlash block drafter: the decoder's forward is the trained one, decoding with it is lossless, and the
+recipe trains, saves and loads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_spec, tiny_model
+from draftsmith.config import ConfigError, load_config
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.base import InputError
+from draftsmith.eval.decode.drafters.dflash import DFlashDrafter, load_dflash_drafter
+from draftsmith.models.dflash import DFlashConfig, DFlashModel, anchored_block_mask, evenly_spaced_layers
+from draftsmith.models.target import TargetModel
+from draftsmith.models.vocab import DraftVocab
+from draftsmith.train.dflash import DFlashRecipeConfig, anchor_count, block_targets, draw_anchors, main
+
+
+def random_drafter(model, layers=(0, 2), block=4, seed=3) -> DFlashModel:
+    torch.manual_seed(seed)
+    config = DFlashConfig.from_target(model.config, num_layers=2, block_size=block, target_layer_ids=list(layers),
+                                      mask_token_id=model.config.vocab_size - 1)
+    return DFlashModel(config).attach_target(model).eval()
+
+
+def target_features(model, ids, drafter: DFlashModel) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i] for i in drafter.config.hidden_layers], -1)
+
+
+def test_decoder_block_equals_the_trained_block():
+    """The block the decoder runs over its cached context (observe, then one forward) gives the logits the
+    training forward gives the same anchor (the anchored-block mask, the context before the anchor)."""
+    model = tiny_model("llama", seed=1, num_layers=4)
+    dflash = random_drafter(model)
+    ids = torch.randint(0, 90, (1, 20), generator=torch.Generator().manual_seed(0))
+    features = target_features(model, ids, dflash)
+    anchors, valid = torch.tensor([[5, 11, 16]]), torch.tensor([[True, True, True]])
+    with torch.no_grad():
+        trained = dflash.lm_head(dflash(features, ids, torch.ones_like(ids), anchors, valid))  # (1, A, block, V)
+    for j, anchor in enumerate(anchors[0].tolist()):
+        drafter = DFlashDrafter(dflash)
+        drafter.begin(ids[0, :anchor])
+        drafter.observe(ids[0, :anchor], {layer: h[0, :anchor] for layer, h in
+                                         zip(dflash.config.hidden_layers, features.split(48, -1))})
+        decoded = drafter.block_logits(int(ids[0, anchor]))
+        assert (decoded - trained[0, j, 1:]).abs().max().item() < 1e-5
+
+
+def test_anchored_mask_sees_the_context_before_its_anchor_and_its_own_block():
+    mask = anchored_block_mask(torch.tensor([[2, 4]]), torch.tensor([[True, False]]), torch.ones(1, 6), 2)[0, 0]
+    assert mask.shape == (4, 6 + 4)
+    assert mask[0, :6].tolist() == [True, True, False, False, False, False]
+    assert not mask[2, :6].any()  # a padded anchor sees no context
+    assert mask[0, 6:].tolist() == [True, True, False, False] and mask[3, 6:].tolist() == [False, False, True, True]
+
+
+def test_anchors_are_answer_positions_with_an_answer_token_after_them():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 0, 0, 0, 0, 0, 0]])
+    anchors, valid = draw_anchors(loss_mask, 8, torch.Generator().manual_seed(0))
+    assert anchors[0][valid[0]].tolist() == [2, 3, 6] and not valid[1].any()
+    assert anchor_count(loss_mask, 8) == 3 and anchor_count(loss_mask, 2) == 2
+    ahead, labelled = block_targets(loss_mask, anchors, valid, 3)
+    assert ahead[0, 0].tolist() == [3, 4] and labelled[0, 0].tolist() == [True, True]
+    assert labelled[0, 1].tolist() == [True, False]  # position 5 is not an answer token
+    assert labelled[0, 2].tolist() == [True, False]  # position 8 is past the record
+
+
+@pytest.mark.parametrize("vocab", [False, True])
+def test_greedy_decoding_with_dflash_equals_plain(vocab):
+    model = tiny_model("llama", seed=2, num_layers=4)
+    target = TargetModel(model, tokenizer=None)
+    draft_vocab = DraftVocab.from_ids(list(range(0, 96, 2)), 96) if vocab else None
+    drafter = DFlashDrafter(random_drafter(model), vocab=draft_vocab, stop_below=0.01 if vocab else None)
+    prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert result.tokens == plain.tokens
+    assert result.stats.verify_forwards < 24 or vocab  # a random drafter on a random target still lands some
+
+
+def test_budget_beyond_the_block_is_refused():
+    model = tiny_model("llama", seed=2, num_layers=4)
+    with pytest.raises(InputError, match="budget=4 is more than the block of 4"):
+        DFlashDrafter(random_drafter(model), budget=4)
+
+
+def test_layers_spaced_like_dflash_and_never_the_last():
+    assert evenly_spaced_layers(30, 5) == [1, 7, 14, 21, 27]
+    assert evenly_spaced_layers(2, 2) == [0]
+
+
+def test_recipe_trains_saves_and_decodes_losslessly(tmp_path):
+    cfg = load_config(DFlashRecipeConfig, "train/configs/dflash_tiny.yaml", [f"output_dir={tmp_path}/run"])
+    summary = main(cfg)
+    assert summary["eval_after"]["eval/top1_pos1"] >= 0
+    target = TargetModel.from_pretrained("tiny:llama")
+    drafter = load_dflash_drafter(tmp_path / "run" / "final", target)
+    spec = build_spec(f"dflash:{tmp_path}/run/final,budget=2,stop_below=0.5", target)  # the bench's method
+    assert isinstance(spec, DFlashDrafter) and spec.budget == 2 and spec.stop_below == 0.5
+    prompt = torch.tensor([[3, 5, 7, 9, 11]])
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=16)).generate(prompt)
+    assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=16)).generate(prompt).tokens == plain.tokens
+
+
+def test_recipe_refuses_the_last_layer_an_unread_option_and_a_mask_outside_the_embeddings(tmp_path):
+    for overrides, message in [(["drafter.target_layer_ids=[1]", "drafter.num_target_layers=5"], "the last one's output"),
+                               (["drafter.target_layer_ids=[0]"], "num_target_layers=2 is not read here"),
+                               (["drafter.mask_token_id=null"], "uses every row")]:
+        with pytest.raises(ConfigError, match=message):
+            main(load_config(DFlashRecipeConfig, "train/configs/dflash_tiny.yaml",
+                             [f"output_dir={tmp_path}/run", *overrides]))
