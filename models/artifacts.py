@@ -17,6 +17,7 @@ directory). Exports into the layouts other projects load are in `models.exports`
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -319,3 +320,36 @@ def read_export_manifest(path: str | Path) -> dict:
     if manifest.get("format") != EXPORT_FORMAT:
         raise UserError(f"{file}: format {manifest.get('format')!r} is not {EXPORT_FORMAT!r}")
     return manifest
+
+
+def store_in_bfloat16(directory: str | Path) -> list[str]:
+    """Rewrite a drafter directory's weight files with their floating tensors in bfloat16 (half the bytes to carry
+    or commit; loaders read them back into float32 modules) and say so in the manifest. Returns the files."""
+    out = Path(directory)
+    files = sorted(out.glob("*.safetensors"))
+    for file in files:
+        weights = load_weights(file)
+        save_file({name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in weights.items()},
+                  str(file))
+    manifest_file = out / MANIFEST_FILE
+    if manifest_file.is_file():
+        manifest = read_json(manifest_file, "manifest")
+        for block in ("drafter", "heads"):
+            if isinstance(manifest.get(block), dict):
+                manifest[block]["dtype"] = "bfloat16"
+        atomic_write_json(manifest_file, manifest)
+    return [file.name for file in files]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m draftsmith.models.artifacts to_bfloat16 <drafter dir>`: store its weights in bfloat16."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "to_bfloat16":
+        print("usage: python -m draftsmith.models.artifacts to_bfloat16 <drafter dir>", file=sys.stderr)
+        return 2
+    print(" ".join(store_in_bfloat16(args[1])) or f"no weights in {args[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -185,6 +185,9 @@ class DFlashModel(nn.Module):
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32)
                                                / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        for module in self.modules():  # transformers' initialisation (initializer_range 0.02)
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
         self._target: tuple[nn.Module, nn.Module] | None = None  # (embedding, LM head): the target's, referenced
 
     def attach_target(self, target_model) -> "DFlashModel":

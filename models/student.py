@@ -3,16 +3,32 @@
 Used as a draft model (self-speculation with a truncated copy) and as a distillation student
 initialisation. The result is an ordinary `PreTrainedModel` of the target's class, so it
 saves/loads with `save_pretrained` and works as `assistant_model=` in HF generate.
+
+A lean student directory (`save_lean_student`) holds only what training changed: the kept decoder layers and the
+final norm (`student_layers.safetensors`, bfloat16 by default) and `lean_student.json` naming the target and the
+layer ids; the embeddings and LM head are the target's, so the student is rebuilt from the target at load
+(`TargetModel.from_pretrained(<dir>)` does it; `python -m draftsmith.models.student expand <dir> <out>` writes the
+whole HF model for engines that load files, such as llama.cpp's converter).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import sys
+from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
 from draftsmith.errors import UserError
+from draftsmith.fileio import atomic_write_json
+
+LEAN_CONFIG = "lean_student.json"
+LEAN_WEIGHTS = "student_layers.safetensors"
+SHARED_WITH_TARGET = ("embed_tokens", "lm_head")  # parameter names a lean student takes from its target
 
 
 def layer_subset_student(model: PreTrainedModel, layer_ids: list[int]) -> PreTrainedModel:
@@ -38,3 +54,56 @@ def every_nth_layer(num_layers: int, n: int) -> list[int]:
     if ids[-1] != num_layers - 1:
         ids.append(num_layers - 1)
     return ids
+
+
+def save_lean_student(student: PreTrainedModel, directory: str | Path, target: str, layer_ids: list[int],
+                      dtype: torch.dtype = torch.bfloat16) -> None:
+    """The decoder layers and final norm of a layer-subset student (every tensor but the target's embeddings and
+    LM head) in `dtype`, and the recipe to rebuild it: the target's name and the layer ids it kept."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in student.state_dict().items()
+             if not any(part in name for part in SHARED_WITH_TARGET)}
+    save_file(state, str(out / LEAN_WEIGHTS))
+    atomic_write_json(out / LEAN_CONFIG, {"target": target, "layer_ids": list(layer_ids), "dtype": str(dtype)})
+
+
+def lean_student_spec(path: str | Path) -> dict | None:
+    """The rebuild recipe of a lean student directory ({target, layer_ids}), or None for anything else."""
+    file = Path(path) / LEAN_CONFIG
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def rebuild_lean_student(target_model: PreTrainedModel, path: str | Path) -> PreTrainedModel:
+    """The student of a lean directory, built from its target's model (which it copies; the target is unchanged)."""
+    spec = lean_student_spec(path)
+    if spec is None:
+        raise UserError(f"{path} is not a lean student directory ({LEAN_CONFIG} is missing)")
+    student = layer_subset_student(target_model, spec["layer_ids"])
+    weights = load_file(str(Path(path) / LEAN_WEIGHTS))
+    dtype = next(student.parameters()).dtype
+    missing, unexpected = student.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
+    missing = [name for name in missing if not any(part in name for part in SHARED_WITH_TARGET)]
+    if missing or unexpected:
+        raise UserError(f"{path}/{LEAN_WEIGHTS} does not fit {spec['target']} with layers {spec['layer_ids']}: "
+                        f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return student
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m draftsmith.models.student expand <lean dir> <out dir>`: the whole HF model and tokenizer."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "expand":
+        print("usage: python -m draftsmith.models.student expand <lean student dir> <out dir>", file=sys.stderr)
+        return 2
+    from draftsmith.models.target import TargetModel  # the loader lives above this module
+
+    student = TargetModel.from_pretrained(args[1])
+    student.model.save_pretrained(args[2])
+    student.tokenizer.save_pretrained(args[2])
+    print(args[2])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

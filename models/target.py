@@ -29,6 +29,7 @@ from draftsmith.errors import UserError
 from draftsmith.models.compiled import CompiledDGFEngine, CompileSettings, CompiledEngine
 from draftsmith.models.dgf import DGFModel, EagerDGFEngine
 from draftsmith.models.engine import Backend, EagerEngine, TargetOutput
+from draftsmith.models.student import lean_student_spec, rebuild_lean_student
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm, parse_tiny_spec
 from draftsmith.models.zoo import REGISTRY, resolve_model_path
 
@@ -161,7 +162,12 @@ class TargetModel:
         """Load by zoo name, local dir or hub id (and optionally a GGUF file inside that dir), or build a
         tiny random model for `tiny:<family>[,seed=N]` (models.tiny); `backend` picks the engine."""
         tiny = parse_tiny_spec(name_or_path)
-        if tiny is not None:
+        lean = lean_student_spec(name_or_path) if tiny is None else None
+        if lean is not None:  # a lean student: the target's model with its trained layers
+            base = cls.from_pretrained(lean["target"], dtype=dtype, device=device,
+                                       attn_implementation=attn_implementation)
+            loaded = cls(rebuild_lean_student(base.model, name_or_path), base.tokenizer, name=name_or_path)
+        elif tiny is not None:
             model = build_tiny_causal_lm(tiny.family, seed=tiny.seed, dtype=resolve_dtype(dtype))
             loaded = cls(model.to(resolve_device(device)), TinyTokenizer(model.config.vocab_size), name=name_or_path)
         else:

@@ -11,8 +11,10 @@ from draftsmith.config import ConfigError, load_config
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import InputError
 from draftsmith.eval.decode.drafters.dflash import DFlashDrafter, load_dflash_drafter
+from draftsmith.models.artifacts import load_dflash, save_dflash, store_in_bfloat16, target_block
 from draftsmith.models.dflash import DFlashConfig, DFlashModel, anchored_block_mask, evenly_spaced_layers
 from draftsmith.models.target import TargetModel
+from draftsmith.models.tiny import TinyTokenizer
 from draftsmith.models.vocab import DraftVocab
 from draftsmith.train.dflash import DFlashRecipeConfig, anchor_count, block_targets, draw_anchors, main
 
@@ -112,3 +114,14 @@ def test_recipe_refuses_the_last_layer_an_unread_option_and_a_mask_outside_the_e
         with pytest.raises(ConfigError, match=message):
             main(load_config(DFlashRecipeConfig, "train/configs/dflash_tiny.yaml",
                              [f"output_dir={tmp_path}/run", *overrides]))
+
+
+def test_a_snapshot_stored_in_bfloat16_loads_into_the_float32_drafter(tmp_path):
+    model = tiny_model("llama", seed=2, num_layers=4)
+    target = TargetModel(model, tokenizer=TinyTokenizer(96))
+    dflash = random_drafter(model)
+    save_dflash(dflash, tmp_path, target_block(target, "tiny:llama", dflash.config.hidden_layers))
+    assert store_in_bfloat16(tmp_path) == ["dflash.safetensors"]
+    loaded, manifest = load_dflash(tmp_path, target)
+    assert manifest["drafter"]["dtype"] == "bfloat16" and loaded.fc.weight.dtype == torch.float32
+    assert torch.equal(loaded.fc.weight, dflash.fc.weight.to(torch.bfloat16).float())

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from draftsmith.config import ConfigError, load_config
 from draftsmith.errors import UserError
@@ -14,6 +15,7 @@ from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import load_records, synthetic_records
 from draftsmith.eval.methods import parse_method
 from draftsmith.models.artifacts import read_adapter_sidecar
+from draftsmith.models.target import TargetModel
 from draftsmith.train.distill import DistillRecipeConfig, load_cache_records, main, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,6 +178,24 @@ def test_layer_and_shallow_students(tmp_path):
                   "student.intermediate_size=16", "train.max_steps=2", "eval.every_steps=0"))
     info = read_manifest(tmp_path / "shallow" / "final")["student"]
     assert info["num_layers"] == 1
+
+
+def test_lean_student_holds_only_its_layers_and_loads_as_the_whole_student(tmp_path):
+    """export.lean writes the trained layers and final norm; the student rebuilt from the target at load equals
+    the whole student written by save_pretrained (same run, same seed)."""
+    common = ["student.init=layers", "student.layer_ids=[1]", "train.max_steps=2", "eval.every_steps=0"]
+    main(tiny_cfg(tmp_path / "whole", *common))
+    main(tiny_cfg(tmp_path / "lean", *common, "export.lean=true"))
+    lean_files = {p.name for p in (tmp_path / "lean" / "final").iterdir()}
+    assert "student_layers.safetensors" in lean_files and "model.safetensors" not in lean_files
+    whole = AutoModelForCausalLM.from_pretrained(str(tmp_path / "whole" / "final")).eval()
+    lean = TargetModel.from_pretrained(str(tmp_path / "lean" / "final"))
+    ids = torch.tensor([[3, 5, 7, 11, 13]])
+    with torch.no_grad():
+        assert torch.equal(whole(ids).logits, lean.model(ids).logits)
+    assert read_manifest(tmp_path / "lean" / "final")["student"]["layer_ids"] == [1]
+    with pytest.raises(ConfigError, match="export.lean needs student.init=layers"):
+        tiny_cfg(tmp_path / "bad", "export.lean=true")
 
 
 def test_pruned_student_keeps_layers_of_the_pretrained_model(tmp_path):

@@ -58,7 +58,7 @@ from draftsmith.data.records import collate, load_records, spec_needs_model, spl
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.models.artifacts import read_student_manifest, write_student_manifest
 from draftsmith.models.engine import additive_mask
-from draftsmith.models.student import every_nth_layer, layer_subset_student
+from draftsmith.models.student import every_nth_layer, layer_subset_student, save_lean_student
 from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_model_config, load_tokenizer,
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
@@ -125,6 +125,8 @@ class ParallelConfig:
 @dataclass
 class ExportConfig:
     dtype: str = option("float32", "dtype of the exported student weights")
+    lean: bool = option(False, "student.init=layers, full fine-tune, frozen embeddings: write only the trained "
+                               "layers and final norm (the rest is the target's, rebuilt at load: models/student.py)")
 
 
 @dataclass
@@ -155,6 +157,10 @@ class DistillRecipeConfig(RunConfig):
              "data.feature_cache holds the target's logits: use it with a divergence loss.kind, not ce"),
             (self.on_policy.fraction == 0 or divergence,
              "on_policy needs a divergence loss.kind (the target scores the student's own samples)"),
+            (not self.export.lean or (self.student.init == "layers" and self.student.freeze_embeddings
+                                      and not self.lora.enabled and self.parallel.copies == 1),
+             "export.lean needs student.init=layers with frozen embeddings, no LoRA and no parallel copies (the "
+             "only students whose untrained part is the target's)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -521,11 +527,15 @@ class DistillRecipe(RecipeBase):
     def write_final(self, directory: Path) -> None:
         """The student in HF format (LoRA merged) + the target's tokenizer + manifest."""
         cfg, run = self.cfg, self.run
-        self.export_model().save_pretrained(str(directory))
+        if cfg.export.lean:
+            save_lean_student(self._student(), directory, cfg.target, self.student_info["layer_ids"],
+                              resolve_dtype(cfg.export.dtype))
+        else:
+            self.export_model().save_pretrained(str(directory))
         if cfg.lora.enabled:
             base = cfg.student.model if cfg.student.init == "pretrained" else None
             write_adapter(self._student(), directory / "adapter", resolve_dtype(cfg.export.dtype), base)
-        saved_tokenizer = hasattr(self.tokenizer, "save_pretrained")
+        saved_tokenizer = hasattr(self.tokenizer, "save_pretrained") and not cfg.export.lean
         if saved_tokenizer:
             self.tokenizer.save_pretrained(str(directory))
         target = {"name": cfg.target, "vocab_fingerprint": self.target_fingerprint, "vocab_size": len(self.tokenizer),

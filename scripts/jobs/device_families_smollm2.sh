@@ -19,10 +19,16 @@
 #   OVERRIDES="data.max_length=64 data.max_heldout=4" bash scripts/jobs/device_families_smollm2.sh train
 set -euo pipefail
 source "$(dirname "$0")/newest.sh"
-STAGE=${1:?stage: payload | slim | train | unpack DIR}
+STAGE=${1:?stage: payload | slim | train | blocks | student_out | unpack DIR}
 CONFIG=train/configs/medusa_smollm2_curve.yaml
 KEEP1=drafters/medusa1_smollm2_human
 KEEP2=drafters/medusa2_smollm2_human
+KEEP_DFLASH=drafters/dflash_smollm2_human
+KEEP_STUDENT=drafters/student6_smollm2_human
+DFLASH_S=${DFLASH_S:-280}  # wall-clock budget of the DFlash drafter (SIGTERM then saves a checkpoint)
+DFLASH_AT=${DFLASH_AT:-[250000,1000000,4000000,10000000,20000000]}
+STUDENT_S=${STUDENT_S:-220}  # of the distilled student (6 of the 30 layers, lean bf16 snapshots)
+STUDENT_AT=${STUDENT_AT:-[250000,1000000,4000000,10000000]}
 DEVICE=${DEVICE:-cuda}
 MEDUSA1_S=${MEDUSA1_S:-330}  # wall-clock budget of Medusa-1; SIGTERM then saves a checkpoint
 MEDUSA2_S=${MEDUSA2_S:-150}  # of Medusa-2 (it stops by itself at its last snapshot)
@@ -41,6 +47,15 @@ pack_run() {  # snapshots, a lean resume point, metrics and log of run $1 -> $OU
   [ -z "$newest" ] || (cd /tmp && python3 -m draftsmith.train.checkpoints lean "$OLDPWD/$newest" "$OLDPWD/$run/resume" > /dev/null)
   for item in snapshots resume metrics.jsonl train_config.yaml train.log; do [ -e "$run/$item" ] && keep+=("$item"); done
   tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/$name.tar.gz."
+}
+
+pack_newest() {  # the newest $3 snapshots of run $1 (weights in bfloat16), its metrics and log -> $OUT/$2.tar.gz.*
+  local run=$1 name=$2 count=$3 snaps
+  snaps=$(ls -d "$run"/snapshots/loss_tokens_* 2>/dev/null | sort -t_ -k3 -n | tail -"$count" | xargs -r -n1 basename) || true
+  for snap in $snaps; do (cd /tmp && python3 -m draftsmith.models.artifacts to_bfloat16 "$OLDPWD/$run/snapshots/$snap"); done
+  local keep=(metrics.jsonl train_config.yaml train.log)
+  for snap in $snaps; do keep+=("snapshots/$snap"); done
+  tar -C "$run" -cf - $(cd "$run" && ls -d "${keep[@]}" 2>/dev/null) | gzip -1 | split -b 15m - "$OUT/$name.tar.gz."
 }
 
 case "$STAGE" in
@@ -77,15 +92,40 @@ train)
   cp outputs/medusa2.log outputs/medusa2/train.log && pack_run outputs/medusa2 medusa2
   ls -la "$OUT"
   ;;
+blocks)  # the DFlash drafter, then the distilled student, on the records of the train stage; DFlash packed here
+  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$STATE/records.npz\"|" \
+      -e 's/^  run_name: .*/  tracker: none/' train/configs/dflash_smollm2_curve.yaml > "$STATE/dflash.yaml"
+  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$STATE/records.npz\"|" \
+      -e 's/^  run_name: .*/  tracker: none/' train/configs/distill_smollm2_curve.yaml > "$STATE/student.yaml"
+  cp .dev/c3/gguf.part.* "$STATE/" 2>/dev/null || true
+  [ -f "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors" ] || bash "$(dirname "$0")/device_curve_smollm2.sh" convert
+  cp .dev/c3/records.npz "$STATE/records.npz"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  mkdir -p outputs/dflash outputs/student
+  timeout -k 20 -s TERM "$DFLASH_S" python3 train/dflash.py --config "$STATE/dflash.yaml" output_dir=outputs/dflash \
+    "train.snapshots_at_loss_tokens=$DFLASH_AT" "${EXTRA[@]}" --no-progress > outputs/dflash.log 2>&1 || true
+  { grep -v "step .* loss" outputs/dflash.log | tail -8; grep "step .* loss" outputs/dflash.log | tail -2; } || true
+  cp outputs/dflash.log outputs/dflash/train.log && pack_newest outputs/dflash dflash 2
+  timeout -k 20 -s TERM "$STUDENT_S" python3 train/distill.py --config "$STATE/student.yaml" output_dir=outputs/student \
+    "train.snapshots_at_loss_tokens=$STUDENT_AT" export.lean=true export.dtype=bfloat16 train.checkpoint_every=100000 \
+    "${EXTRA[@]}" --no-progress > outputs/student.log 2>&1 || true
+  { grep -v "step .* loss" outputs/student.log | tail -8; grep "step .* loss" outputs/student.log | tail -2; } || true
+  ls -la "$OUT"
+  ;;
+student_out)  # the student's newest lean snapshot (a call brings back at most 64 MiB)
+  cp outputs/student.log outputs/student/train.log && pack_newest outputs/student student 1
+  ls -la "$OUT"
+  ;;
 unpack)
   from=${2:?unpack DIR: the folder holding the files of the train call}
   git reset -q  # drafters/ and results/ tracked again (slim)
   grep -vxF -f <(printf '%s\n' "$SLIM_EXCLUDE") .git/info/exclude > .git/info/exclude.new || true
   mv .git/info/exclude.new .git/info/exclude
-  for name in medusa1 medusa2; do
+  declare -A keeps=([medusa1]=$KEEP1 [medusa2]=$KEEP2 [dflash]=$KEEP_DFLASH [student]=$KEEP_STUDENT)
+  for name in medusa1 medusa2 dflash student; do
     [ -n "$(ls "$from"/$name.tar.gz.* 2>/dev/null)" ] || continue
     rm -rf ".dev/$name" && mkdir -p ".dev/$name" && cat "$from"/$name.tar.gz.* | gunzip | tar -C ".dev/$name" -xf -
-    keep=$KEEP1 && [ "$name" = medusa2 ] && keep=$KEEP2
+    keep=${keeps[$name]}
     mkdir -p "$keep"
     for snap in .dev/$name/snapshots/loss_tokens_*; do [ -d "$snap" ] && cp -rn "$snap" "$keep/"; done
     [ -d ".dev/$name/resume" ] && rm -rf "$keep/resume" && cp -r ".dev/$name/resume" "$keep/resume"
@@ -93,5 +133,5 @@ unpack)
     ls "$keep"
   done
   ;;
-*) echo "unknown stage $STAGE: payload | slim | train | unpack DIR" >&2; exit 2 ;;
+*) echo "unknown stage $STAGE: payload | slim | train | blocks | student_out | unpack DIR" >&2; exit 2 ;;
 esac
