@@ -111,6 +111,13 @@ class Eagle3Options(DraftLengthCheck):
                 "where it finds nothing (--spec-type <mode>,draft-eagle3; each keeps its own draft length)")
 
 
+@dataclass
+class DFlashOptions(Eagle3Options):
+    path: str = option(help="a DFlash export (scripts/export.py dflash ..., z-lab's layout) or its .gguf")
+    n_max: int = option(7, "most draft tokens per step (--spec-draft-n-max; llama.cpp clamps it to the block - 1)",
+                        ge=1)
+
+
 def ngram_arguments(options: NgramOptions, ctx: "RunContext") -> tuple[str, ...]:
     args = ("--spec-type", options.kind)
     if options.kind == "ngram-simple":
@@ -145,15 +152,16 @@ def draft_arguments(options: DraftOptions, ctx: "RunContext") -> tuple[str, ...]
     return ("-md", str(gguf), "--spec-type", "draft-simple", *draft_length_arguments(options))
 
 
-def eagle3_arguments(options: Eagle3Options, ctx: "RunContext") -> tuple[str, ...]:
-    gguf = given_gguf("eagle3", options)
+def feature_drafter_arguments(kind: str, options: Eagle3Options, ctx: "RunContext") -> tuple[str, ...]:
+    """An EAGLE-3 or DFlash export (converted once into the cache, decoded by llama.cpp before it is kept)."""
+    gguf = given_gguf(kind, options)
     if gguf is None:
         suffix = "" if options.type == "float32" else f"-{options.type}"
         key = llamacpp.model_dir_key(Path(options.path))
-        gguf = llamacpp.draftsmith_cache() / "gguf" / f"eagle3-{key}{suffix}.gguf"
+        gguf = llamacpp.draftsmith_cache() / "gguf" / f"{kind}-{key}{suffix}.gguf"
         if not gguf.is_file():
             llamacpp.export_gguf(Path(options.path), gguf, options.type, ctx.target_dir)
-    return ("-md", str(gguf), *cascade_type_arguments(options.ngram, "draft-eagle3", ctx),
+    return ("-md", str(gguf), *cascade_type_arguments(options.ngram, f"draft-{kind}", ctx),
             *draft_length_arguments(options))
 
 
@@ -170,13 +178,16 @@ LLAMACPP_METHODS: dict[str, MethodEntry] = {
     "plain": MethodEntry(PlainOptions, lambda options, ctx: (), "llama.cpp's plain greedy decoding (the baseline)"),
     "ngram": MethodEntry(NgramOptions, ngram_arguments, "llama.cpp's training-free n-gram drafting"),
     "draft": MethodEntry(DraftOptions, draft_arguments, "a draft model (draft-simple): the 0.5B, a student"),
-    "eagle3": MethodEntry(Eagle3Options, eagle3_arguments, "an EAGLE-3 drafter trained here (draft-eagle3)"),
+    "eagle3": MethodEntry(Eagle3Options, lambda options, ctx: feature_drafter_arguments("eagle3", options, ctx),
+                          "an EAGLE-3 drafter trained here (draft-eagle3)"),
+    "dflash": MethodEntry(DFlashOptions, lambda options, ctx: feature_drafter_arguments("dflash", options, ctx),
+                          "a DFlash block drafter trained here (draft-dflash)"),
 }
 
 
 class LlamaCppMethodSpec(MethodSpec):
     """A llama.cpp bench method: `plain`, `ngram[:kind=..,n=..,m=..]`, `draft:<model>[,type=..]`,
-    `eagle3:<dir>[,ngram=<mode>]`."""
+    `eagle3:<dir>[,ngram=<mode>]`, `dflash:<dir>[,ngram=<mode>]`."""
 
     @classmethod
     def entry(cls, name: str, path: str) -> MethodEntry:
@@ -225,7 +236,7 @@ class LlamaCppBenchConfig(EngineBenchConfig):
     target: str = option(DEFAULT_TARGET, "the target: zoo name or HF model directory")
     target_type: str = option("float32", f"the target's GGUF type: {', '.join(llamacpp.GGUF_TYPES)}")
     methods: list[LlamaCppMethodSpec] = option(factory=lambda: [LlamaCppMethodSpec.from_config("ngram")],
-                                               help="methods beside plain (always run): plain | ngram | draft | eagle3")
+                                               help="methods beside plain (always run): plain | ngram | draft | eagle3 | dflash")
     threads: int = option(2, "llama.cpp threads (generation and prompt)", ge=1)
 
     def __post_init__(self) -> None:

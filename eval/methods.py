@@ -414,7 +414,7 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
-                                  vocab=ctx.vocab(o.vocab))
+                                  vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=ctx.settings)
     return DrafterMethod(drafter, spec.label)
 
 

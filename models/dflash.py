@@ -188,7 +188,8 @@ class DFlashModel(nn.Module):
         for module in self.modules():  # transformers' initialisation (initializer_range 0.02)
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
-        self._target: tuple[nn.Module, nn.Module] | None = None  # (embedding, LM head): the target's, referenced
+        # the target's embedding and LM head, referenced (in __dict__: not registered, neither trained nor saved)
+        self.__dict__["target_embedding"] = self.__dict__["target_head"] = None
 
     def attach_target(self, target_model) -> "DFlashModel":
         """Reference the target's token embedding and LM head (a full-vocabulary drafter)."""
@@ -196,7 +197,7 @@ class DFlashModel(nn.Module):
         if embedding.weight.shape != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(f"the target's embedding {tuple(embedding.weight.shape)} does not match the drafter's "
                              f"vocabulary x width ({self.config.vocab_size}, {self.config.hidden_size})")
-        self._target = (embedding, head)
+        self.__dict__["target_embedding"], self.__dict__["target_head"] = embedding, head
         return self
 
     @property
@@ -208,9 +209,9 @@ class DFlashModel(nn.Module):
         return self._need_target()[1]
 
     def _need_target(self) -> tuple[nn.Module, nn.Module]:
-        if self._target is None:
+        if self.__dict__["target_embedding"] is None:
             raise RuntimeError("DFlashModel needs attach_target(target_model) first (the embedding and LM head)")
-        return self._target
+        return self.__dict__["target_embedding"], self.__dict__["target_head"]
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) -> cos, sin (B, T, D) in float32 (HF's default rotary)."""
@@ -224,14 +225,14 @@ class DFlashModel(nn.Module):
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """features (B, T, k * H) at positions (B, T) -> each layer's context keys and values (B, kv, T, D)."""
-        fused = self.fuse(features.to(self.fc.weight.dtype))
+        fused = self.fuse(features.to(self.hidden_norm.weight.dtype))
         cos, sin = self.rotary(positions)
         return [layer.self_attn.keys_values(fused, cos.to(fused.dtype), sin.to(fused.dtype)) for layer in self.layers]
 
     def block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor,
                      context: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
         """block_ids / positions (B, Q) -> the final normed states (B, Q, H)."""
-        x = self.embedding(block_ids).to(self.fc.weight.dtype)
+        x = self.embedding(block_ids).to(self.hidden_norm.weight.dtype)
         cos, sin = self.rotary(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, (k, v) in zip(self.layers, context):

@@ -383,14 +383,17 @@ CHECK_PROMPT = "Write one sentence about the sea."
 CHECK_TOKENS = 24
 
 
-def is_eagle3_dir(path: Path) -> bool:
-    """An EAGLE-3 drafter in the speculators or SGLang layout (what llama.cpp's converter reads as EAGLE3)."""
+def drafter_kind(path: Path) -> str | None:
+    """"eagle3" for an EAGLE-3 drafter in the speculators or SGLang layout, "dflash" for a DFlash drafter in z-lab's
+    layout (what llama.cpp's converter reads as those architectures), None for anything else."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        return False
+        return None
     config = json.loads(config_file.read_text())
-    return config.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in config.get(
-        "architectures", [])
+    architectures = config.get("architectures", [])
+    if config.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in architectures:
+        return "eagle3"
+    return "dflash" if "DFlashDraftModel" in architectures else None
 
 
 def check_prompt_ids(tokenizer_dir: Path) -> list[int]:
@@ -455,28 +458,32 @@ def first_divergence(prompt_ids: list[int], plain: list[int], speculative: list[
     return out
 
 
+DRAFTER_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+
+
 def export_gguf(source: Path, out_file: Path, gguf_type: str = "float32", target: Path | None = None) -> dict:
-    """An HF causal LM (a target, a draft model, a distilled student) or an EAGLE-3 drafter (speculators / SGLang
-    layout; `target` = the target's HF directory) -> one GGUF, loaded and decoded in llama.cpp before it is kept."""
+    """An HF causal LM (a target, a draft model, a distilled student), an EAGLE-3 drafter (speculators / SGLang
+    layout) or a DFlash drafter (z-lab's layout); `target` = a drafter's target HF directory) -> one GGUF, loaded and
+    decoded in llama.cpp before it is kept (a drafter: speculative output equal to its target's plain output)."""
     source, out_file = Path(source), Path(out_file)
     if not (source / "config.json").is_file():
         raise UserError(f"{source}: not a model directory (no config.json)")
-    eagle3 = is_eagle3_dir(source)
-    if eagle3 and target is None:
-        raise UserError(f"{source} is an EAGLE-3 drafter: give its target's model directory (--target)")
-    if not eagle3 and target is not None:
-        raise UserError(f"--target is read only for EAGLE-3 drafters; {source} is a plain causal LM")
+    drafter = drafter_kind(source)
+    if drafter is not None and target is None:
+        raise UserError(f"{source} is an {DRAFTER_NAMES[drafter]} drafter: give its target's model directory (--target)")
+    if drafter is None and target is not None:
+        raise UserError(f"--target is read only for EAGLE-3 and DFlash drafters; {source} is a plain causal LM")
     partial = out_file.with_name(out_file.name + ".unchecked")
-    if eagle3:
+    if drafter is not None:
         convert_to_gguf(source, partial, gguf_type, ("--target-model-dir", str(target)))
         target_gguf = cached_gguf(Path(target), Path(target).name, "float32")
         check = decode_check(target_gguf, check_prompt_ids(Path(target)),
-                             ("-md", str(partial), "--spec-type", "draft-eagle3"), target_dir=Path(target))
+                             ("-md", str(partial), "--spec-type", f"draft-{drafter}"), target_dir=Path(target))
     else:
         convert_to_gguf(source, partial, gguf_type)
         check = decode_check(partial, check_prompt_ids(source))
     partial.replace(out_file)
-    return {"out": str(out_file), "kind": "eagle3" if eagle3 else "causal-lm", "gguf_type": gguf_type,
+    return {"out": str(out_file), "kind": drafter or "causal-lm", "gguf_type": gguf_type,
             "llama_cpp": PIN.release, "check": check}
 
 

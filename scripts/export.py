@@ -14,10 +14,15 @@
     python scripts/export.py dgf <final> exports/sglang --layout sglang   # EAGLE-3 for SGLang
     python scripts/export.py dgf <final> models/bundled/smollm2-135m-instruct-dgf --layout dgf \
         --dtype bfloat16 --target smollm2-135m-instruct   # how the bundled drafter is made
+    python scripts/export.py dflash drafters/dflash_smollm2_human/loss_tokens_4000000 exports/dflash
+                                                      # z-lab's layout (llama.cpp's converter; --layout
+                                                      # speculators for vLLM's speculators format)
     python scripts/export.py gguf smollm2-135m-instruct exports/smollm2-q8_0.gguf --type q8_0
                                                       # llama.cpp: a target, draft model or student as GGUF
     python scripts/export.py gguf exports/eagle3 exports/eagle3.gguf --target smollm2-135m-instruct
                                                       # llama.cpp: an EAGLE-3 export (--spec-type draft-eagle3)
+    python scripts/export.py gguf exports/dflash exports/dflash.gguf --target smollm2-135m-instruct
+                                                      # llama.cpp: a DFlash export (--spec-type draft-dflash)
 
 GGUF files are written by the pinned llama.cpp's own converter (`python -m draftsmith.models.llamacpp build`
 once) and are kept only after llama.cpp has loaded and decoded them: plain greedy decoding for a model, and
@@ -44,7 +49,7 @@ from draftsmith.errors import UserError, exit_with, one_line
 from draftsmith.eval.decode.drafters.dgf import drafter_tree
 from draftsmith.eval.methods import parse_method
 from draftsmith.fileio import refuse_overwrite
-from draftsmith.models import export_medusa
+from draftsmith.models import export_dflash, export_medusa
 from draftsmith.models import exports as export
 from draftsmith.models.artifacts import read_json
 from draftsmith.models import llamacpp
@@ -68,13 +73,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     dgf.add_argument("--layout", default="auto", choices=list(export.DGF_LAYOUTS))
     dgf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                      help="stored weights (layout dgf; bfloat16 halves a bundled drafter)")
-    gguf = sub.add_parser("gguf", help="HF causal LM or EAGLE-3 export -> one GGUF file, decoded in llama.cpp")
+    dflash = sub.add_parser("dflash", help="train/dflash.py final/ -> z-lab's layout (llama.cpp) or speculators")
+    dflash.add_argument("--layout", default="zlab", choices=list(export_dflash.DFLASH_LAYOUTS))
+    gguf = sub.add_parser("gguf", help="HF causal LM, EAGLE-3 or DFlash export -> one GGUF file, decoded in llama.cpp")
     gguf.add_argument("--type", default="float32", choices=list(llamacpp.GGUF_TYPES), help="GGUF tensor type")
-    gguf.add_argument("--target", help="EAGLE-3 only: the target's zoo name or model directory")
+    gguf.add_argument("--target", help="EAGLE-3 and DFlash only: the target's zoo name or model directory")
     gguf.add_argument("--overwrite", action="store_true", help="replace an existing GGUF file")
     gguf.add_argument("source", help="zoo name or model directory")
     gguf.add_argument("out", help="the .gguf file to write")
-    for p in (student, medusa, dgf):
+    for p in (student, medusa, dgf, dflash):
         p.add_argument("source")
         p.add_argument("out")
         p.add_argument("--tolerance", type=float, default=0.0, help="max |logit difference| allowed in the parity check")
@@ -147,6 +154,9 @@ def main(argv: list[str]) -> int:
     if args.kind == "student":
         result = export.export_student(args.source, args.out, target=args.target, dtype=args.dtype,
                                        tolerance=args.tolerance, bench=bench, command=command, base=args.base)
+    elif args.kind == "dflash":
+        result = export_dflash.export_dflash(args.source, args.out, layout=args.layout, tolerance=args.tolerance,
+                                             bench=bench, command=command)
     elif args.kind == "medusa":
         result = export_medusa.export_medusa(args.source, args.out, base_model=args.base_model,
                                              tolerance=args.tolerance, bench=bench, command=command)

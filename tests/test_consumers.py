@@ -3,7 +3,7 @@ with draftsmith's module on the same inputs; formats whose consumer is a server 
 this CPU-only machine are checked key by key against the loader source cited at each test.
 
 Consumers installed `--no-deps` by scripts/install.sh (their pins clash with ours): speculators 0.9.0
-(vLLM's EAGLE-3 format), eagle-llm 1.2.1 (SafeAILab EAGLE-1/2), medusa-llm 0.1 (FasterDecoding).
+(vLLM's EAGLE-3 and DFlash formats), eagle-llm 1.2.1 (SafeAILab EAGLE-1/2), medusa-llm 0.1 (FasterDecoding).
 Tolerances: 1e-5 absolute on float32 logits / features (the same arithmetic in another module order).
 """
 
@@ -19,9 +19,10 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from draftsmith.models import export_medusa
+from draftsmith.models import export_dflash, export_medusa
 from draftsmith.models import exports as export
-from draftsmith.models.artifacts import save_dgf, target_block
+from draftsmith.models.artifacts import save_dflash, save_dgf, target_block
+from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
@@ -271,3 +272,48 @@ def test_student_export_loads_under_transformers_456(tmp_path):
     version, rope_theta, ids, difference = json.loads(run.stdout.strip().splitlines()[-1])
     assert version == "4.56.2" and rope_theta == 100000.0 and ids == [3]
     assert difference <= TOLERANCE
+
+
+def dflash_final(tmp_path):
+    """A saved DFlash drafter (2 layers, blocks of 4, reading layers 1 and 3) of a tiny 6-layer target."""
+    model = build_tiny_causal_lm("llama", num_layers=6)
+    target = TargetModel(model, TinyTokenizer(96), name="tiny-llama")
+    torch.manual_seed(0)
+    config = DFlashConfig.from_target(model.config, num_layers=2, block_size=4, target_layer_ids=[1, 3],
+                                      mask_token_id=95)
+    drafter = DFlashModel(config).attach_target(model).eval()
+    save_dflash(drafter, tmp_path / "final", target_block(target, target.name, config.hidden_layers))
+    return model, target, drafter
+
+
+def test_speculators_loads_the_dflash_export(tmp_path):
+    """vLLM's format, loaded by the speculators package's DFlashDraftModel (speculators/models/dflash/core.py): its
+    anchored-block forward gives our drafter's block logits (anchors, context and block masks as ours)."""
+    dflash = pytest.importorskip("speculators.models.dflash")
+    model, target, drafter = dflash_final(tmp_path)
+    result = export_dflash.export_dflash(tmp_path / "final", tmp_path / "spec", layout="speculators",
+                                         target_model=target)
+    assert result.manifest["layout"] == "speculators-dflash" and result.max_abs_diff == 0
+    model.save_pretrained(tmp_path / "verifier")
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["aux_hidden_state_layer_ids"] == [2, 4] and config["block_size"] == 4
+    config["speculators_config"]["verifier"]["name_or_path"] = str(tmp_path / "verifier")
+    config["transformer_layer_config"]["_attn_implementation"] = "eager"  # flex attention is GPU-first
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(config))
+    loaded = dflash.DFlashDraftModel.from_pretrained(str(tmp_path / "spec")).eval()
+    # the embedding and the full-vocabulary head are the verifier's (not exported): set them as the engine does
+    loaded.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    loaded.lm_head.weight.data.copy_(model.get_output_embeddings().weight)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 90, (1, 16), generator=generator)
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[i] for i in drafter.config.hidden_layers], -1)
+    loss_mask = torch.zeros(1, 16, dtype=torch.long)
+    loss_mask[0, [3, 7, 9]] = 1  # exactly as many answer positions as anchors: speculators' draw takes them all
+    with torch.no_grad():
+        _, theirs, *_ = loaded._backbone_forward(features, ids, loss_mask, hidden[-1], torch.zeros_like(ids),
+                                                 max_anchors=3)
+        ours = drafter.lm_head(drafter(features, ids, torch.ones_like(ids), torch.tensor([[3, 7, 9]]),
+                                       torch.ones(1, 3, dtype=torch.bool)))
+    assert (theirs.float().view(1, 3, 4, -1) - ours).abs().max().item() <= TOLERANCE

@@ -15,8 +15,10 @@ import torch
 
 from draftsmith.errors import run_main
 from draftsmith.models import llamacpp
-from draftsmith.models.artifacts import save_dgf, target_block
+from draftsmith.models.artifacts import save_dflash, save_dgf, target_block
+from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel
+from draftsmith.models.export_dflash import export_dflash
 from draftsmith.models.exports import export_dgf
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import build_tiny_causal_lm
@@ -68,8 +70,13 @@ def tiny_pair(smol_tokenizer, tmp_path_factory):
     drafter = DGFModel(config).attach_target(target_model).eval()
     save_dgf(drafter, root / "final", target_block(target, target.name, [1, 2, 3]))
     export_dgf(root / "final", root / "eagle3", target=target, layout="speculators")
+    block = DFlashConfig.from_target(target_model.config, num_layers=1, block_size=4, target_layer_ids=[0, 2],
+                                     mask_token_id=16)
+    dflash = DFlashModel(block).attach_target(target_model).eval()
+    save_dflash(dflash, root / "dflash_final", target_block(target, target.name, block.hidden_layers))
+    export_dflash(root / "dflash_final", root / "dflash", target_model=target)
     return {"root": root, "target": target_dir, "draft": dirs["draft"][0], "eagle3": root / "eagle3",
-            "target_model": target}
+            "dflash": root / "dflash", "target_model": target}
 
 
 def export(argv: list[str], capsys) -> dict:
@@ -77,6 +84,16 @@ def export(argv: list[str], capsys) -> dict:
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out[: out.rindex("}") + 1])
+
+
+def test_the_dflash_export_drafts_in_llamacpp_and_speculation_is_lossless(tiny_pair, capsys):
+    """z-lab's layout through llama.cpp's own converter (DFlashModel, the target's tokenizer) and its draft-dflash
+    speculation: the target's layers 0 and 2 injected into the drafter's cache, blocks of 4 drafted, the output
+    equal to the target's plain output."""
+    root = tiny_pair["root"]
+    out = export(["gguf", str(tiny_pair["dflash"]), str(root / "dflash.gguf"), "--target", str(tiny_pair["target"])],
+                 capsys)
+    assert out["kind"] == "dflash" and out["check"]["identical_to_plain"] and out["check"]["drafted"] > 0
 
 
 def test_gguf_exports_decode_in_llamacpp_and_speculation_is_lossless(tiny_pair, capsys):

@@ -18,14 +18,20 @@ import torch
 
 from draftsmith.eval.decode.drafters.base import Drafter, InputError, Sampling, check_open_unit, check_sizes
 from draftsmith.eval.decode.tree import DraftTree
+from torch import nn
+
 from draftsmith.models.artifacts import load_dflash
+from draftsmith.models.compiled import CompileSettings, invariant_rows
+from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import Kernels, WeightPrecision, invariant_model
 from draftsmith.models.dflash import DFlashModel
 from draftsmith.models.vocab import DraftVocab
 
 
 class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashModel, budget: int | None = None, name: str = "dflash",
-                 stop_below: float | None = None, vocab: DraftVocab | None = None):
+                 stop_below: float | None = None, vocab: DraftVocab | None = None,
+                 precision: WeightPrecision | None = None):
         most = model.config.block_size - 1
         budget = most if budget is None else budget
         check_sizes(name, budget=budget)
@@ -39,7 +45,13 @@ class DFlashDrafter(Drafter):
         self.hidden_layers = model.config.hidden_layers
         # an optional draft vocabulary: the drafter's argmax over that slice of the LM head only (cheaper)
         self.head_rows = None if vocab is None else vocab.draft_to_target.to(model.fc.weight.device)
-        self.head = model.lm_head.weight if vocab is None else model.lm_head.weight[self.head_rows]
+        head = model.lm_head.weight if vocab is None else model.lm_head.weight[self.head_rows]
+        # precision given: the compiled engine's batch-invariant kernels (the stock mm is slow for a block's few rows)
+        self.runs = model if precision is None else invariant_model(model, precision)
+        self.head = (nn.Linear(head.shape[1], head.shape[0], bias=False) if precision is None
+                     else invariant_rows(head.detach(), precision))
+        if precision is None:
+            self.head.weight = nn.Parameter(head.detach(), requires_grad=False)
         self.context: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.length = 0
 
@@ -51,7 +63,7 @@ class DFlashDrafter(Drafter):
         device = self.model.fc.weight.device
         features = torch.cat([hidden[layer].to(device) for layer in self.hidden_layers], -1)[None]  # (1, m, kH)
         positions = torch.arange(self.length, self.length + features.shape[1], device=device)[None]
-        new = self.model.context_kv(features, positions)
+        new = self.runs.context_kv(features, positions)
         if not self.context:
             self.context = new
         else:
@@ -65,8 +77,8 @@ class DFlashDrafter(Drafter):
         ids = torch.full((1, self.budget + 1), self.model.config.mask_token_id, device=device)
         ids[0, 0] = root
         positions = torch.arange(self.length, self.length + self.budget + 1, device=device)[None]
-        hidden = self.model.block_hidden(ids, positions, self.context, None)[0, 1:]
-        return hidden.float() @ self.head.float().T
+        hidden = self.runs.block_hidden(ids, positions, self.context, None)[0, 1:]
+        return self.head(hidden).float()
 
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
         if self.length != context.numel() - 1:
@@ -104,7 +116,12 @@ class DFlashDrafter(Drafter):
 
 
 def load_dflash_drafter(path: str | Path, target, budget: int | None = None, name: str = "dflash",
-                        stop_below: float | None = None, vocab: DraftVocab | None = None) -> DFlashDrafter:
-    """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel)."""
+                        stop_below: float | None = None, vocab: DraftVocab | None = None,
+                        backend: Backend = Backend.EAGER, settings: CompileSettings | None = None) -> DFlashDrafter:
+    """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel); on the
+    compiled backend with the batch-invariant kernels (`settings`), its Linears and head run on those kernels."""
     model, _ = load_dflash(path, target)
-    return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab)
+    settings = settings or CompileSettings()
+    fast = backend is Backend.COMPILED and settings.kernels is Kernels.INVARIANT
+    return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
+                         precision=settings.weights if fast else None)
