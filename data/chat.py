@@ -315,7 +315,7 @@ def format_mask(tokenizer: Any, input_ids: list[int], loss_mask: list[int], colo
 
 @dataclass
 class MaskViewConfig:
-    target: str = option(help="whose chat template and tokenizer: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(help="whose chat template and tokenizer: registry name, model directory, hub id or tiny:<family>")
     source: str = option("gsm8k:train", "data.sources spec, e.g. gsm8k:train, sharegpt, mt-bench")
     n: int = option(2, "conversations shown", ge=1)
     max_length: int | None = option(None, "cut at this many tokens", ge=1)

@@ -83,7 +83,7 @@ __all__ = ["FeatureCacheConfig", "build_feature_cache", "FeatureDataset", "load_
 class FeatureCacheConfig:
     """What `build_feature_cache` stores; every default is declared here once."""
 
-    target: str = option(help="the model whose features are cached: zoo name, model directory, hub id, tiny:<family>")
+    target: str = option(help="the model whose features are cached: registry name, model directory, hub id, tiny:<family>")
     source: str | None = option(help="a source spec: " + source_help())
     output_dir: str = option(help="cache directory")
     hidden_layers: tuple[int, ...] = option((-1,), "output_hidden_states indices to store (-1: final normed state)")

@@ -16,15 +16,18 @@ exactly the batches an uninterrupted run would have drawn.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Optional
 
 import numpy as np
 import torch
 
+from draftsmith.config import option, parse_script
 from draftsmith.data.chat import render_and_mask
 from draftsmith.data.sources import CHECKERS, load_source
 from draftsmith.errors import UserError, exit_with
@@ -245,18 +248,21 @@ def collate(records: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
 
 
+@dataclass
+class PackCommand:
+    command: Literal["pack"] = option(help="pack: load SPEC and write its records packed (the first bare word)")
+    spec: str = option(help="the data source spec, as a recipe's data.source (the second bare word)")
+    out: str = option(help="the .npz file written (the third bare word)")
+    target: str = option(help="the target whose tokenizer and chat template render SPEC")
+    max_length: Optional[int] = option(None, "tokens per record (longer ones are cut)", ge=2)
+    overwrite: bool = option(False, "replace OUT if it exists")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m draftsmith.data.records pack SPEC OUT.npz --target NAME [--max-length N] [--overwrite]`: the records a
-    recipe would load from SPEC, packed (a job's data, committed or carried to another machine)."""
-    parser = argparse.ArgumentParser(prog="python -m draftsmith.data.records", description=main.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    pack = sub.add_parser("pack", help="load SPEC and write its records packed")
-    pack.add_argument("spec")
-    pack.add_argument("out")
-    pack.add_argument("--target", required=True, help="the target whose tokenizer and chat template render SPEC")
-    pack.add_argument("--max-length", type=int, default=None)
-    pack.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    args = parser.parse_args(argv)
+    """`python -m draftsmith.data.records pack SPEC OUT.npz target=NAME [max_length=N] [overwrite=true]`: the records
+    a recipe would load from SPEC, packed (a job's data, committed or carried to another machine)."""
+    args = parse_script("python -m draftsmith.data.records", main.__doc__, PackCommand,
+                        sys.argv[1:] if argv is None else argv, positional=("command", "spec", "out"))
     refuse_overwrite(args.out, args.overwrite, instead="choose another OUT")  # before minutes of loading
     tokenizer = load_tokenizer(args.target)
     stats: dict = {}

@@ -65,7 +65,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
 from draftsmith.models.llamacpp import CONVERTER_TYPES, LlamaServer, ServerSettings, cached_gguf
 from draftsmith.models.target import TargetModel, load_model_config, resolve_dtype
-from draftsmith.models.zoo import resolve_model_path
+from draftsmith.models.registry import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 class RegenerateConfig:
     """What `regenerate` does; every default is declared here once."""
 
-    target: str = option(help="the model that answers: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(help="the model that answers: registry name, model directory, hub id or tiny:<family>")
     source: str | None = option(help="the conversations, a source spec: " + source_help())
     output_dir: str = option(help="run directory (shards + ledgers + index.json)")
     max_new_tokens: int = option(512, "new tokens per assistant turn", ge=1)

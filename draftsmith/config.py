@@ -459,6 +459,25 @@ def parse_command(parser: argparse.ArgumentParser, config_cls: type[T],
     return cfg, args
 
 
+def parse_script(prog: str, description: str, config_cls: type[T], argv: Sequence[str],
+                 positional: Sequence[str] = (), rest: str | None = None) -> T:
+    """A small command's config from its command line: `key=value` (or `--key value`, `--flag`) for every key,
+    `--help` listing them; bare words fill the `positional` keys in order, then (with `rest`) that list key, so
+    `cmd RUN --out X` and `cmd run=RUN out=X` mean the same."""
+    parser = command_parser(prog, description, config_cls)
+    words = flag_overrides(argv, config_cls)
+    bare = [word for word in words if "=" not in word and not word.startswith("-")]
+    keyed = [word for word in words if "=" in word or word.startswith("-")]
+    overrides = [f"{key}={json.dumps(word)}" for key, word in zip(positional, bare)]
+    extra = bare[len(positional):]
+    if extra and rest is None:
+        raise ConfigError(f"{' '.join(extra)!r}: not a key=value override (see {prog} --help)")
+    if extra:
+        overrides.append(f"{rest}={json.dumps(extra)}")
+    cfg, _ = parse_command(parser, config_cls, keyed + overrides)
+    return cfg
+
+
 # ---------------------------------------------------------------------------------------------
 # Options the chosen mode does not read
 # ---------------------------------------------------------------------------------------------

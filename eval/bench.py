@@ -85,7 +85,7 @@ def default_methods(target: str) -> list[MethodSpec]:
 
 @dataclass
 class BenchConfig(PromptSettings):
-    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: registry name, model directory, hub id or tiny:<family>")
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree / hf-assisted use by default")
     methods: list[MethodSpec] | None = option(None, "methods to compare (plain is always run); null: plain, "
                                               "ngram + dgf (the target's bundled drafter) where one is bundled")

@@ -35,7 +35,7 @@ CATEGORIES = ("gemm", "lm_head", "attention", "other_kernels", "python_dispatch"
 
 @dataclass
 class ForwardProfileConfig:
-    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: registry name, model directory, hub id or tiny:<family>")
     backends: list[Backend] = option(factory=lambda: list(Backend), help="engines")
     dtype: str = option("float32", "dtype of the target")
     width: int = option(8, "new tokens in the profiled forward", ge=1, le=64)

@@ -42,7 +42,7 @@ DEFAULT_WIDTHS = [1, 2, 4, 8, 16, 32, 64]
 
 @dataclass
 class LatencyConfig:
-    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: registry name, model directory, hub id or tiny:<family>")
     backends: list[Backend] = option(factory=lambda: list(Backend),
                                                            help="engines measured")
     dtypes: list[str] = option(factory=lambda: ["float32"], help="dtypes measured (float32 | bfloat16 | float16)")

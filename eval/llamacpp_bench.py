@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from draftsmith.config import ConfigError, check_config, option
+from draftsmith.config import ConfigError, check_config, config_to_dict, option
 from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench import WARMUP_MESSAGES, BenchConfig, mean_ci, run_benchmark
@@ -41,7 +41,7 @@ from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.compiled import CompileSettings, machine_load
 from draftsmith.models.kernels import WeightPrecision
 from draftsmith.models.target import load_tokenizer
-from draftsmith.models.zoo import resolve_model_path
+from draftsmith.models.registry import resolve_model_path
 
 # ---------------------------------------------------------------------------------------------
 # Methods: one table, the same spec grammar as the PyTorch bench's
@@ -90,7 +90,7 @@ class DraftLengthCheck:
 
 @dataclass
 class DraftOptions(DraftLengthCheck):
-    path: str = option(help="draft model: zoo name, HF model directory or .gguf file")
+    path: str = option(help="draft model: registry name, HF model directory or .gguf file")
     type: str = option("float32", "GGUF type the draft is converted to (not read for a .gguf path)")
     n_max: int = n_max_option()
     p_min: float = p_min_option()
@@ -233,7 +233,7 @@ class EngineBenchConfig(PromptSettings):
 @dataclass
 class LlamaCppBenchConfig(EngineBenchConfig):
     plain: ClassVar[MethodSpec] = PLAIN
-    target: str = option(DEFAULT_TARGET, "the target: zoo name or HF model directory")
+    target: str = option(DEFAULT_TARGET, "the target: registry name or HF model directory")
     target_type: str = option("float32", f"the target's GGUF type: {', '.join(llamacpp.GGUF_TYPES)}")
     methods: list[LlamaCppMethodSpec] = option(factory=lambda: [LlamaCppMethodSpec.from_config("ngram")],
                                                help="methods beside plain (always run): plain | ngram | draft | eagle3 | dflash")
@@ -410,12 +410,17 @@ def run_llamacpp_bench(config: LlamaCppBenchConfig, log_dir: Path) -> dict:
                           {"target_gguf": str(ctx.target_gguf)})
 
 
+def document_config(config: EngineBenchConfig) -> dict:
+    """The config as the JSON records it: plain values, every method (the engine's and PyTorch's) as its spec."""
+    return config_to_dict(config) | {"methods": [str(spec) for spec in config.methods]}
+
+
 def bench_document(config: EngineBenchConfig, rows: list, interleaved: bool, started: float, engine: dict,
                    target_file: dict) -> dict:
     """An engine bench's JSON: its config, the engine's pins, the machine, the summary and the rows, and the
     PyTorch baselines on the same prompts when asked for."""
     labels = [str(spec) for spec in config.methods]
-    document = {"config": dataclasses.asdict(config) | {"methods": labels}, **engine,
+    document = {"config": document_config(config), **engine,
                 "machine": {"cpu": cpu_model(), "isa": cpu_isa(), "threads": config.threads, **target_file},
                 "interleaved": interleaved, "seconds": round(time.time() - started, 1),
                 "summary": summarize(rows, labels), "rows": rows}

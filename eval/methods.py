@@ -184,7 +184,7 @@ class NoOptions:
 
 @dataclass
 class AssistedOptions:
-    model: str | None = option(None, "assistant model (zoo name / dir); null: the run's draft")
+    model: str | None = option(None, "assistant model (registry name / dir); null: the run's draft")
     tokens: int | None = option(None, "draft tokens per round at most (num_assistant_tokens, constant schedule); "
                                       "null: the assistant's generation config (transformers' default: 20)", ge=1)
     confidence: float | None = option(None, "stop drafting once the assistant's probability of its token falls "
@@ -213,7 +213,7 @@ class LMChainOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round", ge=1)
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
     shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
-    model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
+    model: str | None = option(None, "draft LM (registry name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
                                      "sliced to it at load time")
@@ -239,7 +239,7 @@ class LMTreeOptions:
     depth: int = option(LM_TREE.depth, "tree depth", ge=1)
     topk: int = option(LM_TREE.topk, "children per expanded node", ge=1)
     beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)
-    model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft")
+    model: str | None = option(None, "draft LM (registry name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
                                      "sliced to it at load time")
@@ -288,7 +288,7 @@ class DGFOptions:
 
 @dataclass
 class LLMCadOptions(LLMCadConfig):
-    model: str | None = option(None, "draft LM (zoo name / dir); null: the run's draft, else every=3")
+    model: str | None = option(None, "draft LM (registry name / dir); null: the run's draft, else every=3")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM", ge=1)
 
 
@@ -350,7 +350,7 @@ class HcmpOptions:
 
 @dataclass
 class ArcaOptions:
-    path: str = option(help="an eval.profile profile JSON")
+    path: str = option(help="an eval.arca_profile profile JSON")
     budget: int | None = option(None, "another profiled budget than the ARCA pick", ge=0)
 
 

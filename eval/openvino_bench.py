@@ -34,7 +34,7 @@ from draftsmith.eval.methods import MethodEntry, MethodSpec
 from draftsmith.models import openvino
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.target import load_tokenizer
-from draftsmith.models.zoo import resolve_model_path
+from draftsmith.models.registry import resolve_model_path
 
 # ---------------------------------------------------------------------------------------------
 # Methods
@@ -49,7 +49,7 @@ class LookupOptions:
 
 @dataclass
 class DraftOptions:
-    path: str = option(help="draft model: zoo name or HF model directory")
+    path: str = option(help="draft model: registry name or HF model directory")
     format: str = option("fp32", f"the draft's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)} (the target "
                                  "verifies in its own format, so the output is unchanged)")
     k: int = option(5, "tokens drafted per step (num_assistant_tokens; not read with p_min)", ge=1)
@@ -130,7 +130,7 @@ PLAIN = OpenVinoMethodSpec.from_config("plain")
 @dataclass
 class OpenVinoBenchConfig(EngineBenchConfig):
     plain: ClassVar[MethodSpec] = PLAIN
-    target: str = option(DEFAULT_TARGET, "the target: zoo name or HF model directory")
+    target: str = option(DEFAULT_TARGET, "the target: registry name or HF model directory")
     target_format: str = option("fp32", f"the target's IR weight format: {', '.join(openvino.WEIGHT_FORMATS)}")
     methods: list[OpenVinoMethodSpec] = option(factory=lambda: [OpenVinoMethodSpec.from_config("lookup")],
                                                help="methods beside plain (always run): plain | lookup | draft | eagle3")

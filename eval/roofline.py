@@ -43,7 +43,7 @@ WIDTHS = [1, 2, 4, 8, 16, 32, 64]
 
 @dataclass
 class RooflineConfig:
-    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: registry name, model directory or tiny:<family>")
     dtype: str = option("float32", "the target's dtype (float32 | bfloat16)")
     widths: list[int] = option(factory=lambda: list(WIDTHS), help="tokens per forward", ge=1)
     context_tokens: int = option(256, "KV-cache length each forward attends over", ge=1)

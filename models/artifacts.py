@@ -5,7 +5,7 @@ A trained drafter directory (a recipe's `final/`) holds its weights (safetensors
 
     {"format": "draftsmith.<kind>/1", "method": ..., "target": <target block>, <kind sections>}
 
-The target block records what a drafter depends on: the target's name (zoo name, dir or hub id),
+The target block records what a drafter depends on: the target's name (registry name, dir or hub id),
 model type, hidden size, vocabulary size and fingerprint (sha256 of the token -> id map), number of
 layers, the hidden-state layers the drafter reads, the dtype it was trained against, and (reduced
 draft vocabularies) the draft vocabulary. `check_target` refuses a drafter for another target and
@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from draftsmith.errors import UserError
+from draftsmith.config import option, parse_script
+from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write_json
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel
@@ -298,7 +300,7 @@ ADAPTER_FORMAT = "draftsmith.adapter/1"
 
 def write_adapter_sidecar(directory: str | Path, base: str | None, pard_token: int | None) -> None:
     """What merging a PEFT adapter into a standalone model needs and PEFT's adapter_config.json does not hold:
-    the base model by zoo name or directory (None: the student was not a loadable model) and the PARD mask token."""
+    the base model by registry name or directory (None: the student was not a loadable model) and the PARD mask token."""
     content = {"format": ADAPTER_FORMAT, "base": base, "pard_token": pard_token}
     (Path(directory) / ADAPTER_SIDECAR).write_text(json.dumps(content, indent=2) + "\n")
 
@@ -341,15 +343,20 @@ def store_in_bfloat16(directory: str | Path) -> list[str]:
     return [file.name for file in files]
 
 
+@dataclass
+class StoreCommand:
+    command: Literal["to_bfloat16"] = option(help="to_bfloat16: store a drafter directory's weights in bfloat16 (the "
+                                                 "first bare word)")
+    directory: str = option(help="the drafter directory (the second bare word)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftsmith.models.artifacts to_bfloat16 <drafter dir>`: store its weights in bfloat16."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "to_bfloat16":
-        print("usage: python -m draftsmith.models.artifacts to_bfloat16 <drafter dir>", file=sys.stderr)
-        return 2
-    print(" ".join(store_in_bfloat16(args[1])) or f"no weights in {args[1]}")
+    args = parse_script("python -m draftsmith.models.artifacts", main.__doc__, StoreCommand,
+                        sys.argv[1:] if argv is None else argv, positional=("command", "directory"))
+    print(" ".join(store_in_bfloat16(args.directory)) or f"no weights in {args.directory}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

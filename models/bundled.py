@@ -1,4 +1,4 @@
-"""Drafters shipped inside the package: one small feature drafter per zoo target that has one (a
+"""Drafters shipped inside the package: one small feature drafter per registry target that has one (a
 reduced draft vocabulary whose head is a frozen slice of the target's LM head, re-read from the target
 at load, so only the blocks and the fusion are stored, in bfloat16). Each directory is a `train/dgf.py`
 final/ directory exported with `scripts/export.py dgf ... --layout dgf --dtype bfloat16`; its model
@@ -13,7 +13,7 @@ from draftsmith.errors import UserError
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
 DEFAULT_TARGET = "smollm2-135m-instruct"  # every command's target when none is named (declared here only)
 
-# zoo target name -> directory under BUNDLED_DIR
+# registry target name -> directory under BUNDLED_DIR
 BUNDLED_DRAFTERS: dict[str, str] = {
     "smollm2-135m-instruct": "smollm2-135m-instruct-eagle3",
 }
@@ -25,7 +25,7 @@ BUNDLED_DRAFTERS: dict[str, str] = {
 
 
 def bundled_drafter(target_name: str) -> Path:
-    """The directory of the drafter bundled for `target_name` (a zoo name); a user error names the
+    """The directory of the drafter bundled for `target_name` (a registry name); a user error names the
     targets that have one."""
     table, root = BUNDLED_DRAFTERS, BUNDLED_DIR
     if target_name not in table:

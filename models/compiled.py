@@ -57,7 +57,7 @@ from draftsmith.models.medusa import MedusaHeads
 from draftsmith.models.engine import Backend, TargetOutput, with_cache
 from draftsmith.models.kernels import InvariantLinear, Kernels, WeightPrecision, invariant_attention, invariant_model
 from draftsmith.models.precision import Int8WeightLinear
-from draftsmith.models.zoo import draftsmith_cache
+from draftsmith.models.registry import draftsmith_cache
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from draftsmith.models import eagle_layouts
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
 from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC
-from draftsmith.models.zoo import REGISTRY
+from draftsmith.models.registry import REGISTRY
 
 MODEL_CARD = "README.md"
 ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -130,7 +130,7 @@ def finish_export(tmp: Path, out_dir: Path, manifest: dict, reference: torch.Ten
 
 
 def hub_id(name: str | None) -> str | None:
-    """The hub id a serving engine resolves for a zoo name (other names are returned as they are)."""
+    """The hub id a serving engine resolves for a registry name (other names are returned as they are)."""
     entry = REGISTRY.get(name or "")
     return entry.hub_id if entry is not None and entry.hub_id else name
 
@@ -172,7 +172,7 @@ def provenance(manifest: dict, source_manifest: dict | None) -> list[str]:
                  "training manifest beside it)"]
     else:
         training = source_manifest.get("training") or {}
-        lines = ["- trained by draftsmith against its zoo copy of the target (its GGUF quantisation, dequantised): "
+        lines = ["- trained by draftsmith against its registry copy of the target (its GGUF quantisation, dequantised): "
                  "against the upstream checkpoint acceptance can be a little lower, the output is unchanged "
                  "(verification is lossless)",
                  f"- training command: `{training.get('command', 'not recorded')}` ({training.get('steps')} steps)"]
@@ -268,10 +268,10 @@ def _student_tokenizer(source_path: Path, target, distilled: dict | None):
 def export_student(source: str | Path, out_dir: str | Path, target=None, dtype: str = "float32",
                    tree: dict | None = None, tolerance: float = 0.0, check_assisted: bool = True,
                    bench: dict | None = None, command: str | None = None, base: str | None = None) -> ExportResult:
-    """A distilled (or any) student -> plain HF directory. `source`: a HF model dir / zoo name, a
+    """A distilled (or any) student -> plain HF directory. `source`: a HF model dir / registry name, a
     train/distill.py `final/` (its manifest names the target), or a LoRA adapter directory (PEFT's format,
     e.g. a run's `final/adapter`), merged into `base` (default: the base its sidecar or adapter_config.json
-    names). `target`: a TargetModel (or zoo name / dir) for the tokenizer check and the
+    names). `target`: a TargetModel (or registry name / dir) for the tokenizer check and the
     `generate(assistant_model=...)` check (greedy output of the target with the reloaded student as
     assistant == without it)."""
     source_path = Path(resolve_model_path(str(source))) if not Path(source).exists() else Path(source)
@@ -347,7 +347,7 @@ MERGE_TOLERANCE = 1e-3  # max |logit difference| between the adapter applied by 
 
 
 def adapter_base(adapter: Path, base: str | None, sidecar: dict) -> str:
-    """The model an adapter is merged into: `base`, else its sidecar's, else the zoo model whose hub id its
+    """The model an adapter is merged into: `base`, else its sidecar's, else the registry model whose hub id its
     adapter_config.json names (else that name, a hub id or directory)."""
     if base is None and sidecar:
         if sidecar.get("base") is None:
@@ -357,7 +357,7 @@ def adapter_base(adapter: Path, base: str | None, sidecar: dict) -> str:
     if base is None:
         named = read_json(adapter / ADAPTER_CONFIG, "adapter config").get("base_model_name_or_path")
         if not named:
-            raise UserError(f"{adapter}: the adapter names no base model; pass --base <zoo name or directory>")
+            raise UserError(f"{adapter}: the adapter names no base model; pass --base <registry name or directory>")
         base = next((entry.name for entry in REGISTRY.values() if entry.hub_id == named), named)
     return base
 
@@ -466,7 +466,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
                dtype: str = "float32", command: str | None = None) -> ExportResult:
     """train/dgf.py `final/` -> EAGLE-1/2 (`eagle`, fusion linear), EAGLE-3 (`speculators` for vLLM,
     `sglang`; fusion eagle3) or draftsmith's DGF layout (`dgf`); "auto" picks by the drafter. Parity runs
-    the drafter through the target's embedding and LM head when `target` (TargetModel, or zoo name /
+    the drafter through the target's embedding and LM head when `target` (TargetModel, or registry name /
     dir) is given, else through a seeded stand-in of the same shape. `dtype` (layout dgf): the stored
     weights' dtype (bfloat16 halves a bundled drafter); parity is then against the rounded drafter."""
     source = Path(source)

@@ -31,7 +31,7 @@ from torch import nn
 
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import dir_lock
-from draftsmith.models.zoo import draftsmith_cache
+from draftsmith.models.registry import draftsmith_cache
 
 SOURCE_DIRECTORY = Path(__file__).with_name("native")
 SOURCES = ("batch_invariant.cpp", "invariant_impl.h")

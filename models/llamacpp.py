@@ -33,7 +33,7 @@ from pathlib import Path
 
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write_json, file_digest
-from draftsmith.models.zoo import draftsmith_cache
+from draftsmith.models.registry import draftsmith_cache
 
 
 @dataclass(frozen=True)

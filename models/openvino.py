@@ -26,7 +26,7 @@ from xml.etree import ElementTree
 
 from draftsmith.errors import UserError, exit_with
 from draftsmith.models.llamacpp import model_dir_key
-from draftsmith.models.zoo import draftsmith_cache
+from draftsmith.models.registry import draftsmith_cache
 
 # The one OpenVINO stack the toolkit drives (all from PyPI); transformers is the newest optimum-intel 2.2 accepts.
 # datasets: optimum-intel imports it, and ours (5.x) needs a newer huggingface_hub than optimum-intel allows.

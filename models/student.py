@@ -16,15 +16,19 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from draftsmith.errors import UserError
-from draftsmith.fileio import atomic_write_json
+from draftsmith.config import option, parse_script
+from draftsmith.errors import UserError, exit_with
+from draftsmith.fileio import atomic_write_json, refuse_overwrite
+from draftsmith.models.registry import resolve_model_path
 
 LEAN_CONFIG = "lean_student.json"
 LEAN_WEIGHTS = "student_layers.safetensors"
@@ -90,20 +94,28 @@ def rebuild_lean_student(target_model: PreTrainedModel, path: str | Path) -> Pre
     return student
 
 
+@dataclass
+class ExpandCommand:
+    command: Literal["expand"] = option(help="expand: write the whole HF model of a lean student (the first bare word)")
+    source: str = option(help="the lean student directory (the second bare word)")
+    out: str = option(help="the HF model directory written (the third bare word)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftsmith.models.student expand <lean dir> <out dir>`: the whole HF model and tokenizer."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 3 or args[0] != "expand":
-        print("usage: python -m draftsmith.models.student expand <lean student dir> <out dir>", file=sys.stderr)
-        return 2
-    from draftsmith.models.target import TargetModel  # the loader lives above this module
-
-    student = TargetModel.from_pretrained(args[1])
-    student.model.save_pretrained(args[2])
-    student.tokenizer.save_pretrained(args[2])
-    print(args[2])
+    args = parse_script("python -m draftsmith.models.student", main.__doc__, ExpandCommand,
+                        sys.argv[1:] if argv is None else argv, positional=("command", "source", "out"))
+    spec = lean_student_spec(args.source)
+    if spec is None:
+        raise UserError(f"{args.source} is not a lean student directory ({LEAN_CONFIG} is missing)")
+    refuse_overwrite(Path(args.out), False, instead="choose another out")
+    base = resolve_model_path(spec["target"])
+    student = rebuild_lean_student(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args.source)
+    student.save_pretrained(args.out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(args.out)
+    print(args.out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -31,7 +31,7 @@ from draftsmith.models.dgf import DGFModel, EagerDGFEngine
 from draftsmith.models.engine import Backend, EagerEngine, TargetOutput
 from draftsmith.models.student import lean_student_spec, rebuild_lean_student
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm, parse_tiny_spec
-from draftsmith.models.zoo import REGISTRY, resolve_model_path
+from draftsmith.models.registry import REGISTRY, resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -108,12 +108,12 @@ def from_hub_or_dir(loader, name_or_path: str, path: str, **kwargs):
     except OSError as err:
         if Path(path).is_dir():
             raise
-        raise UserError(f"model {name_or_path!r}: not a zoo name ({', '.join(REGISTRY)}) or an existing directory, "
+        raise UserError(f"model {name_or_path!r}: not a registry name ({', '.join(REGISTRY)}) or an existing directory, "
                         f"and the hub id could not be loaded ({' '.join(str(err).split())[:160]})") from err
 
 
 def load_tokenizer(name_or_path: str):
-    """The tokenizer of a zoo name / dir / hub id, or the TinyTokenizer of a `tiny:` model."""
+    """The tokenizer of a registry name / dir / hub id, or the TinyTokenizer of a `tiny:` model."""
     tiny = parse_tiny_spec(name_or_path)
     if tiny is not None:
         return TinyTokenizer(build_tiny_causal_lm(tiny.family, seed=tiny.seed).config.vocab_size)
@@ -121,7 +121,7 @@ def load_tokenizer(name_or_path: str):
 
 
 def load_model_config(name_or_path: str):
-    """The HF config of a zoo name / dir / hub id (or of a `tiny:` model) without loading weights."""
+    """The HF config of a registry name / dir / hub id (or of a `tiny:` model) without loading weights."""
     tiny = parse_tiny_spec(name_or_path)
     if tiny is not None:
         return build_tiny_causal_lm(tiny.family, seed=tiny.seed).config
@@ -159,7 +159,7 @@ class TargetModel:
                         device: str | torch.device | None = None, gguf_file: str | None = None,
                         attn_implementation: str = "sdpa", backend: Backend = Backend.EAGER,
                         settings: CompileSettings | None = None) -> "TargetModel":
-        """Load by zoo name, local dir or hub id (and optionally a GGUF file inside that dir), or build a
+        """Load by registry name, local dir or hub id (and optionally a GGUF file inside that dir), or build a
         tiny random model for `tiny:<family>[,seed=N]` (models.tiny); `backend` picks the engine."""
         tiny = parse_tiny_spec(name_or_path)
         lean = lean_student_spec(name_or_path) if tiny is None else None

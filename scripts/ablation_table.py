@@ -13,10 +13,11 @@ baselines. A JSON with the same rows is written beside the markdown.
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.config import option, parse_script
 from draftsmith.errors import UserError, exit_with
 from draftsmith.models.artifacts import read_json
 from draftsmith.models.vocab import VOCAB_FILE, DraftVocab
@@ -83,11 +84,14 @@ def markdown(rows: list[dict], suites: list[str], results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass
+class AblationTableConfig:
+    bench_json: str = option(help="a bench.json (also the first bare word)")
+    out: str = option(help="markdown path (a .json with the rows goes beside it)")
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bench_json")
-    parser.add_argument("--out", required=True, help="markdown path (a .json with the rows goes beside it)")
-    args = parser.parse_args(argv)
+    args = parse_script("scripts/ablation_table.py", __doc__, AblationTableConfig, argv, positional=("bench_json",))
     path = Path(args.bench_json)
     if not path.is_file():
         raise UserError(f"{path}: no such bench.json")

@@ -11,11 +11,12 @@ adds their depth-1 acceptance, tau and speedup per suite. Writes `<out>.md`, `<o
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.config import option, parse_script
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import refuse_overwrite
 
@@ -87,13 +88,17 @@ def plot(points: list[dict], measured: dict[str, dict], path: Path) -> None:
     plt.close(figure)
 
 
+@dataclass
+class CurveReportConfig:
+    points: str = option(help="a folder of loss_tokens_<N>/ snapshots (also the first bare word)")
+    out: str = option(help="output path without suffix (.md, .json, .png are written)")
+    bench: str | None = option(None, "bench.json of a run that measured the points as dgf:<point> methods")
+    overwrite: bool = option(False, "replace an existing report")
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/curve_report.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("points", help="a folder of loss_tokens_<N>/ snapshots")
-    parser.add_argument("--bench", help="bench.json of a run that measured the points as dgf:<point> methods")
-    parser.add_argument("--out", required=True, help="output path without suffix (.md, .json, .png are written)")
-    parser.add_argument("--overwrite", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse_script("scripts/curve_report.py", __doc__.split("\n\n")[0], CurveReportConfig, argv,
+                        positional=("points",))
     out = Path(args.out)
     refuse_overwrite(out.with_suffix(".md"), args.overwrite)
     points = read_points(Path(args.points))

@@ -54,7 +54,7 @@ from draftsmith.models import exports as export
 from draftsmith.models.artifacts import read_json
 from draftsmith.models import llamacpp
 from draftsmith.models.trees import TreeShape
-from draftsmith.models.zoo import resolve_model_path
+from draftsmith.models.registry import resolve_model_path
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -62,14 +62,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="kind", required=True)
     student = sub.add_parser("student", help="distilled student / any HF causal LM / LoRA adapter -> plain HF "
                                               "directory")
-    student.add_argument("--target", help="zoo name or dir: tokenizer check + assisted-generate check")
+    student.add_argument("--target", help="registry name or dir: tokenizer check + assisted-generate check")
     student.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    student.add_argument("--base", help="a LoRA adapter source only: the zoo name or dir it is merged into (default: "
+    student.add_argument("--base", help="a LoRA adapter source only: the registry name or dir it is merged into (default: "
                                         "the base its draftsmith_adapter.json or adapter_config.json names)")
     medusa = sub.add_parser("medusa", help="train/medusa.py final/ -> FasterDecoding Medusa layout")
     medusa.add_argument("--base-model", help="base_model_name_or_path to write (default: the target's hub id)")
     dgf = sub.add_parser("dgf", help="train/dgf.py final/ -> EAGLE-1/2, EAGLE-3 (speculators / sglang) or DGF layout")
-    dgf.add_argument("--target", help="zoo name or dir (parity through its embedding and LM head)")
+    dgf.add_argument("--target", help="registry name or dir (parity through its embedding and LM head)")
     dgf.add_argument("--layout", default="auto", choices=list(export.DGF_LAYOUTS))
     dgf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                      help="stored weights (layout dgf; bfloat16 halves a bundled drafter)")
@@ -77,9 +77,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     dflash.add_argument("--layout", default="zlab", choices=list(export_dflash.DFLASH_LAYOUTS))
     gguf = sub.add_parser("gguf", help="HF causal LM, EAGLE-3 or DFlash export -> one GGUF file, decoded in llama.cpp")
     gguf.add_argument("--type", default="float32", choices=list(llamacpp.GGUF_TYPES), help="GGUF tensor type")
-    gguf.add_argument("--target", help="EAGLE-3 and DFlash only: the target's zoo name or model directory")
+    gguf.add_argument("--target", help="EAGLE-3 and DFlash only: the target's registry name or model directory")
     gguf.add_argument("--overwrite", action="store_true", help="replace an existing GGUF file")
-    gguf.add_argument("source", help="zoo name or model directory")
+    gguf.add_argument("source", help="registry name or model directory")
     gguf.add_argument("out", help="the .gguf file to write")
     for p in (student, medusa, dgf, dflash):
         p.add_argument("source")

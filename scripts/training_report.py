@@ -12,11 +12,13 @@ uploads them); an existing report is replaced only with ``--overwrite``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.config import option, parse_script
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import refuse_overwrite
 
@@ -109,23 +111,28 @@ def copy_wandb_runs(run: Path, dest: Path) -> list[str]:
     return [source.name for source in sources]
 
 
+@dataclass
+class TrainingReportConfig:
+    run: str = option(help="the training run's output_dir (holds metrics.jsonl); also the first bare word")
+    out: str = option(help="path stem of the .png/.md/.json written")
+    overwrite: bool = option(False, "replace an existing report")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=Path, help="the training run's output_dir (holds metrics.jsonl)")
-    parser.add_argument("--out", type=Path, required=True, help="path stem of the .png/.md/.json written")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing report")
-    args = parser.parse_args(argv)
-    wandb_dest = args.out.with_name(args.out.name + "_wandb")
-    for path in [args.out.with_suffix(suffix) for suffix in (".png", ".md", ".json")] + [wandb_dest]:
+    args = parse_script("scripts/training_report.py", __doc__.split("\n\n")[0], TrainingReportConfig,
+                        sys.argv[1:] if argv is None else argv, positional=("run",))
+    run, out = Path(args.run), Path(args.out)
+    wandb_dest = out.with_name(out.name + "_wandb")
+    for path in [out.with_suffix(suffix) for suffix in (".png", ".md", ".json")] + [wandb_dest]:
         refuse_overwrite(path, args.overwrite, "choose another --out")
-    train, evals = read_metrics(args.run)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    title = args.run.name
-    plot(train, evals, args.out.with_suffix(".png"), title)
-    args.out.with_suffix(".md").write_text(markdown(train, evals, title))
-    args.out.with_suffix(".json").write_text(json.dumps({"train": train, "eval": evals}, indent=1))
-    wandb_runs = copy_wandb_runs(args.run, wandb_dest)
-    print(f"wrote {args.out}.png/.md/.json ({len(train)} training rows, {len(evals)} evaluations)"
+    train, evals = read_metrics(run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    title = run.name
+    plot(train, evals, out.with_suffix(".png"), title)
+    out.with_suffix(".md").write_text(markdown(train, evals, title))
+    out.with_suffix(".json").write_text(json.dumps({"train": train, "eval": evals}, indent=1))
+    wandb_runs = copy_wandb_runs(run, wandb_dest)
+    print(f"wrote {out}.png/.md/.json ({len(train)} training rows, {len(evals)} evaluations)"
           + (f" and {len(wandb_runs)} offline W&B run(s) to {wandb_dest}" if wandb_runs else ""))
     return 0
 

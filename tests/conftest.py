@@ -89,12 +89,12 @@ def family(request):
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
-    """The real SmolLM2 tokenizer (chat template included) from the zoo cache; skip if absent."""
-    from draftsmith.models.zoo import is_fetched, resolve_model_path
+    """The real SmolLM2 tokenizer (chat template included) from the registry cache; skip if absent."""
+    from draftsmith.models.registry import is_fetched, resolve_model_path
     from transformers import AutoTokenizer
 
     if not is_fetched("smollm2-135m-instruct"):
-        pytest.skip("smollm2-135m-instruct not converted in the zoo cache (scripts/fetch_models.py)")
+        pytest.skip("smollm2-135m-instruct not converted in the registry cache (scripts/fetch_models.py)")
     return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
 
 

@@ -250,7 +250,7 @@ def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
 
 
 def test_results_page_discovery_and_markers(tmp_path):
-    from draftsmith.eval import results as results_page
+    from draftsmith.eval import results_page
 
     root = tmp_path / "outputs"
     for name, fmt, target in [("medusa_a", "draftsmith.medusa/1", "t"), ("medusa_untrained", "draftsmith.medusa/1", "t"),

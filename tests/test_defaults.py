@@ -8,7 +8,7 @@ from pathlib import Path
 
 from draftsmith.eval.bench import BenchConfig
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig
-from draftsmith.eval.profile import ProfileConfig
+from draftsmith.eval.arca_profile import ProfileConfig
 from draftsmith.models.bundled import DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -132,10 +132,10 @@ def test_config_validation():
 
 @pytest.mark.slow
 def test_real_smollm2_split_forward_and_decoding():
-    from draftsmith.models.zoo import is_fetched
+    from draftsmith.models.registry import is_fetched
 
     if not is_fetched("smollm2-135m-instruct"):
-        pytest.skip("smollm2-135m-instruct not in the zoo cache")
+        pytest.skip("smollm2-135m-instruct not in the registry cache")
     target = TargetModel.from_pretrained("smollm2-135m-instruct", dtype="float32")
     prompt = torch.tensor([target.tokenizer.encode("Write a short poem about the sea and the wind.")])
     tree_ids = torch.randint(0, 1000, (1, PARENTS.numel() + 1), generator=torch.Generator().manual_seed(0))

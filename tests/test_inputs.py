@@ -19,7 +19,8 @@ from draftsmith.data.features import FeatureCacheConfig
 from draftsmith.data.regenerate import RegenerateConfig
 from draftsmith.errors import UserError, run_main
 from draftsmith.data import draft_vocab
-from draftsmith.eval import bench, drafter_top1, forward_profile, latency, llamacpp_bench, profile, results
+from draftsmith.eval import (arca_profile, bench, drafter_top1, forward_profile, latency, llamacpp_bench,
+                            results_page)
 from draftsmith.eval.bench import BenchConfig
 from draftsmith.eval.decode.decoder import DecodeConfig, InputError, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
@@ -34,8 +35,9 @@ from draftsmith.train import dgf, distill, medusa
 
 COMMANDS = [(bench.main, BenchConfig), (latency.main, LatencyConfig), (llamacpp_bench.main, LlamaCppBenchConfig),
             (draft_vocab.main, draft_vocab.DraftVocabConfig), (drafter_top1.main, drafter_top1.DrafterTop1Config),
-            (forward_profile.main, forward_profile.ForwardProfileConfig), (profile.main, profile.ProfileConfig),
-            (results.main, results.ResultsConfig)]
+            (forward_profile.main, forward_profile.ForwardProfileConfig),
+            (arca_profile.main, arca_profile.ProfileConfig),
+            (results_page.main, results_page.ResultsConfig)]
 JOB_CONFIGS = [RegenerateConfig, FeatureCacheConfig]  # parsed by data.shards.parse_job_command
 TRAIN_COMMANDS = [(dgf.cli, dgf.DGFRecipeConfig), (medusa.cli, medusa.MedusaRecipeConfig),
                   (distill.cli, distill.DistillRecipeConfig)]

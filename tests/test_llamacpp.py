@@ -277,3 +277,16 @@ def test_a_divergence_is_located_and_its_logit_gap_measured(tmp_path):
     assert abs(out["logit_gap"] - abs(float(logits[11] - logits[13]))) < 1e-5
     assert llamacpp.first_divergence(prompt, plain, plain[:2], None) == {"position": 2, "plain": [12],
                                                                          "speculative": []}
+
+
+def test_the_json_records_every_method_as_its_spec():
+    """A PyTorch method whose options hold an enum (lm-chain's precision) is written as its spec text: the bench's
+    JSON once failed on it after the whole run."""
+    from draftsmith.config import load_config
+    from draftsmith.eval.llamacpp_bench import LlamaCppBenchConfig, document_config
+
+    config = load_config(LlamaCppBenchConfig, None,
+                         ["methods=[ngram]", "pytorch_methods=['lm-chain:every=2,precision=int8-weights']"])
+    recorded = json.loads(json.dumps(document_config(config)))
+    assert recorded["methods"] == ["plain", "ngram"]
+    assert recorded["pytorch_methods"] == ["lm-chain:every=2,precision=int8-weights"]

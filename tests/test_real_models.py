@@ -1,4 +1,4 @@
-"""Lossless decoding on real models from the zoo (SmolLM2-135M by default; Qwen pair when slow).
+"""Lossless decoding on real models from the registry (SmolLM2-135M by default; Qwen pair when slow).
 
 CI fetches SmolLM2 before the tests (`python scripts/fetch_models.py`); the Qwen tests are `slow`.
 """
@@ -14,7 +14,7 @@ from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.decode.drafters.union import UnionDrafter
 from draftsmith.models.bundled import bundled_drafter
-from draftsmith.models import zoo
+from draftsmith.models import registry
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.student import every_nth_layer, layer_subset_student
@@ -28,8 +28,8 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.",
 
 
 def need(name):
-    if not zoo.is_fetched(name):
-        pytest.skip(f"{name} is not in the zoo cache; run: python scripts/fetch_models.py {name}")
+    if not registry.is_fetched(name):
+        pytest.skip(f"{name} is not in the registry cache; run: python scripts/fetch_models.py {name}")
 
 
 def chat_ids(tokenizer, text):
@@ -89,7 +89,7 @@ def test_mismatched_tokenizer_is_refused(smol):
     drafter = LMDrafter(smol.model, tokenizer=altered)
     with pytest.raises(ValueError, match="lm-chain drafter's tokenizer differs"):
         SpeculativeDecoder(smol, drafter)
-    if zoo.is_fetched("qwen2.5-coder-0.5b-instruct"):
+    if registry.is_fetched("qwen2.5-coder-0.5b-instruct"):
         qwen = TargetModel.from_pretrained("qwen2.5-coder-0.5b-instruct").tokenizer
         with pytest.raises(ValueError, match="vocab sizes"):
             check_same_tokenizer(smol.tokenizer, qwen)

@@ -247,7 +247,7 @@ def test_smollm2_layer_student_exports_as_draft(tmp_path):
     from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
     from draftsmith.eval.decode.drafters.lm import LMDrafter
     from draftsmith.models.target import TargetModel
-    from draftsmith.models.zoo import is_fetched
+    from draftsmith.models.registry import is_fetched
 
     if not is_fetched("smollm2-135m-instruct"):
         pytest.skip("smollm2-135m-instruct not converted")

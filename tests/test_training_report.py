@@ -30,6 +30,10 @@ def test_training_report_writes_curves_table_and_rows(tmp_path):
     with pytest.raises(UserError, match="training.png exists: pass --overwrite"):
         training_report.main([str(tmp_path / "run"), "--out", str(out)])
     assert training_report.main([str(tmp_path / "run"), "--out", str(out), "--overwrite"]) == 0
+    # the same command in key=value form (every command's form); a stray word is one line naming it
+    assert training_report.main([f"run={tmp_path / 'run'}", f"out={out}", "overwrite=true"]) == 0
+    with pytest.raises(UserError, match="'stray': not a key=value override"):
+        training_report.main([str(tmp_path / "run"), "stray", f"out={out}"])
 
 
 def test_a_resumed_run_s_repeated_steps_are_one_row_each():

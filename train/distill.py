@@ -4,7 +4,7 @@
     python train/distill.py --config train/configs/distill_qwen_cpu.yaml train.max_steps=10
 
 Student (`student.init`):
-    pretrained  any HF causal LM (`student.model`: zoo name, dir, hub id, or `tiny:<family>[,seed=N]`) whose
+    pretrained  any HF causal LM (`student.model`: registry name, dir, hub id, or `tiny:<family>[,seed=N]`) whose
                 tokenizer equals the target's token by token (`models.target.check_same_tokenizer`)
     layers      a copy of the target keeping every `student.layer_stride`-th decoder layer (+ the last;
                 or `student.layer_ids`), `models/student.py`
@@ -79,7 +79,7 @@ class StudentConfig:
         "pretrained", "pretrained model, a layer subset of the target, a layer subset of the pretrained model, or "
                       "new shallow layers")
     model: str | None = option("qwen2.5-coder-0.5b-instruct",
-                               "pretrained, pruned: zoo name, dir, hub id or tiny:<family>")
+                               "pretrained, pruned: registry name, dir, hub id or tiny:<family>")
     layer_stride: int = option(2, "layers, pruned: keep layers 0, n, 2n, ... and the last", ge=1)
     layer_ids: list[int] | None = option(None, "layers, pruned: explicit ids instead of the stride", ge=0)
     num_layers: int = option(2, "shallow: number of freshly initialised decoder layers", ge=1)
@@ -132,7 +132,7 @@ class ExportConfig:
 @dataclass
 class DistillRecipeConfig(RunConfig):
     output_dir: str = option("outputs/distill", "run directory (checkpoints/, final/, metrics.jsonl)")
-    target: str = option("qwen2.5-coder-1.5b-instruct", "the teacher: zoo name, model directory, hub id or "
+    target: str = option("qwen2.5-coder-1.5b-instruct", "the teacher: registry name, model directory, hub id or "
                                                          "tiny:<family>")
     student: StudentConfig = section(StudentConfig)
     lora: LoraConfig = section(LoraConfig)

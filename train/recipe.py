@@ -25,7 +25,7 @@ class RunConfig:
 
     output_dir: str = option("outputs/run", "run directory (checkpoints/, final/, metrics.jsonl)")
     device: str = option("auto", "auto | cpu | cuda")
-    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: registry name, model directory, hub id or tiny:<family>")
     dtype: str = option("float32", "the target's dtype (drafters train in float32)")
     attn_implementation: str = option("sdpa", "the target's attention implementation (transformers)")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from draftsmith.data.sources.conversation import Conversation, iter_json_records, package_folder, require_file
-from draftsmith.models.zoo import draftsmith_cache
+from draftsmith.models.registry import draftsmith_cache
 
 # GSM8K is located explicitly: $DRAFTSMITH_GSM8K_DIR, else the copy that `scripts/fetch_models.py
 # --gsm8k-from DIR` (run by scripts/install.sh) put into the draftsmith cache, else the hub dataset.

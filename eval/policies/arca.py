@@ -5,7 +5,7 @@ artifact function and lives in `models.medusa` (exports record it as medusa_choi
 re-exported here. `RankRecorder` wraps any drafter and records which rank the target took at each
 depth; `replay_tau` / `refine_paths` score and improve static trees against those recorded rounds
 (Ghidorah's neighbour search over leaves and same-level nodes); profile documents are written by
-`eval.profile` and read by the bench's `arca:` method.
+`eval.arca_profile` and read by the bench's `arca:` method.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def refine_paths(paths: list[list[int]], rank_paths: list[list[int]], allowed: s
 
 
 # --------------------------------------------------------------------------------------------
-# Profile documents (written by eval.profile, read by the bench's `arca:` method)
+# Profile documents (written by eval.arca_profile, read by the bench's `arca:` method)
 # --------------------------------------------------------------------------------------------
 
 PROFILE_VERSION = 3  # 1 called the budget "width"; 2 had no backend/dtype in its pick (eager, its dtype); both read

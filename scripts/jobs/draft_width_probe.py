@@ -2,7 +2,7 @@
 in one process, medians of 20 (the evidence for lm-chain's shared_width=false; results/qwen_draft_int8/README.md).
     SHARED=1 scripts/jobs/quiet.sh python scripts/jobs/draft_width_probe.py bfloat16 int8-weights
 SHARED=0 compiles a static graph per width (1, 2, 4); THREADS sets torch's threads (default 2); MODEL another draft
-LM of the 0.5B's tokenizer (a zoo name or a directory, e.g. a layer-pruned student's final/).
+LM of the 0.5B's tokenizer (a registry name or a directory, e.g. a layer-pruned student's final/).
 """
 import os
 import statistics

