@@ -51,7 +51,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench_progress import Progress
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
-from draftsmith.eval.latency import cpu_isa, cpu_model, memory_stall_seconds
+from draftsmith.eval.documents import cpu_isa, cpu_model, memory_stall_seconds
 from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
 from draftsmith.eval.prompts import (PromptSettings, category_of, check_suites, num_turns, select_conversations,
                                     turn_input_ids)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeStats
-from draftsmith.eval.latency import cpu_isa, cpu_model
+from draftsmith.eval.documents import cpu_isa, cpu_model
 
 PROGRESS_FILE = "progress.jsonl"
 PROGRESS_FORMAT = "draftsmith.bench-progress/1"

@@ -22,7 +22,7 @@ import torch
 from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.prompts import load_prompts
-from draftsmith.eval.latency import parse_document_command, write_document
+from draftsmith.eval.documents import parse_document_command, write_document
 from draftsmith.models.artifacts import load_dgf, read_json
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.target import TargetModel

@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.errors import exit_with
-from draftsmith.eval.latency import (cpu_model, forward_seconds, mt_bench_context, parse_document_command,
-                                     write_document)
+from draftsmith.eval.documents import cpu_model, parse_document_command, write_document
+from draftsmith.eval.latency import forward_seconds, mt_bench_context
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.engine import Backend
 from draftsmith.models.compiled import CompileSettings

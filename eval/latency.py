@@ -22,16 +22,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from draftsmith.config import (Unread, check_config, command_parser, config_to_dict, option, parse_command,
-                               refuse_unread, section)
+from draftsmith.config import Unread, check_config, config_to_dict, option, refuse_unread, section
 from draftsmith.data.chat import prompt_ids
 from draftsmith.data.sources import load_source
 from draftsmith.errors import UserError, exit_with
-from draftsmith.fileio import atomic_write, atomic_write_json, refuse_overwrite
+from draftsmith.eval.documents import cpu_model, machine_line, parse_document_command, write_document
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.compiled import CompileSettings, compile_unread
 from draftsmith.models.engine import Backend, sync
@@ -179,52 +177,6 @@ def format_curves(document: dict) -> str:
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_isa() -> str:
-    """The widest vector arithmetic this CPU lists (Linux /proc/cpuinfo; the machine kinds here time differently
-    because of it), as `isa_name` names it."""
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return isa_name(flags)
-
-
-def memory_stall_seconds(pressure_file: Path = Path("/proc/pressure/memory")) -> float | None:
-    """Seconds, since boot, in which some task of this machine stalled waiting for memory (reclaim, or re-reading
-    evicted pages: Linux PSI's `some total`), or None where the kernel does not report it. The difference over a
-    timed loop says whether its timings include paging (a bench whose models outgrow the RAM)."""
-    try:
-        for line in pressure_file.read_text().splitlines():
-            if line.startswith("some"):
-                return int(line.rsplit("total=", 1)[1]) / 1e6
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def isa_name(flags: list[str]) -> str:
-    """"AVX-512 with BF16", "AVX-512", "AVX2" or "other", with "+AMX" where the flags list AMX tiles."""
-    isa = ("AVX-512 with BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags
-           else "AVX2" if "avx2" in flags else "other")
-    return isa + ("+AMX" if "amx_tile" in flags else "")
-
-
-def machine_line(info: dict) -> str:
-    return f"{info['processor']}, {info['cpu_count']} cores, {info['torch_threads']} torch threads, torch {info['torch']}"
-
-
 def run_latency(config: LatencyConfig, progress: bool = True) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -241,33 +193,11 @@ def run_latency(config: LatencyConfig, progress: bool = True) -> dict:
             "machine_info": info, "curves": curves}
 
 
-def parse_document_command(module: str, doc: str, config_cls, argv: list[str]):
-    """(config, output path or None) of a command that writes one JSON document to `config.output` (refused
-    when it exists, unless --overwrite)."""
-    parser = command_parser(f"python -m {module}", doc.split("\n\n")[0], config_cls)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    config, flags = parse_command(parser, config_cls, argv)
-    out = Path(config.output) if config.output else None
-    if out is not None:
-        refuse_overwrite(out, flags.overwrite)
-    return config, out
-
-
 def main(argv: list[str]) -> dict:
     config, out = parse_document_command("draftsmith.eval.latency", __doc__, LatencyConfig, argv)
     document = run_latency(config)
     write_document(out, document, format_curves(document))
     return document
-
-
-def write_document(out: Path | None, document: dict, table: str) -> None:
-    """Print the table; with `out`, write the JSON there and the table beside it (.md)."""
-    print(table)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out, document)
-        atomic_write(out.with_suffix(".md"), lambda path: path.write_text(table + "\n"))
-        print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench import WARMUP_MESSAGES, BenchConfig, mean_ci, run_benchmark
 from draftsmith.eval.prompts import (PromptSettings, check_suites, num_turns, prompt_options, select_conversations,
                                     turn_input_ids)
-from draftsmith.eval.latency import cpu_isa, cpu_model, parse_document_command, write_document
+from draftsmith.eval.documents import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.methods import MethodEntry, MethodSpec, parse_method
 from draftsmith.models import llamacpp
 from draftsmith.models.bundled import DEFAULT_TARGET
@@ -368,6 +368,16 @@ def mean_accepted_length(runs: list[dict]) -> float | None:
     return new / (new - accepted) if new > accepted else None
 
 
+def suite_speedups(rows: list, runs: list[dict], plain: list[dict]) -> dict[str, float]:
+    """Per suite (in the rows' order): the plain runs' seconds over the method's, on that suite's prompt turns."""
+    out = {}
+    for suite in dict.fromkeys(row["suite"] for row in rows):
+        pairs = [(run, base) for row, run, base in zip(rows, runs, plain) if row["suite"] == suite]
+        seconds = sum(run["seconds"] for run, _ in pairs)
+        out[suite] = sum(base["seconds"] for _, base in pairs) / seconds if seconds else float("nan")
+    return out
+
+
 def summarize(rows: list, labels: list[str]) -> dict:
     summary = {}
     for label in labels:
@@ -383,6 +393,7 @@ def summarize(rows: list, labels: list[str]) -> dict:
                           "speedup_per_prompt": ratio, "speedup_ci95": half, "drafted": drafted, "accepted": accepted,
                           "acceptance": accepted / drafted if drafted else None,
                           "mean_accepted_length": mean_accepted_length(runs),
+                          "speedup_per_suite": suite_speedups(rows, runs, plain),
                           "differs_from_plain": differs, "prompts": len(runs)}
     return summary
 
@@ -460,7 +471,21 @@ def engine_table(document: dict, engine: str, baseline: str, target: str) -> str
         lossless = {True: "lossless", False: "NOT lossless"}.get(entry.get("lossless"), "-")  # written with tau
         lines.append(f"| PyTorch {label} ({precision}, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | "
                      f"{tau} | {lossless} |")
-    return "\n".join(lines)
+    return "\n".join(lines + suite_table(document["summary"], baseline))
+
+
+def suite_table(summary: dict, baseline: str) -> list[str]:
+    """Speedup per suite against the engine's plain decoding (the PyTorch bench's per-suite columns)."""
+    suites = list(dict.fromkeys(suite for entry in summary.values() for suite in entry.get("speedup_per_suite", {})))
+    if not suites:
+        return []
+    lines = ["", f"Per suite (speedup vs {baseline} plain):", "", "| method | " + " | ".join(suites) + " |",
+             "|---|" + "---|" * len(suites)]
+    for label, entry in summary.items():
+        cells = [f"{entry['speedup_per_suite'][suite]:.2f}x" if suite in entry.get("speedup_per_suite", {}) else "-"
+                 for suite in suites]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str]) -> dict:

@@ -27,7 +27,7 @@ from typing import ClassVar, Literal
 
 from draftsmith.config import ConfigError, option
 from draftsmith.errors import exit_with
-from draftsmith.eval.latency import parse_document_command, write_document
+from draftsmith.eval.documents import parse_document_command, write_document
 from draftsmith.eval.llamacpp_bench import (EngineBenchConfig, PlainOptions, bench_document, engine_table,
                                             fits_in_memory, run_groups)
 from draftsmith.eval.methods import MethodEntry, MethodSpec

@@ -29,8 +29,8 @@ import torch
 
 from draftsmith.config import check_config, config_to_dict, option, section
 from draftsmith.errors import exit_with
-from draftsmith.eval.latency import (cpu_isa, cpu_model, interleaved_seconds, measure_forward_latency,
-                                     mt_bench_context, parse_document_command, write_document)
+from draftsmith.eval.documents import cpu_isa, cpu_model, parse_document_command, write_document
+from draftsmith.eval.latency import interleaved_seconds, measure_forward_latency, mt_bench_context
 from draftsmith.models.artifacts import load_dgf, load_medusa_heads
 from draftsmith.models.bundled import DEFAULT_TARGET, bundled_drafter
 from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine, InvariantMedusaHeads

@@ -46,3 +46,22 @@ def test_every_bench_shares_one_prompt_section():
     for config in (BenchConfig, EngineBenchConfig, LlamaCppBenchConfig, OpenVinoBenchConfig):
         assert issubclass(config, PromptSettings), config
     assert BenchConfig().max_new_tokens == OpenVinoBenchConfig().max_new_tokens == PromptSettings().max_new_tokens
+
+
+def test_every_benchmark_protocol_loads_with_the_command_it_names():
+    """eval/configs/*.yaml: each names its command on a `# Run: python -m draftsmith.eval.<bench> --config <file>`
+    line, and that command's config loads it (methods parsed, every key known)."""
+    from draftsmith.config import load_config
+    from draftsmith.eval.llamacpp_bench import LlamaCppBenchConfig
+    from draftsmith.eval.openvino_bench import OpenVinoBenchConfig
+
+    commands = {"draftsmith.eval.bench": BenchConfig, "draftsmith.eval.llamacpp_bench": LlamaCppBenchConfig,
+                "draftsmith.eval.openvino_bench": OpenVinoBenchConfig}
+    protocols = sorted((ROOT / "eval" / "configs").glob("*.yaml"))
+    assert len(protocols) >= 8
+    for path in protocols:
+        run = [line for line in path.read_text().splitlines() if line.startswith("# Run: python -m ")]
+        assert run, f"{path.name} names no command (# Run: python -m ...)"
+        module = run[0].split()[4]
+        assert f"--config eval/configs/{path.name}" in run[0], f"{path.name}: its Run line runs another file"
+        load_config(commands[module], path)

@@ -58,7 +58,7 @@ def test_classify_names_the_lm_head_and_attention():
 def test_the_machine_kind_names_its_vector_arithmetic():
     """Results name the CPU's widest vector arithmetic beside its model name: two AMD EPYC machines here differ in it
     (AVX2 only, or AVX-512 with BF16), and OpenVINO computes in bf16 by default where the CPU has it."""
-    from draftsmith.eval.latency import cpu_isa, isa_name
+    from draftsmith.eval.documents import cpu_isa, isa_name
 
     assert isa_name(["fpu", "avx2", "avx512f", "avx512_bf16"]) == "AVX-512 with BF16"
     assert isa_name(["avx2", "avx512f", "amx_tile"]) == "AVX-512+AMX"
@@ -69,7 +69,7 @@ def test_the_machine_kind_names_its_vector_arithmetic():
 def test_a_bench_that_outgrew_the_ram_says_so(tmp_path):
     """A 1.5B bench with too many models in one process paged its compiled weights in and out (session 14): the
     bench records the machine's memory stalls during its timed loop (Linux PSI) and the table flags a large share."""
-    from draftsmith.eval.latency import memory_stall_seconds
+    from draftsmith.eval.documents import memory_stall_seconds
     from draftsmith.eval.report import memory_line
 
     pressure = tmp_path / "memory"

@@ -290,3 +290,19 @@ def test_the_json_records_every_method_as_its_spec():
     recorded = json.loads(json.dumps(document_config(config)))
     assert recorded["methods"] == ["plain", "ngram"]
     assert recorded["pytorch_methods"] == ["lm-chain:every=2,precision=int8-weights"]
+
+
+def test_engine_benches_report_speedups_per_suite():
+    """The engine benches' JSON and table give each method's speedup per suite, as the PyTorch bench does."""
+    from draftsmith.eval.llamacpp_bench import suite_table, summarize
+
+    def run(seconds):
+        return {"seconds": seconds, "new_tokens": 10, "drafted": 0, "accepted": 0, "tokens": [1]}
+
+    rows = [{"suite": "gsm8k", "id": 0, "turn": 1, "runs": {"plain": run(2.0), "ngram": run(1.0)}},
+            {"suite": "gsm8k", "id": 1, "turn": 1, "runs": {"plain": run(2.0), "ngram": run(2.0)}},
+            {"suite": "humaneval", "id": 0, "turn": 1, "runs": {"plain": run(3.0), "ngram": run(1.0)}}]
+    summary = summarize(rows, ["plain", "ngram"])
+    assert summary["ngram"]["speedup_per_suite"] == {"gsm8k": 4.0 / 3.0, "humaneval": 3.0}
+    table = "\n".join(suite_table(summary, "llama.cpp"))
+    assert "| method | gsm8k | humaneval |" in table and "| ngram | 1.33x | 3.00x |" in table

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The drafter families for SmolLM2 on a lent GPU (the `device` tool); today Medusa heads: Medusa-1 on the
-# acceptance-vs-data curve's data (train/configs/medusa_smollm2_curve.yaml: the same records, order, batch and
-# schedule as on the CPU, the target scoring in the loop), trained for MEDUSA1_S seconds with snapshots up to 40M
-# loss tokens, then Medusa-2 (joint LoRA on the target) to 1M on the same data. fp32, no TF32, no tracker (W&B is
-# not installed there). An H200 ran ~9.6 steps/s (~33k loss tokens/s): 10.9M tokens in 330 s.
+# The drafter families for SmolLM2 on a lent GPU (the `device` tool), on the acceptance-vs-data curve's data (the
+# same records, order, batch and schedule as on the CPU, the target in the loop); fp32, no TF32, no tracker (W&B is
+# not installed there):
+#   train   Medusa-1 (train/configs/medusa_smollm2_curve.yaml) for MEDUSA1_S seconds with snapshots up to 40M loss
+#           tokens, then Medusa-2 (joint LoRA on the target) to 1M. An H200: ~33k loss tokens/s (10.9M in 330 s).
+#   blocks  the DFlash drafter (train/configs/dflash_smollm2_curve.yaml) for DFLASH_S seconds (~20k tokens/s), then
+#           the distilled 6-layer student (train/configs/distill_smollm2_curve.yaml, lean bf16 snapshots) for
+#           STUDENT_S (~25k tokens/s); DFlash's newest two snapshots (bf16) packed into $OUT, the student's newest
+#           by `student_out` in a call of its own (a call brings back at most 64 MiB).
 #
 # A call carries at most 64 MiB with the tracked tree, so drafters/ and results/ leave the index for the calls
 # (`slim`; `unpack` puts them back) and the GGUF travels in three parts, one call each, on one warm machine:
@@ -13,6 +17,7 @@
 #   device: cp .dev/c2/gguf.part.* /tmp/draftsmith_device/          # carry .dev/c2: its 2nd part
 #   device: bash scripts/jobs/device_families_smollm2.sh train      # carry .dev/c3: the 3rd part and the records;
 #                                                                   # converts the target, trains, packs into $OUT
+#           (or `blocks`, then `student_out` without carry)
 #   here:   bash scripts/jobs/device_families_smollm2.sh unpack DIR # DIR: the train call's files_at; -> drafters/
 # Rehearsal here (after setup, the part copy and convert with DEVICE=cpu STATE=/tmp/rehearse OUT=/tmp/out):
 #   DEVICE=cpu MEDUSA1_S=100 MEDUSA2_S=60 MEDUSA1_AT="[2000,4000]" MEDUSA2_AT="[2000]" \
@@ -49,6 +54,11 @@ pack_run() {  # snapshots, a lean resume point, metrics and log of run $1 -> $OU
   tar -C "$run" -cf - "${keep[@]}" | gzip -1 | split -b 15m - "$OUT/$name.tar.gz."
 }
 
+device_yaml() {  # config $1 with the device's differences (device, packed records, no tracker) -> $2
+  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$STATE/records.npz\"|" \
+      -e 's/^  run_name: .*/  tracker: none/' "$1" > "$2"
+}
+
 pack_newest() {  # the newest $3 snapshots of run $1 (weights in bfloat16), its metrics and log -> $OUT/$2.tar.gz.*
   local run=$1 name=$2 count=$3 snaps
   snaps=$(ls -d "$run"/snapshots/loss_tokens_* 2>/dev/null | sort -t_ -k3 -n | tail -"$count" | xargs -r -n1 basename) || true
@@ -73,8 +83,7 @@ slim)  # the calls' tree under 64 MiB: untracked and ignored (.git/info/exclude)
   git ls-files -z | du -ch --files0-from=- | tail -1
   ;;
 train)
-  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$STATE/records.npz\"|" \
-      -e 's/^  run_name: .*/  tracker: none/' "$CONFIG" > "$STATE/medusa.yaml"
+  device_yaml "$CONFIG" "$STATE/medusa.yaml"
   cp .dev/c3/gguf.part.* "$STATE/" 2>/dev/null || true
   [ -f "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors" ] || bash "$(dirname "$0")/device_curve_smollm2.sh" convert
   cp .dev/c3/records.npz "$STATE/records.npz"
@@ -93,10 +102,8 @@ train)
   ls -la "$OUT"
   ;;
 blocks)  # the DFlash drafter, then the distilled student, on the records of the train stage; DFlash packed here
-  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$STATE/records.npz\"|" \
-      -e 's/^  run_name: .*/  tracker: none/' train/configs/dflash_smollm2_curve.yaml > "$STATE/dflash.yaml"
-  sed -e "s/^device: cpu/device: $DEVICE/" -e "s|^  source: .*|  source: \"records:$STATE/records.npz\"|" \
-      -e 's/^  run_name: .*/  tracker: none/' train/configs/distill_smollm2_curve.yaml > "$STATE/student.yaml"
+  device_yaml train/configs/dflash_smollm2_curve.yaml "$STATE/dflash.yaml"
+  device_yaml train/configs/distill_smollm2_curve.yaml "$STATE/student.yaml"
   cp .dev/c3/gguf.part.* "$STATE/" 2>/dev/null || true
   [ -f "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors" ] || bash "$(dirname "$0")/device_curve_smollm2.sh" convert
   cp .dev/c3/records.npz "$STATE/records.npz"

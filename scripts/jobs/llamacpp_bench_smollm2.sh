@@ -6,12 +6,11 @@
 #   bash scripts/jobs/llamacpp_bench_smollm2.sh
 set -euo pipefail
 CPU=${CPU:-$(grep -m1 "model name" /proc/cpuinfo | grep -qi amd && echo epyc || echo xeon)}
-METHODS="ngram ngram:n=2,m=8 ngram:kind=ngram-map-k ngram:kind=ngram-mod"
-COMMON="target=smollm2-135m-instruct num_prompts=10 max_new_tokens=128 threads=2"
+CONFIG=eval/configs/llamacpp_ngram_smollm2.yaml  # the protocol: prompts, methods, threads
 for TYPE in float32 q8_0; do
   OUT=results/llamacpp/smollm2_${TYPE}_${CPU}.json
   [ -f "$OUT" ] && continue
   BASELINES=false; [ "$TYPE" = float32 ] && BASELINES=true
-  scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench $COMMON target_type=$TYPE "methods=$METHODS" \
+  scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench --config "$CONFIG" target_type=$TYPE \
     pytorch_baselines=$BASELINES output=$OUT
 done

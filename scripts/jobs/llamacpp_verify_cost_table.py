@@ -5,7 +5,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from draftsmith.eval.latency import cpu_isa, cpu_model
+from draftsmith.eval.documents import cpu_isa, cpu_model
 
 
 def row(path: Path) -> str:
