@@ -221,21 +221,31 @@ def load_dgf(path: str | Path, target=None, device: str | torch.device | None = 
              dtype: torch.dtype = torch.float32) -> tuple[DGFModel, dict]:
     """(DGFModel, manifest) from a `save_dgf` directory. With `target` (a TargetModel): refuse a manifest
     for another target, then attach its embedding and LM head and move to its device."""
+    model, manifest = load_feature_drafter(path, DGF_FORMAT, "DGF", lambda raw: DGFConfig(**raw),
+                                           lambda config: config.layers_read, DGFModel, target)
+    device = target.device if device is None and target is not None else device
+    return model.to(device=resolve_device(device), dtype=dtype).eval(), manifest
+
+
+def load_feature_drafter(path: str | Path, fmt: str, what: str, config_of, layers_of, model_of, target):
+    """(model, manifest) of a drafter directory whose manifest's `drafter` block names its config and weights:
+    the config read (`config_of` its JSON), a manifest for another target refused (the layers `layers_of` the
+    config reads), the model built (`model_of`), its weights loaded and, with `target`, its embedding and LM head
+    attached."""
     path = Path(path)
-    manifest = read_manifest(path, DGF_FORMAT)
+    manifest = read_manifest(path, fmt)
     config_file = path / manifest["drafter"]["config"]
     if not config_file.is_file():
-        raise ArtifactMissing(f"DGF checkpoint {path} is incomplete: {config_file.name} is missing")
-    config = DGFConfig(**read_json(config_file, "DGF config"))
+        raise ArtifactMissing(f"{what} checkpoint {path} is incomplete: {config_file.name} is missing")
+    config = config_of(read_json(config_file, f"{what} config"))
     if target is not None:
-        check_target(manifest, target, f"DGF checkpoint {path}", config.layers_read)
-    model = DGFModel(config)
+        check_target(manifest, target, f"{what} checkpoint {path}", layers_of(config))
+    model = model_of(config)
     weights = path / manifest["drafter"]["file"]
     load_state(model, load_weights(weights), weights, config_file)
     if target is not None:
-        device = target.device if device is None else device
         model.attach_target(target.model)
-    return model.to(device=resolve_device(device), dtype=dtype).eval(), manifest
+    return model, manifest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,20 +267,9 @@ def save_dflash(model: DFlashModel, out_dir: str | Path, target: dict, **section
 def load_dflash(path: str | Path, target=None, device: str | torch.device | None = None) -> tuple[DFlashModel, dict]:
     """(DFlashModel in float32, manifest) from a `save_dflash` directory. With `target` (a TargetModel): refuse a
     manifest for another target, then attach its embedding and LM head and move to its device."""
-    path = Path(path)
-    manifest = read_manifest(path, DFLASH_FORMAT)
-    config_file = path / manifest["drafter"]["config"]
-    if not config_file.is_file():
-        raise ArtifactMissing(f"DFlash checkpoint {path} is incomplete: {config_file.name} is missing")
-    config = DFlashConfig.from_dict(read_json(config_file, "DFlash config"))
-    if target is not None:
-        check_target(manifest, target, f"DFlash checkpoint {path}", config.hidden_layers)
-    model = DFlashModel(config)
-    weights = path / manifest["drafter"]["file"]
-    load_state(model, load_weights(weights), weights, config_file)
-    if target is not None:
-        device = target.device if device is None else device
-        model.attach_target(target.model)
+    model, manifest = load_feature_drafter(path, DFLASH_FORMAT, "DFlash", DFlashConfig.from_dict,
+                                           lambda config: config.hidden_layers, DFlashModel, target)
+    device = target.device if device is None and target is not None else device
     return model.to(device=resolve_device(device)).eval(), manifest
 
 

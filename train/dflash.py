@@ -102,15 +102,18 @@ def drafter_config(cfg: DrafterConfig, target: TargetModel) -> DFlashConfig:
     return DFlashConfig.from_target(config, cfg.num_layers, cfg.block_size, ids, mask)
 
 
+def anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the answer positions whose next token is an answer token too (where a block may start)."""
+    loss = loss_mask.bool()
+    return torch.cat([loss[:, :-1] & loss[:, 1:], torch.zeros_like(loss[:, :1])], 1)
+
+
 def draw_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per record, up to `count` answer positions a whose next token is an answer token too (sorted), padded with
-    position 0: anchors (B, A), valid (B, A)."""
-    loss = loss_mask.bool()
-    eligible = loss.clone()
-    eligible[:, :-1] &= loss[:, 1:]
-    eligible[:, -1] = False
-    b = loss.shape[0]
+    """Per record, up to `count` of its anchor positions (sorted), padded with position 0: anchors (B, A),
+    valid (B, A)."""
+    eligible = anchor_positions(loss_mask)
+    b = eligible.shape[0]
     anchors = torch.zeros(b, count, dtype=torch.long)
     valid = torch.zeros(b, count, dtype=torch.bool)
     for row in range(b):
@@ -122,9 +125,7 @@ def draw_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator
 
 def anchor_count(loss_mask: torch.Tensor, count: int) -> int:
     """How many anchors `draw_anchors` finds in a batch (the loss's normalizer, known before the draw)."""
-    loss = loss_mask.bool()
-    eligible = (loss[:, :-1] & loss[:, 1:]).sum(1)
-    return int(eligible.clamp(max=count).sum())
+    return int(anchor_positions(loss_mask).sum(1).clamp(max=count).sum())
 
 
 def block_targets(loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block: int

@@ -59,6 +59,23 @@ device_yaml() {  # config $1 with the device's differences (device, packed recor
       -e 's/^  run_name: .*/  tracker: none/' "$1" > "$2"
 }
 
+stage_inputs() {  # the GGUF's last part, the converted target (once) and the records, on the device
+  cp .dev/c3/gguf.part.* "$STATE/" 2>/dev/null || true
+  [ -f "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors" ] || bash "$(dirname "$0")/device_curve_smollm2.sh" convert
+  cp .dev/c3/records.npz "$STATE/records.npz"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+}
+
+run_recipe() {  # NAME SECONDS RECIPE CONFIG [key=value ...]: outputs/NAME trained until done or SIGTERM; log kept
+  local name=$1 seconds=$2 recipe=$3 config=$4
+  shift 4
+  mkdir -p "outputs/$name"
+  timeout -k 20 -s TERM "$seconds" python3 "$recipe" --config "$config" output_dir="outputs/$name" "$@" "${EXTRA[@]}" \
+    --no-progress > "outputs/$name.log" 2>&1 || true
+  { grep -v "step .* loss" "outputs/$name.log" | tail -8; grep "step .* loss" "outputs/$name.log" | tail -2; } || true
+  cp "outputs/$name.log" "outputs/$name/train.log"
+}
+
 pack_newest() {  # the newest $3 snapshots of run $1 (weights in bfloat16), its metrics and log -> $OUT/$2.tar.gz.*
   local run=$1 name=$2 count=$3 snaps
   snaps=$(ls -d "$run"/snapshots/loss_tokens_* 2>/dev/null | sort -t_ -k3 -n | tail -"$count" | xargs -r -n1 basename) || true
@@ -84,43 +101,27 @@ slim)  # the calls' tree under 64 MiB: untracked and ignored (.git/info/exclude)
   ;;
 train)
   device_yaml "$CONFIG" "$STATE/medusa.yaml"
-  cp .dev/c3/gguf.part.* "$STATE/" 2>/dev/null || true
-  [ -f "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors" ] || bash "$(dirname "$0")/device_curve_smollm2.sh" convert
-  cp .dev/c3/records.npz "$STATE/records.npz"
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-  mkdir -p outputs/medusa1 outputs/medusa2
-  timeout -k 20 -s TERM "$MEDUSA1_S" python3 train/medusa.py --config "$STATE/medusa.yaml" output_dir=outputs/medusa1 \
-    "train.snapshots_at_loss_tokens=$MEDUSA1_AT" train.checkpoint_every=500 "${EXTRA[@]}" --no-progress \
-    > outputs/medusa1.log 2>&1 || true
-  { grep -v "step .* loss" outputs/medusa1.log | tail -8; grep "step .* loss" outputs/medusa1.log | tail -2; } || true
-  cp outputs/medusa1.log outputs/medusa1/train.log && pack_run outputs/medusa1 medusa1
-  timeout -k 20 -s TERM "$MEDUSA2_S" python3 train/medusa.py --config "$STATE/medusa.yaml" output_dir=outputs/medusa2 \
-    medusa2.enabled=true "train.snapshots_at_loss_tokens=$MEDUSA2_AT" train.checkpoint_every=500 "${EXTRA[@]}" --no-progress \
-    > outputs/medusa2.log 2>&1 || true
-  { grep -v "step .* loss" outputs/medusa2.log | tail -6; grep "step .* loss" outputs/medusa2.log | tail -2; } || true
-  cp outputs/medusa2.log outputs/medusa2/train.log && pack_run outputs/medusa2 medusa2
+  stage_inputs
+  run_recipe medusa1 "$MEDUSA1_S" train/medusa.py "$STATE/medusa.yaml" "train.snapshots_at_loss_tokens=$MEDUSA1_AT" \
+    train.checkpoint_every=500
+  pack_run outputs/medusa1 medusa1
+  run_recipe medusa2 "$MEDUSA2_S" train/medusa.py "$STATE/medusa.yaml" medusa2.enabled=true \
+    "train.snapshots_at_loss_tokens=$MEDUSA2_AT" train.checkpoint_every=500
+  pack_run outputs/medusa2 medusa2
   ls -la "$OUT"
   ;;
 blocks)  # the DFlash drafter, then the distilled student, on the records of the train stage; DFlash packed here
   device_yaml train/configs/dflash_smollm2_curve.yaml "$STATE/dflash.yaml"
   device_yaml train/configs/distill_smollm2_curve.yaml "$STATE/student.yaml"
-  cp .dev/c3/gguf.part.* "$STATE/" 2>/dev/null || true
-  [ -f "$DRAFTSMITH_CACHE/models/smollm2-135m-instruct/model.safetensors" ] || bash "$(dirname "$0")/device_curve_smollm2.sh" convert
-  cp .dev/c3/records.npz "$STATE/records.npz"
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-  mkdir -p outputs/dflash outputs/student
-  timeout -k 20 -s TERM "$DFLASH_S" python3 train/dflash.py --config "$STATE/dflash.yaml" output_dir=outputs/dflash \
-    "train.snapshots_at_loss_tokens=$DFLASH_AT" "${EXTRA[@]}" --no-progress > outputs/dflash.log 2>&1 || true
-  { grep -v "step .* loss" outputs/dflash.log | tail -8; grep "step .* loss" outputs/dflash.log | tail -2; } || true
-  cp outputs/dflash.log outputs/dflash/train.log && pack_newest outputs/dflash dflash 2
-  timeout -k 20 -s TERM "$STUDENT_S" python3 train/distill.py --config "$STATE/student.yaml" output_dir=outputs/student \
-    "train.snapshots_at_loss_tokens=$STUDENT_AT" export.lean=true export.dtype=bfloat16 train.checkpoint_every=100000 \
-    "${EXTRA[@]}" --no-progress > outputs/student.log 2>&1 || true
-  { grep -v "step .* loss" outputs/student.log | tail -8; grep "step .* loss" outputs/student.log | tail -2; } || true
+  stage_inputs
+  run_recipe dflash "$DFLASH_S" train/dflash.py "$STATE/dflash.yaml" "train.snapshots_at_loss_tokens=$DFLASH_AT"
+  pack_newest outputs/dflash dflash 2
+  run_recipe student "$STUDENT_S" train/distill.py "$STATE/student.yaml" "train.snapshots_at_loss_tokens=$STUDENT_AT" \
+    export.lean=true export.dtype=bfloat16 train.checkpoint_every=100000
   ls -la "$OUT"
   ;;
 student_out)  # the student's newest lean snapshot (a call brings back at most 64 MiB)
-  cp outputs/student.log outputs/student/train.log && pack_newest outputs/student student 1
+  pack_newest outputs/student student 1
   ls -la "$OUT"
   ;;
 unpack)
