@@ -45,13 +45,13 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import refuse_overwrite
 from draftsmith.eval.policies.arca import (RankRecorder, arca_paths, expected_accepted, interpolate_latency,
                                   load_rank_accuracy, refine_paths, replay_tau, save_profile, PROFILE_VERSION)
-from draftsmith.eval.bench import BenchConfig, format_table, machine_info, run_benchmark
+from draftsmith.eval.bench.run import BenchConfig, format_table, machine_info, run_benchmark
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.latency import context_ids
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, Generation, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.eval.policies.hcmp import HcmpConfig, hcmp_mode
-from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, inner_drafter, parse_method
+from draftsmith.eval.bench.methods import BuildContext, MethodSpec, build_method, inner_drafter, parse_method
 from draftsmith.eval.policies.placement import PlacedDrafter
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.bundled import DEFAULT_TARGET

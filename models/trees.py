@@ -1,5 +1,5 @@
 """Every drafter's default tree and budget, declared once: drafters (eval/decode/drafters), bench methods
-(eval/methods.py) and exports (models/exports.py, their manifest's `tree`) all read them from here.
+(eval/bench/methods.py) and exports (models/exports.py, their manifest's `tree`) all read them from here.
 
 `budget` is the most draft nodes a drafter proposes per round (a chain's length, a tree's node count). An export
 manifest's `tree` is `TreeShape.to_manifest()`: {"depth", "topk", "budget"}; manifests written before the key was

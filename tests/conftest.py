@@ -110,7 +110,7 @@ def tiny_target_for(tokenizer, seed: int):
 def build_spec(spec: str, target, draft=None):
     """The drafter a bench method spec builds (DrafterMethod), else the method (a policy)."""
     from draftsmith.eval.decode.decoder import DrafterMethod
-    from draftsmith.eval.methods import BuildContext, build_method
+    from draftsmith.eval.bench.methods import BuildContext, build_method
 
     method = build_method(spec, BuildContext(target, draft))
     return method.drafter if isinstance(method, DrafterMethod) and method.drafter is not None else method

@@ -10,7 +10,7 @@ from draftsmith.eval.policies.arca import RankRecorder, load_profile, refine_pat
 from draftsmith.eval.decode.decoder import DecodeConfig
 from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.eval.policies.hcmp import HcmpPolicy
-from draftsmith.eval.methods import BuildContext, build_method, parse_method
+from draftsmith.eval.bench.methods import BuildContext, build_method, parse_method
 from draftsmith.eval.arca_profile import (ProfileConfig, measure_verify_latency, measured_budgets, random_tree, run_profile,
                                     settings_of)
 from draftsmith.eval.decode.tree import DraftTree

@@ -11,9 +11,10 @@ import torch
 
 from draftsmith.config import ConfigError
 from draftsmith.errors import UserError
-from draftsmith.eval import bench, report
-from draftsmith.eval.bench import BenchConfig, run_benchmark, turn_input_ids, write_outputs
-from draftsmith.eval.methods import parse_method
+from draftsmith.eval.bench import report
+from draftsmith.eval.bench import run as bench
+from draftsmith.eval.bench.run import BenchConfig, run_benchmark, turn_input_ids, write_outputs
+from draftsmith.eval.bench.methods import parse_method
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.target import TargetModel
 from tests.conftest import tiny_target_for
@@ -60,7 +61,7 @@ def test_hf_assisted_draft_length_and_confidence(tiny_pair, smol_tokenizer):
     """hf-assisted:tokens=,confidence= set the assistant's draft length and confidence stop for its own calls
     (HF reads them from the assistant's generation config, which other methods share) and restore them."""
     from draftsmith.eval.decode.decoder import DecodeConfig
-    from draftsmith.eval.methods import BuildContext, build_method
+    from draftsmith.eval.bench.methods import BuildContext, build_method
 
     target, draft = tiny_pair
     context = BuildContext(target, draft)
@@ -250,7 +251,7 @@ def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
 
 
 def test_results_page_discovery_and_markers(tmp_path):
-    from draftsmith.eval import results_page
+    from draftsmith.eval.bench import results_page
 
     root = tmp_path / "outputs"
     for name, fmt, target in [("medusa_a", "draftsmith.medusa/1", "t"), ("medusa_untrained", "draftsmith.medusa/1", "t"),
@@ -327,7 +328,7 @@ def test_a_refused_bench_does_not_block_the_corrected_rerun(tiny_pair, prompts_f
 
 
 def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
-    from draftsmith.eval.report import build_line
+    from draftsmith.eval.bench.report import build_line
 
     quiet = {"built": "2026-11-24T21:00:00", "cpu_count": 2, "load_average_1min": 2.1, "available_memory_gb": 9.5}
     assert build_line(quiet) == " Built 2026-11-24T21:00:00 at load average 2.1 (2 cores), 9.5 GB available."
@@ -339,7 +340,7 @@ def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
 def test_reduced_precision_bench_says_its_lossless_check_can_flag_near_ties():
     """Only where the kernels are not batch-invariant (the eager backend, compile.kernels=inductor) can a reduced
     precision flip a near-tie; the invariant kernels make bf16 lossless, and the note says nothing there."""
-    from draftsmith.eval.bench import BenchConfig, precision_note
+    from draftsmith.eval.bench.run import BenchConfig, precision_note
     from draftsmith.models.compiled import CompileSettings
     from draftsmith.models.engine import Backend
     from draftsmith.models.kernels import Kernels

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from conftest import build_spec, tiny_model
 from draftsmith.errors import UserError
-from draftsmith.eval import bench
+from draftsmith.eval.bench import run as bench
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.models import bundled
 from draftsmith.models import exports as export

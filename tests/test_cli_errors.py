@@ -8,7 +8,8 @@ import pytest
 
 from draftsmith.data import draft_vocab, features, regenerate
 from draftsmith.errors import run_main
-from draftsmith.eval import arca_profile, bench, latency
+from draftsmith.eval import arca_profile, latency
+from draftsmith.eval.bench import run as bench
 from draftsmith.scripts import export, fetch_models
 from draftsmith.train import dgf, distill, medusa
 

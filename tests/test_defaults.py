@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from draftsmith.eval.bench import BenchConfig
+from draftsmith.eval.bench.run import BenchConfig
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig
 from draftsmith.eval.arca_profile import ProfileConfig
 from draftsmith.models.bundled import DEFAULT_TARGET
@@ -39,8 +39,9 @@ def test_budget_limit_is_declared_once():
 
 
 def test_every_bench_shares_one_prompt_section():
-    from draftsmith.eval.llamacpp_bench import EngineBenchConfig, LlamaCppBenchConfig
-    from draftsmith.eval.openvino_bench import OpenVinoBenchConfig
+    from draftsmith.eval.engines.common import EngineBenchConfig
+    from draftsmith.eval.engines.llamacpp_bench import LlamaCppBenchConfig
+    from draftsmith.eval.engines.openvino_bench import OpenVinoBenchConfig
     from draftsmith.eval.prompts import PromptSettings
 
     for config in (BenchConfig, EngineBenchConfig, LlamaCppBenchConfig, OpenVinoBenchConfig):
@@ -52,11 +53,11 @@ def test_every_benchmark_protocol_loads_with_the_command_it_names():
     """eval/configs/*.yaml: each names its command on a `# Run: python -m draftsmith.eval.<bench> --config <file>`
     line, and that command's config loads it (methods parsed, every key known)."""
     from draftsmith.config import load_config
-    from draftsmith.eval.llamacpp_bench import LlamaCppBenchConfig
-    from draftsmith.eval.openvino_bench import OpenVinoBenchConfig
+    from draftsmith.eval.engines.llamacpp_bench import LlamaCppBenchConfig
+    from draftsmith.eval.engines.openvino_bench import OpenVinoBenchConfig
 
-    commands = {"draftsmith.eval.bench": BenchConfig, "draftsmith.eval.llamacpp_bench": LlamaCppBenchConfig,
-                "draftsmith.eval.openvino_bench": OpenVinoBenchConfig}
+    commands = {"draftsmith.eval.bench": BenchConfig, "draftsmith.eval.engines.llamacpp_bench": LlamaCppBenchConfig,
+                "draftsmith.eval.engines.openvino_bench": OpenVinoBenchConfig}
     protocols = sorted((ROOT / "eval" / "configs").glob("*.yaml"))
     assert len(protocols) >= 8
     for path in protocols:

@@ -212,7 +212,7 @@ def test_build_from_spec_and_option_errors(tmp_path):
 def saved_drafter_methods(trained, tmp_path):
     """The trained tiny llama, its target, and a build function for `dgf:path=<its saved drafter>,<options>`
     methods sharing one BuildContext (as one bench run does)."""
-    from draftsmith.eval.methods import BuildContext, build_method
+    from draftsmith.eval.bench.methods import BuildContext, build_method
 
     model, fitted = trained["llama"]
     target = TargetModel(model, TinyTokenizer(96))

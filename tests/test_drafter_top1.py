@@ -8,9 +8,9 @@ import torch
 
 from conftest import tiny_target_for
 from draftsmith.errors import run_main
-from draftsmith.eval.bench import BenchConfig, run_benchmark
+from draftsmith.eval.bench.run import BenchConfig, run_benchmark
 from draftsmith.eval.drafter_top1 import decoder_acceptance, hit_rates, main, measure_top1, pair_hits
-from draftsmith.eval.methods import parse_method
+from draftsmith.eval.bench.methods import parse_method
 from draftsmith.models.artifacts import load_dgf, save_dgf, target_block
 from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.target import TargetModel

@@ -19,13 +19,15 @@ from draftsmith.data.features import FeatureCacheConfig
 from draftsmith.data.regenerate import RegenerateConfig
 from draftsmith.errors import UserError, run_main
 from draftsmith.data import draft_vocab
-from draftsmith.eval import (arca_profile, bench, drafter_top1, forward_profile, latency, llamacpp_bench,
-                            results_page)
-from draftsmith.eval.bench import BenchConfig
+from draftsmith.eval import arca_profile, drafter_top1, forward_profile, latency
+from draftsmith.eval.bench import results_page
+from draftsmith.eval.bench import run as bench
+from draftsmith.eval.engines import llamacpp_bench
+from draftsmith.eval.bench.run import BenchConfig
 from draftsmith.eval.decode.decoder import DecodeConfig, InputError, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.latency import LatencyConfig
-from draftsmith.eval.llamacpp_bench import LlamaCppBenchConfig
+from draftsmith.eval.engines.llamacpp_bench import LlamaCppBenchConfig
 from draftsmith.models.target import TargetModel, resolve_device
 from draftsmith.train import dgf, distill, medusa
 
@@ -228,8 +230,8 @@ def test_train_options_the_chosen_mode_does_not_read_are_refused(recipe, overrid
 def test_a_draft_model_no_method_reads_is_refused(tmp_path):
     """`draft=` with only methods that never draft with it: refused by name before anything is timed."""
     from draftsmith.config import ConfigError
-    from draftsmith.eval.bench import run_benchmark
-    from draftsmith.eval.methods import parse_method
+    from draftsmith.eval.bench.run import run_benchmark
+    from draftsmith.eval.bench.methods import parse_method
 
     target, draft = TargetModel.from_pretrained("tiny:llama"), TargetModel.from_pretrained("tiny:llama,seed=1")
     prompts = tmp_path / "p.jsonl"
@@ -283,8 +285,8 @@ def test_decoder_parts_of_the_wrong_type_are_named(part, value):
 
 @pytest.mark.parametrize("part", ["config", "target", "draft"])
 def test_run_benchmark_arguments_of_the_wrong_type_are_named(part):
-    from draftsmith.eval.bench import run_benchmark
-    from draftsmith.eval.methods import parse_method
+    from draftsmith.eval.bench.run import run_benchmark
+    from draftsmith.eval.bench.methods import parse_method
 
     config = BenchConfig(methods=[parse_method("plain")], suites=["gsm8k"], num_prompts=1, plots=False)
     kwargs = {"config": config, "target": None, "draft": None} | {part: {"target": "tiny:llama"}}

@@ -70,7 +70,7 @@ def test_a_bench_that_outgrew_the_ram_says_so(tmp_path):
     """A 1.5B bench with too many models in one process paged its compiled weights in and out (session 14): the
     bench records the machine's memory stalls during its timed loop (Linux PSI) and the table flags a large share."""
     from draftsmith.eval.documents import memory_stall_seconds
-    from draftsmith.eval.report import memory_line
+    from draftsmith.eval.bench.report import memory_line
 
     pressure = tmp_path / "memory"
     pressure.write_text("some avg10=0.00 avg60=0.06 avg300=8.54 total=997805802\n"

@@ -1,7 +1,7 @@
 """llama.cpp as a real part: the pinned build is found, our exports load and decode in it, and its speculative
 output (n-gram, draft model, EAGLE-3) equals its own plain greedy output; regeneration through its server.
 
-The end-to-end tests need the build (`python -m draftsmith.models.llamacpp build`, ~15-25 min on 2 cores). CI
+The end-to-end tests need the build (`python -m draftsmith.models.engines.llamacpp build`, ~15-25 min on 2 cores). CI
 builds it first and sets DRAFTSMITH_REQUIRE_LLAMACPP=1, so there a missing build fails instead of skipping.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from draftsmith.errors import run_main
-from draftsmith.models import llamacpp
+from draftsmith.models.engines import llamacpp
 from draftsmith.models.artifacts import save_dflash, save_dgf, target_block
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel
@@ -31,7 +31,7 @@ def require_build() -> None:
         return
     if os.environ.get("DRAFTSMITH_REQUIRE_LLAMACPP", "") not in ("", "0"):
         pytest.fail("DRAFTSMITH_REQUIRE_LLAMACPP is set but llama.cpp is not built")
-    pytest.skip("llama.cpp is not built (python -m draftsmith.models.llamacpp build)")
+    pytest.skip("llama.cpp is not built (python -m draftsmith.models.engines.llamacpp build)")
 
 
 def test_not_built_is_one_line(tmp_path, monkeypatch, capsys):
@@ -201,7 +201,7 @@ def test_regeneration_engine_options_are_checked(options, words):
 def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
     """The llama.cpp bench: plain, an n-gram mode, a draft model and the EAGLE-3 export on the same prompt ids,
     every speculative output compared with llama.cpp's plain one."""
-    from draftsmith.eval import llamacpp_bench
+    from draftsmith.eval.engines import llamacpp_bench
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Count to five.", "Name a colour.")))
@@ -231,7 +231,7 @@ def test_llamacpp_bench_table_on_tiny_models(tiny_pair, tmp_path, capsys):
                                         (["methods=eagle3:x,n_max=3,n_min=4"], "n_min=4 is above n_max=3"),
                                         (["methods=ngram ngram"], "names a method twice")])
 def test_llamacpp_bench_refusals(argv, words, capsys):
-    from draftsmith.eval import llamacpp_bench
+    from draftsmith.eval.engines import llamacpp_bench
 
     if "kind=ngram-mod" in argv[0] or ".gguf," in argv[0]:  # refused where the method's arguments are built
         require_build()
@@ -242,7 +242,7 @@ def test_llamacpp_bench_refusals(argv, words, capsys):
 
 def test_draft_length_options_reach_llamacpp():
     """n_max and p_min (llama.cpp's per-token confidence stop) go to the server for draft models and EAGLE-3."""
-    from draftsmith.eval.llamacpp_bench import LlamaCppMethodSpec, draft_length_arguments
+    from draftsmith.eval.engines.llamacpp_bench import LlamaCppMethodSpec, draft_length_arguments
 
     spec = LlamaCppMethodSpec.from_config("draft:x,n_max=8,p_min=0.6")
     assert draft_length_arguments(spec.options) == ("--spec-draft-n-max", "8", "--spec-draft-p-min", "0.6",
@@ -254,7 +254,7 @@ def test_draft_length_options_reach_llamacpp():
 
 def test_the_eagle3_cascade_asks_llamacpp_for_both_types():
     """eagle3:<dir>,ngram=<mode> is llama.cpp's own cascade: one --spec-type list, the n-gram mode's settings kept."""
-    from draftsmith.eval.llamacpp_bench import LlamaCppMethodSpec, cascade_type_arguments
+    from draftsmith.eval.engines.llamacpp_bench import LlamaCppMethodSpec, cascade_type_arguments
 
     spec = LlamaCppMethodSpec.from_config("eagle3:x,ngram=ngram-simple,n_max=3")
     assert cascade_type_arguments(spec.options.ngram, "draft-eagle3", None) == (
@@ -283,7 +283,8 @@ def test_the_json_records_every_method_as_its_spec():
     """A PyTorch method whose options hold an enum (lm-chain's precision) is written as its spec text: the bench's
     JSON once failed on it after the whole run."""
     from draftsmith.config import load_config
-    from draftsmith.eval.llamacpp_bench import LlamaCppBenchConfig, document_config
+    from draftsmith.eval.engines.common import document_config
+    from draftsmith.eval.engines.llamacpp_bench import LlamaCppBenchConfig
 
     config = load_config(LlamaCppBenchConfig, None,
                          ["methods=[ngram]", "pytorch_methods=['lm-chain:every=2,precision=int8-weights']"])
@@ -294,7 +295,7 @@ def test_the_json_records_every_method_as_its_spec():
 
 def test_engine_benches_report_speedups_per_suite():
     """The engine benches' JSON and table give each method's speedup per suite, as the PyTorch bench does."""
-    from draftsmith.eval.llamacpp_bench import suite_table, summarize
+    from draftsmith.eval.engines.common import suite_table, summarize
 
     def run(seconds):
         return {"seconds": seconds, "new_tokens": 10, "drafted": 0, "accepted": 0, "tokens": [1]}

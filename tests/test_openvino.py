@@ -2,7 +2,7 @@
 optimum-intel into the cache, and its speculative output (prompt lookup, a draft model) equals its own plain greedy
 output on the bench's prompt ids.
 
-The end-to-end test needs the install (`python -m draftsmith.models.openvino install`, ~2 min). CI installs it
+The end-to-end test needs the install (`python -m draftsmith.models.engines.openvino install`, ~2 min). CI installs it
 first and sets DRAFTSMITH_REQUIRE_OPENVINO=1, so there a missing install fails instead of skipping.
 """
 
@@ -14,7 +14,7 @@ import os
 import pytest
 
 from draftsmith.errors import run_main
-from draftsmith.models import openvino
+from draftsmith.models.engines import openvino
 from draftsmith.models.tiny import build_tiny_causal_lm
 
 
@@ -23,11 +23,11 @@ def require_install() -> None:
         return
     if os.environ.get("DRAFTSMITH_REQUIRE_OPENVINO", "") not in ("", "0"):
         pytest.fail("DRAFTSMITH_REQUIRE_OPENVINO is set but OpenVINO GenAI is not installed")
-    pytest.skip("OpenVINO GenAI is not installed (python -m draftsmith.models.openvino install)")
+    pytest.skip("OpenVINO GenAI is not installed (python -m draftsmith.models.engines.openvino install)")
 
 
 def test_not_installed_is_one_line(tmp_path, monkeypatch, capsys):
-    from draftsmith.eval import openvino_bench
+    from draftsmith.eval.engines import openvino_bench
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
     assert run_main(openvino_bench.main, ["num_prompts=1", "pytorch_baselines=false"]) == 2
@@ -45,7 +45,7 @@ def test_not_installed_is_one_line(tmp_path, monkeypatch, capsys):
                                         (["methods=eagle3:x,depth=4,k=3"], "depth"),
                                         (["precision=fp16"], "precision")])
 def test_openvino_bench_refusals(argv, words, capsys):
-    from draftsmith.eval import openvino_bench
+    from draftsmith.eval.engines import openvino_bench
 
     assert run_main(openvino_bench.main, argv + ["pytorch_baselines=false", "num_prompts=1"]) == 2
     err = capsys.readouterr().err
@@ -56,7 +56,7 @@ def test_openvino_bench_on_tiny_models_is_lossless(smol_tokenizer, tmp_path, cap
     """Plain, prompt lookup and a draft model (the target drafting for itself, and a fixed-k and a confidence-stopped
     other model) on the same prompt ids: every speculative output equals OpenVINO's plain one."""
     require_install()
-    from draftsmith.eval import openvino_bench
+    from draftsmith.eval.engines import openvino_bench
 
     dirs = {}
     for name, seed in (("target", 1), ("draft", 2)):
@@ -111,7 +111,7 @@ def test_openvino_eagle3_is_lossless(smol_tokenizer, tmp_path):
     pipeline: as a chain it drafts and its output equals OpenVINO's plain output; as a tree it drafts. The IR records the layers it reads as OpenVINO
     counts them (one less than the layouts' decoder-layer inputs)."""
     require_install()
-    from draftsmith.eval import openvino_bench
+    from draftsmith.eval.engines import openvino_bench
 
     model = build_tiny_causal_lm("llama", seed=1, vocab_size=len(smol_tokenizer), hidden_size=64, num_layers=4)
     model.save_pretrained(tmp_path / "target")

@@ -18,7 +18,7 @@ from draftsmith.eval.decode.drafters.minions import (LengthSelector, MinionsConf
                                    majority_path, merge_proposals, update_weights, voted_drafters)
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.decode.drafters.union import UnionDrafter, credit_accepted, merge_trees
-from draftsmith.eval.methods import BuildContext, build_method
+from draftsmith.eval.bench.methods import BuildContext, build_method
 from draftsmith.eval.policies.pipeline import PipelinePolicy, first_child_nodes, reroot
 from draftsmith.eval.policies.selfdraft import (CorpusCache, NgramCache, SelfDraftConfig, SelfDraftPolicy, branch_grams, candidate_trie,
                             selfdraft_mask, selfdraft_positions)

@@ -6,7 +6,7 @@ CI fetches SmolLM2 before the tests (`python scripts/fetch_models.py`); the Qwen
 import pytest
 import torch
 
-from draftsmith.eval.bench import first_difference
+from draftsmith.eval.bench.run import first_difference
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.eval.bench import default_methods
-from draftsmith.eval.llamacpp_bench import LlamaCppMethodSpec
-from draftsmith.eval.openvino_bench import OpenVinoMethodSpec
-from draftsmith.eval.methods import MethodSpec, parse_method
+from draftsmith.eval.bench.run import default_methods
+from draftsmith.eval.engines.llamacpp_bench import LlamaCppMethodSpec
+from draftsmith.eval.engines.openvino_bench import OpenVinoMethodSpec
+from draftsmith.eval.bench.methods import MethodSpec, parse_method
 from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC, TreeShape
 
 ROOT = Path(__file__).resolve().parents[1]

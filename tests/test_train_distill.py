@@ -13,7 +13,7 @@ from draftsmith.errors import UserError
 from draftsmith.train.run_guards import MetricsFile
 from draftsmith.models.tiny import TinyTokenizer, build_tiny_causal_lm
 from draftsmith.data.records import load_records, synthetic_records
-from draftsmith.eval.methods import parse_method
+from draftsmith.eval.bench.methods import parse_method
 from draftsmith.models.artifacts import read_adapter_sidecar
 from draftsmith.models.target import TargetModel
 from draftsmith.train.distill import DistillRecipeConfig, load_cache_records, main, read_manifest
@@ -265,7 +265,7 @@ def test_smollm2_layer_student_exports_as_draft(tmp_path):
     assert result.tokens[:len(plain)] == plain[:len(result.tokens)]
     assisted = target.model.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft.model)
     assert assisted[0, ids.shape[1]:].tolist() == plain
-    from draftsmith.eval.bench import BenchConfig, run_benchmark  # a second draft named in the method spec
+    from draftsmith.eval.bench.run import BenchConfig, run_benchmark  # a second draft named in the method spec
 
     spec = f"lm-chain:model={tmp_path / 'final'}"
     report = run_benchmark(BenchConfig(target="smollm2-135m-instruct", methods=[parse_method("plain"), parse_method(spec)],

@@ -1,20 +1,20 @@
 """The bench in OpenVINO GenAI: its plain decoding, prompt lookup and draft-model speculative decoding, on the
 PyTorch bench's prompts and chat template, greedy, the same thread count; the same table as the llama.cpp bench.
 
-    python -m draftsmith.models.openvino install        # once
-    python -m draftsmith.eval.openvino_bench target=qwen2.5-coder-1.5b-instruct \\
+    python -m draftsmith.models.engines.openvino install        # once
+    python -m draftsmith.eval.engines.openvino_bench target=qwen2.5-coder-1.5b-instruct \\
         methods="lookup draft:qwen2.5-coder-0.5b-instruct,format=int8 draft:qwen2.5-coder-0.5b-instruct,p_min=0.4" \\
         num_prompts=3 output=results/openvino/qwen1.5b_fp32.json
     python scripts/export.py dgf <drafter final/> exports/eagle3_sglang --layout sglang
-    python -m draftsmith.eval.openvino_bench methods="lookup eagle3:exports/eagle3_sglang,k=3" num_prompts=3
+    python -m draftsmith.eval.engines.openvino_bench methods="lookup eagle3:exports/eagle3_sglang,k=3" num_prompts=3
 
-Every method is one OpenVINO GenAI `LLMPipeline` on the CPU in a worker process (models/openvino.py) over the
+Every method is one OpenVINO GenAI `LLMPipeline` on the CPU in a worker process (models/engines/openvino.py) over the
 target's IR (exported once into the cache by optimum-intel). Prompts go in as token ids rendered by our chat
 template; time is the worker's wall time around `generate`. Methods run back to back on each prompt turn
 (interleaved, after a warm-up request each; when their weights do not fit in memory together, each method runs
 beside its own plain worker in turn, and the table says so); every speculative output is compared with OpenVINO's plain output,
 and the speedup is against OpenVINO's plain decoding of the same IR in the same run (the table and JSON are the
-llama.cpp bench's, eval/llamacpp_bench.py). With `pytorch_baselines=true` the toolkit's own plain baselines run on
+llama.cpp bench's, eval/engines/llamacpp_bench.py). With `pytorch_baselines=true` the toolkit's own plain baselines run on
 the same prompts after.
 """
 
@@ -28,10 +28,10 @@ from typing import ClassVar, Literal
 from draftsmith.config import ConfigError, option
 from draftsmith.errors import exit_with
 from draftsmith.eval.documents import parse_document_command, write_document
-from draftsmith.eval.llamacpp_bench import (EngineBenchConfig, PlainOptions, bench_document, engine_table,
+from draftsmith.eval.engines.common import (EngineBenchConfig, PlainOptions, bench_document, engine_table,
                                             fits_in_memory, run_groups)
-from draftsmith.eval.methods import MethodEntry, MethodSpec
-from draftsmith.models import openvino
+from draftsmith.eval.bench.methods import MethodEntry, MethodSpec
+from draftsmith.models.engines import openvino
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.target import load_tokenizer
 from draftsmith.models.registry import resolve_model_path
@@ -190,7 +190,7 @@ def format_table(document: dict) -> str:
 
 
 def main(argv: list[str]) -> dict:
-    config, out = parse_document_command("draftsmith.eval.openvino_bench", __doc__, OpenVinoBenchConfig, argv)
+    config, out = parse_document_command("draftsmith.eval.engines.openvino_bench", __doc__, OpenVinoBenchConfig, argv)
     document = run_openvino_bench(config, openvino.home() / "bench-logs")
     write_document(out, document, format_table(document))
     return document

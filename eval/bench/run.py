@@ -46,16 +46,15 @@ from tqdm.auto import tqdm
 from draftsmith.config import (ConfigError, check_config, command_parser, config_to_dict, option, parse_command,
                                refuse_unread, section)
 from draftsmith.data.chat import prompt_ids
-from draftsmith.data.sources import load_source, source_help
 from draftsmith.errors import UserError, exit_with
-from draftsmith.eval.bench_progress import Progress
+from draftsmith.eval.bench.progress import Progress
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
 from draftsmith.eval.documents import cpu_isa, cpu_model, memory_stall_seconds
-from draftsmith.eval.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
+from draftsmith.eval.bench.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
 from draftsmith.eval.prompts import (PromptSettings, category_of, check_suites, num_turns, select_conversations,
                                     turn_input_ids)
-from draftsmith.eval.report import format_table, log_wandb, write_plots
+from draftsmith.eval.bench.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import DEFAULT_TARGET, has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread

@@ -5,8 +5,8 @@ against its pinned sha256, unpacked and built with CMake + Ninja for this CPU (`
 the toolkit drives. The converter (`convert_hf_to_gguf.py`) and the `gguf` Python package it imports come from the
 same unpacked tree, so a GGUF is always written by the llama.cpp that reads it.
 
-    python -m draftsmith.models.llamacpp build      # once (~15-25 min on 2 cores); a no-op when built
-    python -m draftsmith.models.llamacpp where      # the build folder, or one line saying how to build
+    python -m draftsmith.models.engines.llamacpp build      # once (~15-25 min on 2 cores); a no-op when built
+    python -m draftsmith.models.engines.llamacpp where      # the build folder, or one line saying how to build
 
 Layout: `$DRAFTSMITH_CACHE/llama.cpp/b11434/{src,build/bin,built.json}`; `built.json` is written last, so a folder
 without it is rebuilt. Nothing is downloaded at run time: `tool(name)` only finds what `build` made.
@@ -86,7 +86,7 @@ def is_built() -> bool:
 def require_built() -> None:
     if not is_built():
         raise NotBuiltError(f"llama.cpp {PIN.release} is not built in {home()}: run "
-                            "`python -m draftsmith.models.llamacpp build` once (~15-25 min on 2 cores)")
+                            "`python -m draftsmith.models.engines.llamacpp build` once (~15-25 min on 2 cores)")
 
 
 def tool(name: str) -> Path:
@@ -488,7 +488,7 @@ def export_gguf(source: Path, out_file: Path, gguf_type: str = "float32", target
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: python -m draftsmith.models.llamacpp {build [--sdist FILE] | where}"
+    usage = "usage: python -m draftsmith.models.engines.llamacpp {build [--sdist FILE] | where}"
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\n" + usage)
         return 0

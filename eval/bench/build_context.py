@@ -1,4 +1,4 @@
-"""What the method builders of eval/methods.py get: the run's loaded models and the engine each one runs on, built
+"""What the method builders of eval/bench/methods.py get: the run's loaded models and the engine each one runs on, built
 once per model, backend and settings (the target, the draft model, the small models named in specs and the feature
 drafters' own engines)."""
 

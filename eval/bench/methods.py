@@ -28,7 +28,7 @@ from typing import Any, Literal
 import yaml
 
 from draftsmith.config import ConfigError, Parsable, config_from_dict, option
-from draftsmith.eval.build_context import BuildContext
+from draftsmith.eval.bench.build_context import BuildContext
 from draftsmith.eval.decode.decoder import DrafterMethod, Method
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
 from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
@@ -39,7 +39,7 @@ from draftsmith.eval.decode.drafters.medusa import load_medusa_drafter
 from draftsmith.eval.decode.drafters.minions import MinionsConfig, MinionsDrafter
 from draftsmith.eval.decode.drafters.ngram import NGRAM_BUDGET, NgramDrafter
 from draftsmith.eval.decode.drafters.union import UnionDrafter
-from draftsmith.eval.hf_methods import HFGenerate
+from draftsmith.eval.bench.hf_methods import HFGenerate
 from draftsmith.eval.policies.arca import load_profile, profile_paths
 from draftsmith.eval.policies.hcmp import LAYER_TYPES, HcmpConfig, HcmpPolicy
 from draftsmith.eval.policies.pipeline import PipelinePolicy

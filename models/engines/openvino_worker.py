@@ -1,4 +1,4 @@
-"""One OpenVINO GenAI pipeline answering completion requests, run by models/openvino.py in OpenVINO's own
+"""One OpenVINO GenAI pipeline answering completion requests, run by models/engines/openvino.py in OpenVINO's own
 environment (its pins clash with the toolkit's transformers, so this file imports only openvino_genai and the
 standard library, never draftsmith).
 

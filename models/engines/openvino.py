@@ -1,12 +1,12 @@
 """OpenVINO GenAI, pinned, in its own environment: install once, convert models once into the cache, and run a
 pipeline (plain, prompt lookup, or a draft model) as a worker process that answers completion requests.
 
-    python -m draftsmith.models.openvino install     # once: a venv in the cache with the pinned wheels (~2 min)
+    python -m draftsmith.models.engines.openvino install     # once: a venv in the cache with the pinned wheels (~2 min)
 
 OpenVINO's exporter (optimum-intel) pins transformers below the toolkit's, so the wheels go into a virtual
 environment in the cache that sees this environment's torch (--system-site-packages) but has its own transformers.
 Models become OpenVINO IR through optimum-intel's own `optimum-cli export openvino`, once per model and weight
-format, keyed by the model directory's content; the worker (models/openvino_worker.py) runs in that environment and
+format, keyed by the model directory's content; the worker (models/engines/openvino_worker.py) runs in that environment and
 speaks llama.cpp's /completion reply shape.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 from draftsmith.errors import UserError, exit_with
-from draftsmith.models.llamacpp import model_dir_key
+from draftsmith.models.engines.llamacpp import model_dir_key
 from draftsmith.models.registry import draftsmith_cache
 
 # The one OpenVINO stack the toolkit drives (all from PyPI); transformers is the newest optimum-intel 2.2 accepts.
@@ -57,7 +57,7 @@ def is_installed() -> bool:
 def require_installed() -> None:
     if not is_installed():
         raise UserError(f"OpenVINO GenAI {RELEASE} is not installed in {home()}: run "
-                        "`python -m draftsmith.models.openvino install` once (~2 min)")
+                        "`python -m draftsmith.models.engines.openvino install` once (~2 min)")
 
 
 def install() -> Path:
@@ -259,7 +259,7 @@ class OpenVinoWorker:
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: python -m draftsmith.models.openvino install"
+    usage = "usage: python -m draftsmith.models.engines.openvino install"
     if argv != ["install"]:
         raise UserError(f"unknown command {' '.join(argv)!r}: {usage}" if argv else usage)
     print(f"OpenVINO GenAI {RELEASE} installed in {install()}")
