@@ -63,7 +63,7 @@ from draftsmith.data.shards import (ShardLedger, chunk, fingerprint, parse_job_c
 from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, load_source, source_help
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
-from draftsmith.models.llamacpp import CONVERTER_TYPES, LlamaServer, ServerSettings, cached_gguf
+from draftsmith.models.engines.llamacpp import CONVERTER_TYPES, LlamaServer, ServerSettings, cached_gguf
 from draftsmith.models.target import TargetModel, load_model_config, resolve_dtype
 from draftsmith.models.registry import resolve_model_path
 
@@ -90,7 +90,7 @@ class RegenerateConfig:
     engine: Literal["pytorch", "llamacpp"] = option(
         "pytorch", "who generates: pytorch (HF generate, left-padded batches) or llamacpp (the built llama.cpp's "
                    "server on loopback, `batch_size` parallel slots, the target converted once to GGUF in `dtype`; "
-                   "build it with `python -m draftsmith.models.llamacpp build`)")
+                   "build it with `python -m draftsmith.models.engines.llamacpp build`)")
     batch_size: int = option(8, "conversations generated together (pytorch: left-padded; llamacpp: server slots)",
                              ge=1)
     shard_size: int = option(256, "conversations per shard (the unit of resuming)", ge=1)

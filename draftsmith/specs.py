@@ -2,7 +2,7 @@
 
     name[:first][,key=value,...]
 
-- `name`: a table entry: a bench method (`eval/methods.py`, `eval/llamacpp_bench.py`), a data source kind
+- `name`: a table entry: a bench method (`eval/bench/methods.py`, `eval/engines/llamacpp_bench.py`), a data source kind
   (`data/sources`), or `tiny` (an in-process tiny model, `models/tiny.py`).
 - `first`: the entry's one positional value, the first item after `:` when it has no `=` (a path, a split, a
   model family): `medusa:outputs/run/final`, `gsm8k:train`, `tiny:llama`.

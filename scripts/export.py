@@ -24,7 +24,7 @@
     python scripts/export.py gguf exports/dflash exports/dflash.gguf --target smollm2-135m-instruct
                                                       # llama.cpp: a DFlash export (--spec-type draft-dflash)
 
-GGUF files are written by the pinned llama.cpp's own converter (`python -m draftsmith.models.llamacpp build`
+GGUF files are written by the pinned llama.cpp's own converter (`python -m draftsmith.models.engines.llamacpp build`
 once) and are kept only after llama.cpp has loaded and decoded them: plain greedy decoding for a model, and
 for an EAGLE-3 drafter speculative decoding of its target whose output must equal the target's plain output.
 
@@ -47,12 +47,12 @@ from huggingface_hub import HfApi
 
 from draftsmith.errors import UserError, exit_with, one_line
 from draftsmith.eval.decode.drafters.dgf import drafter_tree
-from draftsmith.eval.methods import parse_method
+from draftsmith.eval.bench.methods import parse_method
 from draftsmith.fileio import refuse_overwrite
 from draftsmith.models import export_dflash, export_medusa
 from draftsmith.models import exports as export
 from draftsmith.models.artifacts import read_json
-from draftsmith.models import llamacpp
+from draftsmith.models.engines import llamacpp
 from draftsmith.models.trees import TreeShape
 from draftsmith.models.registry import resolve_model_path
 

@@ -17,6 +17,6 @@ COMMON="target=qwen2.5-coder-1.5b-instruct num_prompts=$NUM max_new_tokens=128 t
 for TYPE in ${TYPES:-q4_k_m float32}; do
   OUT=results/llamacpp/qwen1.5b_${TYPE}${LABEL}_${CPU}.json
   [ -f "$OUT" ] && continue
-  scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench $COMMON target_type=$TYPE "methods=$METHODS" \
+  scripts/jobs/quiet.sh python -m draftsmith.eval.engines.llamacpp_bench $COMMON target_type=$TYPE "methods=$METHODS" \
     output=$OUT
 done

@@ -11,6 +11,6 @@ for TYPE in float32 q8_0; do
   OUT=results/llamacpp/smollm2_${TYPE}_${CPU}.json
   [ -f "$OUT" ] && continue
   BASELINES=false; [ "$TYPE" = float32 ] && BASELINES=true
-  scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench --config "$CONFIG" target_type=$TYPE \
+  scripts/jobs/quiet.sh python -m draftsmith.eval.engines.llamacpp_bench --config "$CONFIG" target_type=$TYPE \
     pytorch_baselines=$BASELINES output=$OUT
 done

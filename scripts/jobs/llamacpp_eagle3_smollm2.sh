@@ -24,7 +24,7 @@ for n in $N_MAX; do METHODS="$METHODS eagle3:$EXPORT,n_max=$n"; done
 for TYPE in $TYPES; do
   OUT=results/llamacpp/smollm2_eagle3_${LABEL}_${TYPE}_${CPU}.json
   [ -f "$OUT" ] && continue
-  scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench target=smollm2-135m-instruct target_type=$TYPE \
+  scripts/jobs/quiet.sh python -m draftsmith.eval.engines.llamacpp_bench target=smollm2-135m-instruct target_type=$TYPE \
     num_prompts=${NUM:-10} max_new_tokens=128 threads=2 "methods=$METHODS" pytorch_baselines=${BASELINES:-false} \
     output=$OUT
 done

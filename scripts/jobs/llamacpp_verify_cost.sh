@@ -12,9 +12,9 @@ FLASH=${FLASH:-off on}
 TRIALS=${TRIALS:-15}
 OUT=${OUT:-results/llamacpp/verify_cost}
 mkdir -p "$OUT"
-bench=$(python -c 'from draftsmith.models import llamacpp; print(llamacpp.tool("llama-bench"))')
+bench=$(python -c 'from draftsmith.models.engines import llamacpp; print(llamacpp.tool("llama-bench"))')
 for type in $TYPES; do
-  gguf=$(python -c "import sys; from draftsmith.models import llamacpp, zoo
+  gguf=$(python -c "import sys; from draftsmith.models.engines import llamacpp, zoo
 print(llamacpp.cached_gguf(zoo.resolve_model_path(sys.argv[1]), sys.argv[1], sys.argv[2]))" "$TARGET" "$type")
   for flash in $FLASH; do
     scripts/jobs/quiet.sh "$bench" -m "$gguf" -t 2 -p 1,2,3,4,8 -n 0 -r "$TRIALS" -fa "$flash" -o json > "$OUT/${TARGET}_${type}_fa-${flash}.json"

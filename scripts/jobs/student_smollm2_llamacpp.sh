@@ -31,6 +31,6 @@ EAGLE3=exports/eagle3_smollm2_all_regen  # from the bundled drafter's fp32 sourc
   --layout speculators --target smollm2-135m-instruct
 METHODS="ngram eagle3:$EAGLE3,n_max=4,type=q8_0,p_min=0.5 draft:$STUDENT,n_max=3 draft:$STUDENT,n_max=3,type=q8_0"
 METHODS="$METHODS draft:$STUDENT,n_max=8,type=q8_0,p_min=0.5"
-scripts/jobs/quiet.sh python -m draftsmith.eval.llamacpp_bench target=smollm2-135m-instruct target_type=float32 \
+scripts/jobs/quiet.sh python -m draftsmith.eval.engines.llamacpp_bench target=smollm2-135m-instruct target_type=float32 \
   num_prompts=${NUM:-10} max_new_tokens=128 threads=2 "methods=$METHODS" pytorch_baselines=${BASELINES:-false} \
   output="$OUT"
