@@ -1,7 +1,7 @@
 """Drafters shipped inside the package: one small feature drafter per registry target that has one (a
 reduced draft vocabulary whose head is a frozen slice of the target's LM head, re-read from the target
 at load, so only the blocks and the fusion are stored, in bfloat16). Each directory is a `train/dgf.py`
-final/ directory exported with `scripts/export.py dgf ... --layout dgf --dtype bfloat16`; its model
+final/ directory exported with `scripts/export.py dgf ... layout=dgf dtype=bfloat16`; its model
 card (README.md) records the training command, so a user can retrain it."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Both layouts hold the drafter's tensors under z-lab's names (`fc.weight`, `hidde
 
     zlab         z-lab's DFlashDraftModel config (a Qwen3 config + `dflash_config` {block_size, target_layer_ids,
                  mask_token_id}), what llama.cpp's converter reads (conversion/qwen.py DFlashModel; `python
-                 scripts/export.py gguf <export> <out.gguf> --target <target>` then runs it and decodes with
+                 scripts/export.py gguf <export> <out.gguf> target=<target>` then runs it and decodes with
                  `--spec-type draft-dflash`)
     speculators  vLLM's speculators format (speculators/models/dflash/config.py DFlashSpeculatorConfig):
                  `transformer_layer_config`, `aux_hidden_state_layer_ids` (hidden-state indices: layer id + 1),
@@ -19,6 +19,7 @@ Both layouts hold the drafter's tensors under z-lab's names (`fc.weight`, `hidde
 from __future__ import annotations
 
 import json
+from typing import Literal, get_args
 from pathlib import Path
 
 import torch
@@ -31,7 +32,8 @@ from draftsmith.models.exports import (PARITY_SEED, ExportResult, base_manifest,
                                        removes_tmp_on_error, write_model_card)
 from draftsmith.models.target import TargetModel
 
-DFLASH_LAYOUTS = ("zlab", "speculators")
+DFlashLayout = Literal["zlab", "speculators"]
+DFLASH_LAYOUTS = get_args(DFlashLayout)
 WEIGHTS = "model.safetensors"
 CONSUMERS = {
     "zlab": {"loaded": ["llama.cpp (pinned): convert_hf_to_gguf.py DFlashModel + llama-server --spec-type "

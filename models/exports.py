@@ -22,6 +22,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -153,8 +154,8 @@ def measured(source_manifest: dict | None, bench: dict | None) -> list[str]:
         lines.append("- that speedup is draftsmith's decoder running these weights with the settings the method "
                      "names (its draft precision, vocabulary slice, stop rule and graphs are decoding settings, not "
                      "part of the weights); another engine decodes them its own way and its speedup differs")
-    return lines or ["- tau / speedup: not measured for this export (`scripts/export.py ... --bench bench.json "
-                     "--bench-method LABEL` adds them)"]
+    return lines or ["- tau / speedup: not measured for this export (`scripts/export.py ... bench=bench.json "
+                     "bench_method=LABEL` adds them)"]
 
 
 def provenance(manifest: dict, source_manifest: dict | None) -> list[str]:
@@ -397,7 +398,8 @@ def _merged_adapter(adapter: Path, base: str | None, dtype: torch.dtype):
 # DGF / EAGLE feature drafters
 # ---------------------------------------------------------------------------------------------
 
-DGF_LAYOUTS = ("auto", "eagle", "speculators", "sglang", "dgf")
+DgfLayout = Literal["auto", "eagle", "speculators", "sglang", "dgf"]
+DGF_LAYOUTS = get_args(DgfLayout)
 EAGLE3_SPECULATIVE_TOKENS = 3  # speculators' greedy proposal length written into its config
 
 

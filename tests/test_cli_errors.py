@@ -41,7 +41,9 @@ CASES = [
     ("profile", ["target=tiny:llama", "budgets=0"], ["budgets"]),
     ("latency", ["target=tiny:llama", "widths=[0]"], ["widths"]),
     ("export", ["dgf", "/nonexistent", "OUT"], ["/nonexistent"]),
-    ("export", ["medusa", "/nonexistent", "OUT", "--tolerance", "-1"], ["--tolerance"]),
+    ("export", ["medusa", "/nonexistent", "OUT", "tolerance=-1"], ["tolerance"]),
+    ("export", ["medusa", "/nonexistent", "OUT", "--tolerance", "-1"], ["tolerance"]),
+    ("export", ["blocks", "/nonexistent", "OUT"], ["not an export kind"]),
     ("fetch", ["nosuch-model"], ["nosuch-model", "smollm2-135m-instruct"]),
 ]
 MAINS = {**COMMANDS, "export": export.main, "fetch": fetch_models.main}

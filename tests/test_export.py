@@ -249,7 +249,12 @@ def test_cli_medusa_and_failure_exit_code(tmp_path, capsys):
     assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "cli")]) == 2
     assert "exists" in capsys.readouterr().err
     assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "cli3"), "--tolerance", "-1"]) == 2
-    assert "--tolerance" in capsys.readouterr().err
+    assert "tolerance: must be >= 0" in capsys.readouterr().err
+    # key=value is the documented spelling; both name the same keys
+    assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "cli4"), "tolerance=0.5"]) == 0
+    assert export_cli(["medusa", f"source={tmp_path / 'final'}", f"out={tmp_path / 'cli5'}"]) == 0
+    assert export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "cli6"), "bench=x.json"]) == 2
+    assert "bench_method" in capsys.readouterr().err
 
 
 def test_push_to_hub_unreachable_is_one_line_and_keeps_the_export(tmp_path, capsys, monkeypatch):
@@ -257,7 +262,7 @@ def test_push_to_hub_unreachable_is_one_line_and_keeps_the_export(tmp_path, caps
     make_medusa_final(tmp_path / "final")
     code = export_cli(["medusa", str(tmp_path / "final"), str(tmp_path / "fd"), "--push-to-hub", "me/heads"])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: --push-to-hub me/heads") and err.count("\n") == 1
+    assert code == 2 and err.startswith("error: push_to_hub=me/heads") and err.count("\n") == 1
     assert (tmp_path / "fd" / "medusa_lm_head.safetensors").is_file()
 
 

@@ -18,7 +18,7 @@ N_MAX=${N_MAX:-3 6}
 NAME=$(basename "$POINT")
 LABEL=${LABEL:-${NAME#loss_tokens_}}  # names the results; give one where POINT is not a human curve point
 EXPORT=exports/eagle3_smollm2_$LABEL
-[ -d "$EXPORT" ] || python scripts/export.py dgf "$POINT" "$EXPORT" --layout speculators --target smollm2-135m-instruct
+[ -d "$EXPORT" ] || python scripts/export.py dgf "$POINT" "$EXPORT" layout=speculators target=smollm2-135m-instruct
 METHODS="ngram"
 for n in $N_MAX; do METHODS="$METHODS eagle3:$EXPORT,n_max=$n"; done
 for TYPE in $TYPES; do

@@ -25,6 +25,6 @@ METHODS="$METHODS dgf:path=$NEW,depth=3,topk=1,budget=3 dgf:path=$NEW,depth=3,to
 BEST=$(python -c "import json; s=json.load(open('results/dgf_smollm2_long/bench.json'))['summary']; \
 print(max((m for m in s if m.startswith('dgf:path=$NEW')), key=lambda m: s[m]['headline_speedup']))")
 BUNDLE=models/bundled/smollm2-135m-instruct-dgf
-[ -d $BUNDLE ] || python scripts/export.py dgf $NEW $BUNDLE --layout dgf --dtype bfloat16 \
-  --target smollm2-135m-instruct --bench results/dgf_smollm2_long/bench.json --bench-method "$BEST"
+[ -d $BUNDLE ] || python scripts/export.py dgf $NEW $BUNDLE layout=dgf dtype=bfloat16 \
+  target=smollm2-135m-instruct bench=results/dgf_smollm2_long/bench.json "bench_method=$BEST"
 [ -f results/readme_first_command.md ] || scripts/jobs/quiet.sh bash scripts/jobs/readme_first_command.sh
