@@ -6,7 +6,6 @@
 # Chains of 3 and 4, and the cascade with lookup. Resumes from OUT/progress.jsonl; skips itself when bench.json exists.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/smollm2_goal_bench.sh
 OUT=${OUT:-results/all_regen_smollm2/bench}
 NEW=${NEW:-drafters/eagle3_smollm2_all_regen/loss_tokens_2400000}
 BUNDLED=models/bundled/smollm2-135m-instruct-eagle3
@@ -15,4 +14,5 @@ CHAIN4="depth=4,topk=1,budget=4"
 METHODS="plain ngram dgf:path=$BUNDLED,$CHAIN3 dgf:path=$NEW,$CHAIN3 dgf:path=$NEW,$CHAIN4"
 METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),(dgf:path=$BUNDLED,$CHAIN3)]"
 METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),(dgf:path=$NEW,$CHAIN3)]"
-smollm2_goal_bench "$OUT" "$METHODS"
+[ -f "$OUT"/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_smollm2.yaml \
+  "methods=$METHODS" output_dir="$OUT" num_prompts="${NUM:-10}"

@@ -7,7 +7,6 @@
 #   POINTS=drafters/eagle3_smollm2_human OUT=results/data_curve_smollm2 bash scripts/jobs/curve_bench_smollm2.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/smollm2_goal_bench.sh
 POINTS=${POINTS:-drafters/eagle3_smollm2_human}
 OUT=${OUT:-results/data_curve_smollm2}
 NUM=${NUM:-10}
@@ -25,5 +24,6 @@ for point in "${POINT_DIRS[@]}"; do METHODS="$METHODS dgf:path=$point,$TREE"; do
 for tree in $NEWEST_TREES; do METHODS="$METHODS dgf:path=$NEWEST,$tree"; done
 METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),(dgf:path=$NEWEST,$TREE)]"
 BENCH=$OUT/bench_$(basename "$NEWEST")
-smollm2_goal_bench "$BENCH" "$METHODS"
+[ -f "$BENCH"/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_smollm2.yaml \
+  "methods=$METHODS" output_dir="$BENCH" num_prompts="${NUM:-10}"
 python scripts/curve_report.py "$POINTS" --bench "$BENCH/bench.json" --out "$OUT/curve" --overwrite  # the table follows the points

@@ -11,7 +11,7 @@
 # (or a training run's own export, MODEL=outputs/pard_qwen/cpu_lora/final).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/qwen15_goal_bench.sh
+source scripts/jobs/qwen15_build.sh
 PRECISION=${PRECISION:-bfloat16}
 [ "$PRECISION" = bfloat16 ] && require_avx512_bf16
 NUM=${NUM:-2}
@@ -31,4 +31,6 @@ if [ "${VS_WINNER:-0}" = 1 ]; then
 else  # the lever alone: the same 3 tokens from 1 forward against 3, and the cheap chain, all in PRECISION
   METHODS="plain-compiled lm-chain:budget=3,$SAME $PARD lm-chain:budget=8,stop_below=0.3,$SAME"
 fi
-qwen15_goal_bench "$OUT" "$METHODS"
+build_qwen15
+[ -f "$OUT"/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_qwen15.yaml \
+  "methods=$METHODS" output_dir="$OUT" num_prompts="${NUM:-10}"

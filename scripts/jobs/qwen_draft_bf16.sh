@@ -13,7 +13,7 @@
 # Refuses to run where the CPU has no bf16 arithmetic (there it is emulated, and slower: results/qwen_draft_cost.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/qwen15_goal_bench.sh
+source scripts/jobs/qwen15_build.sh
 require_avx512_bf16
 NUM=${NUM:-2}
 OUT=${OUT:-results/qwen_draft_bf16/bench}
@@ -32,4 +32,6 @@ if [ "${CASCADE:-0}" = 1 ]; then
   done
 fi
 if [ "${HF_ASSISTED:-0}" = 1 ]; then METHODS="$METHODS hf-assisted"; fi
-qwen15_goal_bench "$OUT" "$METHODS"
+build_qwen15
+[ -f "$OUT"/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_qwen15.yaml \
+  "methods=$METHODS" output_dir="$OUT" num_prompts="${NUM:-10}"

@@ -1,31 +1,29 @@
 #!/usr/bin/env bash
-# The goal bench for Qwen2.5-Coder-1.5B-Instruct (fp32 target, compiled backend, 2 threads): the
-# goal bench's prompts (NUM prompts per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens), both
-# plain baselines (HF eager `generate` = plain, plain-compiled) in the same run, every output checked against
-# plain greedy. The draft-cost levers of the 0.5B drafter, one at a time:
-#   lm-chain:budget=4                       the off-the-shelf 0.5B as before (full 151,936-token head)
-#   $CHEAP                                  its head sliced to the committed 32k draft vocabulary and a dynamic
-#                                           chain length (stop_below), up to 8 tokens
-#   cascade [ngram min_n=2, $CHEAP]         prompt lookup first, the cheap chain otherwise
-# The bench writes progress.jsonl per conversation: a rerun with the same settings continues where it
-# stopped (commit the folder to carry a partial run to the next session; it then reports resumed rows).
-# NUM=5 took 87 min on the 2-core AMD EPYC of 2026-11-26 (a slow day: target step 465 ms); NUM=10 takes about
-# twice that, HF=1 (HF assisted generation) about a fifth more: split it over sessions by committing OUT.
-#   NUM=10 HF=1 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
-# CHAIN4=0 leaves out the chain of 4 (the lever's "before" row, measured at NUM=5): the goal run of 2026-11-26
-# (the first study) is   NUM=10 HF=1 CHAIN4=0 OUT=results/qwen_draft_cost/bench bash scripts/jobs/qwen_goal_bench.sh
-# HF=1's row is HF's assisted generation with transformers' defaults for the assistant: up to 20 tokens a round,
-# stopped by its confidence threshold (0.4 to start, adapted per call when scikit-learn is installed).
+# The goal bench for Qwen2.5-Coder-1.5B-Instruct as eval/configs/goal_bench_qwen15.yaml declares it (fp32 target,
+# compiled engine, 2 threads, NUM prompts per suite (10 unless set), MT-Bench both turns, GSM8K, HumanEval, 128 new
+# tokens, both plain baselines, every output checked against plain): the 0.5B as a cheap chain (32k head slice, up
+# to 8 tokens, stop_below 0.3) and in a cascade after prompt lookup. The 1.5B's compiled package is built first in a
+# process of its own. Levers beside the protocol's methods:
+#   CHAIN4=1 (default)  the off-the-shelf 0.5B as a chain of 4 with its full 151,936-token head (the "before" row)
+#   HF=1                HF's assisted generation with transformers' defaults for the assistant (up to 20 tokens a
+#                       round, stopped by its confidence threshold)
+# The bench writes progress.jsonl per conversation: a rerun with the same settings continues where it stopped
+# (commit OUT to carry a partial run to the next machine). NUM=5 took 87 min on a 2-core AMD EPYC on the stock
+# engine (target step 465 ms); NUM=10 takes about twice that.
+#   NUM=5 CHAIN4=0 OUT=results/<study>/bench bash scripts/jobs/qwen_goal_bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/qwen15_goal_bench.sh
-NUM=${NUM:-10}
+source scripts/jobs/qwen15_build.sh
 OUT=${OUT:-results/qwen_draft_cost/bench}
-STOP=${STOP:-0.3}
 VOCAB=drafters/qwen2.5-coder_vocab_32768
 [ -f $VOCAB/draft_vocab.safetensors ] || bash scripts/jobs/vocab_qwen.sh
-CHEAP="lm-chain:budget=8,vocab=$VOCAB,stop_below=$STOP"
-METHODS="plain-compiled $CHEAP cascade:drafters=[(ngram:min_n=2),($CHEAP)]"
-[ "${CHAIN4:-1}" = 1 ] && METHODS="plain-compiled lm-chain:budget=4 ${METHODS#plain-compiled }"
-[ "${HF:-0}" = 1 ] && METHODS="$METHODS hf-assisted"
-qwen15_goal_bench "$OUT" "$METHODS"
+EXTRA=()  # the protocol's methods (eval/configs/goal_bench_qwen15.yaml), plus the levers asked for
+[ "${CHAIN4:-1}" = 1 ] && EXTRA+=("lm-chain:budget=4")
+[ "${HF:-0}" = 1 ] && EXTRA+=("hf-assisted")
+build_qwen15
+if [ ${#EXTRA[@]} -gt 0 ]; then
+  METHODS=$(python -c "import yaml,sys; print(' '.join(yaml.safe_load(open('eval/configs/goal_bench_qwen15.yaml'))['methods'] + sys.argv[1:]))" "${EXTRA[@]}")
+  set -- "methods=$METHODS"
+fi
+[ -f "$OUT"/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_qwen15.yaml \
+  output_dir="$OUT" num_prompts="${NUM:-10}" "$@"

@@ -7,7 +7,6 @@
 # Every drafter runs as a chain of 3 unless named. Skips itself when its bench.json exists. ~60 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/smollm2_goal_bench.sh
 OUT=${OUT:-results/regenerated_smollm2/bench}
 CHAIN3="depth=3,topk=1,budget=3"
 NEW=drafters/eagle3_smollm2_human_then_regen/loss_tokens_1000000
@@ -18,4 +17,5 @@ METHODS="$METHODS dgf:path=$NEW,depth=5,topk=1,budget=5 cascade:drafters=[(ngram
 for tokens in 250000 1000000; do
   METHODS="$METHODS dgf:path=$HUMAN/loss_tokens_$tokens,$CHAIN3 dgf:path=$REGEN/loss_tokens_$tokens,$CHAIN3"
 done
-smollm2_goal_bench "$OUT" "$METHODS"
+[ -f "$OUT"/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_smollm2.yaml \
+  "methods=$METHODS" output_dir="$OUT" num_prompts="${NUM:-10}"

@@ -12,7 +12,6 @@
 # (results/dgf_smollm2_more.md), so a rerun starts with scripts/jobs/train_smollm2_final.sh and train_smollm2_long.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/smollm2_goal_bench.sh
 R=outputs/regen/smollm2
 COMMON="target=smollm2-135m-instruct max_new_tokens=256 max_turns=1 batch_size=64 shard_size=128 threads=2"
 python -m draftsmith.data.regenerate $COMMON max_prompt_tokens=384 source=sharegpt skip=2400 limit=2000 \
@@ -45,4 +44,5 @@ NEW2="dgf:path=$NEW,depth=2,topk=1,budget=2"
 METHODS="plain ngram $OLD2 $NEW2 dgf:path=$NEW,depth=3,topk=2,budget=5"
 METHODS="$METHODS cascade:drafters=[(ngram:min_n=2),($OLD2)] cascade:drafters=[(ngram:min_n=2),($NEW2)]"
 METHODS="$METHODS union:drafters=[($NEW2),ngram]"
-smollm2_goal_bench results/dgf_smollm2_more "$METHODS"
+[ -f results/dgf_smollm2_more/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_smollm2.yaml \
+  "methods=$METHODS" output_dir=results/dgf_smollm2_more num_prompts="${NUM:-10}"

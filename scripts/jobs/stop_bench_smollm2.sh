@@ -6,9 +6,9 @@
 # itself when its bench.json exists.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/smollm2_goal_bench.sh
 OUT=${OUT:-results/dynamic_depth_smollm2/bench}
 CHAIN3="dgf:depth=3,topk=1,budget=3"
 DYNAMIC="dgf:depth=6,topk=1,budget=6,stop_below=${STOP:-0.3}"
 METHODS="plain $CHAIN3 $DYNAMIC cascade:drafters=[(ngram:min_n=2),($DYNAMIC)]"
-smollm2_goal_bench "$OUT" "$METHODS"
+[ -f "$OUT"/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_smollm2.yaml \
+  "methods=$METHODS" output_dir="$OUT" num_prompts="${NUM:-10}"

@@ -5,7 +5,6 @@
 # (single-layer DGF, 8k draft vocabulary, frozen sliced head: equal tau at a third of the draft step).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/jobs/smollm2_goal_bench.sh
 bash scripts/jobs/regen_smollm2.sh
 R=outputs/regen/smollm2
 python scripts/regen_report.py $R/gsm8k $R/code $R/sharegpt $R/sharegpt2 --out results/regen_smollm2 --overwrite
@@ -29,4 +28,5 @@ RESUME=""; [ -d outputs/dgf_smollm2_final/checkpoints ] && RESUME="--resume"
 F=outputs/dgf_smollm2_final/final
 TREES="dgf:path=$F,depth=2,topk=1,budget=2 dgf:path=$F,depth=3,topk=1,budget=3 dgf:path=$F,depth=4,topk=1,budget=4"
 TREES="$TREES dgf:path=$F,depth=3,topk=2,budget=5 dgf:path=$F,depth=4,topk=4,budget=8"
-smollm2_goal_bench results/archive/dgf_smollm2_final "plain ngram $TREES"
+[ -f results/archive/dgf_smollm2_final/bench.json ] || scripts/jobs/quiet.sh python -m draftsmith.eval.bench --config eval/configs/goal_bench_smollm2.yaml \
+  "methods=plain ngram $TREES" output_dir=results/archive/dgf_smollm2_final num_prompts="${NUM:-10}"
