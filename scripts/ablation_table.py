@@ -1,4 +1,4 @@
-"""The draft-vocabulary / feature-layer ablation table from one bench run (issue 16).
+"""The draft-vocabulary / feature-layer ablation table from one bench run.
 
     python scripts/ablation_table.py results/ablation_vocab_smollm2/bench.json \
         --out results/ablation_vocab_smollm2.md

@@ -1,4 +1,4 @@
-"""The acceptance-vs-data curve (issue 32): one table and one plot (log-scale x) from the committed curve points.
+"""The acceptance-vs-data curve: one table and one plot (log-scale x) from the committed curve points.
 
     python scripts/curve_report.py drafters/curve_smollm2_human --bench results/data_curve_smollm2/bench.json \\
         --out results/data_curve_smollm2/curve

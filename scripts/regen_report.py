@@ -1,4 +1,4 @@
-"""What a regeneration produced and how fast, as results (issue 17's data budget).
+"""What a regeneration produced and how fast, as results.
 
     python scripts/regen_report.py outputs/regen/smollm2/gsm8k outputs/regen/smollm2/code \
         outputs/regen/smollm2/sharegpt --out results/regen_smollm2

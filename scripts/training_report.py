@@ -1,4 +1,4 @@
-"""Loss curves and held-out metrics of one training run, as results (issue 17).
+"""Loss curves and held-out metrics of one training run, as results.
 
     python scripts/training_report.py outputs/dgf_smollm2_final --out results/dgf_smollm2_final/training
 

@@ -385,7 +385,7 @@ def torch_version() -> tuple[int, ...]:
                     reason="torch < 2.14.1: inductor's autotuner itself warns (TypedStorage); install.sh installs "
                            "2.14.1+cpu where the PyTorch index is reachable")
 def test_an_autotuned_compile_prints_no_warning(tiny_pair, prompts_file, tmp_path, caplog, monkeypatch):
-    """The main job compiles with autotuning (issue 33, item 7): no Python warning and no warning logged by torch
+    """The main job compiles with autotuning: no Python warning and no warning logged by torch
     or transformers, on a torch whose autotuner no longer calls the deprecated storage API."""
     import logging
     import warnings
@@ -422,7 +422,7 @@ def test_parallel_drafting_in_the_bench(tiny_pair, prompts_file, monkeypatch):
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8", "int8-weights"])
 def test_a_cheaper_draft_lm_stays_lossless(tiny_pair, prompts_file, precision):
-    """The draft LM in bf16, dynamic int8 or weight-only int8 (issue 35's first lever): its proposals change, the
+    """The draft LM in bf16, dynamic int8 or weight-only int8: its proposals change, the
     output does not (the target verifies in float32)."""
     target, draft = tiny_pair
     specs = ["plain", "lm-chain:budget=3", f"lm-chain:budget=3,precision={precision}",

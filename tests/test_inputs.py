@@ -1,4 +1,4 @@
-"""Every input checked at the door (issue 36): invalid option values of every command end in one short line and
+"""Every input checked at the door: invalid option values of every command end in one short line and
 exit status 2, malformed token tensors given to the decoder's API end in an InputError (a ValueError) naming the
 value, and hardware that is not there is one line, never an assertion from inside torch. Values are drawn by
 hypothesis."""

@@ -67,7 +67,7 @@ def test_the_machine_kind_names_its_vector_arithmetic():
 
 
 def test_a_bench_that_outgrew_the_ram_says_so(tmp_path):
-    """A 1.5B bench with too many models in one process paged its compiled weights in and out (session 14): the
+    """A 1.5B bench with too many models in one process paged its compiled weights in and out: the
     bench records the machine's memory stalls during its timed loop (Linux PSI) and the table flags a large share."""
     from draftsmith.eval.documents import memory_stall_seconds
     from draftsmith.eval.bench.report import memory_line

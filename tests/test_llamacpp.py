@@ -118,7 +118,7 @@ def test_gguf_exports_decode_in_llamacpp_and_speculation_is_lossless(tiny_pair, 
 
 
 def test_a_merged_pard_adapter_runs_as_a_llamacpp_draft_model(tiny_pair, capsys):
-    """Issue 35 item 5: a LoRA adapter as train/distill.py writes it (PARD mask token in its sidecar) -> `export
+    """A LoRA adapter as train/distill.py writes it (PARD mask token in its sidecar) -> `export
     student` merges it -> `export gguf` -> llama.cpp drafts with it (draft-simple) and its output equals plain."""
     from transformers import AutoModelForCausalLM
 

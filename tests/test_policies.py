@@ -1,4 +1,4 @@
-"""Decoder policies of issue 5: Minions, LLMCad, Self-Draft, the speculative generation pipeline.
+"""The seed papers' decoder policies: Minions, LLMCad, Self-Draft, the speculative generation pipeline.
 
 Greedy equivalence with generate(do_sample=False) for each policy (both tiny families, several
 seeds), speculative sampling == target distribution for the tree policies, and unit tests of

@@ -1,4 +1,4 @@
-"""Nothing lost, in every recipe (issue 19): one run per output directory (a lock naming the holder),
+"""Nothing lost, in every recipe: one run per output directory (a lock naming the holder),
 no final/ or metrics replaced without --overwrite (also after checkpoints/ was removed), SIGTERM and
 SIGINT save at the next step boundary and say how to resume, the progress bar (and --no-progress)."""
 

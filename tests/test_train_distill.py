@@ -199,7 +199,7 @@ def test_lean_student_holds_only_its_layers_and_loads_as_the_whole_student(tmp_p
 
 
 def test_pruned_student_keeps_layers_of_the_pretrained_model(tmp_path):
-    """student.init=pruned: a layer subset of student.model (issue 35 item 3: a layer-pruned 0.5B), not of the target."""
+    """student.init=pruned: a layer subset of student.model (a layer-pruned 0.5B), not of the target."""
     main(tiny_cfg(tmp_path / "pruned", "student.init=pruned", "student.layer_ids=[0]", "train.max_steps=2",
                   "eval.every_steps=0", "train.log_every=1"))
     seen = [train_metrics(tmp_path / "pruned")[step]["train/loss_tokens_seen"] for step in (1, 2)]

@@ -1,4 +1,4 @@
-"""Issue 17 item 5: every recipe's evaluation step measures tau through the bundled decoder on held-out
+"""Every recipe's evaluation step measures tau through the bundled decoder on held-out
 prompts (the bench's definition and code path), logged beside the losses, before, during and after training."""
 
 from __future__ import annotations
