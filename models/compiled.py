@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CAPACITY = 1024  # KV slots: prompt + new tokens + one tree must fit
-PACKAGE_VERSION = 1  # bump when StepModule's inputs or outputs change
+PACKAGE_VERSION = 2  # bump when StepModule's inputs or outputs change, or what a package holds (2: no weights)
 
 
 @dataclass
@@ -268,6 +268,7 @@ class GraphPackages:
         self.runners: dict[Graph, object] = {}
         self.compile_s: dict[str, float] = {}  # seconds spent compiling each graph in this process
         self.load_s: dict[str, float] = {}  # seconds spent loading a cached package
+        self.shared_constants: list[dict] = []  # the step's tensors that packages without weights run on
 
     # -- compiling -----------------------------------------------------------------------------
 
@@ -285,7 +286,7 @@ class GraphPackages:
             return Graph(self.buckets[-1], shared=True)
         return Graph(bucket_for(n, self.buckets))
 
-    def _compile(self, graph: Graph, path: Path) -> None:
+    def _compile(self, graph: Graph, path: Path, embed_weights: bool) -> None:
         try:
             from torch._inductor import aoti_compile_and_package
         except ImportError as err:
@@ -297,35 +298,80 @@ class GraphPackages:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp_{os.getpid()}_{path.stem}.pt2")  # AOTInductor wants the .pt2 ending
         before = machine_load()
+        configs = {"freezing": True, "max_autotune": self.autotune, "autotune_num_choices_displayed": 0,
+                   "max_autotune_report_choices_stats": False, "cpp.enable_kernel_profile": self.settings.kernel_profile}
+        if not embed_weights:  # the package runs on the step's own tensors (prepare): no copy built or stored
+            configs |= {"aot_inductor.package_constants_in_so": False,
+                        "aot_inductor.package_constants_on_disk_format": None}
         with torch.no_grad(), scratch_inductor_cache(path.parent):
-            aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={
-                "freezing": True, "max_autotune": self.autotune, "autotune_num_choices_displayed": 0,
-                "max_autotune_report_choices_stats": False, "cpp.enable_kernel_profile": self.settings.kernel_profile})
+            aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=configs)
         tmp.replace(path)
         after = machine_load()  # autotuning times kernels: a busy or swapping machine picks slow ones for good
         path.with_suffix(".build.json").write_text(json.dumps({
             "built": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_count": os.cpu_count(), "autotune": self.autotune,
+            "weights": "embedded" if embed_weights else "shared",
             "load_average_1min": max(before["load_average_1min"], after["load_average_1min"]),
             "available_memory_gb": min(before["available_memory_gb"], after["available_memory_gb"])}))
 
     def prepare(self, sizes: tuple[int, ...] | None = None) -> None:
         """Compile (first run) or load (later runs) the packages that forwards of `sizes` tokens use
         (default: every bucket's)."""
-        from torch._inductor import aoti_load_package
-
         for graph in self._graphs_of(sizes):
             if graph in self.runners:
                 continue
             path = self.directory / f"{graph.name}.pt2"
             if not path.is_file():
-                start = time.perf_counter()
-                log.info("compiling %s of %s (once; cached in %s)", graph.name, self.what, self.directory)
-                self._compile(graph, path)
-                self.compile_s[graph.name] = time.perf_counter() - start
+                self._timed_compile(graph, path, embed_weights=not self.shares_weights)
             start = time.perf_counter()
-            with environment_variable("TMPDIR", str(extraction_directory())):  # where the loader unpacks
-                self.runners[graph] = aoti_load_package(str(path))
+            runner = self._load(path)
+            if not self._embeds_weights(path) and not self.share_weights(runner):
+                log.info("the %s package of %s folds weights of its own; rebuilding it with them", graph.name,
+                         self.what)
+                self._timed_compile(graph, path, embed_weights=True)
+                runner = self._load(path)
+            self.runners[graph] = runner
             self.load_s[graph.name] = time.perf_counter() - start
+
+    def _timed_compile(self, graph: Graph, path: Path, embed_weights: bool) -> None:
+        start = time.perf_counter()
+        log.info("compiling %s of %s (once; cached in %s)", graph.name, self.what, self.directory)
+        self._compile(graph, path, embed_weights)
+        self.compile_s[graph.name] = self.compile_s.get(graph.name, 0.0) + time.perf_counter() - start
+
+    @staticmethod
+    def _load(path: Path):
+        from torch._inductor import aoti_load_package
+
+        with environment_variable("TMPDIR", str(extraction_directory())):  # where the loader unpacks
+            return aoti_load_package(str(path))
+
+    @staticmethod
+    def _embeds_weights(path: Path) -> bool:
+        record = path.with_suffix(".build.json")
+        return not record.is_file() or json.loads(record.read_text()).get("weights", "embedded") == "embedded"
+
+    @property
+    def shares_weights(self) -> bool:
+        """Whether the packages hold no weights of their own and run on the step module's tensors: the batch-invariant
+        kernels' steps, whose weights are plain inputs of custom ops (nothing for inductor to fold). A package holding
+        its own frozen copy doubled a target's memory (a 1.5B: 6 GB more, and its build went over 24 GB). A feature
+        drafter's step references the target's embedding, which inductor folds into a weight of the package's own."""
+        return (not isinstance(self.step, DGFStepModule)
+                and any(isinstance(module, InvariantLinear) for module in self.step.modules()))
+
+    def share_weights(self, runner) -> bool:
+        """Point a package without weights at the step module's tensors (no copy; they stay alive with the step).
+        False when the package names a weight the step does not hold (inductor folded a tensor the step only
+        references, e.g. a drafter's view of the target's embedding)."""
+        tensors = {**dict(self.step.named_parameters(remove_duplicate=False)),
+                   **dict(self.step.named_buffers(remove_duplicate=False))}
+        names = runner.get_constant_fqns()
+        if any(name not in tensors for name in names):
+            return False
+        constants = {name: tensors[name].detach() for name in names}
+        runner.load_constants(constants, check_full_update=True, user_managed=True)
+        self.shared_constants.append(constants)  # the package holds handles to these tensors, not references
+        return True
 
     def release(self, sizes: tuple[int, ...] | None = None) -> None:
         """Drop the loaded packages of these sizes (default: all): each holds its own frozen copy of the
