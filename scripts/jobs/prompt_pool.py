@@ -3,21 +3,31 @@ user turn (with any system message before it) of every conversation of SOURCES, 
 test suite's (MT-Bench, HumanEval, GSM8K test: whitespace- and case-normalised), shuffled with a fixed seed so
 that any prefix of the pool is a mix of the sources; written as `conversations:` JSONL, gzipped.
 
-    python scripts/jobs/prompt_pool.py OUT.jsonl.gz [--sources "sharegpt + gsm8k:train + ..."] [--seed 0]
+    python scripts/jobs/prompt_pool.py OUT.jsonl.gz ["sources=sharegpt + gsm8k:train + ..."] [seed=0]
 """
 
-import argparse
 import gzip
 import json
 import random
-import sys
 from collections import Counter
+from dataclasses import dataclass
 
+from draftsmith.config import check_config, option, parse_script
 from draftsmith.data.regenerate import context_chunks
 from draftsmith.data.sources import Conversation, load_source
 
 SOURCES = "sharegpt + gsm8k:train + python-docstrings + leetcode"
 TEST_SUITES = ("mt-bench", "humaneval", "gsm8k:test")
+
+
+@dataclass
+class PoolConfig:
+    output: str = option(help="the gzipped conversations: JSONL to write (also the first bare word)")
+    sources: str = option(SOURCES, "the sources whose first prompts make the pool, joined by ' + '")
+    seed: int = option(0, "the shuffle's seed")
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
 
 def normalised(text: str) -> str:
@@ -46,11 +56,8 @@ def test_prompts() -> set[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("output")
-    parser.add_argument("--sources", default=SOURCES)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_script("scripts/jobs/prompt_pool.py", __doc__.split("\n\n")[0], PoolConfig, argv,
+                        positional=("output",))
     banned = test_prompts()
     pool, counts, dropped = [], Counter(), Counter()
     for spec in (part.strip() for part in args.sources.split(" + ")):
@@ -70,4 +77,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from draftsmith.errors import exit_with
+
+    exit_with(main)
