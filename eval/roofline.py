@@ -33,7 +33,8 @@ from draftsmith.eval.documents import cpu_isa, cpu_model, parse_document_command
 from draftsmith.eval.latency import interleaved_seconds, measure_forward_latency, mt_bench_context
 from draftsmith.models.artifacts import load_dgf, load_medusa_heads
 from draftsmith.models.bundled import DEFAULT_TARGET, bundled_drafter
-from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine, InvariantMedusaHeads
+from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine
+from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import InvariantLinear, Kernels, kernel_isa, load_kernels, pack_weight
 from draftsmith.models.target import TargetModel

@@ -13,24 +13,22 @@ LM head), compiled ahead of time over a preallocated KV cache (gpt-fast's recipe
   smallest bucket >= n; padded slots attend only to themselves and no real slot attends to them.
   Prompts longer than the largest bucket are fed in causal chunks.
 - Each package is `torch.export` of the model's forward (the cache tensors are inputs the graph
-  writes into), compiled by AOTInductor with the weights frozen into the graph, so inductor's
-  autotuned GEMM templates apply on the CPU (`max_autotune`); on CUDA the same packages run the
-  device kernels (`max_autotune` also autotunes them).
+  writes into), compiled by AOTInductor with the weights frozen, so inductor's autotuned GEMM
+  templates apply (`max_autotune`, CPU and CUDA).
 - Cached on disk: `$DRAFTSMITH_CACHE/compiled/<key>/<graph>.pt2`, the key a hash of the model
   (config, a sample of every weight), dtype, device type, capacity, autotuning and torch version.
   The first run compiles (minutes; `compile_s`, reported apart from decode time), later runs load
   the packages in about a second each (`load_s`).
 - KV commit copies the accepted slots to the front of the uncommitted region inside the cache;
   truncation only moves the committed length.
-- Memory: every package holds its own frozen copy of the weights (inductor packs them per graph):
-  one copy with `shared_width`, one per bucket without; `release` drops a graph.
+- Memory: on the batch-invariant kernels a package holds no weights and runs on the step's packed ones
+  (`share_weights`); on inductor's kernels each package holds a frozen copy; `release` drops a graph.
 - CUDA: the same packages hold device kernels; CUDA graphs are not captured (no GPU to test them on).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import inspect
 import json
@@ -52,8 +50,7 @@ from transformers import StaticCache
 from draftsmith.config import ConfigError, Unread, check_config, option
 from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
-from draftsmith.models.dgf import DGFModel
-from draftsmith.models.medusa import MedusaHeads
+from draftsmith.models.dgf import DGFModel, invariant_drafter
 from draftsmith.models.engine import Backend, TargetOutput, with_cache
 from draftsmith.models.kernels import InvariantLinear, Kernels, WeightPrecision, invariant_attention, invariant_model
 from draftsmith.models.precision import Int8WeightLinear
@@ -352,10 +349,9 @@ class GraphPackages:
 
     @property
     def shares_weights(self) -> bool:
-        """Whether the packages hold no weights of their own and run on the step module's tensors: the batch-invariant
-        kernels' steps, whose weights are plain inputs of custom ops (nothing for inductor to fold). A package holding
-        its own frozen copy doubled a target's memory (a 1.5B: 6 GB more, and its build went over 24 GB). A feature
-        drafter's step references the target's embedding, which inductor folds into a weight of the package's own."""
+        """Whether the packages run on the step's own tensors (the batch-invariant kernels' steps: weights are inputs of
+        custom ops) instead of a frozen copy, which doubled a target's memory (a 1.5B's build went over 24 GB). A
+        feature drafter's step references the target's embedding, which inductor folds into a weight of its own."""
         return (not isinstance(self.step, DGFStepModule)
                 and any(isinstance(module, InvariantLinear) for module in self.step.modules()))
 
@@ -551,40 +547,6 @@ def extraction_directory() -> Path:
     mine = root / str(os.getpid())
     mine.mkdir(exist_ok=True)
     return mine
-
-
-def invariant_rows(rows: torch.Tensor, precision: WeightPrecision) -> InvariantLinear:
-    """A frozen slice (V, H) of the target's LM head as an InvariantLinear over the same rows (no bias)."""
-    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-    linear.weight = nn.Parameter(rows, requires_grad=False)
-    return InvariantLinear(linear, precision)
-
-
-def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:
-    """A feature drafter on the batch-invariant kernels (kernels.invariant_model); a frozen slice of the target's
-    LM head becomes the copy's own head (an InvariantLinear over the same rows), so it streams like the rest."""
-    runs = invariant_model(model, precision)
-    if runs.config.head == "slice":
-        runs.draft_head = invariant_rows(runs.sliced_head, precision)
-        runs.config = dataclasses.replace(runs.config, head="own")
-    return runs
-
-
-class InvariantMedusaHeads(nn.Module):
-    """Medusa heads on the batch-invariant kernels (what a compiled-engine round runs): the ResBlocks' Linears as
-    InvariantLinears, and a shared slice of the target's LM head (head: slice) as one InvariantLinear that scores
-    every head's row in a single pass over its weights. The stock mm took ~5 ms for three rows of SmolLM2's 8k-row
-    slice on 2 cores (19 MB: ~0.6 ms of weight stream)."""
-
-    def __init__(self, heads: MedusaHeads, precision: WeightPrecision = WeightPrecision.MODEL):
-        super().__init__()
-        self.blocks = invariant_model(heads.medusa_head, precision)
-        self.slice = invariant_rows(heads.sliced_head, precision) if heads.config.head == "slice" else None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """As MedusaHeads.forward: hidden (..., H) -> logits (K, ..., V or the draft vocabulary's size)."""
-        out = torch.stack([block(hidden) for block in self.blocks])
-        return out if self.slice is None else self.slice(out)
 
 
 class CompiledDGFEngine(BucketGraphs):

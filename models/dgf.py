@@ -58,6 +58,7 @@ EAGLE-1/2 and EAGLE-3 layouts: models.eagle_layouts (via models.exports.export_d
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -68,6 +69,7 @@ from transformers import AutoConfig, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from draftsmith.models.engine import EagerBuild, additive_mask, with_cache
+from draftsmith.models.kernels import WeightPrecision, invariant_model, invariant_rows
 from draftsmith.models.vocab import DraftVocab
 
 FUSIONS = ("linear", "dgf", "eagle3")
@@ -447,3 +449,13 @@ class EagerDGFEngine(EagerBuild):
         """(predicted features (1, n, H), float32 logits (1, n or 1, V)); `last_only`: the last row's logits."""
         hidden = self.model(features, input_ids, position_ids, cache, allowed)
         return hidden, self.model.logits(hidden[:, -1:] if last_only else hidden)
+
+
+def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:
+    """A feature drafter on the batch-invariant kernels (kernels.invariant_model); a frozen slice of the target's
+    LM head becomes the copy's own head (an InvariantLinear over the same rows), so it streams like the rest."""
+    runs = invariant_model(model, precision)
+    if runs.config.head == "slice":
+        runs.draft_head = invariant_rows(runs.sliced_head, precision)
+        runs.config = dataclasses.replace(runs.config, head="own")
+    return runs

@@ -202,6 +202,13 @@ def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecisi
     return clone
 
 
+def invariant_rows(rows: torch.Tensor, precision: WeightPrecision) -> InvariantLinear:
+    """A frozen slice (V, H) of the target's LM head as an InvariantLinear over the same rows (no bias)."""
+    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    linear.weight = nn.Parameter(rows, requires_grad=False)
+    return InvariantLinear(linear, precision)
+
+
 def main(argv: list[str]) -> None:
     """`python -m draftsmith.models.kernels build`: build (or find) the kernels and say which instruction set."""
     if argv[:1] != ["build"] or len(argv) > 1:

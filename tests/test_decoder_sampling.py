@@ -80,7 +80,7 @@ def make_vocab_drafter(kind, model):
         config = DFlashConfig.from_target(model.config, num_layers=1, block_size=3, target_layer_ids=[0],
                                           mask_token_id=VOCAB - 1)
         return DFlashDrafter(DFlashModel(config).attach_target(model).eval(),
-                             vocab=DRAFT_VOCAB if "vocab" in kind else None)
+                             vocab=DRAFT_VOCAB if "vocab" in kind else None, topk=2 if "tree" in kind else 1)
     if kind.startswith("dgf"):
         layers = [1, -1] if "multi_layer" in kind else None
         config = DGFConfig.for_target(model.config, draft_vocab_size=3, head="own" if "own" in kind else "slice",
@@ -95,7 +95,7 @@ def make_vocab_drafter(kind, model):
 @pytest.mark.parametrize("kind", ["chain", "chain-stop", "tree", "parallel", "medusa", "ngram", "tree-vocab", "medusa-vocab-own",
                                   "medusa-vocab-slice", "dgf-vocab-slice", "dgf-stop-vocab-slice", "dgf-multi_layer-vocab-own",
                                   "dgf-eagle3-multi_layer-vocab-own", "dflash",
-                                  "dflash-vocab"])
+                                  "dflash-vocab", "dflash-tree"])
 def test_sampling_matches_target_distribution(kind):
     model = tiny_model("llama", seed=5, vocab_size=VOCAB, num_layers=1, hidden_size=32)
     target = TargetModel(model, tokenizer=None)

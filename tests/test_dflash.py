@@ -83,6 +83,19 @@ def test_greedy_decoding_with_dflash_equals_plain(vocab):
     assert result.stats.verify_forwards < 24 or vocab  # a random drafter on a random target still lands some
 
 
+@pytest.mark.parametrize("stop_below", [None, 0.05])
+def test_a_dflash_tree_decodes_like_plain(stop_below):
+    """topk > 1: the top candidates of every block position under the previous position's first, one forward."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    target = TargetModel(model, tokenizer=None)
+    drafter = DFlashDrafter(random_drafter(model), topk=3, stop_below=stop_below)
+    assert drafter.parents.tolist() == [-1, -1, -1, 0, 0, 0, 3, 3, 3]  # block 4: 3 positions x 3 candidates
+    prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert result.tokens == plain.tokens
+
+
 def test_budget_beyond_the_block_is_refused():
     model = tiny_model("llama", seed=2, num_layers=4)
     with pytest.raises(InputError, match="budget=4 is more than the block of 4"):

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from conftest import tiny_model
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
-from draftsmith.models.compiled import CompiledEngine, CompileSettings, InvariantMedusaHeads
+from draftsmith.models.compiled import CompiledEngine, CompileSettings
+from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.kernels import (InvariantLinear, WeightPrecision, invariant_model, kernel_isa, load_kernels,
                                        pack_weight, quantize_int8)
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads

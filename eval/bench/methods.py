@@ -271,6 +271,8 @@ class DFlashOptions:
                                             "(null: always the whole budget)", gt=0, lt=1)
     vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the drafter scores only that "
                                      "slice of the LM head (cheaper; null: the whole vocabulary, as exported)")
+    topk: int = option(1, "candidates per block position: 1 a chain, k > 1 a tree of budget x k nodes (the top k "
+                          "at each position under the previous position's first)", ge=1)
 
 
 @dataclass
@@ -414,7 +416,7 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
-                                  vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=ctx.settings)
+                                  vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=ctx.settings, topk=o.topk)
     return DrafterMethod(drafter, spec.label)
 
 

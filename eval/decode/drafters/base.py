@@ -142,3 +142,23 @@ def draw_children(probs: torch.Tensor, count: int, sampling: Sampling | None,
         rows[i:, tokens[i - 1]] = 0.0
     rows = rows / rows.sum(-1, keepdim=True)
     return tokens, rows
+
+
+def static_tree_tokens(probs_at_depth, depths: torch.Tensor, ranks: torch.Tensor, sampling: Sampling | None,
+                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens (and, sampling, q rows) of a static tree whose node at depth d and rank r takes the r-th candidate drawn
+    from `probs_at_depth(d)`: drafters whose distribution at a depth does not depend on the parent (Medusa heads, a
+    DFlash block's positions). The candidates of a depth are drawn once; a node's children are a prefix of them, so
+    each node's q rows are exact (draw_children)."""
+    candidates = {}
+    for depth in sorted(set(depths.tolist())):
+        count = int(ranks[depths == depth].max()) + 1
+        candidates[depth] = draw_children(probs_at_depth(depth), count, sampling, generator)
+    tokens = torch.empty(depths.numel(), dtype=torch.long)
+    rows = []
+    for node, (depth, rank) in enumerate(zip(depths.tolist(), ranks.tolist())):
+        chosen, q = candidates[depth]
+        tokens[node] = chosen[rank]
+        if q is not None:
+            rows.append(q[rank])
+    return tokens, (torch.stack(rows) if rows else None)

@@ -6,7 +6,10 @@ the block [root, mask, ..., mask] at the positions after the committed ones; the
 context and to itself, and block position k proposes the token k steps after the root. Greedy: the argmax at
 each position (a chain; `stop_below` cuts it where the product of the drafter's probabilities so far falls below
 the threshold). Sampling: block position k's token is drawn from its own distribution q_k, which does not depend
-on the tokens drawn before it, so q_k is exactly the distribution the verifier needs for that node.
+on the tokens drawn before it, so q_k is exactly the distribution the verifier needs for that node. With `topk`
+> 1 the round is a tree instead: at every block position the top-k candidates (sampling: k draws without
+replacement) as children of the previous position's first candidate, budget x topk nodes (static_tree_tokens, as
+Medusa's heads: a position's distribution does not depend on the parent).
 The decoder verifies every proposal, so the output is the target's whatever the drafter says.
 """
 
@@ -16,12 +19,14 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import Drafter, InputError, Sampling, check_open_unit, check_sizes
-from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
+                                                 static_tree_tokens)
+from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 from torch import nn
 
 from draftsmith.models.artifacts import load_dflash
-from draftsmith.models.compiled import CompileSettings, invariant_rows
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.kernels import invariant_rows
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import Kernels, WeightPrecision, invariant_model
 from draftsmith.models.dflash import DFlashModel
@@ -31,17 +36,20 @@ from draftsmith.models.vocab import DraftVocab
 class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashModel, budget: int | None = None, name: str = "dflash",
                  stop_below: float | None = None, vocab: DraftVocab | None = None,
-                 precision: WeightPrecision | None = None):
+                 precision: WeightPrecision | None = None, topk: int = 1):
         most = model.config.block_size - 1
         budget = most if budget is None else budget
-        check_sizes(name, budget=budget)
+        check_sizes(name, budget=budget, topk=topk)
         check_open_unit(name, "stop_below", stop_below)
         if budget > most:
             raise InputError(f"{name}: budget={budget} is more than the block of {model.config.block_size} can "
                              f"propose ({most} tokens after the root)")
         model._need_target()
         self.model = model.eval()
-        self.budget, self.name, self.stop_below = budget, name, stop_below
+        self.budget, self.name, self.stop_below, self.topk = budget, name, stop_below, topk
+        # the tree (topk > 1): ranks 0..topk-1 at each position under the previous position's rank 0, by depth
+        paths = [[0] * (depth - 1) + [rank] for depth in range(1, budget + 1) for rank in range(topk)]
+        self.parents, self.depths, self.ranks = tree_from_paths(paths)
         self.hidden_layers = model.config.hidden_layers
         # an optional draft vocabulary: the drafter's argmax over that slice of the LM head only (cheaper)
         self.head_rows = None if vocab is None else vocab.draft_to_target.to(model.fc.weight.device)
@@ -85,6 +93,8 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"DFlashDrafter has features for {self.length} positions but the context holds "
                                f"{context.numel() - 1} committed tokens (observe() must see every committed token)")
         logits = self.block_logits(root)
+        if self.topk > 1:
+            return self._tree(logits, context.device, sampling, generator)
         if sampling is None:
             probs = torch.softmax(logits, -1)
             best, tokens = probs.max(-1)
@@ -94,6 +104,17 @@ class DFlashDrafter(Drafter):
         tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
         rows = self._full_rows(probs)
         return DraftTree.chain(self._to_target(tokens).to(context.device), rows.to(context.device))
+
+    def _tree(self, logits: torch.Tensor, device, sampling: Sampling | None, generator) -> DraftTree:
+        """The round as a tree of topk candidates per block position (greedy: cut at stop_below's depth)."""
+        probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
+        depth = self._kept(probs.max(-1).values) if sampling is None else self.budget
+        nodes = depth * self.topk  # nodes are ordered by depth: the first `nodes` are the tree cut at `depth`
+        tokens, rows = static_tree_tokens(lambda d: probs[d - 1], self.depths[:nodes], self.ranks[:nodes], sampling,
+                                          generator)
+        rows = None if rows is None else self._full_rows(rows).to(device)
+        return DraftTree(self._to_target(tokens).to(device), self.parents[:nodes].to(device),
+                         self.depths[:nodes].to(device), rows)
 
     def _kept(self, best: torch.Tensor) -> int:
         """How many of the chain's tokens to propose (all, or until the path's probability falls below
@@ -117,11 +138,12 @@ class DFlashDrafter(Drafter):
 
 def load_dflash_drafter(path: str | Path, target, budget: int | None = None, name: str = "dflash",
                         stop_below: float | None = None, vocab: DraftVocab | None = None,
-                        backend: Backend = Backend.EAGER, settings: CompileSettings | None = None) -> DFlashDrafter:
+                        backend: Backend = Backend.EAGER, settings: CompileSettings | None = None,
+                        topk: int = 1) -> DFlashDrafter:
     """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel); on the
     compiled backend with the batch-invariant kernels (`settings`), its Linears and head run on those kernels."""
     model, _ = load_dflash(path, target)
     settings = settings or CompileSettings()
     fast = backend is Backend.COMPILED and settings.kernels is Kernels.INVARIANT
     return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
-                         precision=settings.weights if fast else None)
+                         precision=settings.weights if fast else None, topk=topk)
