@@ -372,14 +372,10 @@ def test_vocab_heads_train_resume_and_decode_losslessly(tmp_path, head):
     assert result.tokens == reference
 
 
-def test_the_default_tree_is_sized_from_the_engine(monkeypatch):
-    """No budget: of the ARCA trees of each candidate size, the one with the most expected tokens per verify cost
-    measured on the target's engine: a flat cost curve takes the largest, a steep one a small tree."""
-    from draftsmith.eval.decode.drafters import medusa as medusa_drafter
+
+def test_the_default_tree_is_the_declared_budget():
+    from draftsmith.models.medusa import arca_paths
+    from draftsmith.models.trees import MEDUSA_BUDGET
 
     accuracy = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]]
-    flat = {w: 1.0 for w in range(1, 13)}
-    steep = {w: 1.0 + 0.5 * (w - 1) for w in range(1, 13)}
-    for curve, size in [(flat, max(medusa_drafter.SIZED_BUDGETS)), (steep, 1)]:
-        monkeypatch.setattr(medusa_drafter, "verify_seconds", lambda target, widths, curve=curve: curve)
-        assert len(medusa_drafter.engine_sized_paths(None, accuracy)) == size
+    assert len(arca_paths(accuracy, MEDUSA_BUDGET)) == MEDUSA_BUDGET == 3

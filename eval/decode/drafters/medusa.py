@@ -8,9 +8,6 @@ warped distribution; siblings are a prefix of those draws, so q rows are exact.
 
 from __future__ import annotations
 
-import logging
-import statistics
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -26,11 +23,9 @@ from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import Kernels
-from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, MedusaHeads, arca_paths, expected_accepted,
-                                     load_rank_accuracy)
+from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaHeads, arca_paths, load_rank_accuracy
+from draftsmith.models.trees import MEDUSA_BUDGET
 
-log = logging.getLogger(__name__)
-SIZED_BUDGETS = (1, 2, 3, 4, 5, 6, 8, 11)  # the tree sizes the engine chooses among for the default tree
 
 class MedusaDrafter(Drafter):
     hidden_layers = (-1,)  # the final normed hidden state, as the target's LM head reads it
@@ -80,8 +75,8 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
     """A MedusaDrafter for `target` from a recipe's final/ directory.
 
     Refuses a manifest whose target hidden size, vocab size or vocab fingerprint differs from the
-    given target's. Tree: `paths` if given; else an ARCA tree of `budget` nodes (default: as many as
-    the default tree) from the held-out per-rank accuracies saved with the heads. Medusa-2 heads
+    given target's. Tree: `paths` if given; else an ARCA tree of `budget` nodes (default MEDUSA_BUDGET) from
+    the held-out per-rank accuracies saved with the heads. Medusa-2 heads
     were trained on the LoRA-adapted target: `target_adapter="merge"` merges the saved adapter into
     `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises. On the compiled
     `backend` with the batch-invariant kernels (`settings`), the heads run on those kernels too.
@@ -98,10 +93,8 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
             target.model = PeftModel.from_pretrained(target.model, str(path / adapter)).merge_and_unload().eval()
     if paths is None:
         accuracy_file = path / ACCURACY_FILE
-        if accuracy_file.is_file() and budget is None:
-            paths = engine_sized_paths(target, load_rank_accuracy(accuracy_file))
-        elif accuracy_file.is_file():
-            paths = arca_paths(load_rank_accuracy(accuracy_file), budget)
+        if accuracy_file.is_file():
+            paths = arca_paths(load_rank_accuracy(accuracy_file), budget or MEDUSA_BUDGET)
         elif budget is not None:
             raise ArtifactError(f"{accuracy_file} is missing: pass explicit paths")
         else:
@@ -112,34 +105,3 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
         runs = InvariantMedusaHeads(heads, settings.weights)
     return MedusaDrafter(heads, paths, name=name or f"medusa:{path}", runs=runs)
 
-
-def verify_seconds(target, widths: list[int], context: int = 64, repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one target forward of w tokens over `context` cached tokens, per width, on the engine the
-    target runs on (after one warm-up forward per width)."""
-    cache = target.new_cache(context + max(widths))
-    target.forward(torch.zeros(1, context, dtype=torch.long, device=target.device), cache)
-    seconds = {}
-    for width in widths:
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            target.forward(torch.zeros(1, width, dtype=torch.long, device=target.device), cache)
-            times.append(time.perf_counter() - start)
-            target.truncate(cache, context)
-        seconds[width] = statistics.median(times[1:])
-    return seconds
-
-
-def engine_sized_paths(target, accuracy: list[list[float]]) -> list[list[int]]:
-    """The default tree, sized from the engine: of the ARCA trees of SIZED_BUDGETS nodes, the one whose expected
-    tokens per round (1 + expected accepted drafts, from the heads' held-out per-rank accuracy) over its verify's
-    measured cost (T(nodes + 1) / T(1)) is highest. A verify that costs about one step up to 8 rows (the batch-
-    invariant kernels) affords a larger tree than one whose cost grows with every row."""
-    seconds = verify_seconds(target, sorted({1, *(budget + 1 for budget in SIZED_BUDGETS)}))
-    trees = {budget: arca_paths(accuracy, budget) for budget in SIZED_BUDGETS}
-    predicted = {budget: (1 + expected_accepted(paths, accuracy)) / (seconds[budget + 1] / seconds[1])
-                 for budget, paths in trees.items() if paths}
-    best = max(predicted, key=predicted.get)
-    log.info("medusa: a tree of %d nodes, sized from this engine (predicted %.2f tokens per step's cost)", best,
-             predicted[best])
-    return trees[best]
