@@ -13,7 +13,7 @@ One system for recipes, data jobs, the benchmark and the profiler:
   list field also takes a space-separated string (`methods="plain ngram lm-chain:budget=4"`).
 - `--help` lists every key with its type, default and meaning; `--print-config` prints the resolved
   config as YAML and exits.
-- Types that parse themselves (method specs in `eval.methods`) subclass `Parsable`.
+- Types that parse themselves (method specs in `eval.bench.methods`) subclass `Parsable`.
 """
 
 from __future__ import annotations

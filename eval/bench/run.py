@@ -9,7 +9,7 @@ prompt tokens and the same number of new tokens. `plain` is HF `generate(do_samp
 tokens are the reference every other method must reproduce at temperature 0 (a mismatch is
 printed loudly and recorded; `strict=true` makes it fatal). speedup = plain wall time / method wall
 time summed over prompts; the per-prompt ratios give a 95% confidence interval. Methods: see
-`eval.methods` (`--help` lists them with their options).
+`eval.bench.methods` (`--help` lists them with their options).
 
 Suites: `mt-bench` (both turns by default, `turns=1` for first turns only), `gsm8k` (a sample of the
 test set drawn with `seed`), `humaneval`, or any `data.sources` spec (`jsonl:/path/prompts.jsonl`,

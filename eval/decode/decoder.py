@@ -313,7 +313,7 @@ class SpeculativeDecoder:
 
 
 class Method:
-    """What a method spec builds (eval.methods): a way to decode one request at a time.
+    """What a method spec builds (eval.bench.methods): a way to decode one request at a time.
 
     `make_decoder(target, config)` returns an object with `generate(input_ids (1, T)) -> DecodeResult`;
     `summary()` reports a policy's internal state (weights, thresholds, hit counts) for the bench.
