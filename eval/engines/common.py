@@ -9,13 +9,14 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from pathlib import Path
+from typing import Callable, ClassVar, Literal
 
 from draftsmith.config import ConfigError, check_config, config_to_dict, option
 from draftsmith.data.chat import prompt_ids
 from draftsmith.eval.bench.methods import MethodSpec, parse_method
 from draftsmith.eval.bench.run import WARMUP_MESSAGES, BenchConfig, mean_ci, run_benchmark
-from draftsmith.eval.documents import cpu_isa, cpu_model
+from draftsmith.eval.documents import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.prompts import (PromptSettings, check_suites, num_turns, prompt_options, select_conversations,
                                     turn_input_ids)
 from draftsmith.models.compiled import CompileSettings, machine_load
@@ -238,3 +239,13 @@ def suite_table(summary: dict, baseline: str) -> list[str]:
                  for suite in suites]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+def engine_main(module: str, doc: str, config_cls: type, run: Callable, log_dir: Path, table: Callable,
+                argv: list[str]) -> dict:
+    """An engine bench's command: its config from the command line, the run (server logs in `log_dir`), then the
+    JSON and the table."""
+    config, out = parse_document_command(module, doc, config_cls, argv)
+    document = run(config, log_dir)
+    write_document(out, document, table(document))
+    return document

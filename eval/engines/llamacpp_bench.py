@@ -28,9 +28,8 @@ from typing import ClassVar, Literal
 from draftsmith.config import ConfigError, option
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench.methods import MethodEntry, MethodSpec
-from draftsmith.eval.documents import parse_document_command, write_document
-from draftsmith.eval.engines.common import (EngineBenchConfig, PlainOptions, bench_document, engine_table,
-                                            fits_in_memory, run_groups)
+from draftsmith.eval.engines.common import (EngineBenchConfig, PlainOptions, bench_document, engine_main,
+                                            engine_table, fits_in_memory, run_groups)
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.engines import llamacpp
 from draftsmith.models.registry import resolve_model_path
@@ -266,10 +265,8 @@ def format_table(document: dict) -> str:
 
 
 def main(argv: list[str]) -> dict:
-    config, out = parse_document_command("draftsmith.eval.engines.llamacpp_bench", __doc__, LlamaCppBenchConfig, argv)
-    document = run_llamacpp_bench(config, llamacpp.home() / "bench-logs")
-    write_document(out, document, format_table(document))
-    return document
+    return engine_main("draftsmith.eval.engines.llamacpp_bench", __doc__, LlamaCppBenchConfig, run_llamacpp_bench,
+                       llamacpp.home() / "bench-logs", format_table, argv)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,14 @@ PyTorch bench's prompts and chat template, greedy, the same thread count; the sa
     python scripts/export.py dgf <drafter final/> exports/eagle3_sglang --layout sglang
     python -m draftsmith.eval.engines.openvino_bench methods="lookup eagle3:exports/eagle3_sglang,k=3" num_prompts=3
 
-Every method is one OpenVINO GenAI `LLMPipeline` on the CPU in a worker process (models/engines/openvino.py) over the
-target's IR (exported once into the cache by optimum-intel). Prompts go in as token ids rendered by our chat
+Every method is one OpenVINO GenAI `LLMPipeline` on the CPU in a worker process (models/engines/openvino.py) over
+the target's IR (exported once into the cache by optimum-intel). Prompts go in as token ids rendered by our chat
 template; time is the worker's wall time around `generate`. Methods run back to back on each prompt turn
 (interleaved, after a warm-up request each; when their weights do not fit in memory together, each method runs
-beside its own plain worker in turn, and the table says so); every speculative output is compared with OpenVINO's plain output,
-and the speedup is against OpenVINO's plain decoding of the same IR in the same run (the table and JSON are the
-llama.cpp bench's, eval/engines/llamacpp_bench.py). With `pytorch_baselines=true` the toolkit's own plain baselines run on
-the same prompts after.
+beside its own plain worker in turn, and the table says so); every speculative output is compared with OpenVINO's
+plain output, and the speedup is against OpenVINO's plain decoding of the same IR in the same run (the summary, JSON
+and table every engine bench shares: eval/engines/common.py). With `pytorch_baselines=true` the toolkit's own plain
+baselines run on the same prompts after.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from typing import ClassVar, Literal
 
 from draftsmith.config import ConfigError, option
 from draftsmith.errors import exit_with
-from draftsmith.eval.documents import parse_document_command, write_document
-from draftsmith.eval.engines.common import (EngineBenchConfig, PlainOptions, bench_document, engine_table,
-                                            fits_in_memory, run_groups)
+from draftsmith.eval.engines.common import (EngineBenchConfig, PlainOptions, bench_document, engine_main,
+                                            engine_table, fits_in_memory, run_groups)
 from draftsmith.eval.bench.methods import MethodEntry, MethodSpec
 from draftsmith.models.engines import openvino
 from draftsmith.models.bundled import DEFAULT_TARGET
@@ -190,10 +189,8 @@ def format_table(document: dict) -> str:
 
 
 def main(argv: list[str]) -> dict:
-    config, out = parse_document_command("draftsmith.eval.engines.openvino_bench", __doc__, OpenVinoBenchConfig, argv)
-    document = run_openvino_bench(config, openvino.home() / "bench-logs")
-    write_document(out, document, format_table(document))
-    return document
+    return engine_main("draftsmith.eval.engines.openvino_bench", __doc__, OpenVinoBenchConfig, run_openvino_bench,
+                       openvino.home() / "bench-logs", format_table, argv)
 
 
 if __name__ == "__main__":
