@@ -265,7 +265,7 @@ class GraphPackages:
         self.runners: dict[Graph, object] = {}
         self.compile_s: dict[str, float] = {}  # seconds spent compiling each graph in this process
         self.load_s: dict[str, float] = {}  # seconds spent loading a cached package
-        self.shared_constants: list[dict] = []  # the step's tensors that packages without weights run on
+        self.shared_constants: dict[Graph, dict] = {}  # the tensors each package without weights runs on
 
     # -- compiling -----------------------------------------------------------------------------
 
@@ -296,8 +296,9 @@ class GraphPackages:
         tmp = path.with_name(f".tmp_{os.getpid()}_{path.stem}.pt2")  # AOTInductor wants the .pt2 ending
         before = machine_load()
         configs = {"freezing": True, "max_autotune": self.autotune, "autotune_num_choices_displayed": 0,
-                   "max_autotune_report_choices_stats": False, "cpp.enable_kernel_profile": self.settings.kernel_profile}
-        if not embed_weights:  # the package runs on the step's own tensors (prepare): no copy built or stored
+                   "max_autotune_report_choices_stats": False,
+                   "cpp.enable_kernel_profile": self.settings.kernel_profile}
+        if not embed_weights:  # the package runs on the step's own tensors (share_weights): no copy built or stored
             configs |= {"aot_inductor.package_constants_in_so": False,
                         "aot_inductor.package_constants_on_disk_format": None}
         with torch.no_grad(), scratch_inductor_cache(path.parent):
@@ -321,9 +322,8 @@ class GraphPackages:
                 self._timed_compile(graph, path, embed_weights=not self.shares_weights)
             start = time.perf_counter()
             runner = self._load(path)
-            if not self._embeds_weights(path) and not self.share_weights(runner):
-                log.info("the %s package of %s folds weights of its own; rebuilding it with them", graph.name,
-                         self.what)
+            if not self._embeds_weights(path) and not self.share_weights(runner, graph):
+                log.info("the %s package of %s folds weights of its own; rebuilt with them", graph.name, self.what)
                 self._timed_compile(graph, path, embed_weights=True)
                 runner = self._load(path)
             self.runners[graph] = runner
@@ -349,13 +349,12 @@ class GraphPackages:
 
     @property
     def shares_weights(self) -> bool:
-        """Whether the packages run on the step's own tensors (the batch-invariant kernels' steps: weights are inputs of
-        custom ops) instead of a frozen copy, which doubled a target's memory (a 1.5B's build went over 24 GB). A
-        feature drafter's step references the target's embedding, which inductor folds into a weight of its own."""
+        """Whether packages run on the step's own tensors (invariant kernels), not a frozen copy (a 1.5B's build went
+        over 24 GB); inductor folds a feature drafter's view of the target's embedding into a weight of its own."""
         return (not isinstance(self.step, DGFStepModule)
                 and any(isinstance(module, InvariantLinear) for module in self.step.modules()))
 
-    def share_weights(self, runner) -> bool:
+    def share_weights(self, runner, graph: Graph) -> bool:
         """Point a package without weights at the step module's tensors (no copy; they stay alive with the step).
         False when the package names a weight the step does not hold (inductor folded a tensor the step only
         references, e.g. a drafter's view of the target's embedding)."""
@@ -366,14 +365,15 @@ class GraphPackages:
             return False
         constants = {name: tensors[name].detach() for name in names}
         runner.load_constants(constants, check_full_update=True, user_managed=True)
-        self.shared_constants.append(constants)  # the package holds handles to these tensors, not references
+        self.shared_constants[graph] = constants  # the package holds handles to these tensors, not references
         return True
 
     def release(self, sizes: tuple[int, ...] | None = None) -> None:
-        """Drop the loaded packages of these sizes (default: all): each holds its own frozen copy of the
-        weights, so a big model can measure one graph at a time."""
+        """Drop the loaded packages of these sizes (default: all): a package with its own frozen copy of the
+        weights frees it, so a big model can measure one graph at a time."""
         for graph in self._graphs_of(sizes):
             self.runners.pop(graph, None)
+            self.shared_constants.pop(graph, None)
 
     def graph_groups(self, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
         """These input sizes grouped by the graph they run on (the shared graph: one group)."""

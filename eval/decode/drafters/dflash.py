@@ -26,9 +26,8 @@ from torch import nn
 
 from draftsmith.models.artifacts import load_dflash
 from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.kernels import invariant_rows
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import Kernels, WeightPrecision, invariant_model
+from draftsmith.models.kernels import Kernels, WeightPrecision, invariant_model, invariant_rows
 from draftsmith.models.dflash import DFlashModel
 from draftsmith.models.vocab import DraftVocab
 
@@ -52,8 +51,9 @@ class DFlashDrafter(Drafter):
         self.parents, self.depths, self.ranks = tree_from_paths(paths)
         self.hidden_layers = model.config.hidden_layers
         # an optional draft vocabulary: the drafter's argmax over that slice of the LM head only (cheaper)
-        self.head_rows = None if vocab is None else vocab.draft_to_target.to(model.fc.weight.device)
-        head = model.lm_head.weight if vocab is None else model.lm_head.weight[self.head_rows]
+        self.vocab = vocab
+        head = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab.draft_to_target.to(
+            model.fc.weight.device)]
         # precision given: the compiled engine's batch-invariant kernels (the stock mm is slow for a block's few rows)
         self.runs = model if precision is None else invariant_model(model, precision)
         self.head = (nn.Linear(head.shape[1], head.shape[0], bias=False) if precision is None
@@ -125,15 +125,11 @@ class DFlashDrafter(Drafter):
         return max(1, int(below[0])) if below.numel() else best.numel()
 
     def _to_target(self, tokens: torch.Tensor) -> torch.Tensor:
-        return tokens if self.head_rows is None else self.head_rows[tokens]
+        return tokens if self.vocab is None else self.vocab.to_target(tokens)
 
     def _full_rows(self, probs: torch.Tensor) -> torch.Tensor:
         """Draft distributions over the target's vocabulary (a draft vocabulary's rows scattered)."""
-        if self.head_rows is None:
-            return probs
-        rows = probs.new_zeros(probs.shape[0], self.model.config.vocab_size)
-        rows[:, self.head_rows] = probs
-        return rows
+        return probs if self.vocab is None else self.vocab.scatter(probs)
 
 
 def load_dflash_drafter(path: str | Path, target, budget: int | None = None, name: str = "dflash",

@@ -20,10 +20,10 @@ from draftsmith.eval.decode.drafters.base import Drafter, Sampling, static_tree_
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 from draftsmith.models.artifacts import ACCURACY_FILE, ArtifactError, load_medusa_heads
 from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import Kernels
-from draftsmith.models.medusa import DEFAULT_MEDUSA_PATHS, MedusaHeads, arca_paths, load_rank_accuracy
+from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, InvariantMedusaHeads, MedusaHeads, arca_paths,
+                                     load_rank_accuracy)
 from draftsmith.models.trees import MEDUSA_BUDGET
 
 
