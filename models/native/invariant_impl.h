@@ -2,9 +2,9 @@
 // instruction set (batch_invariant.cpp includes this file inside a namespace and a `#pragma GCC target`).
 //
 // Before including, the including namespace defines: VL (lanes), V (a float vector), vzero, vset1, vload,
-// vload_partial, vmask_tail, vstore, vstore_out (float or bf16, the first n lanes), vfma, vmul, vadd, vreduce_add,
-// vvisible_bits (lanes above MASKED_BELOW), vload_i8 (int8 -> floats), vload_bf16_partial, vload_bf16_pairs, vexp,
-// and DPBF16 (1 where a bf16 pair dot exists: vdpbf16).
+// vload_partial, vmask_tail, vstore, vstore_out (float or bf16, the first n lanes), vfma, vmul, vadd, vmax,
+// vreduce_add, vreduce_each (vreduce_add of VL vectors at once, bit for bit), vreduce_max, vvisible_bits (lanes
+// above MASKED_BELOW), vload_i8 (int8 -> floats), vload_bf16_partial, vload_bf16_pairs, vexp, and DPBF16 (1 where a bf16 pair dot exists: vdpbf16).
 //
 // Batch invariance: every output element is reduced by the same sequence of operations whatever the number of
 // rows, the thread count, and (for attention) wherever its visible keys lie in the cache.
@@ -135,9 +135,36 @@ inline V load_row(const T* p, int64_t d, int valid) {
 // One query row of one head: softmax(q.K_visible * scale + mask) . V_visible, the visible keys taken in cache order
 // and compacted, so where they lie (a tree's scattered ancestors, a chain's contiguous slots) changes nothing.
 struct AttentionScratch {
-  std::vector<int64_t> visible;  // the keys a row sees, in cache order
+  std::vector<int64_t> visible;  // the keys a row sees, in cache order (the first compact_visible(...) entries)
   std::vector<float> scores;     // per head: scores, then probabilities, of the visible keys
 };
+
+// The keys of `mask_row` above MASKED_BELOW, in cache order, into s.visible; returns how many.
+inline int64_t compact_visible(const float* mask_row, int64_t length, AttentionScratch& s) {
+  if (int64_t(s.visible.size()) < length) s.visible.resize(size_t(length));
+  int64_t* visible = s.visible.data();
+  int64_t n = 0;
+  for (int64_t j = 0; j < length; j += VL) {
+    const int valid = int(std::min<int64_t>(VL, length - j));
+    const uint32_t all = uint32_t((uint64_t(1) << valid) - 1);
+    uint32_t bits = vvisible_bits(vload_partial(mask_row + j, valid)) & all;
+    if (bits == all) {  // the common case: a run of visible keys
+      for (int t = 0; t < valid; ++t) visible[n + t] = j + t;
+      n += valid;
+      continue;
+    }
+    for (; bits; bits &= bits - 1) visible[n++] = j + __builtin_ctz(bits);
+  }
+  return n;
+}
+
+// The largest of sc[0 .. n - 1] (-inf when n = 0); sc has VL floats of slack past n, which it overwrites.
+inline float max_of(float* sc, int64_t n) {
+  for (int t = 0; t < VL; ++t) sc[n + t] = -INFINITY;
+  V best = vset1(-INFINITY);
+  for (int64_t i = 0; i < n; i += VL) best = vmax(best, vload(sc + i));
+  return vreduce_max(best);
+}
 
 // One query row and HEADS query heads sharing one kv head, head_dim = CHUNKS * VL: each visible key and value is
 // loaded once for the heads; every head reduces over the row's visible keys in cache order with the same
@@ -146,32 +173,37 @@ template <int HEADS, int CHUNKS, typename T>
 void attend_row(const T* q_row, int64_t q_head_stride, const T* keys, const T* values, int64_t key_stride,
                 int64_t value_stride, const float* mask_row, int64_t length, float scaling, AttentionScratch& s,
                 T* out_row) {
-  s.visible.clear();
-  for (int64_t j = 0; j < length; j += VL) {
-    const int valid = int(std::min<int64_t>(VL, length - j));
-    uint32_t bits = vvisible_bits(vload_partial(mask_row + j, valid)) & uint32_t((uint64_t(1) << valid) - 1);
-    for (; bits; bits &= bits - 1) s.visible.push_back(j + __builtin_ctz(bits));
-  }
-  const int64_t n = int64_t(s.visible.size()), stride = n + VL;
+  const int64_t n = compact_visible(mask_row, length, s), stride = n + VL;
   s.scores.resize(size_t(HEADS) * stride);
   V query[HEADS][CHUNKS];
   for (int h = 0; h < HEADS; ++h)
     for (int c = 0; c < CHUNKS; ++c) query[h][c] = load_row(q_row + h * q_head_stride, c * VL, VL);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t j = s.visible[i];
-    const T* key = keys + j * key_stride;
-    V loaded[CHUNKS], acc[HEADS];
-    for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(key, c * VL, VL);
-    for (int h = 0; h < HEADS; ++h) acc[h] = vzero();
-    for (int c = 0; c < CHUNKS; ++c)
-      for (int h = 0; h < HEADS; ++h) acc[h] = vfma(query[h][c], loaded[c], acc[h]);
-    for (int h = 0; h < HEADS; ++h) s.scores[h * stride + i] = vreduce_add(acc[h]) * scaling + mask_row[j];
+  for (int64_t first = 0; first < n; first += VL) {  // VL keys at a time: their lane sums reduced together
+    const int block = int(std::min<int64_t>(VL, n - first));
+    V lanes[HEADS][VL];
+    alignas(64) float mask_values[VL] = {};
+    for (int t = 0; t < VL; ++t) {
+      V acc[HEADS];
+      for (int h = 0; h < HEADS; ++h) acc[h] = vzero();
+      if (t < block) {
+        const int64_t j = s.visible[first + t];
+        const T* key = keys + j * key_stride;
+        mask_values[t] = mask_row[j];
+        V loaded[CHUNKS];
+        for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(key, c * VL, VL);
+        for (int c = 0; c < CHUNKS; ++c)
+          for (int h = 0; h < HEADS; ++h) acc[h] = vfma(query[h][c], loaded[c], acc[h]);
+      }
+      for (int h = 0; h < HEADS; ++h) lanes[h][t] = acc[h];
+    }
+    const V mask_vector = vload(mask_values);
+    for (int h = 0; h < HEADS; ++h)  // scores has VL slots of slack past n
+      vstore(s.scores.data() + h * stride + first, vfma(vreduce_each(lanes[h]), vset1(scaling), mask_vector));
   }
   float inverse[HEADS];
   for (int h = 0; h < HEADS; ++h) {
     float* sc = s.scores.data() + h * stride;
-    float maximum = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) maximum = std::max(maximum, sc[i]);
+    const float maximum = max_of(sc, n);
     V total = vzero();
     for (int64_t i = 0; i < n; i += VL) {
       const int valid = int(std::min<int64_t>(VL, n - i));
@@ -182,18 +214,25 @@ void attend_row(const T* q_row, int64_t q_head_stride, const T* keys, const T* v
     inverse[h] = n ? 1.0f / vreduce_add(total) : 0.0f;
   }
   V sum[HEADS][CHUNKS];
+#pragma GCC unroll 32
   for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 32
     for (int c = 0; c < CHUNKS; ++c) sum[h][c] = vzero();
   for (int64_t i = 0; i < n; ++i) {
     const T* value = values + s.visible[i] * value_stride;
     V loaded[CHUNKS];
+#pragma GCC unroll 32
     for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(value, c * VL, VL);
+#pragma GCC unroll 32
     for (int h = 0; h < HEADS; ++h) {
       V p = vset1(s.scores[h * stride + i]);
+#pragma GCC unroll 32
       for (int c = 0; c < CHUNKS; ++c) sum[h][c] = vfma(p, loaded[c], sum[h][c]);
     }
   }
+#pragma GCC unroll 32
   for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 32
     for (int c = 0; c < CHUNKS; ++c) vstore_out(out_row + h * (CHUNKS * VL) + c * VL, vmul(sum[h][c], vset1(inverse[h])), VL);
 }
 
@@ -202,10 +241,7 @@ void attend_row(const T* q_row, int64_t q_head_stride, const T* keys, const T* v
 template <typename T>
 void attend_row_any(const T* q, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
                     const float* mask_row, int64_t length, int64_t D, float scaling, AttentionScratch& s, T* out) {
-  s.visible.clear();
-  for (int64_t j = 0; j < length; ++j)
-    if (mask_row[j] > MASKED_BELOW) s.visible.push_back(j);
-  const int64_t n = int64_t(s.visible.size()), chunks = (D + VL - 1) / VL;
+  const int64_t n = compact_visible(mask_row, length, s), chunks = (D + VL - 1) / VL;
   auto valid_of = [&](int64_t c) { return int(std::min<int64_t>(VL, D - c * VL)); };
   s.scores.resize(n + VL);
   float maximum = -INFINITY;
