@@ -119,6 +119,41 @@ def test_attention_ignores_where_visible_keys_lie(dtype):
     assert torch.equal(tree[:, 1:2], plain)
 
 
+def chain_inputs(rows: int, context: int, kv_heads: int, groups: int, head_dim: int, seed: int = 0):
+    """A verify of `rows` chained tokens after `context` cached ones, in a cache with slack (a row sees the
+    context and the rows up to itself)."""
+    generator = torch.Generator().manual_seed(seed)
+    capacity = context + rows + 20
+    q = torch.randn(1, kv_heads * groups, rows, head_dim, generator=generator)
+    k = torch.randn(1, kv_heads, capacity, head_dim, generator=generator)
+    v = torch.randn(1, kv_heads, capacity, head_dim, generator=generator)
+    mask = torch.full((1, 1, rows, capacity), torch.finfo(torch.float32).min)
+    for row in range(rows):
+        mask[0, 0, row, :context + row + 1] = 0
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("context,groups,head_dim", [(1020, 3, 64), (1500, 3, 128), (300, 4, 64), (700, 6, 64)])
+def test_long_rows_in_key_blocks_are_batch_invariant(context, groups, head_dim):
+    """Rows over more than one block of visible keys (some rows crossing a block boundary), on the fixed paths and
+    off them: each row alone, at one thread or two, computes exactly its row of the verify, and matches softmax."""
+    q, k, v, mask = chain_inputs(8, context, 2, groups, head_dim)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = torch.ops.draftsmith.attention(q, k, v, mask, 0.125)
+        for row in range(8):
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                alone = torch.ops.draftsmith.attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], 0.125)
+                assert torch.equal(alone, full[:, row:row + 1]), (row, count)
+    finally:
+        torch.set_num_threads(threads)
+    scores = q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2) * 0.125 + mask.double()
+    expected = (scores.softmax(-1) @ v.double().repeat_interleave(groups, 1)).transpose(1, 2)
+    assert (full.double() - expected).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS)
 def test_every_instruction_set_is_batch_invariant(isa):
     """Each instruction set this CPU runs (forced through DRAFTSMITH_KERNEL_ISA in a fresh process)."""
@@ -144,7 +179,16 @@ def test_every_instruction_set_is_batch_invariant(isa):
         "v.repeat_interleave(2, 1)[..., :45, :]\n"
         "assert (full - ref.transpose(1, 2)).abs().max() < 1e-4\n"
         "for r in range(6): assert torch.equal(torch.ops.draftsmith.attention(q[:, :, r:r + 1], k, v, "
-        "mask[:, :, r:r + 1], 0.2), full[:, r:r + 1])\n" % isa)
+        "mask[:, :, r:r + 1], 0.2), full[:, r:r + 1])\n"
+        "q, k, v = torch.randn(1, 6, 5, 64, generator=g), torch.randn(1, 2, 700, 64, generator=g), "
+        "torch.randn(1, 2, 700, 64, generator=g)\n"  # the fixed path (3 heads of 64) over two key blocks
+        "mask = torch.zeros(1, 1, 5, 700); mask[..., 690:] = torch.finfo(torch.float32).min\n"
+        "full = torch.ops.draftsmith.attention(q, k, v, mask, 0.125)\n"
+        "ref = ((q @ k.repeat_interleave(3, 1)[..., :690, :].transpose(-1, -2)) * 0.125).softmax(-1) @ "
+        "v.repeat_interleave(3, 1)[..., :690, :]\n"
+        "assert (full - ref.transpose(1, 2)).abs().max() < 1e-4\n"
+        "for r in range(5): assert torch.equal(torch.ops.draftsmith.attention(q[:, :, r:r + 1], k, v, "
+        "mask[:, :, r:r + 1], 0.125), full[:, r:r + 1])\n" % isa)
     result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DRAFTSMITH_KERNEL_ISA": isa},
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -4,7 +4,8 @@
 // Before including, the including namespace defines: VL (lanes), V (a float vector), vzero, vset1, vload,
 // vload_partial, vmask_tail, vstore, vstore_out (float or bf16, the first n lanes), vfma, vmul, vadd, vmax,
 // vreduce_add, vreduce_each (vreduce_add of VL vectors at once, bit for bit), vreduce_max, vvisible_bits (lanes
-// above MASKED_BELOW), vload_i8 (int8 -> floats), vload_bf16_partial, vload_bf16_pairs, vexp, and DPBF16 (1 where a bf16 pair dot exists: vdpbf16).
+// above MASKED_BELOW), vload_i8 (int8 -> floats), vload_bf16_partial, vload_bf16_pairs, vexp, and DPBF16 (1 where a
+// bf16 pair dot exists: vdpbf16).
 //
 // Batch invariance: every output element is reduced by the same sequence of operations whatever the number of
 // rows, the thread count, and (for attention) wherever its visible keys lie in the cache.
@@ -132,17 +133,31 @@ inline V load_row(const T* p, int64_t d, int valid) {
   else return vload_bf16_partial(p + d, valid);
 }
 
-// One query row of one head: softmax(q.K_visible * scale + mask) . V_visible, the visible keys taken in cache order
-// and compacted, so where they lie (a tree's scattered ancestors, a chain's contiguous slots) changes nothing.
+// Attention over a row's visible keys, taken in cache order and compacted, so where they lie (a tree's scattered
+// ancestors, a chain's contiguous slots) changes nothing. The visible keys go in blocks of KEY_BLOCK: each block
+// gives, per head, its largest score, the sum of exp(score - largest) and the values weighted by those, and the
+// blocks combine in order (combine_blocks). A row's blocks depend only on how many keys it sees, never on the
+// other rows or the threads, so the result is what the row computes alone; the blocks are what lets the threads
+// share one long row.
+constexpr int64_t KEY_BLOCK = 512;
+
+inline int64_t blocks_of(int64_t visible) { return std::max<int64_t>(1, (visible + KEY_BLOCK - 1) / KEY_BLOCK); }
+
 struct AttentionScratch {
-  std::vector<int64_t> visible;  // the keys a row sees, in cache order (the first compact_visible(...) entries)
-  std::vector<float> scores;     // per head: scores, then probabilities, of the visible keys
+  std::vector<float> scores;  // per head: scores, then exps, of the block's keys (VL of slack past each)
 };
 
-// The keys of `mask_row` above MASKED_BELOW, in cache order, into s.visible; returns how many.
-inline int64_t compact_visible(const float* mask_row, int64_t length, AttentionScratch& s) {
-  if (int64_t(s.visible.size()) < length) s.visible.resize(size_t(length));
-  int64_t* visible = s.visible.data();
+// Where a block's result goes: the row's output (the row is one block) or its partial, per head
+// [largest score, sum of exps, weighted values (D floats)] at partial + head * partial_stride.
+template <typename T>
+struct BlockTarget {
+  T* out;
+  float* partial;
+  int64_t partial_stride;
+};
+
+// The keys of `mask_row` above MASKED_BELOW, in cache order, into `visible`; returns how many.
+inline int64_t compact_visible(const float* mask_row, int64_t length, int64_t* visible) {
   int64_t n = 0;
   for (int64_t j = 0; j < length; j += VL) {
     const int valid = int(std::min<int64_t>(VL, length - j));
@@ -166,29 +181,39 @@ inline float max_of(float* sc, int64_t n) {
   return vreduce_max(best);
 }
 
-// One query row and HEADS query heads sharing one kv head, head_dim = CHUNKS * VL: each visible key and value is
-// loaded once for the heads; every head reduces over the row's visible keys in cache order with the same
-// instructions whatever the block, so the result is what the row computes alone, wherever its keys lie.
+// sc[0 .. n - 1] -> exp(sc - largest) in place; returns their sum.
+inline float exps_in_place(float* sc, int64_t n, float largest) {
+  V total = vzero();
+  for (int64_t i = 0; i < n; i += VL) {
+    const int valid = int(std::min<int64_t>(VL, n - i));
+    V e = vmask_tail(vexp(vadd(vload_partial(sc + i, valid), vset1(-largest))), valid);
+    vstore(sc + i, e);
+    total = vadd(total, e);
+  }
+  return vreduce_add(total);
+}
+
+// One block of one query row for HEADS query heads sharing one kv head, head_dim = CHUNKS * VL: each key and value
+// is loaded once for the heads; VL keys' scores are reduced together, each by the same tree as alone.
 template <int HEADS, int CHUNKS, typename T>
-void attend_row(const T* q_row, int64_t q_head_stride, const T* keys, const T* values, int64_t key_stride,
-                int64_t value_stride, const float* mask_row, int64_t length, float scaling, AttentionScratch& s,
-                T* out_row) {
-  const int64_t n = compact_visible(mask_row, length, s), stride = n + VL;
+void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T* values, int64_t key_stride,
+                  int64_t value_stride, const float* mask_row, const int64_t* visible, int64_t n, float scaling,
+                  AttentionScratch& s, const BlockTarget<T>& target) {
+  const int64_t stride = n + VL;
   s.scores.resize(size_t(HEADS) * stride);
   V query[HEADS][CHUNKS];
   for (int h = 0; h < HEADS; ++h)
     for (int c = 0; c < CHUNKS; ++c) query[h][c] = load_row(q_row + h * q_head_stride, c * VL, VL);
-  for (int64_t first = 0; first < n; first += VL) {  // VL keys at a time: their lane sums reduced together
-    const int block = int(std::min<int64_t>(VL, n - first));
+  for (int64_t first = 0; first < n; first += VL) {
+    const int count = int(std::min<int64_t>(VL, n - first));
     V lanes[HEADS][VL];
     alignas(64) float mask_values[VL] = {};
     for (int t = 0; t < VL; ++t) {
       V acc[HEADS];
       for (int h = 0; h < HEADS; ++h) acc[h] = vzero();
-      if (t < block) {
-        const int64_t j = s.visible[first + t];
-        const T* key = keys + j * key_stride;
-        mask_values[t] = mask_row[j];
+      if (t < count) {
+        const T* key = keys + visible[first + t] * key_stride;
+        mask_values[t] = mask_row[visible[first + t]];
         V loaded[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(key, c * VL, VL);
         for (int c = 0; c < CHUNKS; ++c)
@@ -200,26 +225,18 @@ void attend_row(const T* q_row, int64_t q_head_stride, const T* keys, const T* v
     for (int h = 0; h < HEADS; ++h)  // scores has VL slots of slack past n
       vstore(s.scores.data() + h * stride + first, vfma(vreduce_each(lanes[h]), vset1(scaling), mask_vector));
   }
-  float inverse[HEADS];
+  float largest[HEADS], total[HEADS];
   for (int h = 0; h < HEADS; ++h) {
-    float* sc = s.scores.data() + h * stride;
-    const float maximum = max_of(sc, n);
-    V total = vzero();
-    for (int64_t i = 0; i < n; i += VL) {
-      const int valid = int(std::min<int64_t>(VL, n - i));
-      V e = vmask_tail(vexp(vadd(vload_partial(sc + i, valid), vset1(-maximum))), valid);
-      vstore(sc + i, e);
-      total = vadd(total, e);
-    }
-    inverse[h] = n ? 1.0f / vreduce_add(total) : 0.0f;
+    largest[h] = max_of(s.scores.data() + h * stride, n);
+    total[h] = exps_in_place(s.scores.data() + h * stride, n, largest[h]);
   }
-  V sum[HEADS][CHUNKS];
+  V sum[HEADS][CHUNKS];  // (unrolled so GCC keeps the accumulators in registers, not stored every key)
 #pragma GCC unroll 32
   for (int h = 0; h < HEADS; ++h)
 #pragma GCC unroll 32
     for (int c = 0; c < CHUNKS; ++c) sum[h][c] = vzero();
   for (int64_t i = 0; i < n; ++i) {
-    const T* value = values + s.visible[i] * value_stride;
+    const T* value = values + visible[i] * value_stride;
     V loaded[CHUNKS];
 #pragma GCC unroll 32
     for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(value, c * VL, VL);
@@ -231,97 +248,174 @@ void attend_row(const T* q_row, int64_t q_head_stride, const T* keys, const T* v
     }
   }
 #pragma GCC unroll 32
-  for (int h = 0; h < HEADS; ++h)
+  for (int h = 0; h < HEADS; ++h) {
+    if (target.out) {
+      const V inverse = vset1(n ? 1.0f / total[h] : 0.0f);
 #pragma GCC unroll 32
-    for (int c = 0; c < CHUNKS; ++c) vstore_out(out_row + h * (CHUNKS * VL) + c * VL, vmul(sum[h][c], vset1(inverse[h])), VL);
+      for (int c = 0; c < CHUNKS; ++c)
+        vstore_out(target.out + h * (CHUNKS * VL) + c * VL, vmul(sum[h][c], inverse), VL);
+      continue;
+    }
+    float* partial = target.partial + h * target.partial_stride;
+    partial[0] = largest[h];
+    partial[1] = total[h];
+#pragma GCC unroll 32
+    for (int c = 0; c < CHUNKS; ++c) vstore(partial + 2 + c * VL, sum[h][c]);
+  }
 }
 
-// Any other shape (a head_dim that is not 64 or 128, more heads per kv head than the fixed paths take): one head
-// of one row, VL-wide chunks with a masked tail. Same compaction and order as attend_row, so just as invariant.
+// Any other shape (a head_dim that is not 64 or 128, more heads per kv head than the fixed paths take): one head,
+// VL-wide chunks with a masked tail. Same blocks and order as attend_block, so just as invariant.
 template <typename T>
-void attend_row_any(const T* q, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
-                    const float* mask_row, int64_t length, int64_t D, float scaling, AttentionScratch& s, T* out) {
-  const int64_t n = compact_visible(mask_row, length, s), chunks = (D + VL - 1) / VL;
+void attend_block_any(const T* q, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
+                      const float* mask_row, const int64_t* visible, int64_t n, int64_t D, float scaling,
+                      AttentionScratch& s, const BlockTarget<T>& target) {
+  const int64_t chunks = (D + VL - 1) / VL;
   auto valid_of = [&](int64_t c) { return int(std::min<int64_t>(VL, D - c * VL)); };
   s.scores.resize(n + VL);
-  float maximum = -INFINITY;
   for (int64_t i = 0; i < n; ++i) {
-    const T* key = keys + s.visible[i] * key_stride;
+    const T* key = keys + visible[i] * key_stride;
     V acc = vzero();
-    for (int64_t c = 0; c < chunks; ++c) acc = vfma(load_row(q, c * VL, valid_of(c)), load_row(key, c * VL, valid_of(c)), acc);
-    s.scores[i] = vreduce_add(acc) * scaling + mask_row[s.visible[i]];
-    maximum = std::max(maximum, s.scores[i]);
+    for (int64_t c = 0; c < chunks; ++c)
+      acc = vfma(load_row(q, c * VL, valid_of(c)), load_row(key, c * VL, valid_of(c)), acc);
+    s.scores[i] = vreduce_add(acc) * scaling + mask_row[visible[i]];
   }
-  V total = vzero();
-  for (int64_t i = 0; i < n; i += VL) {
-    const int valid = int(std::min<int64_t>(VL, n - i));
-    V e = vmask_tail(vexp(vadd(vload_partial(s.scores.data() + i, valid), vset1(-maximum))), valid);
-    vstore(s.scores.data() + i, e);
-    total = vadd(total, e);
-  }
-  const float inverse = n ? 1.0f / vreduce_add(total) : 0.0f;
+  const float largest = max_of(s.scores.data(), n);
+  const float total = exps_in_place(s.scores.data(), n, largest);
   for (int64_t c = 0; c < chunks; ++c) {
     V acc = vzero();
     for (int64_t i = 0; i < n; ++i)
-      acc = vfma(vset1(s.scores[i]), load_row(values + s.visible[i] * value_stride, c * VL, valid_of(c)), acc);
-    vstore_out(out + c * VL, vmul(acc, vset1(inverse)), valid_of(c));
+      acc = vfma(vset1(s.scores[i]), load_row(values + visible[i] * value_stride, c * VL, valid_of(c)), acc);
+    if (target.out) vstore_out(target.out + c * VL, vmul(acc, vset1(n ? 1.0f / total : 0.0f)), valid_of(c));
+    else vstore_out(target.partial + 2 + c * VL, acc, valid_of(c));
+  }
+  if (!target.out) {
+    target.partial[0] = largest;
+    target.partial[1] = total;
+  }
+}
+
+// A row's output from its blocks' partials (blocks >= 2), in block order: largest = the max of theirs, then
+// sum of exps and weighted values each rescaled by exp(block's largest - largest) and added block by block.
+template <typename T>
+void combine_blocks(const float* partial, int64_t blocks, int64_t stride, int64_t D, T* out) {
+  float largest = -INFINITY;
+  for (int64_t b = 0; b < blocks; ++b) largest = std::max(largest, partial[b * stride]);
+  const int64_t chunks = (D + VL - 1) / VL;
+  float total = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    alignas(64) float rescale[VL];
+    vstore(rescale, vexp(vset1(partial[b * stride] - largest)));
+    total = std::fma(rescale[0], partial[b * stride + 1], total);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int valid = int(std::min<int64_t>(VL, D - c * VL));
+    V acc = vzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const V rescale = vexp(vset1(partial[b * stride] - largest));
+      acc = vfma(rescale, vload_partial(partial + b * stride + 2 + c * VL, valid), acc);
+    }
+    vstore_out(out + c * VL, vmul(acc, vset1(1.0f / total)), valid);
   }
 }
 
 template <int HEADS, int CHUNKS, typename T>
 bool attend_fixed(int64_t heads, int64_t D, const T* q_row, int64_t q_head_stride, const T* keys, const T* values,
-                  int64_t key_stride, int64_t value_stride, const float* mask_row, int64_t length, float scaling,
-                  AttentionScratch& s, T* out_row) {
+                  int64_t key_stride, int64_t value_stride, const float* mask_row, const int64_t* visible, int64_t n,
+                  float scaling, AttentionScratch& s, const BlockTarget<T>& target) {
   if (heads != HEADS || D != CHUNKS * VL) return false;
-  attend_row<HEADS, CHUNKS>(q_row, q_head_stride, keys, values, key_stride, value_stride, mask_row, length, scaling,
-                            s, out_row);
+  attend_block<HEADS, CHUNKS>(q_row, q_head_stride, keys, values, key_stride, value_stride, mask_row, visible, n,
+                              scaling, s, target);
   return true;
 }
 
+// Whether attend_any_shape takes `heads` heads of head_dim D together (else head by head, with attend_block_any's
+// different order: so a task takes every head of its kv head only where this holds, whatever the rows).
+inline bool has_fixed_path(int64_t heads, int64_t D) {
+  return VL > 1 && ((D == 64 && heads <= 4) || (D == 128 && heads <= 2));
+}
+
+// One block of one row for `heads` query heads of one kv head: a fixed path where the shape has one, else per head.
+template <typename T>
+void attend_any_shape(int64_t heads, int64_t D, const T* q_row, int64_t q_head_stride, const T* keys,
+                      const T* values, int64_t ks, int64_t vs, const float* mask_row, const int64_t* visible,
+                      int64_t n, float scaling, AttentionScratch& s, const BlockTarget<T>& target) {
+  if constexpr (VL > 1) {
+    const auto args = std::forward_as_tuple(heads, D, q_row, q_head_stride, keys, values, ks, vs, mask_row, visible,
+                                            n, scaling, s, target);
+    if (std::apply(attend_fixed<1, 64 / VL, T>, args) || std::apply(attend_fixed<2, 64 / VL, T>, args) ||
+        std::apply(attend_fixed<3, 64 / VL, T>, args) || std::apply(attend_fixed<4, 64 / VL, T>, args) ||
+        std::apply(attend_fixed<1, 128 / VL, T>, args) || std::apply(attend_fixed<2, 128 / VL, T>, args))
+      return;
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const BlockTarget<T> one{target.out ? target.out + h * D : nullptr,
+                             target.partial ? target.partial + h * target.partial_stride : nullptr, 0};
+    attend_block_any(q_row + h * q_head_stride, keys, values, ks, vs, mask_row, visible, n, D, scaling, s, one);
+  }
+}
+
+struct AttentionTask {
+  int64_t b, g, row, head_block, block;
+};
+
 // q (B, Hq, W, D), keys/values (B, Hkv, C, D) (last axis contiguous), mask (B or 1, 1, W, >= C) float32;
-// out (B, W, Hq, D) contiguous. Tasks: (batch, kv head, row, head block); a block is every query head of the kv
-// head (one head where that leaves fewer tasks than twice the threads, or for shapes without a fixed path).
+// out (B, W, Hq, D) contiguous. First each row's visible keys; then tasks (batch, kv head, row, head block, key
+// block), a head block being every query head of the kv head (one head where that leaves fewer tasks than the
+// threads); then the rows of more than one key block combine their partials.
 template <typename T>
 void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T* v, const int64_t* kv_strides,
                       const float* mask, const int64_t* mask_strides, int64_t B, int64_t Hq, int64_t Hkv, int64_t W,
                       int64_t C, int64_t D, float scaling, T* out) {
-  const int64_t groups = Hq / Hkv, threads = omp_get_max_threads();
-  const int64_t head_blocks = (B * Hkv * W >= threads && groups <= 4 && D % VL == 0 && D / VL <= 8) ? 1 : groups;
-  const int64_t heads = groups / head_blocks, tasks = B * Hkv * W * head_blocks;
-#pragma omp parallel if (tasks > 1)
+  const int64_t groups = Hq / Hkv, threads = omp_get_max_threads(), rows = B * W;
+  std::unique_ptr<int64_t[]> visible(new int64_t[size_t(rows * C)]);  // (not zeroed: each row writes its own)
+  std::vector<int64_t> counts(static_cast<size_t>(rows));
+#pragma omp parallel for schedule(static) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r)
+    counts[r] = compact_visible(mask + (r / W) * mask_strides[0] + (r % W) * mask_strides[2], C, visible.get() + r * C);
+  int64_t most_blocks = 1, grouped_tasks = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    most_blocks = std::max(most_blocks, blocks_of(counts[r]));
+    grouped_tasks += Hkv * blocks_of(counts[r]);
+  }
+  const int64_t head_blocks = grouped_tasks >= threads && has_fixed_path(groups, D) ? 1 : groups;
+  const int64_t heads = groups / head_blocks;
+  std::vector<AttentionTask> tasks;
+  tasks.reserve(size_t(grouped_tasks * head_blocks));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t row = 0; row < W; ++row)
+        for (int64_t hb = 0; hb < head_blocks; ++hb)
+          for (int64_t block = 0; block < blocks_of(counts[b * W + row]); ++block)
+            tasks.push_back({b, g, row, hb, block});
+  const int64_t partial_stride = D + 2;  // per (row, head, block)
+  std::vector<float> partials(most_blocks > 1 ? size_t(rows * Hq * most_blocks * partial_stride) : 0);
+  auto partial_of = [&](int64_t r, int64_t head, int64_t block) {
+    return partials.data() + ((r * Hq + head) * most_blocks + block) * partial_stride;
+  };
+#pragma omp parallel if (tasks.size() > 1)
   {
     AttentionScratch scratch;
-    scratch.visible.reserve(C);
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t hb = task % head_blocks, row = (task / head_blocks) % W;
-      const int64_t g = (task / (head_blocks * W)) % Hkv, b = task / (head_blocks * W * Hkv);
-      const int64_t first_head = g * groups + hb * heads;
-      const T* q_row = q + b * q_strides[0] + first_head * q_strides[1] + row * q_strides[2];
-      const T* keys = k + b * kv_strides[0] + g * kv_strides[1];
-      const T* values = v + b * kv_strides[4] + g * kv_strides[5];
-      const float* mask_row = mask + b * mask_strides[0] + row * mask_strides[2];
-      T* out_row = out + ((b * W + row) * Hq + first_head) * D;
-      const int64_t ks = kv_strides[2], vs = kv_strides[6];
-      bool done = false;
-      if constexpr (VL > 1) {
-        done = attend_fixed<1, 64 / VL>(heads, D, q_row, q_strides[1], keys, values, ks, vs, mask_row, C, scaling,
-                                        scratch, out_row) ||
-               attend_fixed<2, 64 / VL>(heads, D, q_row, q_strides[1], keys, values, ks, vs, mask_row, C, scaling,
-                                        scratch, out_row) ||
-               attend_fixed<3, 64 / VL>(heads, D, q_row, q_strides[1], keys, values, ks, vs, mask_row, C, scaling,
-                                        scratch, out_row) ||
-               attend_fixed<4, 64 / VL>(heads, D, q_row, q_strides[1], keys, values, ks, vs, mask_row, C, scaling,
-                                        scratch, out_row) ||
-               attend_fixed<1, 128 / VL>(heads, D, q_row, q_strides[1], keys, values, ks, vs, mask_row, C, scaling,
-                                         scratch, out_row) ||
-               attend_fixed<2, 128 / VL>(heads, D, q_row, q_strides[1], keys, values, ks, vs, mask_row, C, scaling,
-                                         scratch, out_row);
-      }
-      if (!done)
-        for (int64_t h = 0; h < heads; ++h)
-          attend_row_any(q_row + h * q_strides[1], keys, values, ks, vs, mask_row, C, D, scaling, scratch,
-                         out_row + h * D);
+    for (int64_t i = 0; i < int64_t(tasks.size()); ++i) {
+      const AttentionTask& t = tasks[size_t(i)];
+      const int64_t r = t.b * W + t.row, first_head = t.g * groups + t.head_block * heads;
+      const int64_t n = counts[r], first = t.block * KEY_BLOCK, length = std::min(KEY_BLOCK, n - first);
+      const bool whole = blocks_of(n) == 1;
+      const BlockTarget<T> target{whole ? out + (r * Hq + first_head) * D : nullptr,
+                                  whole ? nullptr : partial_of(r, first_head, t.block), most_blocks * partial_stride};
+      attend_any_shape(heads, D, q + t.b * q_strides[0] + first_head * q_strides[1] + t.row * q_strides[2],
+                       q_strides[1], k + t.b * kv_strides[0] + t.g * kv_strides[1],
+                       v + t.b * kv_strides[4] + t.g * kv_strides[5], kv_strides[2], kv_strides[6],
+                       mask + t.b * mask_strides[0] + t.row * mask_strides[2], visible.get() + r * C + first,
+                       std::max<int64_t>(length, 0), scaling, scratch, target);
     }
+  }
+  if (most_blocks == 1) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows * Hq; ++i) {
+    const int64_t r = i / Hq, head = i % Hq;
+    if (blocks_of(counts[r]) > 1)
+      combine_blocks(partial_of(r, head, 0), blocks_of(counts[r]), partial_stride, D, out + (r * Hq + head) * D);
   }
 }
