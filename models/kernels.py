@@ -8,7 +8,8 @@ SDPA) pick blockings and reduction splits by the number of rows; these kernels r
 fixed order whatever the rows, the thread count, or (attention) where its visible keys lie in the cache, so
 speculative decoding is lossless by construction in every precision. They also read each weight from memory once per
 forward (up to 9 rows in one pass of a register tile), so a verify of a few tokens costs about one step, and attention
-reads only the keys a row sees (not the whole preallocated cache).
+reads only the keys a row sees (not the whole preallocated cache), in blocks of 512 of them that the threads share
+(a row's blocks depend only on how many keys it sees, so a long row splits the same way in a step and in a verify).
 
 The extension is built once per machine (torch.utils.cpp_extension, ~40 s; `python -m draftsmith.models.kernels
 build`, which scripts/install.sh runs) into $DRAFTSMITH_CACHE/kernels/<source digest>; the instruction set is
