@@ -320,19 +320,19 @@ void combine_blocks(const float* partial, int64_t blocks, int64_t stride, int64_
   float largest = -INFINITY;
   for (int64_t b = 0; b < blocks; ++b) largest = std::max(largest, partial[b * stride]);
   const int64_t chunks = (D + VL - 1) / VL;
+  std::vector<float> rescale(size_t(blocks), 0.0f);  // exp(block's largest - largest), once per block
   float total = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) {
-    alignas(64) float rescale[VL];
-    vstore(rescale, vexp(vset1(partial[b * stride] - largest)));
-    total = std::fma(rescale[0], partial[b * stride + 1], total);
+    alignas(64) float lanes[VL];
+    vstore(lanes, vexp(vset1(partial[b * stride] - largest)));
+    rescale[b] = lanes[0];
+    total = std::fma(rescale[b], partial[b * stride + 1], total);
   }
   for (int64_t c = 0; c < chunks; ++c) {
     const int valid = int(std::min<int64_t>(VL, D - c * VL));
     V acc = vzero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const V rescale = vexp(vset1(partial[b * stride] - largest));
-      acc = vfma(rescale, vload_partial(partial + b * stride + 2 + c * VL, valid), acc);
-    }
+    for (int64_t b = 0; b < blocks; ++b)
+      acc = vfma(vset1(rescale[b]), vload_partial(partial + b * stride + 2 + c * VL, valid), acc);
     vstore_out(out + c * VL, vmul(acc, vset1(1.0f / total)), valid);
   }
 }
@@ -380,7 +380,8 @@ struct AttentionTask {
 // q (B, Hq, W, D), keys/values (B, Hkv, C, D) (last axis contiguous), mask (B or 1, 1, W, >= C) float32;
 // out (B, W, Hq, D) contiguous. First each row's visible keys; then tasks (batch, kv head, row, head block, key
 // block), a head block being every query head of the kv head (one head where that leaves fewer tasks than the
-// threads); then the rows of more than one key block combine their partials.
+// threads, or where the shape has no fixed path for them together); then the rows of more than one key block
+// combine their partials.
 template <typename T>
 void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T* v, const int64_t* kv_strides,
                       const float* mask, const int64_t* mask_strides, int64_t B, int64_t Hq, int64_t Hkv, int64_t W,
@@ -418,7 +419,7 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
     for (int64_t i = 0; i < int64_t(tasks.size()); ++i) {
       const AttentionTask& t = tasks[size_t(i)];
       const int64_t r = t.b * W + t.row, first_head = t.g * groups + t.head_block * heads;
-      const int64_t n = counts[r], first = t.block * KEY_BLOCK, length = std::min(KEY_BLOCK, n - first);
+      const int64_t n = counts[r], first = t.block * KEY_BLOCK, length = std::min(KEY_BLOCK, n - first);  // >= 0
       const bool whole = blocks_of(n) == 1;
       const BlockTarget<T> target{whole ? out + (r * Hq + first_head) * D : nullptr,
                                   whole ? nullptr : partial_of(r, first_head, t.block), most_blocks * partial_stride};
@@ -426,7 +427,7 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
                        q_strides[1], k + t.b * kv_strides[0] + t.g * kv_strides[1],
                        v + t.b * kv_strides[4] + t.g * kv_strides[5], kv_strides[2], kv_strides[6],
                        mask + t.b * mask_strides[0] + t.row * mask_strides[2], visible.get() + r * C + first,
-                       std::max<int64_t>(length, 0), scaling, scratch, target);
+                       length, scaling, scratch, target);
     }
   }
   if (most_blocks == 1) return;
