@@ -4,7 +4,8 @@
 
 Measures, on the torch threads used:
 - the machine: the weight-stream bandwidth (the batch-invariant linear over a 256 MB fp32 weight, one row: what a
-  decode step streams) beside a plain reduction over 512 MB, and matmul throughput in float32, bfloat16 and int8
+  decode step streams; the faster of the weight in ordinary memory and in a huge-page weight arena, where the
+  engine keeps its weights) beside a plain reduction over 512 MB, and matmul throughput in float32, bfloat16 and int8
   (torch's own large GEMMs) and the invariant kernel's at 64 rows;
 - the target on the compiled engine (`compile.kernels`, default the batch-invariant kernels): T(w) for every width,
   beside its bound max(bytes / bandwidth, FLOPs / throughput), bytes = its weights + the KV cache it reads, FLOPs =
@@ -36,7 +37,7 @@ from draftsmith.models.bundled import DEFAULT_TARGET, bundled_drafter
 from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine
 from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import InvariantLinear, Kernels, kernel_isa, load_kernels, pack_weight
+from draftsmith.models.kernels import InvariantLinear, Kernels, kernel_isa, load_kernels, pack_weight, weight_arena
 from draftsmith.models.target import TargetModel
 
 WIDTHS = [1, 2, 4, 8, 16, 32, 64]
@@ -85,12 +86,17 @@ def machine_roofs() -> dict:
     """Weight-stream bandwidth (GB/s) and matmul throughput (GFLOPS) on this machine's torch threads."""
     load_kernels()
     weight = pack_weight(torch.randn(65536, 1024))
+    arena = weight_arena(weight.numel() * 4).view(torch.float32).view(weight.shape)
+    arena.copy_(weight)
     row = torch.randn(1, 1024)
-    stream_s = best_seconds(lambda: torch.ops.draftsmith.linear(row, weight, None, None, 65536))
+    stream_4k_s = best_seconds(lambda: torch.ops.draftsmith.linear(row, weight, None, None, 65536))
+    stream_s = best_seconds(lambda: torch.ops.draftsmith.linear(row, arena, None, None, 65536))
     big = torch.ones(128 * 2 ** 20)
     sum_s = best_seconds(big.sum)
-    roofs = {"stream_gbs": weight.numel() * 4 / stream_s / 1e9, "reduction_gbs": big.numel() * 4 / sum_s / 1e9}
-    del weight, big
+    nbytes = weight.numel() * 4
+    roofs = {"stream_gbs": nbytes / min(stream_s, stream_4k_s) / 1e9, "stream_ordinary_memory_gbs":
+             nbytes / stream_4k_s / 1e9, "reduction_gbs": big.numel() * 4 / sum_s / 1e9}
+    del weight, arena, big
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     flops = 2 * 2048 ** 3
     roofs["float32_gflops"] = flops / best_seconds(lambda: a @ b, 3) / 1e9
@@ -227,14 +233,20 @@ def run_roofline(config: RooflineConfig) -> dict:
             "roofs": roofs, "widths": rows, "drafters": drafters}
 
 
+def stream_memory(roofs: dict) -> str:
+    """How the stream depends on huge pages ('' in results from before the probe measured both)."""
+    ordinary = roofs.get("stream_ordinary_memory_gbs")
+    return "" if ordinary is None else f"{ordinary:.1f} from ordinary 4 KB pages; "
+
+
 def format_roofline(document: dict) -> str:
     info, roofs, config = document["machine_info"], document["roofs"], document["config"]
     lines = [f"Roofline of {config['target']} ({config['dtype']}, compile.kernels={config['compile']['kernels']}, "
              f"weights={config['compile']['weights']}) over {config['context_tokens']} cached tokens: "
              f"{info['processor']} ({info['isa']}; kernels {info['kernel_isa']}), {info['torch_threads']} torch "
              f"threads, torch {info['torch']}.", "",
-             f"Machine: weight stream {roofs['stream_gbs']:.1f} GB/s (a plain 512 MB reduction: "
-             f"{roofs['reduction_gbs']:.1f}); matmul float32 {roofs['float32_gflops']:.0f} GFLOPS, bfloat16 "
+             f"Machine: weight stream {roofs['stream_gbs']:.1f} GB/s ({stream_memory(roofs)}a plain 512 MB "
+             f"reduction: {roofs['reduction_gbs']:.1f}); matmul float32 {roofs['float32_gflops']:.0f} GFLOPS, bfloat16 "
              f"{roofs['bfloat16_gflops']:.0f}, int8 {roofs['int8_gops']:.0f} GOPS; the invariant kernel at 64 rows "
              f"{roofs['kernel_float32_gflops']:.0f} GFLOPS float32.", "",
              "| w | T(w) ms | T(w)/T(1) | bound ms | bound / T(w) | linear ms | LM head ms | attention ms | rest ms |",

@@ -69,7 +69,7 @@ from transformers import AutoConfig, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from draftsmith.models.engine import EagerBuild, additive_mask, with_cache
-from draftsmith.models.kernels import WeightPrecision, invariant_model, invariant_rows
+from draftsmith.models.kernels import WeightPrecision, gather_weights, invariant_model, invariant_rows
 from draftsmith.models.vocab import DraftVocab
 
 FUSIONS = ("linear", "dgf", "eagle3")
@@ -458,4 +458,5 @@ def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:
     if runs.config.head == "slice":
         runs.draft_head = invariant_rows(runs.sliced_head, precision)
         runs.config = dataclasses.replace(runs.config, head="own")
+        gather_weights(runs)
     return runs

@@ -18,8 +18,8 @@ from conftest import tiny_model
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.models.compiled import CompiledEngine, CompileSettings
 from draftsmith.models.medusa import InvariantMedusaHeads
-from draftsmith.models.kernels import (InvariantLinear, WeightPrecision, invariant_model, kernel_isa, load_kernels,
-                                       pack_weight, quantize_int8)
+from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, InvariantLinear, WeightPrecision, invariant_model,
+                                       kernel_isa, load_kernels, pack_weight, quantize_int8)
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab
@@ -201,6 +201,24 @@ def test_invariant_linear_module_keeps_shape_and_bias():
     assert torch.allclose(module(x), linear(x), atol=1e-5)
     int8 = InvariantLinear(linear, WeightPrecision.INT8)
     assert int8.packed.dtype == torch.int8 and torch.allclose(int8(x), linear(x), atol=0.05)
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),
+                                             (torch.bfloat16, WeightPrecision.MODEL),
+                                             (torch.float32, WeightPrecision.INT8)])
+def test_weights_are_gathered_in_one_arena_in_streaming_order(dtype, precision):
+    """invariant_model packs every Linear into one weight arena, in module order and cache-line aligned, with the
+    values pack_weight gives, so the model computes what each InvariantLinear alone computes."""
+    model = tiny_model("llama", seed=3, num_layers=2).to(dtype)
+    runs = invariant_model(model, precision)
+    linears = [m for m in runs.modules() if isinstance(m, InvariantLinear)]
+    assert len({m.packed.untyped_storage().data_ptr() for m in linears}) == 1
+    starts = [m.packed.data_ptr() for m in linears]
+    assert starts == sorted(starts) and all(start % WEIGHT_ALIGNMENT == 0 for start in starts)
+    originals = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(originals) == len(linears)
+    for original, linear in zip(originals, linears):
+        assert torch.equal(linear.packed, InvariantLinear(original, precision).packed)
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),
