@@ -307,3 +307,20 @@ def test_engine_benches_report_speedups_per_suite():
     assert summary["ngram"]["speedup_per_suite"] == {"gsm8k": 4.0 / 3.0, "humaneval": 3.0}
     table = "\n".join(suite_table(summary, "llama.cpp"))
     assert "| method | gsm8k | humaneval |" in table and "| ngram | 1.33x | 3.00x |" in table
+
+
+def test_the_toolkit_plain_runs_beside_llamacpp_plain_on_each_turn(tiny_pair, tmp_path):
+    """With pytorch_baselines, the toolkit's compiled plain decoding answers on every prompt turn beside llama.cpp's
+    plain decoding (the same minutes), with a speedup against it and, in float32, the same tokens."""
+    from draftsmith.eval.engines import llamacpp_bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Count to five."}) + "\n")
+    document = llamacpp_bench.main([f"target={tiny_pair['target']}", f"suites=[jsonl:{prompts}]", "num_prompts=1",
+                                    "max_new_tokens=10", "methods=[]", f"output={tmp_path / 'out.json'}"])
+    label = "toolkit plain-compiled (float32)"
+    assert list(document["summary"]) == ["plain", label]
+    row = document["rows"][0]["runs"][label]
+    assert row["new_tokens"] == len(row["tokens"]) > 0 and row["seconds"] > 0
+    assert document["summary"][label]["differs_from_plain"] == []
+    assert f"| {label} |" in (tmp_path / "out.md").read_text()

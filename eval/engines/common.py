@@ -1,7 +1,11 @@
 """What the engine benches (llama.cpp's, OpenVINO's) share: the config of prompts, PyTorch baselines and output,
 running every method on every prompt turn (interleaved, or each beside its own plain baseline when they do not fit
 in memory together), the summary per method and per suite, the JSON document and the table. Each engine's bench
-adds its target, methods and how it opens a server or worker (anything with `complete(ids, max_new_tokens)`)."""
+adds its target, methods and how it opens a server or worker (anything with `complete(ids, max_new_tokens)`).
+
+With `pytorch_baselines`, the toolkit's plain decoding on its compiled engine answers like one more server, in this
+process, on each prompt turn beside the engine's plain decoding (in the first group), so the two engines are timed in
+the same minutes; HF `generate` and `pytorch_methods` then run on the same prompts after (tau, lossless)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, Literal
 
+import torch
+
 from draftsmith.config import ConfigError, check_config, config_to_dict, option
 from draftsmith.data.chat import prompt_ids
 from draftsmith.eval.bench.methods import MethodSpec, parse_method
@@ -19,8 +25,11 @@ from draftsmith.eval.bench.run import WARMUP_MESSAGES, BenchConfig, mean_ci, run
 from draftsmith.eval.documents import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.prompts import (PromptSettings, check_suites, num_turns, prompt_options, select_conversations,
                                     turn_input_ids)
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.models.compiled import CompileSettings, machine_load
+from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import WeightPrecision
+from draftsmith.models.target import TargetModel
 
 PLAIN_LABEL = "plain"  # every engine's plain decoding: the baseline each method is measured and checked against
 
@@ -37,8 +46,8 @@ class EngineBenchConfig(PromptSettings):
     spec, run first whether named or not."""
 
     plain: ClassVar[MethodSpec]
-    pytorch_baselines: bool = option(True, "also time the toolkit's plain baselines (HF generate, compiled) on the "
-                                           "same prompts")
+    pytorch_baselines: bool = option(True, "also time the toolkit's plain decoding (compiled: on each prompt turn "
+                                           "beside the engine's; HF generate: after) on the same prompts")
     pytorch_dtype: Literal["float32", "bfloat16"] = option("float32", "the PyTorch target's dtype")
     pytorch_weights: WeightPrecision = option(WeightPrecision.MODEL, "the compiled PyTorch target's weights: model (its dtype) or "
                                                      "int8 (weight-only)")
@@ -98,16 +107,52 @@ def warm_up(server, tokenizer) -> None:
     server.complete(prompt_ids(tokenizer, WARMUP_MESSAGES), 16)  # the PyTorch bench's warm-up prompt
 
 
+def toolkit_label(config: EngineBenchConfig) -> str:
+    """The toolkit's plain decoding's row: its engine and precision."""
+    weights = ", int8 weights" if config.pytorch_weights is WeightPrecision.INT8 else ""
+    return f"toolkit plain-compiled ({config.pytorch_dtype}{weights})"
+
+
+class ToolkitPlain:
+    """The toolkit's plain decoding on its compiled engine (`pytorch_dtype`, `pytorch_weights`, `threads` torch
+    threads), answering like an engine's server: the reply's tokens stop before an end-of-sequence token, as the
+    servers' do, and its timings are the prefill and the decoding after it."""
+
+    def __init__(self, config: EngineBenchConfig):
+        torch.set_num_threads(config.threads)
+        self.target = TargetModel.from_pretrained(config.target, dtype=config.pytorch_dtype, backend=Backend.COMPILED,
+                                                  settings=CompileSettings(weights=config.pytorch_weights))
+        self.target.prepare()
+
+    def __enter__(self) -> "ToolkitPlain":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.target.release()
+
+    def complete(self, ids: list[int], max_new_tokens: int) -> dict:
+        decoder = SpeculativeDecoder(self.target, config=DecodeConfig(max_new_tokens=max_new_tokens))
+        result = decoder.generate(torch.tensor([ids]))
+        tokens = result.tokens
+        if tokens and tokens[-1] in self.target.eos_token_ids:
+            tokens = tokens[:-1]
+        stats = result.stats
+        return {"tokens": tokens, "timings": {"prompt_ms": 1000 * stats.prefill_s, "predicted_n": len(tokens),
+                                              "predicted_ms": 1000 * (stats.total_s - stats.prefill_s)}}
+
+
 def run_groups(config: EngineBenchConfig, interleaved: bool, open_method, tokenizer) -> list:
     """Every method at once (interleaved), else each method beside its own plain baseline in turn. `open_method`
     gives a method's server or worker as a context manager; each is warmed up, then every prompt turn goes through
-    the group's methods in turn."""
+    the group's methods in turn (the first group's with the toolkit's plain decoding, under `pytorch_baselines`)."""
     methods = config.methods
     groups = [list(methods)] if interleaved else [[config.plain, spec] for spec in methods if spec != config.plain]
     rows: list = []
-    for group in groups or [[config.plain]]:
+    for index, group in enumerate(groups or [[config.plain]]):
         with contextlib.ExitStack() as stack:
             running = {spec: stack.enter_context(open_method(spec)) for spec in group}
+            if config.pytorch_baselines and index == 0:
+                running[toolkit_label(config)] = stack.enter_context(ToolkitPlain(config))
             for server in running.values():
                 warm_up(server, tokenizer)
             group_rows: list = []
@@ -190,6 +235,7 @@ def bench_document(config: EngineBenchConfig, rows: list, interleaved: bool, sta
     """An engine bench's JSON: its config, the engine's pins, the machine, the summary and the rows, and the
     PyTorch baselines on the same prompts when asked for."""
     labels = [str(spec) for spec in config.methods]
+    labels += [label for label in [toolkit_label(config)] if rows and label in rows[0]["runs"]]
     document = {"config": document_config(config), **engine,
                 "machine": {"cpu": cpu_model(), "isa": cpu_isa(), "threads": config.threads, **target_file},
                 "interleaved": interleaved, "seconds": round(time.time() - started, 1),

@@ -13,9 +13,9 @@ server's own prompt + generation time (no HTTP). Per method: tokens/s, speedup a
 the same GGUF in the same run (ratio of total times, and the mean of per-prompt ratios with a 95% interval),
 drafted and accepted tokens, the mean accepted length (tokens per target step: generated / (generated - accepted))
 and whether each output equals llama.cpp's plain output token for token (a quantized target may differ; the
-table counts it per method and the JSON lists the prompts). With `pytorch_baselines=true` the toolkit's own plain
-baselines (HF `generate` and the compiled forward, fp32) run on the same prompts after, for where each engine
-stands.
+table counts it per method and the JSON lists the prompts). With `pytorch_baselines=true` the toolkit's plain
+decoding on its compiled engine runs on each prompt turn beside llama.cpp's (its row's speedup is against llama.cpp
+plain, timed in the same minutes), and HF `generate` with `pytorch_methods` run on the same prompts after.
 """
 
 from __future__ import annotations

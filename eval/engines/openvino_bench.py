@@ -14,8 +14,9 @@ template; time is the worker's wall time around `generate`. Methods run back to 
 (interleaved, after a warm-up request each; when their weights do not fit in memory together, each method runs
 beside its own plain worker in turn, and the table says so); every speculative output is compared with OpenVINO's
 plain output, and the speedup is against OpenVINO's plain decoding of the same IR in the same run (the summary, JSON
-and table every engine bench shares: eval/engines/common.py). With `pytorch_baselines=true` the toolkit's own plain
-baselines run on the same prompts after.
+and table every engine bench shares: eval/engines/common.py). With `pytorch_baselines=true` the toolkit's plain
+decoding on its compiled engine runs on each prompt turn beside OpenVINO's (its row's speedup is against OpenVINO
+plain, timed in the same minutes), and HF `generate` with `pytorch_methods` run on the same prompts after.
 """
 
 from __future__ import annotations
