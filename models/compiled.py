@@ -52,7 +52,8 @@ from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel, invariant_drafter
 from draftsmith.models.engine import Backend, TargetOutput, with_cache
-from draftsmith.models.kernels import InvariantLinear, Kernels, WeightPrecision, invariant_attention, invariant_model
+from draftsmith.models.kernels import (InvariantLinear, JoinedProjection, Kernels, SiblingProjection, WeightPrecision,
+                                      invariant_attention, invariant_model)
 from draftsmith.models.precision import Int8WeightLinear
 from draftsmith.models.registry import draftsmith_cache
 
@@ -184,7 +185,8 @@ def traced_code_digest(step: nn.Module) -> str:
     if any(isinstance(module, Int8WeightLinear) for module in step.modules()):
         sources.append(inspect.getsource(Int8WeightLinear))
     if any(isinstance(module, InvariantLinear) for module in step.modules()):
-        sources += [inspect.getsource(InvariantLinear), inspect.getsource(invariant_attention)]
+        sources += [inspect.getsource(cls) for cls in (InvariantLinear, JoinedProjection, SiblingProjection)]
+        sources.append(inspect.getsource(invariant_attention))
     if isinstance(step, DGFStepModule):
         sources.append(inspect.getsource(sys.modules[DGFModel.__module__]))
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]

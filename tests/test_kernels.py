@@ -208,17 +208,39 @@ def test_invariant_linear_module_keeps_shape_and_bias():
                                              (torch.float32, WeightPrecision.INT8)])
 def test_weights_are_gathered_in_one_arena_in_streaming_order(dtype, precision):
     """invariant_model packs every Linear into one weight arena, in module order and cache-line aligned, with the
-    values pack_weight gives, so the model computes what each InvariantLinear alone computes."""
+    values pack_weight gives; q/k/v and gate/up are one joined weight each (4 weights a layer and the head)."""
     model = tiny_model("llama", seed=3, num_layers=2).to(dtype)
-    runs = invariant_model(model, precision)
-    linears = [m for m in runs.modules() if isinstance(m, InvariantLinear)]
-    assert len({m.packed.untyped_storage().data_ptr() for m in linears}) == 1
-    starts = [m.packed.data_ptr() for m in linears]
-    assert starts == sorted(starts) and all(start % WEIGHT_ALIGNMENT == 0 for start in starts)
+    for join_inputs, per_layer in ((True, 4), (False, 7)):
+        runs = invariant_model(model, precision, join_inputs=join_inputs)
+        linears = [m for m in runs.modules() if isinstance(m, InvariantLinear)]
+        assert len(linears) == 2 * per_layer + 1
+        assert len({m.packed.untyped_storage().data_ptr() for m in linears}) == 1
+        starts = [m.packed.data_ptr() for m in linears]
+        assert starts == sorted(starts) and all(start % WEIGHT_ALIGNMENT == 0 for start in starts)
     originals = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(originals) == len(linears)
     for original, linear in zip(originals, linears):
         assert torch.equal(linear.packed, InvariantLinear(original, precision).packed)
+
+
+@pytest.mark.parametrize("family,bias", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("precision", [WeightPrecision.MODEL, WeightPrecision.INT8])
+def test_joined_projections_are_bit_identical_to_separate_ones(family, bias, precision):
+    """q/k/v (with Qwen2's biases) and gate/up joined into one weight each give, bit for bit, the logits of one
+    InvariantLinear per Linear, over a prompt and a verify; a sibling fed another input computes its own pass."""
+    model = tiny_model(family, seed=4, num_layers=2)
+    assert (model.model.layers[0].self_attn.k_proj.bias is not None) == bias
+    ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for join_inputs in (True, False):
+        target = TargetModel(invariant_model(model, precision, join_inputs=join_inputs), tokenizer=None)
+        cache = target.new_cache()
+        logits.append(torch.cat([target.forward(ids[:, :6], cache).logits, target.forward(ids[:, 6:], cache).logits], 1))
+    assert torch.equal(*logits)
+    attention = invariant_model(model, precision).model.layers[0].self_attn
+    x, y = torch.randn(3, model.config.hidden_size), torch.randn(3, model.config.hidden_size)
+    attention.q_proj(x)
+    alone = invariant_model(model, precision, join_inputs=False).model.layers[0].self_attn
+    assert torch.equal(attention.k_proj(y), alone.k_proj(y)) and torch.equal(attention.v_proj(x), alone.v_proj(x))
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),

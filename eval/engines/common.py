@@ -115,8 +115,8 @@ def toolkit_label(config: EngineBenchConfig) -> str:
 
 class ToolkitPlain:
     """The toolkit's plain decoding on its compiled engine (`pytorch_dtype`, `pytorch_weights`, `threads` torch
-    threads), answering like an engine's server: the reply's tokens stop before an end-of-sequence token, as the
-    servers' do, and its timings are the prefill and the decoding after it."""
+    threads), answering like an engine's server: the reply's tokens end with the end-of-sequence token where one
+    came, as llama.cpp's do, and its timings are the prefill and the decoding after it."""
 
     def __init__(self, config: EngineBenchConfig):
         torch.set_num_threads(config.threads)
@@ -133,12 +133,10 @@ class ToolkitPlain:
     def complete(self, ids: list[int], max_new_tokens: int) -> dict:
         decoder = SpeculativeDecoder(self.target, config=DecodeConfig(max_new_tokens=max_new_tokens))
         result = decoder.generate(torch.tensor([ids]))
-        tokens = result.tokens
-        if tokens and tokens[-1] in self.target.eos_token_ids:
-            tokens = tokens[:-1]
         stats = result.stats
-        return {"tokens": tokens, "timings": {"prompt_ms": 1000 * stats.prefill_s, "predicted_n": len(tokens),
-                                              "predicted_ms": 1000 * (stats.total_s - stats.prefill_s)}}
+        return {"tokens": result.tokens, "timings": {"prompt_ms": 1000 * stats.prefill_s,
+                                                     "predicted_n": len(result.tokens),
+                                                     "predicted_ms": 1000 * (stats.total_s - stats.prefill_s)}}
 
 
 def run_groups(config: EngineBenchConfig, interleaved: bool, open_method, tokenizer) -> list:
