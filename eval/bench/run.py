@@ -31,6 +31,7 @@ every method's tokens, policy state), bench.md (tables), PNG plots (eval.report)
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -465,6 +466,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     warmup_ids = torch.tensor([prompt_ids(target.tokenizer, WARMUP_MESSAGES)])
     for method in methods.values():  # warm-up: allocator, kernels, lazy imports
         timed_run(method, context.target_for(method), decode, warmup_ids)
+    gc.freeze()  # what is alive now (models, graphs, caches) lives for the run: the cyclic collector stops scanning it
     total = sum(num_turns(conv, config.turns) for _, conv in records)
     loop_start, stall_start = time.perf_counter(), memory_stall_seconds()
     with tqdm(total=total, desc="bench", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
