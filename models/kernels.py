@@ -179,8 +179,9 @@ class JoinedProjection(nn.Module):
 
     def __init__(self, linears: list[nn.Linear], precision: WeightPrecision = WeightPrecision.MODEL):
         super().__init__()
+        weight = linears[0].weight
         joined = nn.Linear(linears[0].in_features, sum(linear.out_features for linear in linears),
-                           bias=linears[0].bias is not None)
+                           bias=linears[0].bias is not None, dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
             joined.weight.copy_(torch.cat([linear.weight for linear in linears]))
             if joined.bias is not None:

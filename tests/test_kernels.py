@@ -223,11 +223,18 @@ def test_weights_are_gathered_in_one_arena_in_streaming_order(dtype, precision):
 
 
 @pytest.mark.parametrize("family,bias", [("llama", False), ("qwen2", True)])
-@pytest.mark.parametrize("precision", [WeightPrecision.MODEL, WeightPrecision.INT8])
-def test_joined_projections_are_bit_identical_to_separate_ones(family, bias, precision):
-    """q/k/v (with Qwen2's biases) and gate/up joined into one weight each give, bit for bit, the logits of one
-    InvariantLinear per Linear, over a prompt and a verify; a sibling fed another input computes its own pass."""
-    model = tiny_model(family, seed=4, num_layers=2)
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),
+                                             (torch.bfloat16, WeightPrecision.MODEL),
+                                             (torch.float32, WeightPrecision.INT8)])
+def test_joined_projections_are_bit_identical_to_separate_ones(family, bias, dtype, precision):
+    """q/k/v (with Qwen2's biases) and gate/up joined into one weight each, stored as the separate ones are, give
+    bit for bit the logits of one InvariantLinear per Linear, over a prompt and a verify; a sibling fed another input
+    computes its own pass."""
+    model = tiny_model(family, seed=4, num_layers=2).to(dtype)
+    stored = {(m.packed.dtype, m.packed.element_size()) for m in invariant_model(model, precision).modules()
+              if isinstance(m, InvariantLinear)}
+    assert stored == {(m.packed.dtype, m.packed.element_size()) for m in invariant_model(
+        model, precision, join_inputs=False).modules() if isinstance(m, InvariantLinear)} and len(stored) == 1
     assert (model.model.layers[0].self_attn.k_proj.bias is not None) == bias
     ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(2))
     logits = []
@@ -237,7 +244,7 @@ def test_joined_projections_are_bit_identical_to_separate_ones(family, bias, pre
         logits.append(torch.cat([target.forward(ids[:, :6], cache).logits, target.forward(ids[:, 6:], cache).logits], 1))
     assert torch.equal(*logits)
     attention = invariant_model(model, precision).model.layers[0].self_attn
-    x, y = torch.randn(3, model.config.hidden_size), torch.randn(3, model.config.hidden_size)
+    x, y = (torch.randn(3, model.config.hidden_size, dtype=dtype) for _ in range(2))
     attention.q_proj(x)
     alone = invariant_model(model, precision, join_inputs=False).model.layers[0].self_attn
     assert torch.equal(attention.k_proj(y), alone.k_proj(y)) and torch.equal(attention.v_proj(x), alone.v_proj(x))
