@@ -202,9 +202,10 @@ class JoinedProjection(nn.Module):
         """Member `index`'s columns for input `x`: from the pending pass when it was over this very input, else
         from a pass of its own."""
         start, end = self.columns[index]
-        if self.pending is None or self.pending[0] is not x:
+        pending = self.pending  # read once: another thread may start a pass of its own meanwhile
+        if pending is None or pending[0] is not x:
             return self.joined(x)[..., start:end]
-        out = self.pending[1]
+        out = pending[1]
         self.untaken -= 1
         if self.untaken == 0:
             self.pending = None
