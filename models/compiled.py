@@ -53,7 +53,7 @@ from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel, invariant_drafter
 from draftsmith.models.engine import Backend, TargetOutput, with_cache
 from draftsmith.models.kernels import (InvariantLinear, JoinedProjection, Kernels, SiblingProjection, WeightPrecision,
-                                      invariant_attention, invariant_model)
+                                      arena_zeros, invariant_attention, invariant_model)
 from draftsmith.models.precision import Int8WeightLinear
 from draftsmith.models.registry import draftsmith_cache
 
@@ -420,6 +420,8 @@ class StaticKVBook:
         if max_length is not None and max_length + self.buckets[-1] > self.capacity:
             raise UserError(f"this request needs up to {max_length} KV slots (+ one padded bucket); the compiled "
                             f"engine holds {self.capacity}: raise its capacity or shorten the request")
+        if self.device.type == "cpu":  # on huge pages, as the weights: a long context's step reads all of it
+            return StaticKV(arena_zeros(self.kv), 0)
         return StaticKV([torch.zeros_like(tensor) for tensor in self.kv], 0)
 
     def cache_length(self, cache: StaticKV) -> int:

@@ -302,3 +302,15 @@ def test_medusa_heads_on_the_invariant_kernels(head):
         assert torch.allclose(runs(hidden), heads(hidden), atol=1e-5)
         assert torch.equal(runs(hidden)[:, 2], runs(hidden[2:3])[:, 0])
     assert MedusaDrafter(heads, runs=runs).runs is runs
+
+
+def test_a_compiled_cache_is_zeroed_in_one_arena(tmp_path):
+    """A compiled engine's new KV cache: every layer's keys and values zero, in one huge-page arena, and two caches
+    never share memory."""
+    model = tiny_model("llama", seed=5, num_layers=2)
+    engine = CompiledEngine(model, CompileSettings(buckets=[1, 4], capacity=32, autotune=False), cache_dir=tmp_path)
+    first, second = engine.new_cache(), engine.new_cache()
+    assert all(tensor.shape == like.shape and tensor.dtype == like.dtype and not tensor.any()
+               for tensor, like in zip(first.tensors, engine.kv))
+    assert len({tensor.untyped_storage().data_ptr() for tensor in first.tensors}) == 1
+    assert first.tensors[0].untyped_storage().data_ptr() != second.tensors[0].untyped_storage().data_ptr()
