@@ -37,7 +37,7 @@ from draftsmith.models.bundled import DEFAULT_TARGET, bundled_drafter
 from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine
 from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import InvariantLinear, Kernels, kernel_isa, load_kernels, pack_weight, weight_arena
+from draftsmith.models.kernels import InvariantLinear, Kernels, arena_zeros, kernel_isa, load_kernels, pack_weight
 from draftsmith.models.target import TargetModel
 
 WIDTHS = [1, 2, 4, 8, 16, 32, 64]
@@ -86,8 +86,7 @@ def machine_roofs() -> dict:
     """Weight-stream bandwidth (GB/s) and matmul throughput (GFLOPS) on this machine's torch threads."""
     load_kernels()
     weight = pack_weight(torch.randn(65536, 1024))
-    arena = weight_arena(weight.numel() * 4).view(torch.float32).view(weight.shape)
-    arena.copy_(weight)
+    arena = arena_zeros([weight])[0].copy_(weight)
     row = torch.randn(1, 1024)
     stream_4k_s = best_seconds(lambda: torch.ops.draftsmith.linear(row, weight, None, None, 65536))
     stream_s = best_seconds(lambda: torch.ops.draftsmith.linear(row, arena, None, None, 65536))

@@ -179,14 +179,9 @@ class JoinedProjection(nn.Module):
 
     def __init__(self, linears: list[nn.Linear], precision: WeightPrecision = WeightPrecision.MODEL):
         super().__init__()
-        weight = linears[0].weight
-        joined = nn.Linear(linears[0].in_features, sum(linear.out_features for linear in linears),
-                           bias=linears[0].bias is not None, dtype=weight.dtype, device=weight.device)
-        with torch.no_grad():
-            joined.weight.copy_(torch.cat([linear.weight for linear in linears]))
-            if joined.bias is not None:
-                joined.bias.copy_(torch.cat([linear.bias for linear in linears]))
-        self.joined = InvariantLinear(joined, precision)
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
+        self.joined = invariant_rows(weight, precision, bias)
         ends = list(itertools.accumulate(linear.out_features for linear in linears))
         self.columns = list(zip([0, *ends[:-1]], ends))
         self.in_features, self.out_features = linears[0].in_features, linears[0].out_features
@@ -325,10 +320,13 @@ def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecisi
     return clone
 
 
-def invariant_rows(rows: torch.Tensor, precision: WeightPrecision) -> InvariantLinear:
-    """A frozen slice (V, H) of the target's LM head as an InvariantLinear over the same rows (no bias)."""
-    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+def invariant_rows(rows: torch.Tensor, precision: WeightPrecision, bias: torch.Tensor | None = None) -> InvariantLinear:
+    """An InvariantLinear over the weight rows (N, K) and an optional bias (N,), e.g. a frozen slice of the target's
+    LM head (nothing is initialised and thrown away: the Linear it packs from is built on the meta device)."""
+    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(rows, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
     return InvariantLinear(linear, precision)
 
 

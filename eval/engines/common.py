@@ -235,7 +235,8 @@ def bench_document(config: EngineBenchConfig, rows: list, interleaved: bool, sta
     """An engine bench's JSON: its config, the engine's pins, the machine, the summary and the rows, and the
     PyTorch baselines on the same prompts when asked for."""
     labels = [str(spec) for spec in config.methods]
-    labels += [label for label in [toolkit_label(config)] if rows and label in rows[0]["runs"]]
+    if config.pytorch_baselines:  # run_groups ran it on every prompt turn
+        labels.append(toolkit_label(config))
     document = {"config": document_config(config), **engine,
                 "machine": {"cpu": cpu_model(), "isa": cpu_isa(), "threads": config.threads, **target_file},
                 "interleaved": interleaved, "seconds": round(time.time() - started, 1),
