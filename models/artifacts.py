@@ -264,13 +264,14 @@ def save_dflash(model: DFlashModel, out_dir: str | Path, target: dict, **section
     return write_manifest(out, DFLASH_FORMAT, "dflash", target, drafter=drafter, **sections)
 
 
-def load_dflash(path: str | Path, target=None, device: str | torch.device | None = None) -> tuple[DFlashModel, dict]:
-    """(DFlashModel in float32, manifest) from a `save_dflash` directory. With `target` (a TargetModel): refuse a
+def load_dflash(path: str | Path, target=None, device: str | torch.device | None = None,
+                dtype: torch.dtype = torch.float32) -> tuple[DFlashModel, dict]:
+    """(DFlashModel in `dtype`, manifest) from a `save_dflash` directory. With `target` (a TargetModel): refuse a
     manifest for another target, then attach its embedding and LM head and move to its device."""
     model, manifest = load_feature_drafter(path, DFLASH_FORMAT, "DFlash", DFlashConfig.from_dict,
                                            lambda config: config.hidden_layers, DFlashModel, target)
     device = target.device if device is None and target is not None else device
-    return model.to(device=resolve_device(device)).eval(), manifest
+    return model.to(device=resolve_device(device), dtype=dtype).eval(), manifest
 
 
 # ---------------------------------------------------------------------------------------------

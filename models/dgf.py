@@ -454,9 +454,9 @@ class EagerDGFEngine(EagerBuild):
 def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:
     """A feature drafter on the batch-invariant kernels (kernels.invariant_model); a frozen slice of the target's
     LM head becomes the copy's own head (an InvariantLinear over the same rows), so it streams like the rest."""
-    runs = invariant_model(model, precision)
+    runs = invariant_model(model, precision, gather=False)
     if runs.config.head == "slice":
         runs.draft_head = invariant_rows(runs.sliced_head, precision)
         runs.config = dataclasses.replace(runs.config, head="own")
-        gather_weights(runs)
+    gather_weights(runs)
     return runs

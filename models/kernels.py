@@ -264,10 +264,10 @@ def arena_zeros(like: list[torch.Tensor]) -> list[torch.Tensor]:
     return views
 
 
-def gather_weights(model: nn.Module) -> None:
-    """Move every InvariantLinear's packed weight of `model` into one weight_arena, in module order (the order a
+def gather_weights(*models: nn.Module) -> None:
+    """Move every InvariantLinear's packed weight of `models` into one weight_arena, in module order (the order a
     forward streams them), in place; the values are unchanged."""
-    linears = [module for module in model.modules() if isinstance(module, InvariantLinear)]
+    linears = [module for model in models for module in model.modules() if isinstance(module, InvariantLinear)]
     for linear, placed in zip(linears, arena_zeros([linear.packed for linear in linears])):
         placed.copy_(linear.packed)
         linear.packed = placed
@@ -296,10 +296,12 @@ def register_attention() -> None:
 
 
 def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecision.MODEL,
-                    join_inputs: bool = True) -> nn.Module:
+                    join_inputs: bool = True, gather: bool = True) -> nn.Module:
     """A copy of `model` that runs on the batch-invariant kernels: its Linears replaced by InvariantLinears (those fed
     one input joined, unless `join_inputs` is false: the reference the joined ones are tested against) and its
-    attention by draftsmith::attention. The original is unchanged (its other weights are shared, not copied)."""
+    attention by draftsmith::attention. The original is unchanged (its other weights are shared, not copied). The
+    packed weights are gathered into one arena unless `gather` is false (for a caller that adds InvariantLinears of
+    its own, a drafter's head, and gathers them all once)."""
     load_kernels()
     register_attention()
     referenced = [value for module in model.modules() for value in vars(module).values()
@@ -313,7 +315,8 @@ def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecisi
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, InvariantLinear(child, precision))
-    gather_weights(clone)
+    if gather:
+        gather_weights(clone)
     for config in {id(c): c for c in (getattr(m, "config", None) for m in clone.modules()) if c is not None}.values():
         if hasattr(config, "_attn_implementation"):
             config._attn_implementation = ATTENTION_NAME

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.models.kernels import WeightPrecision, invariant_model, invariant_rows
+from draftsmith.models.kernels import WeightPrecision, gather_weights, invariant_model, invariant_rows
 from draftsmith.models.vocab import DraftVocab
 
 HIDDEN_LAYER = -1  # the final normed hidden state, as the target's LM head (and MedusaDrafter) read it
@@ -253,8 +253,9 @@ class InvariantMedusaHeads(nn.Module):
 
     def __init__(self, heads: MedusaHeads, precision: WeightPrecision = WeightPrecision.MODEL):
         super().__init__()
-        self.blocks = invariant_model(heads.medusa_head, precision)
+        self.blocks = invariant_model(heads.medusa_head, precision, gather=False)
         self.slice = invariant_rows(heads.sliced_head, precision) if heads.config.head == "slice" else None
+        gather_weights(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """As MedusaHeads.forward: hidden (..., H) -> logits (K, ..., V or the draft vocabulary's size)."""

@@ -12,6 +12,7 @@ from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import InputError
 from draftsmith.eval.decode.drafters.dflash import DFlashDrafter, load_dflash_drafter
 from draftsmith.models.artifacts import load_dflash, save_dflash, store_in_bfloat16, target_block
+from draftsmith.models.kernels import WeightPrecision
 from draftsmith.models.dflash import DFlashConfig, DFlashModel, anchored_block_mask, evenly_spaced_layers
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import TinyTokenizer
@@ -81,6 +82,21 @@ def test_greedy_decoding_with_dflash_equals_plain(vocab):
     result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
     assert result.tokens == plain.tokens
     assert result.stats.verify_forwards < 24 or vocab  # a random drafter on a random target still lands some
+
+
+@pytest.mark.parametrize("precision", [None, WeightPrecision.MODEL])
+def test_a_bfloat16_dflash_drafter_decodes_like_the_float32_target(precision):
+    """A bf16 drafter (dtype=bfloat16: the target's features and head rows cast to it), eager or on the
+    batch-invariant kernels, proposes what its arithmetic gives; the fp32 target's verify keeps the output plain's."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    target = TargetModel(model, tokenizer=None)
+    draft_vocab = DraftVocab.from_ids(list(range(0, 96, 2)), 96)
+    drafter = DFlashDrafter(random_drafter(model).to(torch.bfloat16), vocab=draft_vocab, precision=precision)
+    assert drafter.head.weight.dtype == torch.bfloat16 if precision is None else drafter.head.packed.dtype == torch.bfloat16
+    prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert result.tokens == plain.tokens
 
 
 @pytest.mark.parametrize("stop_below", [None, 0.05])

@@ -15,11 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
+from draftsmith.eval.decode.drafters.dflash import DFlashDrafter
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.models.compiled import CompiledEngine, CompileSettings
 from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, InvariantLinear, WeightPrecision, invariant_model,
                                        kernel_isa, load_kernels, pack_weight, quantize_int8)
+from draftsmith.models.dflash import DFlashConfig, DFlashModel
+from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab
@@ -302,6 +305,32 @@ def test_medusa_heads_on_the_invariant_kernels(head):
         assert torch.allclose(runs(hidden), heads(hidden), atol=1e-5)
         assert torch.equal(runs(hidden)[:, 2], runs(hidden[2:3])[:, 0])
     assert MedusaDrafter(heads, runs=runs).runs is runs
+
+
+def one_arena(*modules: torch.nn.Module) -> bool:
+    """Whether every InvariantLinear of `modules` streams from one weight arena, in module order."""
+    linears = [m for module in modules for m in module.modules() if isinstance(m, InvariantLinear)]
+    starts = [m.packed.data_ptr() for m in linears]
+    return len({m.packed.untyped_storage().data_ptr() for m in linears}) == 1 and starts == sorted(starts)
+
+
+def test_a_drafters_head_streams_from_the_arena_of_its_layers():
+    """The feature drafter's sliced head, the Medusa heads' shared slice and a DFlash block's head are gathered with
+    their drafter's layers, once, into one arena."""
+    model = tiny_model("llama", seed=5, num_layers=2)
+    vocab = DraftVocab.from_ids(range(0, model.config.vocab_size, 2), model.config.vocab_size)
+    config = DGFConfig.for_target(model.config, num_blocks=1, draft_vocab_size=vocab.size, head="slice")
+    runs = invariant_drafter(DGFModel(config).attach_target(model).set_vocab(vocab).eval(), WeightPrecision.MODEL)
+    assert isinstance(runs.draft_head, InvariantLinear) and one_arena(runs)
+    medusa = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=50, num_heads=2, draft_vocab_size=20, head="slice"))
+    medusa.set_vocab(DraftVocab(torch.arange(0, 40, 2), 50))
+    medusa.init_lm_heads(torch.randn(50, 32))
+    assert one_arena(InvariantMedusaHeads(medusa.eval()))
+    dflash_config = DFlashConfig.from_target(model.config, num_layers=2, block_size=4, target_layer_ids=[0, 1],
+                                             mask_token_id=model.config.vocab_size - 1)
+    block = DFlashDrafter(DFlashModel(dflash_config).attach_target(model).eval(), vocab=vocab,
+                          precision=WeightPrecision.MODEL)
+    assert one_arena(block.runs, block.head)
 
 
 def test_a_compiled_cache_is_zeroed_in_one_arena(tmp_path):

@@ -204,6 +204,8 @@ class AssistedOptions:
 SHARED_WIDTH_HELP = ("the draft LM's compiled graphs: null as compile.shared_width; false: a static graph per "
                      "bucket (a small draft LM's weight copies are cheap, and its one-token forwards get a graph of "
                      "their own); compiled backend only")
+DRAFTER_DTYPE_HELP = ("the drafter's arithmetic (bfloat16 halves the weights a draft step streams; the target "
+                      "verifies in its own dtype); null: the target's dtype")
 PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic, eager) | int8-weights (weight-only "
                   "int8, bf16 activations); the target verifies in its own dtype")
 
@@ -273,6 +275,7 @@ class DFlashOptions:
                                      "slice of the LM head (cheaper; null: the whole vocabulary, as exported)")
     topk: int = option(1, "candidates per block position: 1 a chain, k > 1 a tree of budget x k nodes (the top k "
                           "at each position under the previous position's first)", ge=1)
+    dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
 
 
 @dataclass
@@ -284,8 +287,7 @@ class DGFOptions:
                                       f"{TREE_BUDGET}", ge=1)
     stop_below: float | None = option(None, "dynamic depth: no deeper level once the drafter's probability of its "
                                             "best path falls below this (null: always the full depth)", gt=0, lt=1)
-    dtype: Literal["float32", "bfloat16"] | None = option(
-        None, "the drafter's arithmetic (bfloat16 halves the weights a draft step streams); null: the target's dtype")
+    dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
 
 
 @dataclass
@@ -416,7 +418,8 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
-                                  vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=ctx.settings, topk=o.topk)
+                                  vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=ctx.settings, topk=o.topk,
+                                  dtype=o.dtype and resolve_dtype(o.dtype))
     return DrafterMethod(drafter, spec.label)
 
 

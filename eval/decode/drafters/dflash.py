@@ -27,7 +27,7 @@ from torch import nn
 from draftsmith.models.artifacts import load_dflash
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import Kernels, WeightPrecision, invariant_model, invariant_rows
+from draftsmith.models.kernels import Kernels, WeightPrecision, gather_weights, invariant_model, invariant_rows
 from draftsmith.models.dflash import DFlashModel
 from draftsmith.models.vocab import DraftVocab
 
@@ -54,12 +54,15 @@ class DFlashDrafter(Drafter):
         self.vocab = vocab
         head = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab.draft_to_target.to(
             model.fc.weight.device)]
+        head = head.to(model.fc.weight.dtype)  # the target's rows, in the drafter's arithmetic
         # precision given: the compiled engine's batch-invariant kernels (the stock mm is slow for a block's few rows)
-        self.runs = model if precision is None else invariant_model(model, precision)
+        self.runs = model if precision is None else invariant_model(model, precision, gather=False)
         self.head = (nn.Linear(head.shape[1], head.shape[0], bias=False) if precision is None
                      else invariant_rows(head.detach(), precision))
         if precision is None:
             self.head.weight = nn.Parameter(head.detach(), requires_grad=False)
+        else:
+            gather_weights(self.runs, self.head)  # the block's layers, then its head: the order a round streams
         self.context: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.length = 0
 
@@ -135,10 +138,11 @@ class DFlashDrafter(Drafter):
 def load_dflash_drafter(path: str | Path, target, budget: int | None = None, name: str = "dflash",
                         stop_below: float | None = None, vocab: DraftVocab | None = None,
                         backend: Backend = Backend.EAGER, settings: CompileSettings | None = None,
-                        topk: int = 1) -> DFlashDrafter:
-    """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel); on the
-    compiled backend with the batch-invariant kernels (`settings`), its Linears and head run on those kernels."""
-    model, _ = load_dflash(path, target)
+                        topk: int = 1, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel), in
+    `dtype` (default: the target's); on the compiled backend with the batch-invariant kernels (`settings`), its
+    Linears and head run on those kernels."""
+    model, _ = load_dflash(path, target, dtype=dtype or target.dtype)
     settings = settings or CompileSettings()
     fast = backend is Backend.COMPILED and settings.kernels is Kernels.INVARIANT
     return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
