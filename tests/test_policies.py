@@ -26,12 +26,13 @@ from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
 from draftsmith.models.student import layer_subset_student
 from draftsmith.models.target import TargetModel
+from draftsmith.models.vocab import DraftVocab, with_sliced_head
 
 from test_decoder_greedy import reference_greedy
 from test_decoder_sampling import PROMPT, SAMPLES, TEMPERATURE, VOCAB, exact_joint
 
 NEW_TOKENS = 24
-POLICIES = ["minions-path", "minions-tree", "llmcad", "llmcad-nofallback", "self-draft", "self-draft-corpus",
+POLICIES = ["minions-path", "minions-tree", "llmcad", "llmcad-nofallback", "llmcad-vocab", "self-draft", "self-draft-corpus",
             "pipeline-tree", "pipeline-chain", "union", "union-first"]
 
 
@@ -58,6 +59,10 @@ def make_policy(kind, model, seed):
                             mode="first")
     if kind == "llmcad":
         return LLMCadDrafter(shallow, config=LLMCadConfig(alpha=0.001, threshold=0.1, budget=10))
+    if kind == "llmcad-vocab":  # the draft LM's head sliced to a draft vocabulary: its candidates map back
+        vocab = DraftVocab.from_ids(range(0, model.config.vocab_size, 2), model.config.vocab_size)
+        return LLMCadDrafter(with_sliced_head(shallow, vocab), config=LLMCadConfig(threshold=0.1, budget=10),
+                             vocab=vocab)
     if kind == "llmcad-nofallback":
         return LLMCadDrafter(model, config=LLMCadConfig(fallback=False, threshold=0.05, budget=12))
     if kind == "self-draft":
@@ -379,6 +384,8 @@ def test_bench_specs_build_each_policy():
     assert build_drafter("minions:drafters=[(lm-chain:every=2),ngram],weights=[2,1]", target, None).weights == [2.0, 1.0]
     llmcad = build_drafter("llmcad:every=2,threshold=0.2,budget=8,alpha=0.05,fallback=false", target, None)
     assert llmcad.config.threshold == 0.2 and llmcad.config.budget == 8 and not llmcad.config.fallback
+    llmcad = build_drafter("llmcad:every=2,precision=bfloat16", target, None)
+    assert llmcad.model.dtype == torch.bfloat16 and target.model.dtype == torch.float32
     selfdraft = build_drafter("self-draft:branches=2,length=5,candidates=3", target, None)
     assert (selfdraft.config.branches, selfdraft.config.length, selfdraft.config.candidates) == (2, 5, 3)
     pipeline = build_drafter("pipeline:inner=(lm-chain:budget=3,every=2)", target, None)

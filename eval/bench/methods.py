@@ -204,6 +204,7 @@ class AssistedOptions:
 SHARED_WIDTH_HELP = ("the draft LM's compiled graphs: null as compile.shared_width; false: a static graph per "
                      "bucket (a small draft LM's weight copies are cheap, and its one-token forwards get a graph of "
                      "their own); compiled backend only")
+LM_VOCAB_HELP = "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is sliced to it at load time"
 DRAFTER_DTYPE_HELP = ("the drafter's arithmetic (bfloat16 halves the weights a draft step streams; the target "
                       "verifies in its own dtype); null: the target's dtype")
 PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic, eager) | int8-weights (weight-only "
@@ -217,8 +218,7 @@ class LMChainOptions:
     shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
     model: str | None = option(None, "draft LM (registry name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
-    vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
-                                     "sliced to it at load time")
+    vocab: str | None = option(None, LM_VOCAB_HELP)
     stop_below: float | None = option(None, "stop the chain once the draft LM's probability of the chain so far "
                                             "falls below this (null: always draft budget tokens)", gt=0, lt=1)
 
@@ -229,8 +229,7 @@ class LMParallelOptions:
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
     shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
     model: str | None = option(None, "a parallel (PARD) draft LM, with config.pard_token; null: the run's draft")
-    vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
-                                     "sliced to it at load time")
+    vocab: str | None = option(None, LM_VOCAB_HELP)
 
 
 @dataclass
@@ -243,8 +242,7 @@ class LMTreeOptions:
     beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)
     model: str | None = option(None, "draft LM (registry name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
-    vocab: str | None = option(None, "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is "
-                                     "sliced to it at load time")
+    vocab: str | None = option(None, LM_VOCAB_HELP)
 
 
 @dataclass
@@ -294,6 +292,8 @@ class DGFOptions:
 class LLMCadOptions(LLMCadConfig):
     model: str | None = option(None, "draft LM (registry name / dir); null: the run's draft, else every=3")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM", ge=1)
+    precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
+    vocab: str | None = option(None, LM_VOCAB_HELP)
 
 
 def default_minions_drafters() -> list:
@@ -440,9 +440,10 @@ def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_llmcad(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     every = o.every if (o.every is not None or o.model is not None or ctx.draft is not None) else 3
-    lm = ctx.small_model(o.model, every, spec.label)
+    vocab = ctx.vocab(o.vocab)
+    lm = ctx.small_model(o.model, every, spec.label, vocab, o.precision)
     config = LLMCadConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(LLMCadConfig)})
-    return DrafterMethod(LLMCadDrafter(lm, config=config, name=spec.label), spec.label)
+    return DrafterMethod(LLMCadDrafter(lm, config=config, name=spec.label, vocab=vocab), spec.label)
 
 
 def sub_drafters(spec: MethodSpec, subs: list[MethodSpec], ctx: BuildContext) -> list[Drafter]:

@@ -43,6 +43,7 @@ from draftsmith.config import ConfigError, check_config, option
 from draftsmith.eval.decode.drafters.base import TREE_BUDGET, Sampling
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix
+from draftsmith.models.vocab import DraftVocab
 
 
 @dataclass
@@ -93,9 +94,9 @@ class LLMCadDrafter(LMDrafter):
     """LMDrafter's cache handling plus the LLMCad tree, pacer and fallback."""
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, config: LLMCadConfig | None = None,
-                 name: str = "llmcad"):
+                 name: str = "llmcad", vocab: DraftVocab | None = None):
         self.config = config or LLMCadConfig()
-        super().__init__(model, tokenizer, mode="tree", budget=self.config.budget, name=name)
+        super().__init__(model, tokenizer, mode="tree", budget=self.config.budget, name=name, vocab=vocab)
         self.alpha = self.config.alpha  # persists across requests (history of the task)
         self.alpha_history: list[float] = []
         self._last = None  # (tokens, parents, branch leaves, T_c) of the last proposal
@@ -121,8 +122,9 @@ class LLMCadDrafter(LMDrafter):
         """Top-1 plus alternatives above the branch threshold, with their confidences."""
         probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
         top = torch.topk(probs, self.config.children)
+        ids = top.indices if self.vocab is None else self.vocab.to_target(top.indices)  # target token ids
         tokens, confs = [], []
-        for rank, (p, t) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+        for rank, (p, t) in enumerate(zip(top.values.tolist(), ids.tolist())):
             if rank == 0 or p >= self.config.threshold:
                 if p > 0:
                     tokens.append(t)
