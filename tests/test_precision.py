@@ -1,12 +1,21 @@
 """Draft LM precisions (models/precision.py): weight-only int8 against its own dequantized weights."""
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
+from draftsmith.eval.bench.build_context import draft_lm_storage
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.lm import LMDrafter
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import InvariantLinear, Kernels, WeightPrecision, invariant_model
+from draftsmith.models.target import TargetModel
 from draftsmith.models.precision import (DraftPrecision, Int8WeightLinear, weight_count, with_int8_weights,
                                         with_precision)
-from tests.conftest import tiny_config
+from tests.conftest import repetitive_prompt, tiny_config, tiny_model
 
 
 def test_an_int8_weight_linear_computes_with_its_dequantized_weight():
@@ -41,3 +50,29 @@ def test_a_tied_head_gets_its_own_int8_copy_and_the_source_model_keeps_its_weigh
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
         assert converted(ids).logits.argmax(-1).shape == model(ids).logits.argmax(-1).shape
+
+
+def test_int8_weights_on_the_compiled_kernels_are_their_own_int8_under_a_bf16_copy():
+    """precision=int8-weights: on the compiled backend with the batch-invariant kernels, a bf16 copy whose kernels
+    store int8 weights (bf16 activations, as torch's kernel computes); elsewhere torch's weight-only int8 path."""
+    compiled = CompileSettings()
+    assert draft_lm_storage(DraftPrecision.INT8_WEIGHTS, Backend.COMPILED, compiled) == (
+        DraftPrecision.BFLOAT16, replace(compiled, weights=WeightPrecision.INT8))
+    inductor = replace(compiled, kernels=Kernels.INDUCTOR)
+    assert draft_lm_storage(DraftPrecision.INT8_WEIGHTS, Backend.COMPILED, inductor) == (
+        DraftPrecision.INT8_WEIGHTS, inductor)
+    assert draft_lm_storage(DraftPrecision.INT8_WEIGHTS, Backend.EAGER, compiled)[0] is DraftPrecision.INT8_WEIGHTS
+    assert draft_lm_storage(DraftPrecision.BFLOAT16, Backend.COMPILED, compiled) == (DraftPrecision.BFLOAT16, compiled)
+
+
+def test_a_draft_lm_on_the_int8_kernels_with_bf16_activations_keeps_decoding_lossless():
+    model = tiny_model("llama", seed=1, num_layers=3)
+    target = TargetModel(model, tokenizer=None)
+    draft = invariant_model(with_precision(tiny_model("llama", seed=1, num_layers=1), DraftPrecision.BFLOAT16),
+                            WeightPrecision.INT8)
+    assert {m.packed.dtype for m in draft.modules() if isinstance(m, InvariantLinear)} == {torch.int8}
+    prompt = repetitive_prompt(2)
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    result = SpeculativeDecoder(target, LMDrafter(draft, mode="chain", budget=3),
+                                DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert result.tokens == plain.tokens and result.stats.verify_forwards < 24

@@ -10,10 +10,22 @@ from draftsmith.config import ConfigError
 from draftsmith.eval.decode.decoder import Method
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import Kernels, WeightPrecision
 from draftsmith.models.precision import DraftPrecision, with_precision
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
+
+
+def draft_lm_storage(precision: DraftPrecision, backend: Backend,
+                     settings: CompileSettings) -> tuple[DraftPrecision, CompileSettings]:
+    """(the precision a draft LM's copy is converted to, the compile settings of its engine). Weight-only int8 on
+    the batch-invariant kernels is their own int8 weights under a bf16 copy (a quarter of the fp32 weight stream,
+    through the kernels every compiled step uses); elsewhere torch's weight-only int8 kernel."""
+    if (precision is DraftPrecision.INT8_WEIGHTS and backend is Backend.COMPILED
+            and settings.kernels is Kernels.INVARIANT):
+        return DraftPrecision.BFLOAT16, replace(settings, weights=WeightPrecision.INT8)
+    return precision, settings
 
 
 @dataclass
@@ -56,26 +68,26 @@ class BuildContext:
                     shared_width: bool | None = None) -> TargetModel:
         """The LM of an LM drafter under the run's backend: every N-th target layer, a named model, or the
         run's draft; with `vocab`, that model with its LM head sliced to the draft vocabulary; in `precision`
-        (int8 runs eager whatever the run's backend); compiled with the run's settings, or with `shared_width`
-        in their place when given."""
+        (int8 runs eager whatever the run's backend; see draft_lm_storage for int8-weights); compiled with the
+        run's settings, or with `shared_width` in their place when given."""
         base = self._small_base(model, every, what)
         if vocab is not None:
             key = (id(base.model), vocab.digest())
             if key not in self.models:
                 self.models[key] = TargetModel(with_sliced_head(base.model, vocab), base.tokenizer, name=base.name)
             base = self.models[key]
-        if precision is not DraftPrecision.FLOAT32:
-            key = (id(base.model), precision)
-            if key not in self.models:
-                self.models[key] = TargetModel(with_precision(base.model, precision), base.tokenizer, name=base.name)
-            base = self.models[key]
         backend = self.backend if precision.compiles else Backend.EAGER
-        if shared_width is None:
-            return self.engine(base, backend)
-        if backend is not Backend.COMPILED:
+        if shared_width is not None and backend is not Backend.COMPILED:
             raise ConfigError(f"{what}: shared_width is read by the compiled backend only, and this draft LM runs "
                               f"eager (backend={self.backend.value}, precision={precision.value}); drop it")
-        return self.engine(base, backend, replace(self.settings, shared_width=shared_width))
+        settings = self.settings if shared_width is None else replace(self.settings, shared_width=shared_width)
+        stored, settings = draft_lm_storage(precision, backend, settings)
+        if stored is not DraftPrecision.FLOAT32:
+            key = (id(base.model), stored)
+            if key not in self.models:
+                self.models[key] = TargetModel(with_precision(base.model, stored), base.tokenizer, name=base.name)
+            base = self.models[key]
+        return self.engine(base, backend, settings)
 
     def _small_base(self, model: str | None, every: int | None, what: str) -> TargetModel:
         if every is not None and model is not None:

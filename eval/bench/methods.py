@@ -208,7 +208,8 @@ LM_VOCAB_HELP = "a draft vocabulary (data.draft_vocab output dir): the draft LM'
 DRAFTER_DTYPE_HELP = ("the drafter's arithmetic (bfloat16 halves the weights a draft step streams; the target "
                       "verifies in its own dtype); null: the target's dtype")
 PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic, eager) | int8-weights (weight-only "
-                  "int8, bf16 activations); the target verifies in its own dtype")
+                  "int8, bf16 activations: the batch-invariant kernels' int8 on the compiled backend); the target "
+                  "verifies in its own dtype")
 
 
 @dataclass
