@@ -92,7 +92,8 @@ def test_a_bfloat16_dflash_drafter_decodes_like_the_float32_target(precision):
     target = TargetModel(model, tokenizer=None)
     draft_vocab = DraftVocab.from_ids(list(range(0, 96, 2)), 96)
     drafter = DFlashDrafter(random_drafter(model).to(torch.bfloat16), vocab=draft_vocab, precision=precision)
-    assert drafter.head.weight.dtype == torch.bfloat16 if precision is None else drafter.head.packed.dtype == torch.bfloat16
+    head = drafter.head.weight if precision is None else drafter.head.packed
+    assert head.dtype == torch.bfloat16
     prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
     plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
     result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
