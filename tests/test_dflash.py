@@ -84,16 +84,17 @@ def test_greedy_decoding_with_dflash_equals_plain(vocab):
     assert result.stats.verify_forwards < 24 or vocab  # a random drafter on a random target still lands some
 
 
-@pytest.mark.parametrize("precision", [None, WeightPrecision.MODEL])
+@pytest.mark.parametrize("precision", [None, WeightPrecision.MODEL, WeightPrecision.INT8])
 def test_a_bfloat16_dflash_drafter_decodes_like_the_float32_target(precision):
     """A bf16 drafter (dtype=bfloat16: the target's features and head rows cast to it), eager or on the
-    batch-invariant kernels, proposes what its arithmetic gives; the fp32 target's verify keeps the output plain's."""
+    batch-invariant kernels (its weights bf16 or int8), proposes what its arithmetic gives; the fp32 target's verify
+    keeps the output plain's."""
     model = tiny_model("llama", seed=2, num_layers=4)
     target = TargetModel(model, tokenizer=None)
     draft_vocab = DraftVocab.from_ids(list(range(0, 96, 2)), 96)
     drafter = DFlashDrafter(random_drafter(model).to(torch.bfloat16), vocab=draft_vocab, precision=precision)
     head = drafter.head.weight if precision is None else drafter.head.packed
-    assert head.dtype == torch.bfloat16
+    assert head.dtype == (torch.int8 if precision is WeightPrecision.INT8 else torch.bfloat16)
     prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
     plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
     result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)

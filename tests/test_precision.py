@@ -2,11 +2,14 @@
 
 from dataclasses import replace
 
+import pytest
 import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from draftsmith.eval.bench.build_context import draft_lm_storage
+from draftsmith.config import ConfigError
+from draftsmith.eval.bench.build_context import BuildContext, draft_lm_storage
+from draftsmith.eval.bench.methods import drafter_settings, parse_method
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.models.compiled import CompileSettings
@@ -76,3 +79,16 @@ def test_a_draft_lm_on_the_int8_kernels_with_bf16_activations_keeps_decoding_los
     result = SpeculativeDecoder(target, LMDrafter(draft, mode="chain", budget=3),
                                 DecodeConfig(max_new_tokens=24)).generate(prompt)
     assert result.tokens == plain.tokens and result.stats.verify_forwards < 24
+
+
+def test_a_feature_or_block_drafters_weights_option_sets_its_kernels_precision():
+    """dgf:/dflash:...,weights=int8: the drafter's engine stores int8 weights on the batch-invariant kernels (the
+    run's settings otherwise); refused in one line where no such kernels run."""
+    target = TargetModel(tiny_model("llama", seed=0, num_layers=2), tokenizer=None)
+    compiled = BuildContext(target, backend=Backend.COMPILED)
+    for name in ("dgf", "dflash:some/dir"):
+        spec = parse_method(f"{name},weights=int8" if ":" in name else f"{name}:weights=int8")
+        assert drafter_settings(spec, compiled) == replace(compiled.settings, weights=WeightPrecision.INT8)
+        assert drafter_settings(parse_method(name), compiled) is compiled.settings
+        with pytest.raises(ConfigError, match="weights=int8 is read by the compiled backend's batch-invariant"):
+            drafter_settings(spec, BuildContext(target))

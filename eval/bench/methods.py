@@ -46,7 +46,9 @@ from draftsmith.eval.policies.pipeline import PipelinePolicy
 from draftsmith.eval.policies.placement import DovetailPolicy
 from draftsmith.eval.policies.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.bundled import bundled_drafter
+from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import Kernels, WeightPrecision
 from draftsmith.models.precision import DraftPrecision
 from draftsmith.models.target import resolve_dtype
 from draftsmith.models.trees import LM_TREE, MEDUSA_BUDGET
@@ -207,6 +209,9 @@ SHARED_WIDTH_HELP = ("the draft LM's compiled graphs: null as compile.shared_wid
 LM_VOCAB_HELP = "a draft vocabulary (data.draft_vocab output dir): the draft LM's head is sliced to it at load time"
 DRAFTER_DTYPE_HELP = ("the drafter's arithmetic (bfloat16 halves the weights a draft step streams; the target "
                       "verifies in its own dtype); null: the target's dtype")
+DRAFTER_WEIGHTS_HELP = ("the drafter's stored weights on the compiled backend's batch-invariant kernels: model (in "
+                        "its dtype) | int8 (weight-only, a scale per output row: a quarter of fp32's weight stream); "
+                        "null: the run's compile.weights")
 PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic, eager) | int8-weights (weight-only "
                   "int8, bf16 activations: the batch-invariant kernels' int8 on the compiled backend); the target "
                   "verifies in its own dtype")
@@ -275,6 +280,7 @@ class DFlashOptions:
     topk: int = option(1, "candidates per block position: 1 a chain, k > 1 a tree of budget x k nodes (the top k "
                           "at each position under the previous position's first)", ge=1)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
+    weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
 
 
 @dataclass
@@ -287,6 +293,7 @@ class DGFOptions:
     stop_below: float | None = option(None, "dynamic depth: no deeper level once the drafter's probability of its "
                                             "best path falls below this (null: always the full depth)", gt=0, lt=1)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
+    weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
 
 
 @dataclass
@@ -416,23 +423,35 @@ def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
     return DrafterMethod(drafter, spec.label)
 
 
+def drafter_settings(spec: MethodSpec, ctx: BuildContext) -> CompileSettings:
+    """The compile settings of a feature or block drafter: the run's, with the method's `weights` when given."""
+    weights = spec.options.weights
+    if weights is None:
+        return ctx.settings
+    if ctx.backend is not Backend.COMPILED or ctx.settings.kernels is not Kernels.INVARIANT:
+        raise ConfigError(f"{spec.label}: weights={weights.value} is read by the compiled backend's batch-invariant "
+                          f"kernels only (backend={ctx.backend.value}); drop it or use backend=compiled")
+    return replace(ctx.settings, weights=weights)
+
+
 def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
-                                  vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=ctx.settings, topk=o.topk,
-                                  dtype=o.dtype and resolve_dtype(o.dtype))
+                                  vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=drafter_settings(spec, ctx),
+                                  topk=o.topk, dtype=o.dtype and resolve_dtype(o.dtype))
     return DrafterMethod(drafter, spec.label)
 
 
 def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     path = o.path if o.path is not None else bundled_drafter(ctx.target.name)
-    key = ("dgf", str(path), o.dtype)
+    key = ("dgf", str(path), o.dtype, o.weights)
     if key in ctx.models:  # the same drafter in another tree shape: one model, one engine per run
         depth, topk, budget = drafter_tree(path, o.depth, o.topk, o.budget)
         return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label, o.stop_below), spec.label)
     drafter = ctx.models[key] = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget,
-                                                 name=spec.label, backend=ctx.backend, settings=ctx.settings,
+                                                 name=spec.label, backend=ctx.backend,
+                                                 settings=drafter_settings(spec, ctx),
                                                  stop_below=o.stop_below, dtype=o.dtype and resolve_dtype(o.dtype))
     ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)
