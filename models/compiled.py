@@ -92,6 +92,10 @@ class CompileSettings:
         if self.capacity <= self.buckets[-1]:
             raise ConfigError(f"capacity: {self.capacity} must exceed the largest bucket {self.buckets[-1]}")
 
+    def runs_invariant_kernels(self, backend: Backend) -> bool:
+        """Whether a model on `backend` with these settings runs on the batch-invariant kernels."""
+        return backend is Backend.COMPILED and self.kernels is Kernels.INVARIANT
+
 
 def compile_unread(unread, reader: str) -> list[Unread]:
     """One Unread rule per `compile.*` option: a command that measures nothing on the compiled engine

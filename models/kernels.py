@@ -323,14 +323,19 @@ def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecisi
     return clone
 
 
-def invariant_rows(rows: torch.Tensor, precision: WeightPrecision, bias: torch.Tensor | None = None) -> InvariantLinear:
-    """An InvariantLinear over the weight rows (N, K) and an optional bias (N,), e.g. a frozen slice of the target's
-    LM head (nothing is initialised and thrown away: the Linear it packs from is built on the meta device)."""
+def frozen_linear(rows: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """A frozen Linear over the weight rows (N, K) and an optional bias (N,), e.g. a slice of the target's LM head
+    (nothing is initialised and thrown away: it is built on the meta device, then given these tensors)."""
     linear = nn.Linear(rows.shape[1], rows.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(rows, requires_grad=False)
     if bias is not None:
         linear.bias = nn.Parameter(bias, requires_grad=False)
-    return InvariantLinear(linear, precision)
+    return linear
+
+
+def invariant_rows(rows: torch.Tensor, precision: WeightPrecision, bias: torch.Tensor | None = None) -> InvariantLinear:
+    """An InvariantLinear over the weight rows (N, K) and an optional bias (N,) (frozen_linear's, packed)."""
+    return InvariantLinear(frozen_linear(rows, bias), precision)
 
 
 def main(argv: list[str]) -> None:

@@ -10,7 +10,7 @@ from draftsmith.config import ConfigError
 from draftsmith.eval.decode.decoder import Method
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import Kernels, WeightPrecision
+from draftsmith.models.kernels import WeightPrecision
 from draftsmith.models.precision import DraftPrecision, with_precision
 from draftsmith.models.student import every_nth_layer, layer_subset_student
 from draftsmith.models.target import TargetModel
@@ -22,8 +22,7 @@ def draft_lm_storage(precision: DraftPrecision, backend: Backend,
     """(the precision a draft LM's copy is converted to, the compile settings of its engine). Weight-only int8 on
     the batch-invariant kernels is their own int8 weights under a bf16 copy (a quarter of the fp32 weight stream,
     through the kernels every compiled step uses); elsewhere torch's weight-only int8 kernel."""
-    if (precision is DraftPrecision.INT8_WEIGHTS and backend is Backend.COMPILED
-            and settings.kernels is Kernels.INVARIANT):
+    if precision is DraftPrecision.INT8_WEIGHTS and settings.runs_invariant_kernels(backend):
         return DraftPrecision.BFLOAT16, replace(settings, weights=WeightPrecision.INT8)
     return precision, settings
 

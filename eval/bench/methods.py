@@ -48,7 +48,7 @@ from draftsmith.eval.policies.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import Kernels, WeightPrecision
+from draftsmith.models.kernels import WeightPrecision
 from draftsmith.models.precision import DraftPrecision
 from draftsmith.models.target import resolve_dtype
 from draftsmith.models.trees import LM_TREE, MEDUSA_BUDGET
@@ -428,9 +428,10 @@ def drafter_settings(spec: MethodSpec, ctx: BuildContext) -> CompileSettings:
     weights = spec.options.weights
     if weights is None:
         return ctx.settings
-    if ctx.backend is not Backend.COMPILED or ctx.settings.kernels is not Kernels.INVARIANT:
+    if not ctx.settings.runs_invariant_kernels(ctx.backend):
         raise ConfigError(f"{spec.label}: weights={weights.value} is read by the compiled backend's batch-invariant "
-                          f"kernels only (backend={ctx.backend.value}); drop it or use backend=compiled")
+                          f"kernels only (backend={ctx.backend.value}, compile.kernels={ctx.settings.kernels.value}); "
+                          "drop it or use backend=compiled with compile.kernels=invariant")
     return replace(ctx.settings, weights=weights)
 
 

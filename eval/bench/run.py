@@ -59,7 +59,6 @@ from draftsmith.eval.bench.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import DEFAULT_TARGET, has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread
-from draftsmith.models.kernels import Kernels
 from draftsmith.models.engine import Backend, sync
 from draftsmith.models.precision import weight_count
 from draftsmith.models.target import TargetModel, dtype_name
@@ -381,7 +380,7 @@ def precision_note(dtype: torch.dtype, config: "BenchConfig") -> str | None:
     batch-invariant kernels, where a verify is row for row what one-token steps compute in every precision)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return None
-    if config.backend is Backend.COMPILED and config.compile.kernels is Kernels.INVARIANT:
+    if config.compile.runs_invariant_kernels(config.backend):
         return None
     return (f"note: {dtype_name(dtype)} without the batch-invariant kernels: a forward over w tokens is not "
             "row-for-row identical to w one-token forwards, and near-ties can flip the argmax, so speculative "

@@ -22,12 +22,12 @@ import torch
 from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
                                                  static_tree_tokens)
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
-from torch import nn
 
 from draftsmith.models.artifacts import load_dflash
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import Kernels, WeightPrecision, gather_weights, invariant_model, invariant_rows
+from draftsmith.models.kernels import (WeightPrecision, frozen_linear, gather_weights, invariant_model,
+                                      invariant_rows)
 from draftsmith.models.dflash import DFlashModel
 from draftsmith.models.vocab import DraftVocab
 
@@ -56,12 +56,11 @@ class DFlashDrafter(Drafter):
             model.fc.weight.device)]
         head = head.to(model.fc.weight.dtype)  # the target's rows, in the drafter's arithmetic
         # precision given: the compiled engine's batch-invariant kernels (the stock mm is slow for a block's few rows)
-        self.runs = model if precision is None else invariant_model(model, precision, gather=False)
-        self.head = (nn.Linear(head.shape[1], head.shape[0], bias=False) if precision is None
-                     else invariant_rows(head.detach(), precision))
         if precision is None:
-            self.head.weight = nn.Parameter(head.detach(), requires_grad=False)
+            self.runs, self.head = model, frozen_linear(head.detach())
         else:
+            self.runs = invariant_model(model, precision, gather=False)
+            self.head = invariant_rows(head.detach(), precision)
             gather_weights(self.runs, self.head)  # the block's layers, then its head: the order a round streams
         self.context: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.length = 0
@@ -144,6 +143,6 @@ def load_dflash_drafter(path: str | Path, target, budget: int | None = None, nam
     Linears and head run on those kernels."""
     model, _ = load_dflash(path, target, dtype=dtype or target.dtype)
     settings = settings or CompileSettings()
-    fast = backend is Backend.COMPILED and settings.kernels is Kernels.INVARIANT
+    fast = settings.runs_invariant_kernels(backend)
     return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
                          precision=settings.weights if fast else None, topk=topk)

@@ -21,7 +21,6 @@ from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 from draftsmith.models.artifacts import ACCURACY_FILE, ArtifactError, load_medusa_heads
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import Kernels
 from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, InvariantMedusaHeads, MedusaHeads, arca_paths,
                                      load_rank_accuracy)
 from draftsmith.models.trees import MEDUSA_BUDGET
@@ -101,7 +100,7 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
             paths = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
     settings = settings or CompileSettings()
     runs = None
-    if backend is Backend.COMPILED and settings.kernels is Kernels.INVARIANT:
+    if settings.runs_invariant_kernels(backend):
         runs = InvariantMedusaHeads(heads, settings.weights)
     return MedusaDrafter(heads, paths, name=name or f"medusa:{path}", runs=runs)
 
