@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from draftsmith.config import check_config, config_to_dict, option, section
 from draftsmith.errors import exit_with
@@ -37,7 +38,8 @@ from draftsmith.models.bundled import DEFAULT_TARGET, bundled_drafter
 from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine
 from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import InvariantLinear, Kernels, arena_zeros, kernel_isa, load_kernels, pack_weight
+from draftsmith.models.kernels import (InvariantLinear, Kernels, WeightPrecision, arena_zeros, kernel_isa, load_kernels,
+                                      pack_weight)
 from draftsmith.models.target import TargetModel
 
 WIDTHS = [1, 2, 4, 8, 16, 32, 64]
@@ -107,7 +109,19 @@ def machine_roofs() -> dict:
     x64, w = torch.randn(64, 1024), pack_weight(torch.randn(4096, 1024))
     roofs["kernel_float32_gflops"] = 2 * 64 * 4096 * 1024 / best_seconds(
         lambda: torch.ops.draftsmith.linear(x64, w, None, None, 4096), 10) / 1e9
+    w8a8 = InvariantLinear(nn.Linear(1024, 4096, bias=False), WeightPrecision.W8A8)
+    roofs["kernel_int8_gops"] = 2 * 64 * 4096 * 1024 / best_seconds(lambda: w8a8(x64), 10) / 1e9
     return roofs
+
+
+def throughput_of(roofs: dict, dtype: torch.dtype, linears: list) -> float:
+    """The best measured rate (GFLOPS, or GOPS for int8 x int8 layers) for these layers: torch's GEMM or the
+    invariant kernel's."""
+    if any(m.column_sums is not None for m in linears):
+        return max(roofs["int8_gops"], roofs["kernel_int8_gops"])
+    if dtype == torch.float32:
+        return max(roofs["float32_gflops"], roofs["kernel_float32_gflops"])
+    return roofs["bfloat16_gflops"]
 
 
 def model_linears(model) -> tuple[list, object]:
@@ -152,8 +166,7 @@ def bound_seconds(model, roofs: dict, width: int, context: int, layers_config, d
         kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (context + width) * dim * dtype.itemsize
         attention_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * width * (context + width) * dim
     flops = 2 * params * width + attention_flops
-    throughput = (max(roofs["float32_gflops"], roofs["kernel_float32_gflops"]) if dtype == torch.float32
-                  else roofs["bfloat16_gflops"])  # the best measured: torch's GEMM or the invariant kernel's
+    throughput = throughput_of(roofs, dtype, linears)
     return max((weights + kv_bytes) / (roofs["stream_gbs"] * 1e9), flops / (throughput * 1e9))
 
 
@@ -247,7 +260,7 @@ def format_roofline(document: dict) -> str:
              f"Machine: weight stream {roofs['stream_gbs']:.1f} GB/s ({stream_memory(roofs)}a plain 512 MB "
              f"reduction: {roofs['reduction_gbs']:.1f}); matmul float32 {roofs['float32_gflops']:.0f} GFLOPS, bfloat16 "
              f"{roofs['bfloat16_gflops']:.0f}, int8 {roofs['int8_gops']:.0f} GOPS; the invariant kernel at 64 rows "
-             f"{roofs['kernel_float32_gflops']:.0f} GFLOPS float32.", "",
+             f"{roofs['kernel_float32_gflops']:.0f} GFLOPS float32, int8 x int8 {roofs.get('kernel_int8_gops', 0):.0f} GOPS.", "",
              "| w | T(w) ms | T(w)/T(1) | bound ms | bound / T(w) | linear ms | LM head ms | attention ms | rest ms |",
              "|---|---|---|---|---|---|---|---|---|"]
     rows = document["widths"]

@@ -79,13 +79,15 @@ class CompileSettings:
     kernels: Kernels = option(Kernels.INVARIANT, "invariant: the batch-invariant, weight-streaming kernels "
                               "(models/kernels.py: a verify computes exactly what one-token steps compute); inductor: "
                               "the stock graph (not batch-invariant)")
-    weights: WeightPrecision = option(WeightPrecision.MODEL, "the target's stored weights: model (its dtype) or int8 "
-                                      "(weight-only, a scale per output row; invariant kernels only)")
+    weights: WeightPrecision = option(WeightPrecision.MODEL, "the target's stored weights: model (its dtype), int8 "
+                                      "(weight-only, a scale per output row) or w8a8 (int8 weights, and each input "
+                                      "row quantized to int8 as it arrives: integer dot products; float32 models); "
+                                      "invariant kernels only")
 
     def __post_init__(self):
         check_config(self)
-        if self.weights is WeightPrecision.INT8 and self.kernels is not Kernels.INVARIANT:
-            raise ConfigError("weights: int8 runs on the invariant kernels only (set kernels=invariant)")
+        if self.weights is not WeightPrecision.MODEL and self.kernels is not Kernels.INVARIANT:
+            raise ConfigError(f"weights: {self.weights} runs on the invariant kernels only (set kernels=invariant)")
         self.buckets = sorted(set(self.buckets))
         if not self.buckets:
             raise ConfigError("buckets: give at least one input size")

@@ -64,9 +64,28 @@ class WeightPrecision(str, enum.Enum):
 
     MODEL = "model"  # the model's own dtype (float32 or bfloat16)
     INT8 = "int8"  # weight-only int8, one float32 scale per output row (symmetric, round to nearest)
+    # int8 weights as INT8, and int8 inputs: each input row quantized as it arrives (symmetric, one scale per row),
+    # then exact integer dot products (AVX-512 VNNI where the CPU has it); float32 activations between the layers
+    W8A8 = "w8a8"
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def label(self) -> str:
+        """How a results table names it ("" for the model's own dtype)."""
+        return WEIGHT_LABELS[self]
+
+
+WEIGHT_LABELS = {WeightPrecision.MODEL: "", WeightPrecision.INT8: "int8 weights",
+                 WeightPrecision.W8A8: "w8a8 (int8 weights and inputs)"}
+
+
+def check_activations(precision: WeightPrecision, dtype: torch.dtype) -> None:
+    """w8a8 quantizes float32 inputs; a model in another dtype is refused in one line."""
+    if precision is WeightPrecision.W8A8 and dtype != torch.float32:
+        raise UserError(f"weights=w8a8 quantizes float32 inputs and this model runs in {str(dtype).split('.')[-1]}: "
+                        "use dtype=float32, or weights=int8 (weight-only) for a bfloat16 model")
 
 
 def source_digest() -> str:
@@ -113,6 +132,10 @@ def register_fakes() -> None:
     def _linear_fake(x, packed, scale, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("draftsmith::linear_i8")
+    def _linear_i8_fake(x, packed, scale, sums, bias, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake("draftsmith::attention")
     def _attention_fake(q, k, v, mask, scaling):
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
@@ -125,19 +148,26 @@ def kernel_isa() -> str:
 
 # -- packing ------------------------------------------------------------------------------------------------------
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) Linear weight -> the kernel's panels: float32/int8 (ceil(N/48), K, 48); bfloat16 as K-pairs
-    (ceil(N/48), ceil(K/2), 48, 2). Padding columns are zero."""
+def padded_weight(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """(N, K) -> (N rounded up to whole panels, K rounded up to whole groups), zero padded."""
     n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = weight.new_zeros((panels * PANEL, k))
-    padded[:n] = weight
-    if weight.dtype != torch.bfloat16:
-        return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
-    pairs = -(-k // 2)
-    even = padded.new_zeros((panels * PANEL, 2 * pairs))
-    even[:, :k] = padded
-    return even.view(panels, PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous()
+    padded = weight.new_zeros((-(-n // PANEL) * PANEL, -(-k // group) * group))
+    padded[:n, :k] = weight
+    return padded
+
+
+def pack_weight(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """(N, K) Linear weight -> the kernel's panels of 48 output columns, K in groups of `group` consecutive inputs
+    (ceil(N/48), ceil(K/group), 48, group): float32 and weight-only int8 one (stored (ceil(N/48), K, 48)), bfloat16
+    pairs (the default for it), int8 x int8 quads (INT8_QUAD). Padding is zero."""
+    group = group or (2 if weight.dtype == torch.bfloat16 else 1)
+    padded = padded_weight(weight, group)
+    panels, groups = padded.shape[0] // PANEL, padded.shape[1] // group
+    packed = padded.view(panels, PANEL, groups, group).permute(0, 2, 1, 3).contiguous()
+    return packed.view(panels, groups, PANEL) if group == 1 else packed
+
+
+INT8_QUAD = 4  # inputs per int8 x int8 dot product (invariant_impl.h's QUAD)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,21 +178,29 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class InvariantLinear(nn.Module):
-    """A Linear computed by draftsmith::linear: the weight packed once (the model's dtype, or int8 with scales)."""
+    """A Linear computed by the batch-invariant kernels, its weight packed once: draftsmith::linear for the model's
+    dtype and weight-only int8 (with scales), draftsmith::linear_i8 for w8a8 (int8 quads, scales and the int32 sum
+    of each packed column)."""
 
     def __init__(self, linear: nn.Linear, precision: WeightPrecision = WeightPrecision.MODEL):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        scale = None
-        if precision is WeightPrecision.INT8:
+        scale = sums = None
+        if precision is not WeightPrecision.MODEL:
             weight, scale = quantize_int8(weight)
-        self.register_buffer("packed", pack_weight(weight))
+        if precision is WeightPrecision.W8A8:
+            sums = padded_weight(weight, INT8_QUAD).sum(dim=1, dtype=torch.int32)
+        self.register_buffer("packed", pack_weight(weight, INT8_QUAD if sums is not None else None))
         self.register_buffer("scale", scale)
+        self.register_buffer("column_sums", sums)
         # float32 once here: the kernel adds the bias in float32, so no call converts it again
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.column_sums is not None:
+            return torch.ops.draftsmith.linear_i8(x, self.packed, self.scale, self.column_sums, self.bias,
+                                                  self.out_features)
         return torch.ops.draftsmith.linear(x, self.packed, self.scale, self.bias, self.out_features)
 
 
@@ -302,6 +340,7 @@ def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecisi
     attention by draftsmith::attention. The original is unchanged (its other weights are shared, not copied). The
     packed weights are gathered into one arena unless `gather` is false (for a caller that adds InvariantLinears of
     its own, a drafter's head, and gathers them all once)."""
+    check_activations(precision, next(model.parameters()).dtype)
     load_kernels()
     register_attention()
     referenced = [value for module in model.modules() for value in vars(module).values()

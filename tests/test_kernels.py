@@ -1,10 +1,12 @@
 """The batch-invariant kernels (models/kernels.py, models/native/): exact against a float64 reference within the
 precision's rounding, and row-for-row identical whatever the number of rows, the precision, the shape, the thread
 count and the instruction set; attention identical wherever a row's visible keys lie in the cache; a model on them
-verifies exactly what one-token steps compute, eager and compiled, in float32, bfloat16 and int8 weights."""
+verifies exactly what one-token steps compute, eager and compiled, in float32, bfloat16, int8 weights and w8a8 (int8
+weights and inputs, exact against an integer reference on every instruction set)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from draftsmith.eval.decode.drafters.dflash import DFlashDrafter
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.models.compiled import CompiledEngine, CompileSettings
 from draftsmith.models.medusa import InvariantMedusaHeads
+from draftsmith.errors import UserError
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, InvariantLinear, WeightPrecision, invariant_model,
                                        kernel_isa, load_kernels, pack_weight, quantize_int8)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
@@ -72,6 +75,39 @@ def test_linear_rows_are_batch_invariant(rows, n, k, precision, bias, seed):
     for start, stop in [(0, 1), (rows - 1, rows), (1, rows), (0, rows // 2 + 1)]:
         part = torch.ops.draftsmith.linear(x[start:stop], packed, scale, b, n)
         assert torch.equal(part, full[start:stop])
+
+
+def w8a8_reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """draftsmith::linear_i8's definition: each row quantized alone (round half to even of x * (127 / max|x|)), an
+    exact integer dot product, then (float(sum) * row scale) * column scale + bias in float32."""
+    largest = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.tensor(127.0) / largest, torch.zeros_like(largest))
+    q = torch.round(x * inverse).clamp(-127, 127).long()
+    weight, scale = quantize_int8(linear.weight)
+    out = (q @ weight.long().T).float() * (largest / 127.0) * scale
+    return out + linear.bias if linear.bias is not None else out
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), n=st.integers(1, 200), k=st.integers(1, 300), bias=st.booleans(),
+       seed=st.integers(0, 99))
+def test_w8a8_linear_is_exact_and_batch_invariant(rows, n, k, bias, seed):
+    """int8 weights and inputs: bit for bit the integer reference, whatever the rows (one of them all zeros)."""
+    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=bias)
+    torch.nn.init.normal_(linear.weight, generator=generator)
+    x = torch.randn(rows, k, generator=generator) * 4
+    x[rows // 2] = 0
+    module = InvariantLinear(linear, WeightPrecision.W8A8)
+    full = module(x)
+    assert torch.equal(full, w8a8_reference(x, linear))
+    for start, stop in [(0, 1), (rows - 1, rows), (0, rows // 2 + 1)]:
+        assert torch.equal(module(x[start:stop]), full[start:stop])
+
+
+def test_w8a8_refuses_a_bfloat16_model_in_one_line():
+    with pytest.raises(UserError, match="w8a8 quantizes float32 inputs"):
+        invariant_model(tiny_model("llama", seed=1, num_layers=1).bfloat16(), WeightPrecision.W8A8)
 
 
 def test_linear_is_thread_count_invariant():
@@ -163,7 +199,7 @@ def test_every_instruction_set_is_batch_invariant(isa):
     script = (
         "import torch\n"
         "from draftsmith.models.kernels import load_kernels, kernel_isa, pack_weight, quantize_int8\n"
-        "load_kernels(); assert kernel_isa() == %r, kernel_isa()\n"
+        f"load_kernels(); assert kernel_isa() == {isa!r}, kernel_isa()\n"
         "g = torch.Generator().manual_seed(0)\n"
         "for dtype in (torch.float32, torch.bfloat16, torch.int8):\n"
         "    w = torch.randn(130, 77, generator=g); x = torch.randn(11, 77, generator=g); s = None\n"
@@ -191,7 +227,13 @@ def test_every_instruction_set_is_batch_invariant(isa):
         "v.repeat_interleave(3, 1)[..., :690, :]\n"
         "assert (full - ref.transpose(1, 2)).abs().max() < 1e-4\n"
         "for r in range(5): assert torch.equal(torch.ops.draftsmith.attention(q[:, :, r:r + 1], k, v, "
-        "mask[:, :, r:r + 1], 0.125), full[:, r:r + 1])\n" % isa)
+        "mask[:, :, r:r + 1], 0.125), full[:, r:r + 1])\n"
+        "from draftsmith.models.kernels import InvariantLinear, WeightPrecision\n"
+        + inspect.getsource(w8a8_reference) +
+        "linear = torch.nn.Linear(203, 130); x = torch.randn(11, 203, generator=g) * 3\n"
+        "module = InvariantLinear(linear, WeightPrecision.W8A8); full = module(x)\n"
+        "assert torch.equal(full, w8a8_reference(x, linear))\n"
+        "for r in range(11): assert torch.equal(module(x[r:r + 1]), full[r:r + 1])\n")
     result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DRAFTSMITH_KERNEL_ISA": isa},
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -204,11 +246,15 @@ def test_invariant_linear_module_keeps_shape_and_bias():
     assert torch.allclose(module(x), linear(x), atol=1e-5)
     int8 = InvariantLinear(linear, WeightPrecision.INT8)
     assert int8.packed.dtype == torch.int8 and torch.allclose(int8(x), linear(x), atol=0.05)
+    w8a8 = InvariantLinear(linear, WeightPrecision.W8A8)
+    assert w8a8.packed.dtype == torch.int8 and w8a8(x).shape == (2, 3, 70)
+    assert torch.allclose(w8a8(x), linear(x), atol=0.05)
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),
                                              (torch.bfloat16, WeightPrecision.MODEL),
-                                             (torch.float32, WeightPrecision.INT8)])
+                                             (torch.float32, WeightPrecision.INT8),
+                                             (torch.float32, WeightPrecision.W8A8)])
 def test_weights_are_gathered_in_one_arena_in_streaming_order(dtype, precision):
     """invariant_model packs every Linear into one weight arena, in module order and cache-line aligned, with the
     values pack_weight gives; q/k/v and gate/up are one joined weight each (4 weights a layer and the head)."""
@@ -228,7 +274,8 @@ def test_weights_are_gathered_in_one_arena_in_streaming_order(dtype, precision):
 @pytest.mark.parametrize("family,bias", [("llama", False), ("qwen2", True)])
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),
                                              (torch.bfloat16, WeightPrecision.MODEL),
-                                             (torch.float32, WeightPrecision.INT8)])
+                                             (torch.float32, WeightPrecision.INT8),
+                                             (torch.float32, WeightPrecision.W8A8)])
 def test_joined_projections_are_bit_identical_to_separate_ones(family, bias, dtype, precision):
     """q/k/v (with Qwen2's biases) and gate/up joined into one weight each, stored as the separate ones are, give
     bit for bit the logits of one InvariantLinear per Linear, over a prompt and a verify; a sibling fed another input
@@ -255,7 +302,8 @@ def test_joined_projections_are_bit_identical_to_separate_ones(family, bias, dty
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),
                                              (torch.bfloat16, WeightPrecision.MODEL),
-                                             (torch.float32, WeightPrecision.INT8)])
+                                             (torch.float32, WeightPrecision.INT8),
+                                             (torch.float32, WeightPrecision.W8A8)])
 def test_model_verify_equals_steps_eager(family, dtype, precision):
     """A stock HF model on the invariant kernels: a 7-token forward over a cache gives exactly the logits of seven
     one-token forwards, and the original model is left as it was."""
@@ -275,7 +323,7 @@ def test_model_verify_equals_steps_eager(family, dtype, precision):
 
 
 @pytest.mark.parametrize("dtype,weights", [(torch.float32, "model"), (torch.bfloat16, "model"),
-                                           (torch.float32, "int8")])
+                                           (torch.float32, "int8"), (torch.float32, "w8a8")])
 def test_compiled_verify_equals_steps(tmp_path, dtype, weights):
     """Through the compiled engine (one shared-width AOTInductor graph calling the ops): a verify of 6 tokens, a
     prompt chunk and one-token steps agree bit for bit."""

@@ -210,8 +210,8 @@ LM_VOCAB_HELP = "a draft vocabulary (data.draft_vocab output dir): the draft LM'
 DRAFTER_DTYPE_HELP = ("the drafter's arithmetic (bfloat16 halves the weights a draft step streams; the target "
                       "verifies in its own dtype); null: the target's dtype")
 DRAFTER_WEIGHTS_HELP = ("the drafter's stored weights on the compiled backend's batch-invariant kernels: model (in "
-                        "its dtype) | int8 (weight-only, a scale per output row: a quarter of fp32's weight stream); "
-                        "null: the run's compile.weights")
+                        "its dtype) | int8 (weight-only, a scale per output row: a quarter of fp32's weight stream) | "
+                        "w8a8 (int8 weights and inputs, float32 drafters); null: the run's compile.weights")
 PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic, eager) | int8-weights (weight-only "
                   "int8, bf16 activations: the batch-invariant kernels' int8 on the compiled backend); the target "
                   "verifies in its own dtype")

@@ -50,8 +50,8 @@ class EngineBenchConfig(PromptSettings):
     pytorch_baselines: bool = option(True, "also time the toolkit's plain decoding (compiled: on each prompt turn "
                                            "beside the engine's; HF generate: after) on the same prompts")
     pytorch_dtype: Literal["float32", "bfloat16"] = option("float32", "the PyTorch target's dtype")
-    pytorch_weights: WeightPrecision = option(WeightPrecision.MODEL, "the compiled PyTorch target's weights: model (its dtype) or "
-                                                     "int8 (weight-only)")
+    pytorch_weights: WeightPrecision = option(WeightPrecision.MODEL, "the compiled PyTorch target's weights: model "
+                                              "(its dtype), int8 (weight-only) or w8a8 (int8 weights and inputs)")
     pytorch_methods: list[MethodSpec] = option(factory=list, help="the toolkit's methods run beside its baselines "
                                                                   "(bench specs, e.g. a cascade)")
     output: str | None = option(None, "where the JSON goes (the table beside it as .md); null: print only")
@@ -110,8 +110,8 @@ def warm_up(server, tokenizer) -> None:
 
 def toolkit_label(config: EngineBenchConfig) -> str:
     """The toolkit's plain decoding's row: its engine and precision."""
-    weights = ", int8 weights" if config.pytorch_weights is WeightPrecision.INT8 else ""
-    return f"toolkit plain-compiled ({config.pytorch_dtype}{weights})"
+    weights = config.pytorch_weights.label
+    return f"toolkit plain-compiled ({config.pytorch_dtype}{', ' + weights if weights else ''})"
 
 
 class ToolkitPlain:
@@ -266,7 +266,8 @@ def engine_table(document: dict, engine: str, baseline: str, target: str) -> str
                      f"{same} |")
     for label, entry in document.get("pytorch", {}).items():
         precision = {"float32": "fp32", "bfloat16": "bf16"}[entry.get("dtype", "float32")]
-        precision += ", int8 weights" if entry.get("weights") == "int8" else ""
+        weights = WeightPrecision(entry.get("weights", WeightPrecision.MODEL.value)).label
+        precision += f", {weights}" if weights else ""
         tau = f"{entry['tau']:.2f} (tau)" if entry.get("tau") else "-"
         lossless = {True: "lossless", False: "NOT lossless"}.get(entry.get("lossless"), "-")  # written with tau
         lines.append(f"| PyTorch {label} ({precision}, this toolkit) | {entry['tokens_per_s']:.1f} | - | - | - | "

@@ -1,7 +1,8 @@
 // Batch-invariant CPU kernels for the compiled engine: a linear layer (float32, bfloat16 or weight-only int8
-// weights) and attention over a KV cache, registered as the torch ops draftsmith::linear and
-// draftsmith::attention. Each output element is reduced in one fixed order whatever the number of rows (a
-// decode step, a verify of 64 tokens), so a speculative verify computes exactly what one-token steps compute.
+// weights), an int8 x int8 linear layer (int8 weights, inputs quantized per row) and attention over a KV cache,
+// registered as the torch ops draftsmith::linear, draftsmith::linear_i8 and draftsmith::attention. Each output
+// element is reduced in one fixed order whatever the number of rows (a decode step, a verify of 64 tokens), so a
+// speculative verify computes exactly what one-token steps compute.
 // The instruction set (AVX-512 with BF16, AVX-512, AVX2 + FMA, scalar) is chosen once at load time from the CPU,
 // or from DRAFTSMITH_KERNEL_ISA; the kernels are written once (invariant_impl.h) and compiled per set.
 #include <torch/extension.h>
@@ -66,6 +67,20 @@ inline float vreduce_add(V v) { return v; }
 inline V vreduce_each(const V* a) { return a[0]; }
 inline uint32_t vvisible_bits(V v) { return v > MASKED_BELOW ? 1u : 0u; }
 inline V vload_i8(const int8_t* p) { return float(*p); }
+using VI = int32_t;
+using XQ = uint32_t;
+constexpr int QUAD_BIAS = 0;
+inline void vquantize(uint8_t* q, V v, int n) {
+  if (n > 0) *q = uint8_t(int8_t(std::max(-127L, std::min(127L, std::lrint(v)))));
+}
+inline VI vizero() { return 0; }
+inline VI viload(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+inline XQ vquad(uint32_t q) { return q; }
+inline VI vdp_i8(VI acc, XQ x, VI w) {
+  for (int j = 0; j < 4; ++j) acc += int32_t(int8_t(x >> (8 * j))) * int32_t(int8_t(uint32_t(w) >> (8 * j)));
+  return acc;
+}
+inline V vexact_float(VI acc, const int32_t*) { return float(acc); }
 inline V vload_bf16_partial(const uint16_t* p, int n) { return n > 0 ? bf16_to_float(*p) : 0.0f; }
 inline void vload_bf16_pairs(const uint16_t* p, V* w0, V* w1) { *w0 = bf16_to_float(p[0]); *w1 = bf16_to_float(p[1]); }
 inline void vstore_out(float* p, V v, int n) { if (n > 0) *p = v; }
@@ -135,6 +150,30 @@ inline V vreduce_each(const V* a) {
 inline V vload_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// int8 x int8 without VNNI: |x| (unsigned) times w with x's sign, in pairs (at most 2 x 127 x 127: no saturation),
+// then the pairs summed into int32 lanes.
+using VI = __m256i;
+struct XQ {
+  __m256i magnitude, sign;
+};
+constexpr int QUAD_BIAS = 0;
+inline void vquantize(uint8_t* q, V v, int n) {  // (the rounding is MXCSR's: to nearest even, as lrint)
+  const __m256i i = _mm256_max_epi32(_mm256_set1_epi32(-127), _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_cvtps_epi32(v)));
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), i);
+  for (int t = 0; t < n && t < 8; ++t) q[t] = uint8_t(int8_t(lanes[t]));
+}
+inline VI vizero() { return _mm256_setzero_si256(); }
+inline VI viload(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline XQ vquad(uint32_t q) {
+  const __m256i x = _mm256_set1_epi32(int(q));
+  return {_mm256_abs_epi8(x), x};
+}
+inline VI vdp_i8(VI acc, const XQ& x, VI w) {
+  const __m256i pairs = _mm256_maddubs_epi16(x.magnitude, _mm256_sign_epi8(w, x.sign));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline V vexact_float(VI acc, const int32_t*) { return _mm256_cvtepi32_ps(acc); }
 inline V bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 inline V vload_bf16_partial(const uint16_t* p, int n) {
   if (n >= 8) return bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -218,6 +257,14 @@ inline V vexp(V x) {
   inline V vload_i8(const int8_t* p) {                                                                             \
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));         \
   }                                                                                                                \
+  using VI = __m512i;                                                                                              \
+  inline VI vizero() { return _mm512_setzero_si512(); }                                                            \
+  inline VI viload(const int8_t* p) { return _mm512_loadu_si512(p); }                                              \
+  inline void vquantize(uint8_t* q, V v, int n) {                                                                  \
+    __m512i i = _mm512_min_epi32(_mm512_set1_epi32(127), _mm512_cvtps_epi32(v));                                   \
+    i = _mm512_add_epi32(_mm512_max_epi32(_mm512_set1_epi32(-127), i), _mm512_set1_epi32(QUAD_BIAS));              \
+    _mm512_mask_cvtepi32_storeu_epi8(q, tail(n), i); /* the low byte of each lane */                               \
+  }                                                                                                                \
   inline V vload_bf16_partial(const uint16_t* p, int n) {                                                          \
     __m256i h = _mm256_maskz_loadu_epi16(tail(n), p);                                                              \
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));                                   \
@@ -250,18 +297,43 @@ inline V vexp(V x) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace isa_avx512 {
+constexpr int QUAD_BIAS = 0;
 AVX512_VOCABULARY
 #define DPBF16 0
+// int8 x int8 without VNNI, as AVX2's: |x| times w negated where x is negative, in pairs, then into int32 lanes.
+struct XQ {
+  __m512i magnitude;
+  __mmask64 negative;
+};
+inline XQ vquad(uint32_t q) {
+  const __m512i x = _mm512_set1_epi32(int(q));
+  return {_mm512_abs_epi8(x), _mm512_movepi8_mask(x)};
+}
+inline VI vdp_i8(VI acc, const XQ& x, VI w) {
+  const __m512i signed_w = _mm512_mask_sub_epi8(w, x.negative, _mm512_setzero_si512(), w);
+  const __m512i pairs = _mm512_maddubs_epi16(x.magnitude, signed_w);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+inline V vexact_float(VI acc, const int32_t*) { return _mm512_cvtepi32_ps(acc); }
 #include "invariant_impl.h"
 #undef DPBF16
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")
 namespace isa_avx512_bf16 {
+// int8 x int8 with VNNI (every CPU with AVX-512 BF16 has it): vpdpbusd takes unsigned inputs, so x + 128 goes in
+// and 128 x the column's sum of weights comes off at the end, exactly.
+constexpr int QUAD_BIAS = 128;
 AVX512_VOCABULARY
 #define DPBF16 1
+using XQ = __m512i;
+inline XQ vquad(uint32_t q) { return _mm512_set1_epi32(int(q)); }
+inline VI vdp_i8(VI acc, XQ x, VI w) { return _mm512_dpbusd_epi32(acc, x, w); }
+inline V vexact_float(VI acc, const int32_t* sums) {
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(sums), 7)));
+}
 inline V vdpbf16(V acc, uint32_t pair, const uint16_t* w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(pair)), (__m512bh)_mm512_loadu_si512(w));
 }
@@ -280,7 +352,8 @@ Isa detect_isa() {
   __builtin_cpu_init();
   bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  Isa best = avx512 ? (__builtin_cpu_supports("avx512bf16") ? Isa::Avx512Bf16 : Isa::Avx512)
+  const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  Isa best = avx512 ? (bf16 ? Isa::Avx512Bf16 : Isa::Avx512)
                     : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::Avx2 : Isa::Scalar);
   const char* forced = std::getenv("DRAFTSMITH_KERNEL_ISA");
   if (forced && *forced) {
@@ -353,6 +426,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return out;
 }
 
+at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& sums,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "draftsmith::linear_i8 runs on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "draftsmith::linear_i8: inputs must be float32");
+  const int64_t K = x.size(-1), N = out_features, quad = isa_scalar::QUAD, panel = isa_scalar::PANEL;
+  const int64_t panels = (N + panel - 1) / panel;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+              packed.numel() == panels * ((K + quad - 1) / quad) * panel * quad,
+              "draftsmith::linear_i8: the packed int8 weight does not match ", K, " inputs and ", N, " outputs");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N &&
+              sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.numel() == panels * panel,
+              "draftsmith::linear_i8: a float32 scale per output and an int32 sum per packed column");
+  at::Tensor xc = x.contiguous();
+  const int64_t M = K ? xc.numel() / K : 0;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty(sizes, x.options());
+  if (M == 0) return out;
+  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  DISPATCH_ISA(linear_i8_kernel(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, scale.data_ptr<float>(),
+                                sums.data_ptr<int32_t>(), b, out.data_ptr<float>()))
+  return out;
+}
+
 template <typename T>
 void run_attention(const T* q, const int64_t* qs, const T* k, const T* v, const int64_t* kvs, const float* mask,
                    const int64_t* ms, int64_t B, int64_t Hq, int64_t Hkv, int64_t W, int64_t C, int64_t D,
@@ -400,11 +498,13 @@ std::string kernel_isa() { return ISA_NAMES[int(isa())]; }
 TORCH_LIBRARY(draftsmith, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? scale, Tensor? bias, int out_features) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling) -> Tensor");
+  m.def("linear_i8(Tensor x, Tensor packed, Tensor scale, Tensor sums, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
   m.impl("linear", &linear);
   m.impl("attention", &attention);
+  m.impl("linear_i8", &linear_i8);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) { module.def("kernel_isa", &kernel_isa); }

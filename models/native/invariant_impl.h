@@ -4,8 +4,11 @@
 // Before including, the including namespace defines: VL (lanes), V (a float vector), vzero, vset1, vload,
 // vload_partial, vmask_tail, vstore, vstore_out (float or bf16, the first n lanes), vfma, vmul, vadd, vmax,
 // vreduce_add, vreduce_each (vreduce_add of VL vectors at once, bit for bit), vreduce_max, vvisible_bits (lanes
-// above MASKED_BELOW), vload_i8 (int8 -> floats), vload_bf16_partial, vload_bf16_pairs, vexp, and DPBF16 (1 where a
-// bf16 pair dot exists: vdpbf16).
+// above MASKED_BELOW), vload_i8 (int8 -> floats), vload_bf16_partial, vload_bf16_pairs, vexp, DPBF16 (1 where a
+// bf16 pair dot exists: vdpbf16), and for int8 x int8 dot products VI (VL int32 lanes), vizero, viload (VL quads of
+// int8), vquantize (round floats to int8 + QUAD_BIAS, the bytes the dot product takes), XQ and vquad (four such
+// inputs, prepared once for every lane), vdp_i8 (each lane += the dot of its quad with the inputs', exactly) and
+// vexact_float (an accumulator -> floats, given the column sums that QUAD_BIAS makes it take off).
 //
 // Batch invariance: every output element is reduced by the same sequence of operations whatever the number of
 // rows, the thread count, and (for attention) wherever its visible keys lie in the cache.
@@ -104,24 +107,22 @@ inline void tile(const XT* x, int64_t K, const WT* panel, int c0, OT* out, int64
   for (int m = 0; m < MB; ++m) store_row<NV>(out + m * N, acc[m], column, N, scale, bias);
 }
 
-// Rows m .. m + rows - 1 (rows <= ROWS) of the columns c0 .. c0 + NV * VL - 1 of one panel.
-template <int NV, int ROWS, typename XT, typename WT, typename OT>
-inline void tile_rows(int64_t rows, const XT* x, int64_t K, const WT* panel, int c0, OT* out, int64_t column,
-                      int64_t N, const float* scale, const float* bias) {
+// run(std::integral_constant<int, rows>, m) for rows m .. m + rows - 1, rows <= ROWS a compile-time constant.
+template <int ROWS, typename Run>
+inline void with_rows(int64_t rows, int64_t m, const Run& run) {
   if constexpr (ROWS >= 1) {
-    if (rows == ROWS) return tile<ROWS, NV>(x, K, panel, c0, out, column, N, scale, bias);
-    tile_rows<NV, ROWS - 1>(rows, x, K, panel, c0, out, column, N, scale, bias);
+    if (rows == ROWS) return run(std::integral_constant<int, ROWS>{}, m);
+    with_rows<ROWS - 1>(rows, m, run);
   }
 }
 
-// One task: `NV` vectors of columns of one panel, for every row, in passes of near-equal row counts <= ROWS.
-template <int NV, int ROWS, typename XT, typename WT, typename OT>
-inline void panel_task(const XT* x, int64_t M, int64_t K, const WT* panel, int c0, OT* out, int64_t column,
-                       int64_t N, const float* scale, const float* bias) {
+// Every row of one task, in passes of near-equal row counts <= ROWS (so a verify of 10 rows is two passes of 5).
+template <int ROWS, typename Run>
+inline void in_passes(int64_t M, const Run& run) {
   const int64_t passes = (M + ROWS - 1) / ROWS;
   for (int64_t pass = 0, m = 0; pass < passes; ++pass) {
     const int64_t rows = (M - m) / (passes - pass);
-    tile_rows<NV, ROWS>(rows, x + m * K, K, panel, c0, out + m * N, column, N, scale, bias);
+    with_rows<ROWS>(rows, m, run);
     m += rows;
   }
 }
@@ -139,7 +140,92 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t p = task / subs;
     const int c0 = int(task % subs * TILE_VECTORS * VL);
-    panel_task<TILE_VECTORS, TILE_ROWS>(x, M, K, packed + p * panel_size, c0, out, p * PANEL + c0, N, scale, bias);
+    in_passes<TILE_ROWS>(M, [&](auto rows, int64_t m) {
+      tile<decltype(rows)::value, TILE_VECTORS>(x + m * K, K, packed + p * panel_size, c0, out + m * N, p * PANEL + c0,
+                                                N, scale, bias);
+    });
+  }
+}
+
+// ---- int8 x int8: int8 weights (a scale per output column), each input row quantized as it arrives --------------
+//
+// A row x becomes q = round(x * 127 / max|x|) (to nearest even; all zeros where max|x| = 0), its scale max|x| / 127,
+// from that row alone. Each output is then the exact int32 sum of q[k] * w[k, n] (an integer sum has no order),
+// converted once and scaled: (float(sum) * row scale) * column scale, + bias. So every output is the same whatever
+// the rows, the threads or the instruction set. Weights are packed as quads (panels, K/4, PANEL, 4), inputs too.
+
+constexpr int QUAD = 4;
+
+// Row x (K floats) -> its quads at q (K rounded up to 4, padded with zeros), each byte + QUAD_BIAS as the
+// instruction set's dot product takes it; returns the row's scale.
+inline float quantize_row(const float* x, int64_t K, int64_t padded, uint8_t* q) {
+  V largest = vzero();
+  for (int64_t k = 0; k < K; k += VL) {
+    const V v = vload_partial(x + k, int(std::min<int64_t>(VL, K - k)));
+    largest = vmax(largest, vmax(v, vmul(v, vset1(-1.0f))));
+  }
+  const float amax = vreduce_max(largest);
+  std::memset(q, QUAD_BIAS, size_t(padded));
+  if (!(amax > 0.0f)) return 0.0f;
+  const V inverse = vset1(127.0f / amax);
+  for (int64_t k = 0; k < K; k += VL) {
+    const int valid = int(std::min<int64_t>(VL, K - k));
+    vquantize(q + k, vmul(vload_partial(x + k, valid), inverse), valid);
+  }
+  return amax / 127.0f;
+}
+
+template <int MB, int NV>
+inline void tile_quads(const uint32_t* xq, int64_t quads, const int8_t* panel, int c0, VI acc[MB][NV]) {
+  for (int64_t p = 0; p < quads; ++p) {
+    const int8_t* w = panel + (p * PANEL + c0) * QUAD;
+    VI wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = viload(w + v * VL * QUAD);
+    for (int m = 0; m < MB; ++m) {
+      const XQ x = vquad(xq[m * quads + p]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = vdp_i8(acc[m][v], x, wv[v]);
+    }
+  }
+}
+
+template <int MB, int NV>
+inline void tile_i8(const uint32_t* xq, const float* row_scale, int64_t quads, const int8_t* panel, int c0, float* out,
+                    int64_t column, int64_t N, const float* scale, const int32_t* sums, const float* bias) {
+  VI acc[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = vizero();
+  tile_quads<MB, NV>(xq, quads, panel, c0, acc);
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t c = column + v * VL;
+      if (c >= N) break;
+      const int valid = int(std::min<int64_t>(VL, N - c));
+      V value = vmul(vmul(vexact_float(acc[m][v], sums + c), vset1(row_scale[m])), vload_partial(scale + c, valid));
+      if (bias) value = vadd(value, vload_partial(bias + c, valid));
+      vstore_out(out + m * N + c, value, valid);
+    }
+}
+
+// y (M, N) = quantized x (M, K) . W^T, W int8 in quad panels with a scale and an int32 column sum per column
+// (both padded to whole panels); the tasks as linear_kernel's.
+inline void linear_i8_kernel(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N, const float* scale,
+                             const int32_t* sums, const float* bias, float* out) {
+  const int64_t quads = (K + QUAD - 1) / QUAD;
+  std::vector<uint32_t> xq(static_cast<size_t>(M * quads));
+  std::vector<float> row_scale(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m)
+    row_scale[m] = quantize_row(x + m * K, K, quads * QUAD, reinterpret_cast<uint8_t*>(xq.data() + m * quads));
+  const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = quads * PANEL * QUAD;
+  const int64_t subs = PANEL_VECTORS / TILE_VECTORS, tasks = panels * subs;
+#pragma omp parallel for schedule(static) if (tasks > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t p = task / subs;
+    const int c0 = int(task % subs * TILE_VECTORS * VL);
+    in_passes<TILE_ROWS>(M, [&](auto rows, int64_t m) {
+      tile_i8<decltype(rows)::value, TILE_VECTORS>(xq.data() + m * quads, row_scale.data() + m, quads,
+                                                   packed + p * panel_size, c0, out + m * N, p * PANEL + c0, N, scale,
+                                                   sums, bias);
+    });
   }
 }
 
