@@ -330,7 +330,11 @@ AVX512_VOCABULARY
 #define DPBF16 1
 using XQ = __m512i;
 inline XQ vquad(uint32_t q) { return _mm512_set1_epi32(int(q)); }
-inline VI vdp_i8(VI acc, XQ x, VI w) { return _mm512_dpbusd_epi32(acc, x, w); }
+inline VI vdp_i8(VI acc, XQ x, VI w) {
+  // (inline assembly: with the intrinsic GCC copies and spills all 27 accumulators of a tile every input quad)
+  asm("vpdpbusd %[w], %[x], %[acc]" : [acc] "+v"(acc) : [x] "v"(x), [w] "vm"(w));
+  return acc;
+}
 inline V vexact_float(VI acc, const int32_t* sums) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(sums), 7)));
 }

@@ -59,28 +59,39 @@ inline void tile_fma(const XT* x, int64_t ldx, const WT* panel, int64_t K, int c
   }
 }
 
+// Inputs 2p and 2p + 1 of a row as one bf16 pair (the second 0 past K): one 4-byte load where the pair is whole,
+// so the dot product broadcasts it straight from memory (assembling it from two 2-byte loads in a register cost the
+// bf16 tile half its rate).
+template <bool WHOLE>
+inline uint32_t input_pair(const uint16_t* xr) {
+  uint32_t pair = xr[0];
+  if constexpr (WHOLE) std::memcpy(&pair, xr, sizeof(pair));
+  return pair;
+}
+
+template <int MB, int NV, bool WHOLE>
+inline void pair_fma(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p, V acc[MB][NV]) {
+  prefetch_ahead<MB>(w, 2 * NV * VL * sizeof(uint16_t));
+  for (int m = 0; m < MB; ++m) {
+    const uint32_t pair = input_pair<WHOLE>(x + m * ldx + 2 * p);
+#if DPBF16
+    for (int v = 0; v < NV; ++v) acc[m][v] = vdpbf16(acc[m][v], pair, w + 2 * v * VL);
+#else
+    V x0 = vset1(bf16_to_float(uint16_t(pair))), x1 = vset1(bf16_to_float(uint16_t(pair >> 16)));
+    for (int v = 0; v < NV; ++v) {
+      V w0, w1;
+      vload_bf16_pairs(w + 2 * v * VL, &w0, &w1);
+      acc[m][v] = vfma(x1, w1, vfma(x0, w0, acc[m][v]));
+    }
+#endif
+  }
+}
+
 template <int MB, int NV>
 inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, int c0, V acc[MB][NV]) {
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* w = panel + (p * PANEL + c0) * 2;
-    prefetch_ahead<MB>(w, 2 * NV * VL * sizeof(uint16_t));
-    for (int m = 0; m < MB; ++m) {
-      const uint16_t* xr = x + m * ldx + 2 * p;
-      uint16_t second = (2 * p + 1 < K) ? xr[1] : 0;
-#if DPBF16
-      uint32_t pair = uint32_t(xr[0]) | (uint32_t(second) << 16);
-      for (int v = 0; v < NV; ++v) acc[m][v] = vdpbf16(acc[m][v], pair, w + 2 * v * VL);
-#else
-      V x0 = vset1(bf16_to_float(xr[0])), x1 = vset1(bf16_to_float(second));
-      for (int v = 0; v < NV; ++v) {
-        V w0, w1;
-        vload_bf16_pairs(w + 2 * v * VL, &w0, &w1);
-        acc[m][v] = vfma(x1, w1, vfma(x0, w0, acc[m][v]));
-      }
-#endif
-    }
-  }
+  const int64_t whole = K / 2;
+  for (int64_t p = 0; p < whole; ++p) pair_fma<MB, NV, true>(x, ldx, panel + (p * PANEL + c0) * 2, p, acc);
+  if (K % 2) pair_fma<MB, NV, false>(x, ldx, panel + (whole * PANEL + c0) * 2, whole, acc);
 }
 
 template <int NV, typename OT>
