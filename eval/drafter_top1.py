@@ -82,20 +82,25 @@ def decoder_acceptance(results: dict, drafter_dir: str) -> dict[str, dict[str, f
             for label, summary in results["summary"].items() if f"path={drafter_dir}" in label}
 
 
-def measure_top1(results: dict, drafter: DGFModel, target: TargetModel) -> dict[str, dict]:
-    """Per suite: teacher-forced top-1 of `drafter` over the bench's first-turn plain outputs."""
+def first_turn_sequences(results: dict, tokenizer) -> dict[str, list[tuple[torch.Tensor, int]]]:
+    """Per suite of a bench: (prompt + plain's greedy tokens (1, T), prompt length) of each first turn, the prompts
+    selected again from the bench's config."""
     config = results["config"]
     plain = {(entry["suite"], entry["id"]): entry["plain"]["tokens"] for entry in results["per_prompt"]
              if entry["turn"] == 1}
-    per_suite = {}
+    sequences = {}
     for suite in config["suites"]:
-        hits = []
-        for prompt in load_prompts(suite, config["num_prompts"], config["seed"], target.tokenizer):
+        sequences[suite] = []
+        for prompt in load_prompts(suite, config["num_prompts"], config["seed"], tokenizer):
             prompt_ids = torch.as_tensor(prompt["input_ids"]).reshape(-1).tolist()
-            ids = torch.tensor([prompt_ids + plain[(suite, prompt["id"])]])
-            hits.append(sequence_hits(drafter, target, ids, len(prompt_ids)))
-        per_suite[suite] = hit_rates(hits)
-    return per_suite
+            sequences[suite].append((torch.tensor([prompt_ids + plain[(suite, prompt["id"])]]), len(prompt_ids)))
+    return sequences
+
+
+def measure_top1(results: dict, drafter: DGFModel, target: TargetModel) -> dict[str, dict]:
+    """Per suite: teacher-forced top-1 of `drafter` over the bench's first-turn plain outputs."""
+    return {suite: hit_rates([sequence_hits(drafter, target, ids, length) for ids, length in sequences])
+            for suite, sequences in first_turn_sequences(results, target.tokenizer).items()}
 
 
 def format_top1(document: dict) -> str:

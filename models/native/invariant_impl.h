@@ -32,15 +32,15 @@ inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 ->
 // A tile of one or two rows spends so little time on each input that the hardware prefetcher falls behind the
 // weight stream (a one-row forward streamed ~10% slower than a four-row one): such tiles request the weights
 // PREFETCH_BYTES ahead, into L2. Wider tiles stream as fast without, and the requests cost them time. Measured for
-// float32 and bfloat16 weights (int8 weights were not, and go without).
+// float32 and bfloat16 weights and int8 x int8 quads (weight-only int8 was not, and goes without).
 constexpr int PREFETCH_ROWS = 2;
 constexpr int64_t PREFETCH_BYTES = 6144;
 
-// The `bytes` of weights a tile reads at `w` for one input (or one pair), requested PREFETCH_BYTES ahead.
-template <int MB, typename WT>
-inline void prefetch_ahead(const WT* w, int64_t bytes) {
-  if constexpr (MB <= PREFETCH_ROWS && !std::is_same_v<WT, int8_t>) {
-    const char* line = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
+// The `bytes` of weights a tile reads at `w` for one input (a pair, a quad), requested PREFETCH_BYTES ahead.
+template <int MB>
+inline void prefetch_ahead(const void* w, int64_t bytes) {
+  if constexpr (MB <= PREFETCH_ROWS) {
+    const char* line = static_cast<const char*>(w) + PREFETCH_BYTES;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(line + b, 0, 2);
   }
 }
@@ -49,7 +49,7 @@ template <int MB, int NV, typename XT, typename WT>
 inline void tile_fma(const XT* x, int64_t ldx, const WT* panel, int64_t K, int c0, V acc[MB][NV]) {
   for (int64_t k = 0; k < K; ++k) {
     const WT* w = panel + k * PANEL + c0;
-    prefetch_ahead<MB>(w, NV * VL * sizeof(WT));
+    if constexpr (!std::is_same_v<WT, int8_t>) prefetch_ahead<MB>(w, NV * VL * sizeof(WT));
     V wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load_weight(w + v * VL);
     for (int m = 0; m < MB; ++m) {
@@ -190,6 +190,7 @@ template <int MB, int NV>
 inline void tile_quads(const uint32_t* xq, int64_t quads, const int8_t* panel, int c0, VI acc[MB][NV]) {
   for (int64_t p = 0; p < quads; ++p) {
     const int8_t* w = panel + (p * PANEL + c0) * QUAD;
+    prefetch_ahead<MB>(w, NV * VL * QUAD);
     VI wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = viload(w + v * VL * QUAD);
     for (int m = 0; m < MB; ++m) {
