@@ -117,7 +117,7 @@ def machine_roofs() -> dict:
 def throughput_of(roofs: dict, dtype: torch.dtype, linears: list) -> float:
     """The best measured rate (GFLOPS, or GOPS for int8 x int8 layers) for these layers: torch's GEMM or the
     invariant kernel's."""
-    if any(m.column_sums is not None for m in linears):
+    if any(m.quantizes_inputs for m in linears):
         return max(roofs["int8_gops"], roofs["kernel_int8_gops"])
     if dtype == torch.float32:
         return max(roofs["float32_gflops"], roofs["kernel_float32_gflops"])

@@ -64,8 +64,9 @@ class WeightPrecision(str, enum.Enum):
 
     MODEL = "model"  # the model's own dtype (float32 or bfloat16)
     INT8 = "int8"  # weight-only int8, one float32 scale per output row (symmetric, round to nearest)
-    # int8 weights as INT8, and int8 inputs: each input row quantized as it arrives (symmetric, one scale per row),
-    # then exact integer dot products (AVX-512 VNNI where the CPU has it); float32 activations between the layers
+    # int8 weights as INT8, and int8 inputs: each input row quantized as it arrives, in blocks of 32 (symmetric, a
+    # scale per block, as llama.cpp's q8_0), then exact integer dot products (AVX-512 VNNI where the CPU has it);
+    # float32 activations between the layers
     W8A8 = "w8a8"
 
     def __str__(self) -> str:
@@ -133,7 +134,7 @@ def register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake("draftsmith::linear_i8")
-    def _linear_i8_fake(x, packed, scale, sums, bias, out_features):
+    def _linear_i8_fake(x, packed, scale, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake("draftsmith::attention")
@@ -148,21 +149,14 @@ def kernel_isa() -> str:
 
 # -- packing ------------------------------------------------------------------------------------------------------
 
-def padded_weight(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """(N, K) -> (N rounded up to whole panels, K rounded up to whole groups), zero padded."""
-    n, k = weight.shape
-    padded = weight.new_zeros((-(-n // PANEL) * PANEL, -(-k // group) * group))
-    padded[:n, :k] = weight
-    return padded
-
-
 def pack_weight(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
     """(N, K) Linear weight -> the kernel's panels of 48 output columns, K in groups of `group` consecutive inputs
     (ceil(N/48), ceil(K/group), 48, group): float32 and weight-only int8 one (stored (ceil(N/48), K, 48)), bfloat16
     pairs (the default for it), int8 x int8 quads (INT8_QUAD). Padding is zero."""
     group = group or (2 if weight.dtype == torch.bfloat16 else 1)
-    padded = padded_weight(weight, group)
-    panels, groups = padded.shape[0] // PANEL, padded.shape[1] // group
+    (n, k), panels, groups = weight.shape, -(-weight.shape[0] // PANEL), -(-weight.shape[1] // group)
+    padded = weight.new_zeros((panels * PANEL, groups * group))
+    padded[:n, :k] = weight
     packed = padded.view(panels, PANEL, groups, group).permute(0, 2, 1, 3).contiguous()
     return packed.view(panels, groups, PANEL) if group == 1 else packed
 
@@ -179,28 +173,24 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class InvariantLinear(nn.Module):
     """A Linear computed by the batch-invariant kernels, its weight packed once: draftsmith::linear for the model's
-    dtype and weight-only int8 (with scales), draftsmith::linear_i8 for w8a8 (int8 quads, scales and the int32 sum
-    of each packed column)."""
+    dtype and weight-only int8 (with scales), draftsmith::linear_i8 for w8a8 (int8 quads with scales)."""
 
     def __init__(self, linear: nn.Linear, precision: WeightPrecision = WeightPrecision.MODEL):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        scale = sums = None
+        scale = None
         if precision is not WeightPrecision.MODEL:
             weight, scale = quantize_int8(weight)
-        if precision is WeightPrecision.W8A8:
-            sums = padded_weight(weight, INT8_QUAD).sum(dim=1, dtype=torch.int32)
-        self.register_buffer("packed", pack_weight(weight, INT8_QUAD if sums is not None else None))
+        self.quantizes_inputs = precision is WeightPrecision.W8A8
+        self.register_buffer("packed", pack_weight(weight, INT8_QUAD if self.quantizes_inputs else None))
         self.register_buffer("scale", scale)
-        self.register_buffer("column_sums", sums)
         # float32 once here: the kernel adds the bias in float32, so no call converts it again
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.column_sums is not None:
-            return torch.ops.draftsmith.linear_i8(x, self.packed, self.scale, self.column_sums, self.bias,
-                                                  self.out_features)
+        if self.quantizes_inputs:
+            return torch.ops.draftsmith.linear_i8(x, self.packed, self.scale, self.bias, self.out_features)
         return torch.ops.draftsmith.linear(x, self.packed, self.scale, self.bias, self.out_features)
 
 

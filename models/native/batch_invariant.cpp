@@ -1,5 +1,5 @@
 // Batch-invariant CPU kernels for the compiled engine: a linear layer (float32, bfloat16 or weight-only int8
-// weights), an int8 x int8 linear layer (int8 weights, inputs quantized per row) and attention over a KV cache,
+// weights), an int8 x int8 linear layer (int8 weights, inputs quantized in blocks of 32) and attention over a KV cache,
 // registered as the torch ops draftsmith::linear, draftsmith::linear_i8 and draftsmith::attention. Each output
 // element is reduced in one fixed order whatever the number of rows (a decode step, a verify of 64 tokens), so a
 // speculative verify computes exactly what one-token steps compute.
@@ -69,9 +69,9 @@ inline uint32_t vvisible_bits(V v) { return v > MASKED_BELOW ? 1u : 0u; }
 inline V vload_i8(const int8_t* p) { return float(*p); }
 using VI = int32_t;
 using XQ = uint32_t;
-constexpr int QUAD_BIAS = 0;
-inline void vquantize(uint8_t* q, V v, int n) {
-  if (n > 0) *q = uint8_t(int8_t(std::max(-127L, std::min(127L, std::lrint(v)))));
+constexpr int WEIGHT_BIAS = 0;
+inline void vquantize(int8_t* q, V v, int n) {
+  if (n > 0) *q = int8_t(std::max(-127L, std::min(127L, std::lrint(v))));
 }
 inline VI vizero() { return 0; }
 inline VI viload(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
@@ -80,7 +80,7 @@ inline VI vdp_i8(VI acc, XQ x, VI w) {
   for (int j = 0; j < 4; ++j) acc += int32_t(int8_t(x >> (8 * j))) * int32_t(int8_t(uint32_t(w) >> (8 * j)));
   return acc;
 }
-inline V vexact_float(VI acc, const int32_t*) { return float(acc); }
+inline V vblock_float(VI acc, int32_t correction) { return float(acc - correction); }
 inline V vload_bf16_partial(const uint16_t* p, int n) { return n > 0 ? bf16_to_float(*p) : 0.0f; }
 inline void vload_bf16_pairs(const uint16_t* p, V* w0, V* w1) { *w0 = bf16_to_float(p[0]); *w1 = bf16_to_float(p[1]); }
 inline void vstore_out(float* p, V v, int n) { if (n > 0) *p = v; }
@@ -156,12 +156,12 @@ using VI = __m256i;
 struct XQ {
   __m256i magnitude, sign;
 };
-constexpr int QUAD_BIAS = 0;
-inline void vquantize(uint8_t* q, V v, int n) {  // (the rounding is MXCSR's: to nearest even, as lrint)
+constexpr int WEIGHT_BIAS = 0;
+inline void vquantize(int8_t* q, V v, int n) {  // (the rounding is MXCSR's: to nearest even, as lrint)
   const __m256i i = _mm256_max_epi32(_mm256_set1_epi32(-127), _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_cvtps_epi32(v)));
   alignas(32) int32_t lanes[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), i);
-  for (int t = 0; t < n && t < 8; ++t) q[t] = uint8_t(int8_t(lanes[t]));
+  for (int t = 0; t < n && t < 8; ++t) q[t] = int8_t(lanes[t]);
 }
 inline VI vizero() { return _mm256_setzero_si256(); }
 inline VI viload(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -173,7 +173,9 @@ inline VI vdp_i8(VI acc, const XQ& x, VI w) {
   const __m256i pairs = _mm256_maddubs_epi16(x.magnitude, _mm256_sign_epi8(w, x.sign));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
-inline V vexact_float(VI acc, const int32_t*) { return _mm256_cvtepi32_ps(acc); }
+inline V vblock_float(VI acc, int32_t correction) {
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(correction)));
+}
 inline V bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 inline V vload_bf16_partial(const uint16_t* p, int n) {
   if (n >= 8) return bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -259,11 +261,16 @@ inline V vexp(V x) {
   }                                                                                                                \
   using VI = __m512i;                                                                                              \
   inline VI vizero() { return _mm512_setzero_si512(); }                                                            \
-  inline VI viload(const int8_t* p) { return _mm512_loadu_si512(p); }                                              \
-  inline void vquantize(uint8_t* q, V v, int n) {                                                                  \
-    __m512i i = _mm512_min_epi32(_mm512_set1_epi32(127), _mm512_cvtps_epi32(v));                                   \
-    i = _mm512_add_epi32(_mm512_max_epi32(_mm512_set1_epi32(-127), i), _mm512_set1_epi32(QUAD_BIAS));              \
-    _mm512_mask_cvtepi32_storeu_epi8(q, tail(n), i); /* the low byte of each lane */                               \
+  inline VI viload(const int8_t* p) { /* + WEIGHT_BIAS: 0 or 128, a flip of each byte's top bit */                 \
+    const __m512i w = _mm512_loadu_si512(p);                                                                       \
+    return WEIGHT_BIAS ? _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))) : w;                                   \
+  }                                                                                                                \
+  inline void vquantize(int8_t* q, V v, int n) {                                                                   \
+    const __m512i i = _mm512_min_epi32(_mm512_set1_epi32(127), _mm512_cvtps_epi32(v));                             \
+    _mm512_mask_cvtepi32_storeu_epi8(q, tail(n), _mm512_max_epi32(_mm512_set1_epi32(-127), i));                    \
+  }                                                                                                                \
+  inline V vblock_float(VI acc, int32_t correction) {                                                              \
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(correction)));                               \
   }                                                                                                                \
   inline V vload_bf16_partial(const uint16_t* p, int n) {                                                          \
     __m256i h = _mm256_maskz_loadu_epi16(tail(n), p);                                                              \
@@ -297,7 +304,7 @@ inline V vexp(V x) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace isa_avx512 {
-constexpr int QUAD_BIAS = 0;
+constexpr int WEIGHT_BIAS = 0;
 AVX512_VOCABULARY
 #define DPBF16 0
 // int8 x int8 without VNNI, as AVX2's: |x| times w negated where x is negative, in pairs, then into int32 lanes.
@@ -314,7 +321,6 @@ inline VI vdp_i8(VI acc, const XQ& x, VI w) {
   const __m512i pairs = _mm512_maddubs_epi16(x.magnitude, signed_w);
   return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 }
-inline V vexact_float(VI acc, const int32_t*) { return _mm512_cvtepi32_ps(acc); }
 #include "invariant_impl.h"
 #undef DPBF16
 }  // namespace isa_avx512
@@ -323,20 +329,17 @@ inline V vexact_float(VI acc, const int32_t*) { return _mm512_cvtepi32_ps(acc); 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")
 namespace isa_avx512_bf16 {
-// int8 x int8 with VNNI (every CPU with AVX-512 BF16 has it): vpdpbusd takes unsigned inputs, so x + 128 goes in
-// and 128 x the column's sum of weights comes off at the end, exactly.
-constexpr int QUAD_BIAS = 128;
+// int8 x int8 with VNNI (every CPU with AVX-512 BF16 has it): vpdpbusd takes one operand unsigned, so the weights
+// go in as w + 128 and 128 x the block's sum of inputs comes off, exactly.
+constexpr int WEIGHT_BIAS = 128;
 AVX512_VOCABULARY
 #define DPBF16 1
 using XQ = __m512i;
 inline XQ vquad(uint32_t q) { return _mm512_set1_epi32(int(q)); }
-inline VI vdp_i8(VI acc, XQ x, VI w) {
-  // (inline assembly: with the intrinsic GCC copies and spills all 27 accumulators of a tile every input quad)
-  asm("vpdpbusd %[w], %[x], %[acc]" : [acc] "+v"(acc) : [x] "v"(x), [w] "vm"(w));
+inline VI vdp_i8(VI acc, XQ x, VI w) {  // acc += (w + 128) . x per lane: w unsigned, x signed
+  // (inline assembly: with the intrinsic GCC copies and spills the accumulators of a tile every input quad)
+  asm("vpdpbusd %[x], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "vm"(x));
   return acc;
-}
-inline V vexact_float(VI acc, const int32_t* sums) {
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(sums), 7)));
 }
 inline V vdpbf16(V acc, uint32_t pair, const uint16_t* w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(pair)), (__m512bh)_mm512_loadu_si512(w));
@@ -430,7 +433,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return out;
 }
 
-at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& sums,
+at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "draftsmith::linear_i8 runs on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "draftsmith::linear_i8: inputs must be float32");
@@ -439,9 +442,8 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() &&
               packed.numel() == panels * ((K + quad - 1) / quad) * panel * quad,
               "draftsmith::linear_i8: the packed int8 weight does not match ", K, " inputs and ", N, " outputs");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N &&
-              sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.numel() == panels * panel,
-              "draftsmith::linear_i8: a float32 scale per output and an int32 sum per packed column");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+              "draftsmith::linear_i8: a float32 scale per output");
   at::Tensor xc = x.contiguous();
   const int64_t M = K ? xc.numel() / K : 0;
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -450,8 +452,8 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   if (M == 0) return out;
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  DISPATCH_ISA(linear_i8_kernel(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, scale.data_ptr<float>(),
-                                sums.data_ptr<int32_t>(), b, out.data_ptr<float>()))
+  DISPATCH_ISA(linear_i8_kernel(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, scale.data_ptr<float>(), b,
+                                out.data_ptr<float>()))
   return out;
 }
 
@@ -502,7 +504,7 @@ std::string kernel_isa() { return ISA_NAMES[int(isa())]; }
 TORCH_LIBRARY(draftsmith, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? scale, Tensor? bias, int out_features) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling) -> Tensor");
-  m.def("linear_i8(Tensor x, Tensor packed, Tensor scale, Tensor sums, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_i8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {

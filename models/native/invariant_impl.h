@@ -6,9 +6,9 @@
 // vreduce_add, vreduce_each (vreduce_add of VL vectors at once, bit for bit), vreduce_max, vvisible_bits (lanes
 // above MASKED_BELOW), vload_i8 (int8 -> floats), vload_bf16_partial, vload_bf16_pairs, vexp, DPBF16 (1 where a
 // bf16 pair dot exists: vdpbf16), and for int8 x int8 dot products VI (VL int32 lanes), vizero, viload (VL quads of
-// int8), vquantize (round floats to int8 + QUAD_BIAS, the bytes the dot product takes), XQ and vquad (four such
-// inputs, prepared once for every lane), vdp_i8 (each lane += the dot of its quad with the inputs', exactly) and
-// vexact_float (an accumulator -> floats, given the column sums that QUAD_BIAS makes it take off).
+// int8 weights, + WEIGHT_BIAS where the dot product takes them unsigned), vquantize (round floats to int8), XQ and
+// vquad (four int8 inputs, prepared once for every lane), vdp_i8 (each lane += the dot of its weight quad with the
+// inputs', exactly) and vblock_float (an accumulator less a correction, as floats: exact below 2^24).
 //
 // Batch invariance: every output element is reduced by the same sequence of operations whatever the number of
 // rows, the thread count, and (for attention) wherever its visible keys lie in the cache.
@@ -158,85 +158,112 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
   }
 }
 
-// ---- int8 x int8: int8 weights (a scale per output column), each input row quantized as it arrives --------------
+// ---- int8 x int8: int8 weights (a scale per output column), inputs quantized in blocks as they arrive -----------
 //
-// A row x becomes q = round(x * 127 / max|x|) (to nearest even; all zeros where max|x| = 0), its scale max|x| / 127,
-// from that row alone. Each output is then the exact int32 sum of q[k] * w[k, n] (an integer sum has no order),
-// converted once and scaled: (float(sum) * row scale) * column scale, + bias. So every output is the same whatever
-// the rows, the threads or the instruction set. Weights are packed as quads (panels, K/4, PANEL, 4), inputs too.
+// Each row's inputs go in blocks of ACT_BLOCK (as llama.cpp's q8_0): a block's q = round(x * 127 / max|x|) (to
+// nearest even; zeros where max|x| = 0), its scale max|x| / 127, from that block alone. A block's dot product with a
+// weight column is an exact int32 sum (an integer sum has no order), converted exactly (|sum| < 2^24) and added in
+// block order: acc = fma(float(sum), block scale, acc); the output is acc * column scale + bias. So every output is
+// the same bits whatever the rows, the threads or the instruction set. Weights are packed as quads (panels, K/4,
+// PANEL, 4), the quantized inputs as quads too. An instruction set whose dot product takes unsigned weights
+// (VNNI) reads w + WEIGHT_BIAS and takes WEIGHT_BIAS x the block's sum of q off, exactly, per row and block.
 
 constexpr int QUAD = 4;
+constexpr int ACT_BLOCK = 32;
+constexpr int BLOCK_QUADS = ACT_BLOCK / QUAD;
+// The register tile: int32 and float accumulators for I8_TILE_ROWS x I8_TILE_VECTORS (AVX-512: 4 x 3, 24 of 32
+// registers; AVX2: 2 x 2 of 16).
+constexpr int I8_TILE_VECTORS = VL == 16 ? 3 : VL == 8 ? 2 : 4;
+constexpr int I8_TILE_ROWS = VL == 1 ? 2 : VL == 8 ? 2 : 4;
 
-// Row x (K floats) -> its quads at q (K rounded up to 4, padded with zeros), each byte + QUAD_BIAS as the
-// instruction set's dot product takes it; returns the row's scale.
-inline float quantize_row(const float* x, int64_t K, int64_t padded, uint8_t* q) {
+struct QuantizedRows {
+  int64_t quads, blocks;
+  std::vector<uint32_t> q;           // (rows, quads): four int8 inputs each
+  std::vector<float> scale;          // (rows, blocks)
+  std::vector<int32_t> correction;   // (rows, blocks): WEIGHT_BIAS x the block's sum of q
+};
+
+// Inputs k0 .. k1 - 1 of a row, one block, into q (zero padded to whole quads by the caller); returns its scale.
+inline float quantize_block(const float* x, int64_t k0, int64_t k1, int8_t* q, int32_t* correction) {
   V largest = vzero();
-  for (int64_t k = 0; k < K; k += VL) {
-    const V v = vload_partial(x + k, int(std::min<int64_t>(VL, K - k)));
+  for (int64_t k = k0; k < k1; k += VL) {
+    const V v = vload_partial(x + k, int(std::min<int64_t>(VL, k1 - k)));
     largest = vmax(largest, vmax(v, vmul(v, vset1(-1.0f))));
   }
   const float amax = vreduce_max(largest);
-  std::memset(q, QUAD_BIAS, size_t(padded));
+  *correction = 0;
   if (!(amax > 0.0f)) return 0.0f;
   const V inverse = vset1(127.0f / amax);
-  for (int64_t k = 0; k < K; k += VL) {
-    const int valid = int(std::min<int64_t>(VL, K - k));
+  for (int64_t k = k0; k < k1; k += VL) {
+    const int valid = int(std::min<int64_t>(VL, k1 - k));
     vquantize(q + k, vmul(vload_partial(x + k, valid), inverse), valid);
   }
+  int32_t total = 0;
+  for (int64_t k = k0; k < k1; ++k) total += q[k];
+  *correction = WEIGHT_BIAS * total;
   return amax / 127.0f;
 }
 
+inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  QuantizedRows r;
+  r.quads = (K + QUAD - 1) / QUAD;
+  r.blocks = (K + ACT_BLOCK - 1) / ACT_BLOCK;
+  r.q.assign(size_t(M * r.quads), 0u);
+  r.scale.resize(size_t(M * r.blocks));
+  r.correction.resize(size_t(M * r.blocks));
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* q = reinterpret_cast<int8_t*>(r.q.data() + m * r.quads);
+    for (int64_t b = 0; b < r.blocks; ++b)
+      r.scale[m * r.blocks + b] = quantize_block(x + m * K, b * ACT_BLOCK, std::min<int64_t>(K, (b + 1) * ACT_BLOCK),
+                                                 q, &r.correction[m * r.blocks + b]);
+  }
+  return r;
+}
+
 template <int MB, int NV>
-inline void tile_quads(const uint32_t* xq, int64_t quads, const int8_t* panel, int c0, VI acc[MB][NV]) {
-  for (int64_t p = 0; p < quads; ++p) {
-    const int8_t* w = panel + (p * PANEL + c0) * QUAD;
-    prefetch_ahead<MB>(w, NV * VL * QUAD);
-    VI wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = viload(w + v * VL * QUAD);
+inline void tile_i8(const QuantizedRows& x, int64_t m0, const int8_t* panel, int c0, float* out, int64_t column,
+                    int64_t N, const float* scale, const float* bias) {
+  V total[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) total[m][v] = vzero();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    VI acc[MB][NV];
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = vizero();
+    const int64_t end = std::min<int64_t>(x.quads, (b + 1) * BLOCK_QUADS);
+    for (int64_t p = b * BLOCK_QUADS; p < end; ++p) {
+      const int8_t* w = panel + (p * PANEL + c0) * QUAD;
+      prefetch_ahead<MB>(w, NV * VL * QUAD);
+      VI wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = viload(w + v * VL * QUAD);
+      for (int m = 0; m < MB; ++m) {
+        const XQ q = vquad(x.q[(m0 + m) * x.quads + p]);
+        for (int v = 0; v < NV; ++v) acc[m][v] = vdp_i8(acc[m][v], q, wv[v]);
+      }
+    }
     for (int m = 0; m < MB; ++m) {
-      const XQ x = vquad(xq[m * quads + p]);
-      for (int v = 0; v < NV; ++v) acc[m][v] = vdp_i8(acc[m][v], x, wv[v]);
+      const int64_t at = (m0 + m) * x.blocks + b;
+      const V block_scale = vset1(x.scale[at]);
+      for (int v = 0; v < NV; ++v) total[m][v] = vfma(vblock_float(acc[m][v], x.correction[at]), block_scale, total[m][v]);
     }
   }
+  for (int m = 0; m < MB; ++m) store_row<NV>(out + (m0 + m) * N, total[m], column, N, scale, bias);
 }
 
-template <int MB, int NV>
-inline void tile_i8(const uint32_t* xq, const float* row_scale, int64_t quads, const int8_t* panel, int c0, float* out,
-                    int64_t column, int64_t N, const float* scale, const int32_t* sums, const float* bias) {
-  VI acc[MB][NV];
-  for (int m = 0; m < MB; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = vizero();
-  tile_quads<MB, NV>(xq, quads, panel, c0, acc);
-  for (int m = 0; m < MB; ++m)
-    for (int v = 0; v < NV; ++v) {
-      const int64_t c = column + v * VL;
-      if (c >= N) break;
-      const int valid = int(std::min<int64_t>(VL, N - c));
-      V value = vmul(vmul(vexact_float(acc[m][v], sums + c), vset1(row_scale[m])), vload_partial(scale + c, valid));
-      if (bias) value = vadd(value, vload_partial(bias + c, valid));
-      vstore_out(out + m * N + c, value, valid);
-    }
-}
-
-// y (M, N) = quantized x (M, K) . W^T, W int8 in quad panels with a scale and an int32 column sum per column
-// (both padded to whole panels); the tasks as linear_kernel's.
+// y (M, N) = x (M, K) quantized in blocks . W^T, W int8 in quad panels with a float32 scale per column; the tasks
+// as linear_kernel's.
 inline void linear_i8_kernel(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N, const float* scale,
-                             const int32_t* sums, const float* bias, float* out) {
-  const int64_t quads = (K + QUAD - 1) / QUAD;
-  std::vector<uint32_t> xq(static_cast<size_t>(M * quads));
-  std::vector<float> row_scale(static_cast<size_t>(M));
-  for (int64_t m = 0; m < M; ++m)
-    row_scale[m] = quantize_row(x + m * K, K, quads * QUAD, reinterpret_cast<uint8_t*>(xq.data() + m * quads));
-  const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = quads * PANEL * QUAD;
-  const int64_t subs = PANEL_VECTORS / TILE_VECTORS, tasks = panels * subs;
+                             const float* bias, float* out) {
+  const QuantizedRows rows = quantize_rows(x, M, K);
+  const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = rows.quads * PANEL * QUAD;
+  const int64_t subs = PANEL_VECTORS / I8_TILE_VECTORS, tasks = panels * subs;
 #pragma omp parallel for schedule(static) if (tasks > 1)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t p = task / subs;
-    const int c0 = int(task % subs * TILE_VECTORS * VL);
-    in_passes<TILE_ROWS>(M, [&](auto rows, int64_t m) {
-      tile_i8<decltype(rows)::value, TILE_VECTORS>(xq.data() + m * quads, row_scale.data() + m, quads,
-                                                   packed + p * panel_size, c0, out + m * N, p * PANEL + c0, N, scale,
-                                                   sums, bias);
+    const int c0 = int(task % subs * I8_TILE_VECTORS * VL);
+    in_passes<I8_TILE_ROWS>(M, [&](auto count, int64_t m) {
+      tile_i8<decltype(count)::value, I8_TILE_VECTORS>(rows, m, packed + p * panel_size, c0, out, p * PANEL + c0, N,
+                                                       scale, bias);
     });
   }
 }
