@@ -6,7 +6,7 @@ Measures, on the torch threads used:
 - the machine: the weight-stream bandwidth (the batch-invariant linear over a 256 MB fp32 weight, one row: what a
   decode step streams; the faster of the weight in ordinary memory and in a huge-page weight arena, where the
   engine keeps its weights) beside a plain reduction over 512 MB, and matmul throughput in float32, bfloat16 and int8
-  (torch's own large GEMMs) and the invariant kernel's at 64 rows;
+  (torch's own large GEMMs) and the invariant kernels' at 64 rows (float32, and int8 x int8 for w8a8's bound);
 - the target on the compiled engine (`compile.kernels`, default the batch-invariant kernels): T(w) for every width,
   beside its bound max(bytes / bandwidth, FLOPs / throughput), bytes = its weights + the KV cache it reads, FLOPs =
   2 x weights x w + attention;
