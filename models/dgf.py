@@ -443,6 +443,9 @@ class EagerDGFEngine(EagerBuild):
     def new_cache(self, max_length: int | None = None) -> DynamicCache:
         return DynamicCache()
 
+    def fuse_layers(self, layers: torch.Tensor) -> torch.Tensor:
+        return self.model.fuse_layers(layers)
+
     @torch.inference_mode()
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
                 allowed: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

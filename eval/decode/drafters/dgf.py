@@ -77,7 +77,7 @@ class DGFDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, tokens, hidden):
         layers = torch.stack([hidden[layer].to(self.device) for layer in self.hidden_layers], -2)  # (m, k, H)
-        feature = self.model.fuse_layers(layers)  # (m, H): the layer itself, or EAGLE-3's fused feature
+        feature = self.engine.fuse_layers(layers)  # (m, H): the layer itself, or EAGLE-3's fused feature
         self.features.append(feature.to(self.device, self.model.dtype))
         self.num_features += feature.shape[0]
 
