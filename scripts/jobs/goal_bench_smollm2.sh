@@ -4,7 +4,8 @@
 # checked against plain), other jobs paused while it times. Skips itself when its bench.json exists; a rerun
 # continues from its progress.jsonl.
 #   OUT=results/<study>/goal_bench bash scripts/jobs/goal_bench_smollm2.sh
-#   DTYPE=bfloat16 or WEIGHTS=int8 for the other precisions (lossless against that target's own plain decoding)
+#   DTYPE=bfloat16 or WEIGHTS=int8 for the other precisions (lossless against that target's own plain decoding);
+#   a w8a8 target has its own protocol (its drafters in fp32 or int8): eval/configs/goal_bench_w8a8_smollm2.yaml
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DTYPE=${DTYPE:-float32}
