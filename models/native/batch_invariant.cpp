@@ -396,6 +396,20 @@ int64_t packed_elements(int64_t K, int64_t N, bool pairs) {
   return pairs ? panels * ((K + 1) / 2) * panel * 2 : panels * K * panel;
 }
 
+// (x contiguous, the output: x's shape with N last and x's dtype, the rows M) of a linear layer's call.
+std::tuple<at::Tensor, at::Tensor, int64_t> linear_io(const at::Tensor& x, int64_t N) {
+  at::Tensor xc = x.contiguous();
+  const int64_t K = x.size(-1);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  return {xc, at::empty(sizes, x.options()), K ? xc.numel() / K : 0};
+}
+
+// An optional scale or bias as contiguous float32 (undefined when absent).
+at::Tensor floats_of(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                   const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "draftsmith::linear runs on the CPU");
@@ -408,16 +422,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   TORCH_CHECK(packed.is_contiguous() && packed.numel() == packed_elements(K, N, wt == at::kBFloat16),
               "draftsmith::linear: the packed weight does not match ", K, " inputs and ", N, " outputs");
   TORCH_CHECK((wt == at::kChar) == scale.has_value(), "draftsmith::linear: int8 weights and only they take scales");
-  at::Tensor xc = x.contiguous();
-  const int64_t M = K ? xc.numel() / K : 0;
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty(sizes, x.options());
+  at::Tensor xc, out;
+  int64_t M;
+  std::tie(xc, out, M) = linear_io(x, N);  // (not a structured binding: the lambdas below capture xc)
   if (M == 0) return out;
-  at::Tensor scale_f = scale.has_value() ? scale->to(at::kFloat).contiguous() : at::Tensor();
-  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* s = scale.has_value() ? scale_f.data_ptr<float>() : nullptr;
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const at::Tensor scale_f = floats_of(scale), bias_f = floats_of(bias);
+  const float* s = scale_f.defined() ? scale_f.data_ptr<float>() : nullptr;
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto xb = [&] { return reinterpret_cast<const uint16_t*>(xc.data_ptr()); };
   auto ob = [&] { return reinterpret_cast<uint16_t*>(out.data_ptr()); };
   if (wt == at::kFloat && xt == at::kFloat)
@@ -444,14 +455,12 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Te
               "draftsmith::linear_i8: the packed int8 weight does not match ", K, " inputs and ", N, " outputs");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
               "draftsmith::linear_i8: a float32 scale per output");
-  at::Tensor xc = x.contiguous();
-  const int64_t M = K ? xc.numel() / K : 0;
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty(sizes, x.options());
+  at::Tensor xc, out;
+  int64_t M;
+  std::tie(xc, out, M) = linear_io(x, N);
   if (M == 0) return out;
-  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const at::Tensor bias_f = floats_of(bias);
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   DISPATCH_ISA(linear_i8_kernel(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, scale.data_ptr<float>(), b,
                                 out.data_ptr<float>()))
   return out;
