@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import UserError
 from draftsmith.fileio import atomic_write
+from draftsmith.models.kernels import frozen_linear
 
 VOCAB_FILE = "draft_vocab.safetensors"
 
@@ -116,12 +117,8 @@ def with_sliced_head(model: nn.Module, vocab: DraftVocab) -> nn.Module:
         raise UserError(f"the draft vocabulary is for {vocab.target_size} tokens; this model's LM head has "
                         f"{head.weight.shape[0]}")
     rows = vocab.draft_to_target.to(head.weight.device)
-    sliced = nn.Linear(head.in_features, vocab.size, bias=head.bias is not None, device=head.weight.device,
-                       dtype=head.weight.dtype).requires_grad_(False)
     with torch.no_grad():
-        sliced.weight.copy_(head.weight[rows])
-        if head.bias is not None:
-            sliced.bias.copy_(head.bias[rows])
+        sliced = frozen_linear(head.weight[rows], None if head.bias is None else head.bias[rows])
     clone = copy.copy(model)
     clone._modules = dict(model._modules)  # its own module table: replacing the head leaves `model` as it is
     clone.set_output_embeddings(sliced)
