@@ -70,7 +70,8 @@ def measure(results: dict, base: TargetModel) -> dict[str, dict[str, dict]]:
     reference = log_probs(invariant_model(base.model))
     document = {}
     for label, dtype, weights in PRECISIONS:
-        model = invariant_model(copy.deepcopy(base.model).to(dtype), weights)
+        converted = base.model if dtype == base.dtype else copy.deepcopy(base.model).to(dtype)  # (base unchanged)
+        model = invariant_model(converted, weights)
         document[label] = {suite: agreement(reference[suite], other)
                            for suite, other in log_probs(model).items()}
     return document

@@ -260,7 +260,8 @@ def format_roofline(document: dict) -> str:
              f"Machine: weight stream {roofs['stream_gbs']:.1f} GB/s ({stream_memory(roofs)}a plain 512 MB "
              f"reduction: {roofs['reduction_gbs']:.1f}); matmul float32 {roofs['float32_gflops']:.0f} GFLOPS, bfloat16 "
              f"{roofs['bfloat16_gflops']:.0f}, int8 {roofs['int8_gops']:.0f} GOPS; the invariant kernel at 64 rows "
-             f"{roofs['kernel_float32_gflops']:.0f} GFLOPS float32, int8 x int8 {roofs.get('kernel_int8_gops', 0):.0f} GOPS.", "",
+             f"{roofs['kernel_float32_gflops']:.0f} GFLOPS float32, int8 x int8 {roofs['kernel_int8_gops']:.0f} GOPS.",
+             "",
              "| w | T(w) ms | T(w)/T(1) | bound ms | bound / T(w) | linear ms | LM head ms | attention ms | rest ms |",
              "|---|---|---|---|---|---|---|---|---|"]
     rows = document["widths"]

@@ -45,6 +45,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 import transformers
 from torch import nn
+from torch.utils import _pytree
 from transformers import StaticCache
 
 from draftsmith.config import ConfigError, Unread, check_config, option
@@ -111,13 +112,11 @@ class DirectRunner:
     four); a step's inputs are positional tensors already in the package's order, so they go straight to the loader."""
 
     def __init__(self, package):
-        from torch.utils import _pytree
-
-        self.package, self.unflatten = package, _pytree.tree_unflatten
+        self.package = package
         self.out_spec = _pytree.treespec_loads(package.loader.get_call_spec()[1])
 
     def __call__(self, *tensors: torch.Tensor):
-        return self.unflatten(self.package.loader.boxed_run(list(tensors)), self.out_spec)
+        return _pytree.tree_unflatten(self.package.loader.boxed_run(list(tensors)), self.out_spec)
 
 
 class CompileUnavailable(UserError):

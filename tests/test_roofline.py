@@ -18,7 +18,7 @@ def test_roofline_of_a_tiny_target_and_medusa_heads(tmp_path, monkeypatch):
     monkeypatch.setattr(roofline, "load_medusa_heads", lambda path, device, target: (heads.eval(), {}))
     monkeypatch.setattr(roofline, "machine_roofs", lambda: {
         "stream_gbs": 10.0, "reduction_gbs": 10.0, "float32_gflops": 50.0, "bfloat16_gflops": 100.0,
-        "int8_gops": 200.0, "kernel_float32_gflops": 50.0})
+        "int8_gops": 200.0, "kernel_float32_gflops": 50.0, "kernel_int8_gops": 150.0})
     out = tmp_path / "roofline.json"
     document = roofline.main(["target=tiny:llama", "widths=[1,2]", "repeats=1", "context_tokens=8", "drafter=null",
                               f"medusa={tmp_path / 'heads'}", "compile.autotune=false", "compile.buckets=[1,2]",

@@ -158,7 +158,8 @@ struct XQ {
 };
 constexpr int WEIGHT_BIAS = 0;
 inline void vquantize(int8_t* q, V v, int n) {  // (the rounding is MXCSR's: to nearest even, as lrint)
-  const __m256i i = _mm256_max_epi32(_mm256_set1_epi32(-127), _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_cvtps_epi32(v)));
+  const __m256i i = _mm256_max_epi32(_mm256_set1_epi32(-127),
+                                     _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_cvtps_epi32(v)));
   alignas(32) int32_t lanes[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), i);
   for (int t = 0; t < n && t < 8; ++t) q[t] = int8_t(lanes[t]);
@@ -390,10 +391,11 @@ void run_linear(const XT* x, int64_t M, int64_t K, const WT* w, int64_t N, const
   DISPATCH_ISA(linear_kernel<XT, WT, OT>(x, M, K, w, N, scale, bias, out))
 }
 
-int64_t packed_elements(int64_t K, int64_t N, bool pairs) {
+// Elements of a weight packed in panels of PANEL columns, K in groups of `group` inputs (1; bf16 pairs: 2; int8 x int8
+// quads: QUAD), padded with zeros (kernels.py's pack_weight).
+int64_t packed_elements(int64_t K, int64_t N, int64_t group) {
   constexpr int64_t panel = isa_scalar::PANEL;  // one panel width for every instruction set (kernels.py packs it)
-  int64_t panels = (N + panel - 1) / panel;
-  return pairs ? panels * ((K + 1) / 2) * panel * 2 : panels * K * panel;
+  return (N + panel - 1) / panel * ((K + group - 1) / group) * panel * group;
 }
 
 // (x contiguous, the output: x's shape with N last and x's dtype, the rows M) of a linear layer's call.
@@ -419,7 +421,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "draftsmith::linear: weights must be "
               "float32, bfloat16 or int8");
   TORCH_CHECK(wt != at::kBFloat16 || xt == at::kBFloat16, "draftsmith::linear: bfloat16 weights need bfloat16 inputs");
-  TORCH_CHECK(packed.is_contiguous() && packed.numel() == packed_elements(K, N, wt == at::kBFloat16),
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() == packed_elements(K, N, wt == at::kBFloat16 ? 2 : 1),
               "draftsmith::linear: the packed weight does not match ", K, " inputs and ", N, " outputs");
   TORCH_CHECK((wt == at::kChar) == scale.has_value(), "draftsmith::linear: int8 weights and only they take scales");
   at::Tensor xc, out;
@@ -448,10 +450,9 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "draftsmith::linear_i8 runs on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "draftsmith::linear_i8: inputs must be float32");
-  const int64_t K = x.size(-1), N = out_features, quad = isa_scalar::QUAD, panel = isa_scalar::PANEL;
-  const int64_t panels = (N + panel - 1) / panel;
+  const int64_t K = x.size(-1), N = out_features;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-              packed.numel() == panels * ((K + quad - 1) / quad) * panel * quad,
+              packed.numel() == packed_elements(K, N, isa_scalar::QUAD),
               "draftsmith::linear_i8: the packed int8 weight does not match ", K, " inputs and ", N, " outputs");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
               "draftsmith::linear_i8: a float32 scale per output");

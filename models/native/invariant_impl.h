@@ -174,7 +174,7 @@ constexpr int BLOCK_QUADS = ACT_BLOCK / QUAD;
 // The register tile: int32 and float accumulators for I8_TILE_ROWS x I8_TILE_VECTORS (AVX-512: 4 x 3, 24 of 32
 // registers; AVX2: 2 x 2 of 16).
 constexpr int I8_TILE_VECTORS = VL == 16 ? 3 : VL == 8 ? 2 : 4;
-constexpr int I8_TILE_ROWS = VL == 1 ? 2 : VL == 8 ? 2 : 4;
+constexpr int I8_TILE_ROWS = VL == 16 ? 4 : 2;
 
 struct QuantizedRows {
   int64_t quads, blocks;
@@ -244,7 +244,8 @@ inline void tile_i8(const QuantizedRows& x, int64_t m0, const int8_t* panel, int
     for (int m = 0; m < MB; ++m) {
       const int64_t at = (m0 + m) * x.blocks + b;
       const V block_scale = vset1(x.scale[at]);
-      for (int v = 0; v < NV; ++v) total[m][v] = vfma(vblock_float(acc[m][v], x.correction[at]), block_scale, total[m][v]);
+      for (int v = 0; v < NV; ++v)
+        total[m][v] = vfma(vblock_float(acc[m][v], x.correction[at]), block_scale, total[m][v]);
     }
   }
   for (int m = 0; m < MB; ++m) store_row<NV>(out + (m0 + m) * N, total[m], column, N, scale, bias);
