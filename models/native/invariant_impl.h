@@ -16,9 +16,9 @@
 constexpr int PANEL = 48;  // output columns per packed weight panel (kernels.py's PANEL)
 constexpr int PANEL_VECTORS = PANEL / VL;
 // The register tile: TILE_ROWS rows x TILE_VECTORS vectors of accumulators (AVX-512: 9 x 3 of 32 registers, so a
-// verify of up to 9 rows streams each weight once, in one pass; AVX2: 3 x 3 of 16).
+// verify of up to 9 rows streams each weight once, in one pass; AVX2: 4 x 3, all 16).
 constexpr int TILE_VECTORS = VL == 1 ? 4 : 3;
-constexpr int TILE_ROWS = VL == 16 ? 9 : VL == 8 ? 3 : 2;
+constexpr int TILE_ROWS = VL == 16 ? 9 : VL == 8 ? 4 : 2;
 
 inline float x_value(const float* x, int64_t i) { return x[i]; }
 inline float x_value(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]); }
@@ -45,11 +45,33 @@ inline void prefetch_ahead(const void* w, int64_t bytes) {
   }
 }
 
+// Where a panel takes more than one sweep (several passes of the tile, or tasks of part of its width: AVX2), the
+// sweeps after the first read it from L2 and the memory stream stopped while they computed (a verify of 8 rows on
+// AVX2 cost 1.2-1.6 steps, 16 rows on AVX-512 1.45). So each sweep requests its share of the next panel as it goes,
+// `stride` bytes per input: the sweeps of a panel together request the whole next one, spread over their time.
+struct Ahead {
+  const char* next = nullptr;  // null: no requests
+  int64_t stride = 0;
+
+  // The share of inputs k .. k + count - 1.
+  void request(int64_t k, int64_t count) const {
+    if (!next) return;
+    for (int64_t b = k * stride; b < (k + count) * stride; b += 64) __builtin_prefetch(next + b, 0, 2);
+  }
+};
+
+// Sweep `sweep` of `sweeps` over a panel of `panel_bytes` and K inputs, the next panel at `next` (null: none).
+inline Ahead sweep_ahead(const void* next, int64_t panel_bytes, int64_t sweep, int64_t sweeps, int64_t K) {
+  if (!next || sweeps < 2) return {};
+  return {static_cast<const char*>(next) + sweep * panel_bytes / sweeps, panel_bytes / (sweeps * K)};
+}
+
 template <int MB, int NV, typename XT, typename WT>
-inline void tile_fma(const XT* x, int64_t ldx, const WT* panel, int64_t K, int c0, V acc[MB][NV]) {
+inline void tile_fma(const XT* x, int64_t ldx, const WT* panel, int64_t K, int c0, V acc[MB][NV], const Ahead& ahead) {
   for (int64_t k = 0; k < K; ++k) {
     const WT* w = panel + k * PANEL + c0;
     if constexpr (!std::is_same_v<WT, int8_t>) prefetch_ahead<MB>(w, NV * VL * sizeof(WT));
+    ahead.request(k, 1);
     V wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load_weight(w + v * VL);
     for (int m = 0; m < MB; ++m) {
@@ -70,8 +92,9 @@ inline uint32_t input_pair(const uint16_t* xr) {
 }
 
 template <int MB, int NV, bool WHOLE>
-inline void pair_fma(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p, V acc[MB][NV]) {
+inline void pair_fma(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p, V acc[MB][NV], const Ahead& ahead) {
   prefetch_ahead<MB>(w, 2 * NV * VL * sizeof(uint16_t));
+  ahead.request(2 * p, 2);
   for (int m = 0; m < MB; ++m) {
     const uint32_t pair = input_pair<WHOLE>(x + m * ldx + 2 * p);
 #if DPBF16
@@ -88,10 +111,11 @@ inline void pair_fma(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 }
 
 template <int MB, int NV>
-inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, int c0, V acc[MB][NV]) {
+inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, int c0, V acc[MB][NV],
+                      const Ahead& ahead) {
   const int64_t whole = K / 2;
-  for (int64_t p = 0; p < whole; ++p) pair_fma<MB, NV, true>(x, ldx, panel + (p * PANEL + c0) * 2, p, acc);
-  if (K % 2) pair_fma<MB, NV, false>(x, ldx, panel + (whole * PANEL + c0) * 2, whole, acc);
+  for (int64_t p = 0; p < whole; ++p) pair_fma<MB, NV, true>(x, ldx, panel + (p * PANEL + c0) * 2, p, acc, ahead);
+  if (K % 2) pair_fma<MB, NV, false>(x, ldx, panel + (whole * PANEL + c0) * 2, whole, acc, ahead);
 }
 
 template <int NV, typename OT>
@@ -109,33 +133,43 @@ inline void store_row(OT* out, const V acc[NV], int64_t column, int64_t N, const
 
 template <int MB, int NV, typename XT, typename WT, typename OT>
 inline void tile(const XT* x, int64_t K, const WT* panel, int c0, OT* out, int64_t column, int64_t N,
-                 const float* scale, const float* bias) {
+                 const float* scale, const float* bias, const Ahead& ahead) {
   V acc[MB][NV];
   for (int m = 0; m < MB; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = vzero();
-  if constexpr (std::is_same_v<WT, uint16_t>) tile_bf16<MB, NV>(x, K, panel, K, c0, acc);
-  else tile_fma<MB, NV>(x, K, panel, K, c0, acc);
+  if constexpr (std::is_same_v<WT, uint16_t>) tile_bf16<MB, NV>(x, K, panel, K, c0, acc, ahead);
+  else tile_fma<MB, NV>(x, K, panel, K, c0, acc, ahead);
   for (int m = 0; m < MB; ++m) store_row<NV>(out + m * N, acc[m], column, N, scale, bias);
 }
 
-// run(std::integral_constant<int, rows>, m) for rows m .. m + rows - 1, rows <= ROWS a compile-time constant.
+// run(std::integral_constant<int, rows>, m, pass) for rows m .. m + rows - 1, rows <= ROWS a compile-time constant.
 template <int ROWS, typename Run>
-inline void with_rows(int64_t rows, int64_t m, const Run& run) {
+inline void with_rows(int64_t rows, int64_t m, int64_t pass, const Run& run) {
   if constexpr (ROWS >= 1) {
-    if (rows == ROWS) return run(std::integral_constant<int, ROWS>{}, m);
-    with_rows<ROWS - 1>(rows, m, run);
+    if (rows == ROWS) return run(std::integral_constant<int, ROWS>{}, m, pass);
+    with_rows<ROWS - 1>(rows, m, pass, run);
   }
 }
+
+template <int ROWS>
+constexpr int64_t passes_of(int64_t M) { return (M + ROWS - 1) / ROWS; }
 
 // Every row of one task, in passes of near-equal row counts <= ROWS (so a verify of 10 rows is two passes of 5).
 template <int ROWS, typename Run>
 inline void in_passes(int64_t M, const Run& run) {
-  const int64_t passes = (M + ROWS - 1) / ROWS;
+  const int64_t passes = passes_of<ROWS>(M);
   for (int64_t pass = 0, m = 0; pass < passes; ++pass) {
     const int64_t rows = (M - m) / (passes - pass);
-    with_rows<ROWS>(rows, m, run);
+    with_rows<ROWS>(rows, m, pass, run);
     m += rows;
   }
+}
+
+// The next panel a task's sweeps request, where its rows take that (more than PREFETCH_ROWS: fewer request their own
+// weights ahead); null after the last panel.
+inline const void* next_panel(const void* packed, int64_t p, int64_t panels, int64_t panel_bytes, int64_t M) {
+  if (M <= PREFETCH_ROWS || p + 1 >= panels) return nullptr;
+  return static_cast<const char*>(packed) + (p + 1) * panel_bytes;
 }
 
 // y (M, N) = x (M, K) . W^T (+ per-column scale, + bias), W packed in panels of PANEL columns. Threads take
@@ -149,11 +183,14 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
   const int64_t tasks = panels * subs;
 #pragma omp parallel for schedule(static) if (tasks > 1)
   for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t p = task / subs;
-    const int c0 = int(task % subs * TILE_VECTORS * VL);
-    in_passes<TILE_ROWS>(M, [&](auto rows, int64_t m) {
+    const int64_t p = task / subs, sub = task % subs, passes = passes_of<TILE_ROWS>(M);
+    const int c0 = int(sub * TILE_VECTORS * VL);
+    const int64_t panel_bytes = panel_size * int64_t(sizeof(WT));
+    const void* next = next_panel(packed, p, panels, panel_bytes, M);
+    in_passes<TILE_ROWS>(M, [&](auto rows, int64_t m, int64_t pass) {
+      const Ahead ahead = sweep_ahead(next, panel_bytes, sub * passes + pass, subs * passes, K);
       tile<decltype(rows)::value, TILE_VECTORS>(x + m * K, K, packed + p * panel_size, c0, out + m * N, p * PANEL + c0,
-                                                N, scale, bias);
+                                                N, scale, bias, ahead);
     });
   }
 }
@@ -222,7 +259,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 
 template <int MB, int NV>
 inline void tile_i8(const QuantizedRows& x, int64_t m0, const int8_t* panel, int c0, float* out, int64_t column,
-                    int64_t N, const float* scale, const float* bias) {
+                    int64_t N, const float* scale, const float* bias, const Ahead& ahead) {
   V total[MB][NV];
   for (int m = 0; m < MB; ++m)
     for (int v = 0; v < NV; ++v) total[m][v] = vzero();
@@ -234,6 +271,7 @@ inline void tile_i8(const QuantizedRows& x, int64_t m0, const int8_t* panel, int
     for (int64_t p = b * BLOCK_QUADS; p < end; ++p) {
       const int8_t* w = panel + (p * PANEL + c0) * QUAD;
       prefetch_ahead<MB>(w, NV * VL * QUAD);
+      ahead.request(p * QUAD, QUAD);
       VI wv[NV];
       for (int v = 0; v < NV; ++v) wv[v] = viload(w + v * VL * QUAD);
       for (int m = 0; m < MB; ++m) {
@@ -260,11 +298,13 @@ inline void linear_i8_kernel(const float* x, int64_t M, int64_t K, const int8_t*
   const int64_t subs = PANEL_VECTORS / I8_TILE_VECTORS, tasks = panels * subs;
 #pragma omp parallel for schedule(static) if (tasks > 1)
   for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t p = task / subs;
-    const int c0 = int(task % subs * I8_TILE_VECTORS * VL);
-    in_passes<I8_TILE_ROWS>(M, [&](auto count, int64_t m) {
+    const int64_t p = task / subs, sub = task % subs, passes = passes_of<I8_TILE_ROWS>(M);
+    const int c0 = int(sub * I8_TILE_VECTORS * VL);
+    const void* next = next_panel(packed, p, panels, panel_size, M);
+    in_passes<I8_TILE_ROWS>(M, [&](auto count, int64_t m, int64_t pass) {
+      const Ahead ahead = sweep_ahead(next, panel_size, sub * passes + pass, subs * passes, rows.quads * QUAD);
       tile_i8<decltype(count)::value, I8_TILE_VECTORS>(rows, m, packed + p * panel_size, c0, out, p * PANEL + c0, N,
-                                                       scale, bias);
+                                                       scale, bias, ahead);
     });
   }
 }
