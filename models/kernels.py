@@ -101,6 +101,15 @@ def source_digest() -> str:
 _MODULE = None
 
 
+def use_sources(directory: Path) -> None:
+    """Build and load the kernels from another copy of native/ (an A/B of kernel changes: eval.kernel_ab); only
+    before this process has loaded them."""
+    global SOURCE_DIRECTORY
+    if _MODULE is not None:
+        raise UserError("use_sources: this process has loaded the kernels already")
+    SOURCE_DIRECTORY = Path(directory)
+
+
 def load_kernels(verbose: bool = False):
     """The extension module (built on first use, then loaded from the cache); registers the ops and their fake
     kernels once per process."""

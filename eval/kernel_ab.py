@@ -1,0 +1,204 @@
+"""A/B of the batch-invariant kernels' sources: the working tree's models/native/ against a git revision's, timed
+on one target-shaped step of linear layers in alternating processes.
+
+    python -m draftsmith.eval.kernel_ab baseline=HEAD "isas=[avx512_bf16, avx2]" "precisions=[float32, w8a8]" \\
+        output=results/<study>/kernel_ab.json
+
+One step is every Linear of the target's decoder (its q/k/v and gate/up joined, as the engine runs them) and its LM
+head, each layer with its own random weights on one weight arena (models.kernels.gather_weights), called in order for
+w rows: the part of T(w) that the kernels decide, with no attention, norms or graph around it. Each (sources,
+instruction set, precision) runs in a fresh process, the two sources alternating `rounds` times, because these VMs'
+memory bandwidth moves by minutes: compare a baseline cell with the candidate cell of the same round. Medians of
+`repeats` steps per width, the widths interleaved.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith.config import check_config, config_to_dict, option
+from draftsmith.errors import UserError, exit_with
+from draftsmith.eval.documents import cpu_model, parse_document_command, write_document
+from draftsmith.models import kernels
+from draftsmith.models.bundled import DEFAULT_TARGET
+from draftsmith.models.registry import resolve_model_path
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+class StepPrecision(str, enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"  # weight-only, float32 activations
+    W8A8 = "w8a8"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class KernelIsa(str, enum.Enum):
+    """The kernels' instruction sets (batch_invariant.cpp's ISA_NAMES), forced through DRAFTSMITH_KERNEL_ISA."""
+
+    AVX512_BF16 = "avx512_bf16"
+    AVX512 = "avx512"
+    AVX2 = "avx2"
+    SCALAR = "scalar"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# activations' dtype and the InvariantLinear's stored weights, per precision
+PRECISION_PARTS = {StepPrecision.FLOAT32: (torch.float32, kernels.WeightPrecision.MODEL),
+                   StepPrecision.BFLOAT16: (torch.bfloat16, kernels.WeightPrecision.MODEL),
+                   StepPrecision.INT8: (torch.float32, kernels.WeightPrecision.INT8),
+                   StepPrecision.W8A8: (torch.float32, kernels.WeightPrecision.W8A8)}
+
+
+@dataclass
+class KernelABConfig:
+    baseline: str = option("HEAD", "the git revision whose models/native/ is the baseline (the candidate: the "
+                                   "working tree's)")
+    target: str = option(DEFAULT_TARGET, "the model whose shapes make the step (its config.json; weights random)")
+    precisions: list[StepPrecision] = option(factory=lambda: [StepPrecision.FLOAT32], help="precisions timed")
+    isas: list[KernelIsa] = option(factory=list, help="instruction sets forced (DRAFTSMITH_KERNEL_ISA; at most the "
+                                                     "CPU's own); empty: the CPU's best")
+    widths: list[int] = option(factory=lambda: [1, 4, 8, 16], help="rows per step", ge=1)
+    repeats: int = option(10, "timed steps per width (the median is reported)", ge=1)
+    rounds: int = option(2, "alternations of the baseline and candidate processes", ge=1)
+    threads: int = option(2, "torch CPU threads", ge=1)
+    output: str | None = option(None, "JSON path (a markdown table is written beside it); null: print only")
+
+    def __post_init__(self):
+        check_config(self)
+
+
+def step_shapes(config: dict) -> list[tuple[int, int]]:
+    """(in, out) of every Linear a decoder step calls, in order (q/k/v and gate/up joined), then the LM head."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
+    layer = [(hidden, config["num_attention_heads"] * head_dim + 2 * kv), (config["num_attention_heads"] * head_dim,
+             hidden), (hidden, 2 * inner), (inner, hidden)]
+    return layer * config["num_hidden_layers"] + [(hidden, config["vocab_size"])]
+
+
+def baseline_sources(revision: str, into: Path) -> Path:
+    """models/native/ at `revision`, written under `into`."""
+    directory = into / "native"
+    directory.mkdir(parents=True)
+    for name in kernels.SOURCES:
+        shown = subprocess.run(["git", "-C", str(REPOSITORY), "show", f"{revision}:models/native/{name}"],
+                               capture_output=True)
+        if shown.returncode:
+            raise UserError(f"baseline={revision}: git has no models/native/{name} there "
+                            f"({shown.stderr.decode().strip().splitlines()[-1] if shown.stderr else 'no git'})")
+        (directory / name).write_bytes(shown.stdout)
+    return directory
+
+
+def same_sources(first: Path, second: Path) -> bool:
+    return all((first / name).read_bytes() == (second / name).read_bytes() for name in kernels.SOURCES)
+
+
+def time_step(spec: dict) -> dict[int, float]:
+    """In a fresh process: median ms of one step per width on the kernels built from spec['sources']."""
+    kernels.use_sources(Path(spec["sources"]))
+    kernels.load_kernels()
+    torch.set_num_threads(spec["threads"])
+    dtype, weights = PRECISION_PARTS[StepPrecision(spec["precision"])]
+    shapes = [tuple(shape) for shape in spec["shapes"]]
+    layers = nn.ModuleList()
+    for fan_in, fan_out in shapes:
+        linear = nn.Linear(fan_in, fan_out, bias=False)
+        nn.init.normal_(linear.weight, std=0.02)
+        layers.append(kernels.InvariantLinear(linear.to(dtype), weights))
+    kernels.gather_weights(layers)
+    inputs = {w: {k: torch.randn(w, k, dtype=dtype) for k in {shape[0] for shape in shapes}} for w in spec["widths"]}
+
+    def step(w: int) -> float:
+        tick = time.perf_counter()
+        for (fan_in, _), layer in zip(shapes, layers):
+            layer(inputs[w][fan_in])
+        return time.perf_counter() - tick
+
+    seconds = {w: [] for w in spec["widths"]}
+    with torch.inference_mode():
+        for w in spec["widths"]:
+            step(w)
+        for _ in range(spec["repeats"]):
+            for w in spec["widths"]:
+                seconds[w].append(step(w))
+    return {w: 1000 * statistics.median(values) for w, values in seconds.items()} | {"isa": kernels.kernel_isa()}
+
+
+def child_main() -> None:
+    print(json.dumps(time_step(json.loads(sys.argv[1]))))
+
+
+def run_child(spec: dict, isa: KernelIsa | None) -> dict:
+    env = dict(os.environ) | ({"DRAFTSMITH_KERNEL_ISA": str(isa)} if isa else {})
+    command = [sys.executable, "-c", "from draftsmith.eval.kernel_ab import child_main; child_main()", json.dumps(spec)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"the {spec['label']} kernels did not run ({last[:200]})")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def format_ab(document: dict) -> str:
+    widths = document["config"]["widths"]
+    lines = [f"Kernel A/B on {document['cpu']}: a {document['target']}-shaped step of linear layers, median ms "
+             f"(T(w)/T(1)); baseline = models/native/ at {document['config']['baseline']}, candidate = the working "
+             "tree; one fresh process per cell, the two alternating each round.", "",
+             "| isa | precision | round | sources | " + " | ".join(f"T({w})" for w in widths) + " |",
+             "|---|---|---|---|" + "---|" * len(widths)]
+    for cell in document["cells"]:
+        first = cell["ms"][str(widths[0])]
+        times = " | ".join(f"{cell['ms'][str(w)]:.2f} ({cell['ms'][str(w)] / first:.2f})" for w in widths)
+        lines.append(f"| {cell['isa']} | {cell['precision']} | {cell['round']} | {cell['sources']} | {times} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> dict:
+    config, out = parse_document_command("draftsmith.eval.kernel_ab", __doc__, KernelABConfig, argv)
+    config_file = Path(resolve_model_path(config.target)) / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"target={config.target}: no config.json at {config_file.parent}")
+    shapes = step_shapes(json.loads(config_file.read_text()))
+    cells = []
+    with tempfile.TemporaryDirectory() as scratch:
+        baseline = baseline_sources(config.baseline, Path(scratch))
+        if same_sources(baseline, kernels.SOURCE_DIRECTORY):  # one build serves both (its directory is the digest's)
+            baseline = kernels.SOURCE_DIRECTORY
+        sources = {"baseline": baseline, "candidate": kernels.SOURCE_DIRECTORY}
+        for isa in config.isas or [None]:
+            for precision in config.precisions:
+                for round_index in range(1, config.rounds + 1):
+                    for label, directory in sources.items():
+                        spec = {"label": label, "sources": str(directory), "threads": config.threads,
+                                "precision": str(precision), "shapes": shapes, "widths": config.widths,
+                                "repeats": config.repeats}
+                        ms = run_child(spec, isa)
+                        cells.append({"isa": ms.pop("isa"), "precision": str(precision), "round": round_index,
+                                      "sources": label, "ms": {str(w): value for w, value in ms.items()}})
+    document = {"format": "draftsmith.kernel_ab/1", "config": config_to_dict(config), "cpu": cpu_model(),
+                "target": config.target, "cells": cells}
+    write_document(out, document, format_ab(document))
+    return document
+
+
+if __name__ == "__main__":
+    exit_with(main)

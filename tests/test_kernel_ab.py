@@ -1,0 +1,42 @@
+"""eval.kernel_ab: the kernels' sources at a git revision against the working tree's, in alternating processes."""
+
+import json
+
+import pytest
+
+from draftsmith.errors import UserError
+from draftsmith.eval import kernel_ab
+from draftsmith.models import kernels
+
+TINY = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 200}
+
+
+def test_step_shapes_follow_the_config():
+    shapes = kernel_ab.step_shapes(TINY)
+    assert shapes[:4] == [(64, 64 + 2 * 32), (64, 64), (64, 192), (96, 64)]
+    assert len(shapes) == 2 * 4 + 1 and shapes[-1] == (64, 200)
+
+
+def test_both_sources_time_every_precision(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "ab.json"
+    document = kernel_ab.main([f"target={tmp_path / 'model'}", "baseline=HEAD", "precisions=[float32, w8a8]",
+                               "widths=[1, 3]", "repeats=1", "rounds=1", f"output={out}"])
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["precision"], c["sources"]) for c in cells] == [("float32", "baseline"), ("float32", "candidate"),
+                                                               ("w8a8", "baseline"), ("w8a8", "candidate")]
+    assert all(c["ms"]["3"] > 0 and c["isa"] == kernels.kernel_isa() for c in cells)
+    assert "| candidate |" in out.with_suffix(".md").read_text() and document["target"] == str(tmp_path / "model")
+
+
+def test_an_unknown_baseline_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="baseline=no-such-revision: git has no models/native/"):
+        kernel_ab.baseline_sources("no-such-revision", tmp_path)
+
+
+def test_sources_change_only_before_the_kernels_load():
+    kernels.load_kernels()
+    with pytest.raises(UserError, match="loaded the kernels already"):
+        kernels.use_sources(kernels.SOURCE_DIRECTORY)
