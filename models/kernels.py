@@ -157,6 +157,11 @@ def kernel_isa() -> str:
     return load_kernels().kernel_isa()
 
 
+def loaded_isa() -> str | None:
+    """kernel_isa() where this process has loaded the kernels (a run on them), else None (nothing is built)."""
+    return _MODULE.kernel_isa() if _MODULE is not None else None
+
+
 # -- packing ------------------------------------------------------------------------------------------------------
 
 def pack_weight(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from draftsmith.eval.bench import run as bench
 from draftsmith.eval.bench.run import BenchConfig, run_benchmark, turn_input_ids, write_outputs
 from draftsmith.eval.bench.methods import parse_method
 from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.kernels import kernel_isa
 from draftsmith.models.target import TargetModel
 from tests.conftest import tiny_target_for
 
@@ -121,6 +122,7 @@ def test_bench_end_to_end_json_markdown_png(tiny_pair, prompts_file, tmp_path):
                                                                         summary[method]["speedup_compiled"]))
     assert results["compile"] and all(entry["compile_s"] + entry["load_s"] > 0 for entry in results["compile"].values())
     assert results["machine"]["timed_loop_s"] > 0  # and, where Linux reports memory pressure, the stalls in it
+    assert results["machine"]["kernel_isa"] == kernel_isa()  # the compiled engine ran on the invariant kernels
     assert results["machine"].get("memory_stall_s", 0.0) >= 0
     # 2 jsonl prompts (1 turn) + 2 MT-Bench questions x 2 turns
     rows = results["per_prompt"]

@@ -59,6 +59,7 @@ from draftsmith.eval.bench.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import DEFAULT_TARGET, has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread
+from draftsmith.models.kernels import loaded_isa
 from draftsmith.models.engine import Backend, sync
 from draftsmith.models.precision import weight_count
 from draftsmith.models.target import TargetModel, dtype_name
@@ -137,6 +138,8 @@ def machine_info(target: TargetModel) -> dict:
         info["load_average_at_start"] = os.getloadavg()
     if target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(target.device)
+    if loaded_isa() is not None:  # the compiled engine's batch-invariant kernels (DRAFTSMITH_KERNEL_ISA forces one)
+        info["kernel_isa"] = loaded_isa()
     return info
 
 
