@@ -15,6 +15,7 @@ memory bandwidth moves by minutes: compare a baseline cell with the candidate ce
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import os
 import statistics
@@ -113,8 +114,9 @@ def same_sources(first: Path, second: Path) -> bool:
     return all((first / name).read_bytes() == (second / name).read_bytes() for name in kernels.SOURCES)
 
 
-def time_step(spec: dict) -> dict[int, float]:
-    """In a fresh process: median ms of one step per width on the kernels built from spec['sources']."""
+def time_step(spec: dict) -> dict:
+    """In a fresh process: the kernels' instruction set and the median ms of one step per width, on the kernels built
+    from spec['sources']."""
     kernels.use_sources(Path(spec["sources"]))
     kernels.load_kernels()
     torch.set_num_threads(spec["threads"])
@@ -141,7 +143,8 @@ def time_step(spec: dict) -> dict[int, float]:
         for _ in range(spec["repeats"]):
             for w in spec["widths"]:
                 seconds[w].append(step(w))
-    return {w: 1000 * statistics.median(values) for w, values in seconds.items()} | {"isa": kernels.kernel_isa()}
+    medians = {str(w): 1000 * statistics.median(values) for w, values in seconds.items()}
+    return {"isa": kernels.kernel_isa(), "ms": medians}
 
 
 def child_main() -> None:
@@ -184,16 +187,11 @@ def main(argv: list[str]) -> dict:
         if same_sources(baseline, kernels.SOURCE_DIRECTORY):  # one build serves both (its directory is the digest's)
             baseline = kernels.SOURCE_DIRECTORY
         sources = {"baseline": baseline, "candidate": kernels.SOURCE_DIRECTORY}
-        for isa in config.isas or [None]:
-            for precision in config.precisions:
-                for round_index in range(1, config.rounds + 1):
-                    for label, directory in sources.items():
-                        spec = {"label": label, "sources": str(directory), "threads": config.threads,
-                                "precision": str(precision), "shapes": shapes, "widths": config.widths,
-                                "repeats": config.repeats}
-                        ms = run_child(spec, isa)
-                        cells.append({"isa": ms.pop("isa"), "precision": str(precision), "round": round_index,
-                                      "sources": label, "ms": {str(w): value for w, value in ms.items()}})
+        for isa, precision, round_index, (label, directory) in itertools.product(
+                config.isas or [None], config.precisions, range(1, config.rounds + 1), sources.items()):
+            spec = {"label": label, "sources": str(directory), "threads": config.threads, "precision": str(precision),
+                    "shapes": shapes, "widths": config.widths, "repeats": config.repeats}
+            cells.append({"precision": str(precision), "round": round_index, "sources": label} | run_child(spec, isa))
     document = {"format": "draftsmith.kernel_ab/1", "config": config_to_dict(config), "cpu": cpu_model(),
                 "target": config.target, "cells": cells}
     write_document(out, document, format_ab(document))

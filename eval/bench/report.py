@@ -238,8 +238,8 @@ def run_line(results: dict) -> str:
             f"{config['max_new_tokens']} new tokens, {mode}), "
             f"{machine['device']} {machine['dtype']}, {machine.get('processor', '')}"
             + (f" ({machine['isa']})" if machine.get("isa") else "")
-            + (f", kernels {machine['kernel_isa']}" if machine.get("kernel_isa") else "") + f", {machine['cpu_count']} cores, "
-            f"{machine['torch_threads']} torch threads, {machine['platform']}"
+            + (f", kernels {machine['kernel_isa']}" if machine.get("kernel_isa") else "")
+            + f", {machine['cpu_count']} cores, {machine['torch_threads']} torch threads, {machine['platform']}"
             + (f", load average at start {load[0]:.2f}" if load else "") + memory_line(machine))
 
 
