@@ -4,12 +4,13 @@ on one target-shaped step of linear layers in alternating processes.
     python -m draftsmith.eval.kernel_ab baseline=HEAD "isas=[avx512_bf16, avx2]" "precisions=[float32, w8a8]" \\
         output=results/<study>/kernel_ab.json
 
-One step is every Linear of the target's decoder (its q/k/v and gate/up joined, as the engine runs them) and its LM
-head, each layer with its own random weights on one weight arena (models.kernels.gather_weights), called in order for
-w rows: the part of T(w) that the kernels decide, with no attention, norms or graph around it. Each (sources,
-instruction set, precision) runs in a fresh process, the two sources alternating `rounds` times, because these VMs'
-memory bandwidth moves by minutes: compare a baseline cell with the candidate cell of the same round. Medians of
-`repeats` steps per width, the widths interleaved.
+One step is every Linear of the target's decoder and its LM head as the engine runs them (the target built from its
+config with random weights, then models.kernels.invariant_model: q/k/v and gate/up joined, one weight arena; the
+linears eval.roofline times as its "linear" and "LM head" parts), called in order for w rows: the part of T(w) that
+the kernels decide, with no attention, norms or graph around it. Each (sources, instruction set, precision) runs in a
+fresh process, the two sources alternating `rounds` times, because these VMs' memory bandwidth moves by minutes:
+compare a baseline cell with the candidate cell of the same round. Medians of `repeats` steps per width, the widths
+interleaved.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+import transformers
 
 from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.documents import cpu_model, parse_document_command, write_document
+from draftsmith.eval.roofline import model_linears
 from draftsmith.models import kernels
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.registry import resolve_model_path
@@ -86,14 +88,13 @@ class KernelABConfig:
         check_config(self)
 
 
-def step_shapes(config: dict) -> list[tuple[int, int]]:
-    """(in, out) of every Linear a decoder step calls, in order (q/k/v and gate/up joined), then the LM head."""
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    kv = config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
-    layer = [(hidden, config["num_attention_heads"] * head_dim + 2 * kv), (config["num_attention_heads"] * head_dim,
-             hidden), (hidden, 2 * inner), (inner, hidden)]
-    return layer * config["num_hidden_layers"] + [(hidden, config["vocab_size"])]
+def step_linears(model_directory: str, precision: StepPrecision) -> list[kernels.InvariantLinear]:
+    """The decoder's InvariantLinears in order, then the LM head, of the model at `model_directory` built from its
+    config with random weights, on the kernels in `precision`."""
+    dtype, weights = PRECISION_PARTS[precision]
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_directory))
+    linears, head = model_linears(kernels.invariant_model(model.to(dtype), weights))
+    return [*linears, head]
 
 
 def baseline_sources(revision: str, into: Path) -> Path:
@@ -118,22 +119,16 @@ def time_step(spec: dict) -> dict:
     """In a fresh process: the kernels' instruction set and the median ms of one step per width, on the kernels built
     from spec['sources']."""
     kernels.use_sources(Path(spec["sources"]))
-    kernels.load_kernels()
     torch.set_num_threads(spec["threads"])
-    dtype, weights = PRECISION_PARTS[StepPrecision(spec["precision"])]
-    shapes = [tuple(shape) for shape in spec["shapes"]]
-    layers = nn.ModuleList()
-    for fan_in, fan_out in shapes:
-        linear = nn.Linear(fan_in, fan_out, bias=False)
-        nn.init.normal_(linear.weight, std=0.02)
-        layers.append(kernels.InvariantLinear(linear.to(dtype), weights))
-    kernels.gather_weights(layers)
-    inputs = {w: {k: torch.randn(w, k, dtype=dtype) for k in {shape[0] for shape in shapes}} for w in spec["widths"]}
+    precision = StepPrecision(spec["precision"])
+    linears = step_linears(spec["model"], precision)
+    dtype = PRECISION_PARTS[precision][0]
+    inputs = {w: {k: torch.randn(w, k, dtype=dtype) for k in {m.in_features for m in linears}} for w in spec["widths"]}
 
     def step(w: int) -> float:
         tick = time.perf_counter()
-        for (fan_in, _), layer in zip(shapes, layers):
-            layer(inputs[w][fan_in])
+        for linear in linears:
+            linear(inputs[w][linear.in_features])
         return time.perf_counter() - tick
 
     seconds = {w: [] for w in spec["widths"]}
@@ -177,10 +172,9 @@ def format_ab(document: dict) -> str:
 
 def main(argv: list[str]) -> dict:
     config, out = parse_document_command("draftsmith.eval.kernel_ab", __doc__, KernelABConfig, argv)
-    config_file = Path(resolve_model_path(config.target)) / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"target={config.target}: no config.json at {config_file.parent}")
-    shapes = step_shapes(json.loads(config_file.read_text()))
+    model_directory = Path(resolve_model_path(config.target))
+    if not (model_directory / "config.json").is_file():
+        raise UserError(f"target={config.target}: no config.json at {model_directory}")
     cells = []
     with tempfile.TemporaryDirectory() as scratch:
         baseline = baseline_sources(config.baseline, Path(scratch))
@@ -190,7 +184,7 @@ def main(argv: list[str]) -> dict:
         for isa, precision, round_index, (label, directory) in itertools.product(
                 config.isas or [None], config.precisions, range(1, config.rounds + 1), sources.items()):
             spec = {"label": label, "sources": str(directory), "threads": config.threads, "precision": str(precision),
-                    "shapes": shapes, "widths": config.widths, "repeats": config.repeats}
+                    "model": str(model_directory), "widths": config.widths, "repeats": config.repeats}
             cells.append({"precision": str(precision), "round": round_index, "sources": label} | run_child(spec, isa))
     document = {"format": "draftsmith.kernel_ab/1", "config": config_to_dict(config), "cpu": cpu_model(),
                 "target": config.target, "cells": cells}

@@ -8,19 +8,25 @@ from draftsmith.errors import UserError
 from draftsmith.eval import kernel_ab
 from draftsmith.models import kernels
 
-TINY = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 200}
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 200}
 
 
-def test_step_shapes_follow_the_config():
-    shapes = kernel_ab.step_shapes(TINY)
+def tiny_model(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY))
+    return tmp_path / "model"
+
+
+def test_the_step_is_the_engines_linears_in_order(tmp_path):
+    linears = kernel_ab.step_linears(str(tiny_model(tmp_path)), kernel_ab.StepPrecision.FLOAT32)
+    shapes = [(linear.in_features, linear.out_features) for linear in linears]
     assert shapes[:4] == [(64, 64 + 2 * 32), (64, 64), (64, 192), (96, 64)]
     assert len(shapes) == 2 * 4 + 1 and shapes[-1] == (64, 200)
 
 
 def test_both_sources_time_every_precision(tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY))
+    tiny_model(tmp_path)
     out = tmp_path / "ab.json"
     document = kernel_ab.main([f"target={tmp_path / 'model'}", "baseline=HEAD", "precisions=[float32, w8a8]",
                                "widths=[1, 3]", "repeats=1", "rounds=1", f"output={out}"])

@@ -138,8 +138,8 @@ def machine_info(target: TargetModel) -> dict:
         info["load_average_at_start"] = os.getloadavg()
     if target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(target.device)
-    if loaded_isa() is not None:  # the compiled engine's batch-invariant kernels (DRAFTSMITH_KERNEL_ISA forces one)
-        info["kernel_isa"] = loaded_isa()
+    if (isa := loaded_isa()) is not None:  # the compiled engine's kernels (DRAFTSMITH_KERNEL_ISA forces one)
+        info["kernel_isa"] = isa
     return info
 
 
