@@ -40,6 +40,18 @@ def isa_name(flags: list[str]) -> str:
     return isa + ("+AMX" if "amx_tile" in flags else "")
 
 
+def machine_kind(model: str | None = None, isa: str | None = None) -> str:
+    """The machine kind results are kept per, as a file-name part: `intel_xeon`, `amd_epyc_zen4` (an EPYC with
+    AVX-512), `amd_epyc_avx2`; another CPU is named by its model and vector arithmetic (`cpu_model`, `cpu_isa`)."""
+    model, isa = model or cpu_model(), isa or cpu_isa()
+    if "Xeon" in model:
+        return "intel_xeon"
+    if "EPYC" in model:
+        return "amd_epyc_zen4" if isa.startswith("AVX-512") else "amd_epyc_avx2"
+    words = "".join(c if c.isalnum() else " " for c in f"{model} {isa}").lower().split()
+    return "_".join(words)
+
+
 def memory_stall_seconds(pressure_file: Path = Path("/proc/pressure/memory")) -> float | None:
     """Seconds, since boot, in which some task of this machine stalled waiting for memory (reclaim, or re-reading
     evicted pages: Linux PSI's `some total`), or None where the kernel does not report it. The difference over a
@@ -77,3 +89,7 @@ def write_document(out: Path | None, document: dict, table: str) -> None:
         atomic_write_json(out, document)
         atomic_write(out.with_suffix(".md"), lambda path: path.write_text(table + "\n"))
         print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":  # `python -m draftsmith.eval.documents`: this machine's kind (the job scripts' folder names)
+    print(machine_kind())

@@ -66,6 +66,17 @@ def test_the_machine_kind_names_its_vector_arithmetic():
     assert cpu_isa() in {"AVX-512 with BF16", "AVX-512", "AVX2", "other"} or cpu_isa().endswith("+AMX")
 
 
+def test_results_are_kept_per_machine_kind():
+    """The three kinds of 2-core machine the project runs on, and a name for any other CPU."""
+    from draftsmith.eval.documents import machine_kind
+
+    assert machine_kind("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "AVX-512 with BF16+AMX") == "intel_xeon"
+    assert machine_kind("AMD EPYC", "AVX-512 with BF16") == "amd_epyc_zen4"
+    assert machine_kind("AMD EPYC 7B12", "AVX2") == "amd_epyc_avx2"
+    assert machine_kind("Apple M2", "other") == "apple_m2_other"
+    assert machine_kind()
+
+
 def test_a_bench_that_outgrew_the_ram_says_so(tmp_path):
     """A 1.5B bench with too many models in one process paged its compiled weights in and out: the
     bench records the machine's memory stalls during its timed loop (Linux PSI) and the table flags a large share."""

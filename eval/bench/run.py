@@ -306,8 +306,8 @@ def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool,
              "new_tokens": total_tokens, "prompts": len(runs), "tau": stats.tau if forwards else None,
              "depth_acceptance": {str(k): v for k, v in stats.depth_acceptance.items()},
              "tree_tokens_per_round": stats.tree_tokens / forwards if forwards else None,
-             "draft_s": stats.draft_s, "verify_s": stats.verify_s,
-             "draft_ms_per_round": stats.draft_ms_per_round if forwards else None}
+             "prefill_s": stats.prefill_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+             "other_s": stats.other_s, "draft_ms_per_round": stats.draft_ms_per_round if forwards else None}
     if plain_runs:
         entry.update(speedup_entry(runs, plain_runs, sampled, total_s, entry["tokens_per_s"]))
         plain_tokens = sum(run["tokens"] for run in plain_runs)

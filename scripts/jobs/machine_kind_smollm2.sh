@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Every measurement the engine and drafter-family studies keep per machine kind (Intel Xeon, AMD EPYC Zen 4, AMD
+# EPYC with AVX2 only), for SmolLM2-135M-Instruct, in priority order: the engine's roofline and goal benches first,
+# then the other engines side by side, then each drafter family's table. A step is skipped when its output exists,
+# so a later session on the same kind continues from the committed results where the last one stopped. Every
+# timing step runs quiet (scripts/jobs/quiet.sh pauses this checkout's background data and training jobs).
+#   bash scripts/jobs/machine_kind_smollm2.sh             # every step not yet done, in order
+#   bash scripts/jobs/machine_kind_smollm2.sh list        # the steps, their outputs, which are done
+#   ONLY="roofline_float32 goal_float32" bash scripts/jobs/machine_kind_smollm2.sh   # those steps only
+#   COMMIT=1 bash scripts/jobs/machine_kind_smollm2.sh    # commit each step's outputs as it finishes
+# Outputs: results/roofline/<kind>_<precision>.json, results/engine_kernels_<short>/, results/drafter_families_<short>/
+# (<kind> from `python -m draftsmith.eval.documents`; <short>: xeon, zen4, epyc_avx2). On a fresh machine run
+# `bash scripts/install.sh` first; the engine steps build llama.cpp and install OpenVINO when they are missing
+# (~20 min together), and each precision's compiled target is built on its first use (~5 min).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+MODE=${1:-run}
+KIND=$(python -m draftsmith.eval.documents)
+case $KIND in
+  intel_xeon) SHORT=xeon ;;
+  amd_epyc_zen4) SHORT=zen4 ;;
+  amd_epyc_avx2) SHORT=epyc_avx2 ;;
+  *) SHORT=$KIND ;;
+esac
+BF16=$(grep -q -w avx512_bf16 /proc/cpuinfo && echo 1 || echo 0)  # the bf16 steps only where the CPU computes in it
+ROOF=results/roofline/$KIND
+ENGINE=results/engine_kernels_$SHORT
+FAMILIES=results/drafter_families_$SHORT
+MEDUSA=drafters/medusa1_smollm2_human/loss_tokens_10000000
+EAGLE3=drafters/eagle3_smollm2_all_regen/loss_tokens_2400000  # the bundled drafter's fp32 source
+BENCH="python -m draftsmith.eval.bench"
+export WANDB_MODE=offline HF_HUB_OFFLINE=1
+
+engines() {  # llama.cpp and OpenVINO, once per machine
+  python -m draftsmith.models.engines.llamacpp build
+  python -m draftsmith.models.engines.openvino install
+}
+
+exports() {  # the drafters as the other engines load them, once per machine (exports/ is not committed)
+  [ -d exports/eagle3_smollm2_all_regen ] || python scripts/export.py dgf $EAGLE3 exports/eagle3_smollm2_all_regen \
+    --layout speculators --target smollm2-135m-instruct
+  [ -d exports/eagle3_smollm2_all_regen_sglang ] || python scripts/export.py dgf $EAGLE3 \
+    exports/eagle3_smollm2_all_regen_sglang --layout sglang --target smollm2-135m-instruct
+  [ -d exports/dflash_smollm2_4m ] || python scripts/export.py dflash drafters/dflash_smollm2_human/loss_tokens_4000000 \
+    exports/dflash_smollm2_4m
+  [ -d exports/student6_smollm2_4m ] || python -m draftsmith.models.student expand \
+    drafters/student6_smollm2_human/loss_tokens_4000000 exports/student6_smollm2_4m
+}
+
+quiet() { scripts/jobs/quiet.sh "$@"; }
+
+# name | output (done when it exists; "-": a set-up step, a no-op when done) | needs bf16 (1) or not (0) | command
+STEPS=(
+  "roofline_float32|$ROOF""_float32.json|0|quiet python -m draftsmith.eval.roofline medusa=$MEDUSA output=$ROOF""_float32.json"
+  "roofline_w8a8|$ROOF""_w8a8.json|0|quiet python -m draftsmith.eval.roofline medusa=$MEDUSA compile.weights=w8a8 output=$ROOF""_w8a8.json"
+  "roofline_bfloat16|$ROOF""_bfloat16.json|1|quiet python -m draftsmith.eval.roofline medusa=$MEDUSA dtype=bfloat16 output=$ROOF""_bfloat16.json"
+  "goal_float32|$ENGINE/goal_bench/bench.json|0|quiet $BENCH --config eval/configs/goal_bench_smollm2.yaml output_dir=$ENGINE/goal_bench"
+  "goal_w8a8|$ENGINE/goal_bench_w8a8/bench.json|0|quiet $BENCH --config eval/configs/goal_bench_w8a8_smollm2.yaml output_dir=$ENGINE/goal_bench_w8a8"
+  "goal_bfloat16|$ENGINE/goal_bench_bfloat16/bench.json|1|quiet $BENCH --config eval/configs/goal_bench_smollm2.yaml dtype=bfloat16 output_dir=$ENGINE/goal_bench_bfloat16"
+  "engines|-|0|engines"
+  "llamacpp_f32_plain|$ENGINE/engines/llamacpp_f32_plain_interleaved.json|0|quiet python -m draftsmith.eval.engines.llamacpp_bench methods=plain max_new_tokens=128 num_prompts=10 output=$ENGINE/engines/llamacpp_f32_plain_interleaved.json"
+  "openvino_f32_plain|$ENGINE/engines/openvino_f32_plain_interleaved.json|0|quiet python -m draftsmith.eval.engines.openvino_bench methods=plain precision=f32 max_new_tokens=128 num_prompts=10 output=$ENGINE/engines/openvino_f32_plain_interleaved.json"
+  "exports|-|0|exports"
+  "llamacpp_q8_0_vs_w8a8|$ENGINE/engines/llamacpp_q8_0_vs_w8a8.json|0|quiet python -m draftsmith.eval.engines.llamacpp_bench target_type=q8_0 \"methods=plain ngram eagle3:exports/eagle3_smollm2_all_regen,n_max=3\" pytorch_weights=w8a8 pytorch_methods=[cascade] max_new_tokens=128 num_prompts=10 output=$ENGINE/engines/llamacpp_q8_0_vs_w8a8.json"
+  "openvino_bf16_vs_bf16|$ENGINE/engines/openvino_bf16_vs_bf16.json|1|quiet python -m draftsmith.eval.engines.openvino_bench --config eval/configs/openvino_bf16_smollm2.yaml output=$ENGINE/engines/openvino_bf16_vs_bf16.json"
+  "long_context_256|$ENGINE/long_context/latency_ctx256.json|0|quiet python -m draftsmith.eval.latency backends=[compiled] widths=[1,4,8] context_tokens=256 compile.capacity=2176 output=$ENGINE/long_context/latency_ctx256.json"
+  "long_context_2000|$ENGINE/long_context/latency_ctx2000.json|0|quiet python -m draftsmith.eval.latency backends=[compiled] widths=[1,4,8] context_tokens=2000 compile.capacity=2176 output=$ENGINE/long_context/latency_ctx2000.json"
+  "medusa_bench|$FAMILIES/medusa_bench/bench.json|0|quiet $BENCH --config eval/configs/medusa_bench_smollm2.yaml output_dir=$FAMILIES/medusa_bench"
+  "block_student_bench|$FAMILIES/block_student_bench/bench.json|0|quiet $BENCH --config eval/configs/block_student_bench_smollm2.yaml output_dir=$FAMILIES/block_student_bench"
+  "student_draft_cost|$FAMILIES/student_draft_cost/bench.json|0|quiet $BENCH --config eval/configs/student_draft_cost_smollm2.yaml output_dir=$FAMILIES/student_draft_cost"
+  "seed_policies|$FAMILIES/seed_policies/bench.json|0|quiet $BENCH --config eval/configs/seed_policies_smollm2.yaml output_dir=$FAMILIES/seed_policies"
+  "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA output=$FAMILIES/arca_profile_medusa1_10m.json"
+  "trees|$FAMILIES/trees/bench.json|0|quiet $BENCH --config eval/configs/trees_smollm2.yaml output_dir=$FAMILIES/trees"
+  "llamacpp_blocks|$FAMILIES/llamacpp_blocks/bench.json|0|quiet $BENCH --config eval/configs/llamacpp_blocks_smollm2.yaml output_dir=$FAMILIES/llamacpp_blocks"
+)
+
+chosen() {  # step $1 is in ONLY (or ONLY is empty)
+  [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]
+}
+
+echo "machine kind: $KIND (results under $ENGINE, $FAMILIES, $ROOF""_*)"
+for step in "${STEPS[@]}"; do
+  IFS='|' read -r name output needs command <<< "$step"
+  chosen "$name" || continue
+  if [ "$needs" = 1 ] && [ "$BF16" = 0 ]; then state="not-here (no AVX-512 BF16)"
+  elif [ "$output" = - ]; then state=set-up
+  elif [ -e "$output" ]; then state=done
+  else state=to-do; fi
+  if [ "$MODE" = list ] || [ "$state" = done ] || [ "${state%% *}" = not-here ]; then
+    printf '%-22s %-9s %s\n' "$name" "${state%% *}" "$output"
+    continue
+  fi
+  echo "== $name -> $output ($(date -u +%H:%M))"
+  start=$SECONDS
+  [ "$output" = - ] || mkdir -p "$(dirname "$output")"
+  eval "$command"
+  echo "== $name done in $(((SECONDS - start) / 60)) min"
+  if [ -n "${COMMIT:-}" ] && [[ $output == results/* ]]; then
+    folder=$(dirname "$output")
+    git add "$folder" && git commit -q -m "$name on the $KIND ($SHORT): scripts/jobs/machine_kind_smollm2.sh" -- "$folder"
+  fi
+done
