@@ -460,3 +460,20 @@ def test_a_draft_graph_option_on_an_eager_draft_lm_is_refused(tiny_pair, prompts
                          max_new_tokens=4, plots=False, backend=backend, **extra)
     with pytest.raises(ConfigError, match="shared_width is read by the compiled backend only"):
         run_benchmark(config, target=target, draft=draft, progress=False)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 11, 13])
+def test_each_method_follows_each_other_equally_often(count):
+    """What ran just before a method changes its speed (a compiled forward right after HF eager's generate is
+    ~15% slower), so the bench's order changes per prompt turn: over 2 x count turns every method runs once per
+    turn and right after each other method exactly twice."""
+    from collections import Counter
+
+    from draftsmith.eval.bench.run import carryover_balanced
+
+    follows = Counter()
+    for turn in range(2 * count):
+        order = carryover_balanced(count, turn)
+        assert sorted(order) == list(range(count))
+        follows.update(zip(order, order[1:]))
+    assert len(follows) == count * (count - 1) and set(follows.values()) <= {2}

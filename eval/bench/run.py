@@ -5,7 +5,8 @@
         methods="plain hf-assisted lm-chain lm-tree:depth=4,topk=3 ngram" output_dir=results/bench_qwen
 
 Per prompt, every method runs back to back (interleaved, after one warm-up prompt), on the same
-prompt tokens and the same number of new tokens. `plain` is HF `generate(do_sample=False)`; its
+prompt tokens and the same number of new tokens, in an order that changes per prompt turn so that each method
+follows each other one equally often (what ran before a method changes its speed: `carryover_balanced`). `plain` is HF `generate(do_sample=False)`; its
 tokens are the reference every other method must reproduce at temperature 0 (a mismatch is
 printed loudly and recorded; `strict=true` makes it fatal). speedup = plain wall time / method wall
 time summed over prompts; the per-prompt ratios give a 95% confidence interval. Methods: see
@@ -201,19 +202,30 @@ def check_lossless(state: BenchState, spec: MethodSpec, tokens: list[int], refer
         raise UserError(f"{spec} is not lossless on {where} (strict=true)")
 
 
+def carryover_balanced(count: int, turn: int) -> list[int]:
+    """The order (indices into `count` methods) of prompt turn `turn`: Williams' balanced Latin square, its rows
+    and their reverses taken in turn, so that over 2 x `count` turns each method runs right after each other one
+    equally often (what ran before a method changes its speed: a compiled forward right after HF eager's
+    `generate` runs ~15% slower, and a fixed order made plain-compiled always pay it)."""
+    base = [0] + [(k + 1) // 2 if k % 2 else count - k // 2 for k in range(1, count)]
+    row = turn % (2 * count) if count else 0
+    order = [(index + row) % count for index in base]
+    return order if row < count else order[::-1]
+
+
 def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], input_ids: torch.Tensor):
-    """Every method on one prompt (turn len(answers) + 1), back to back; returns plain's tokens."""
+    """Every method on one prompt (turn len(answers) + 1), back to back in a balanced order; returns plain's
+    tokens."""
     category, turn = category_of(suite, conv), len(answers) + 1
     row = {"id": conv.id, "suite": suite, "category": category, "turn": turn, "prompt_tokens": input_ids.shape[1]}
     if answers:
         row["history"] = list(answers)
-    references: dict[Backend, list[int]] = {}
-    for spec, method in state.methods.items():
-        target = state.context.target_for(method)
-        tokens, seconds, stats = timed_run(method, target, state.decode, input_ids)
-        for backend, reference in REFERENCE.items():
-            if spec == reference:
-                references[backend] = tokens
+    methods = list(state.methods.items())
+    outcomes = {spec: timed_run(method, state.context.target_for(method), state.decode, input_ids)
+                for spec, method in (methods[i] for i in carryover_balanced(len(methods), len(state.rows)))}
+    references = {backend: outcomes[spec][0] for backend, spec in REFERENCE.items() if spec in outcomes}
+    for spec in state.methods:
+        tokens, seconds, stats = outcomes[spec]
         state.runs[spec]["runs"].append({"suite": suite, "category": category, "turn": turn, "seconds": seconds,
                                          "tokens": len(tokens), "stats": stats})
         check_lossless(state, spec, tokens, references, f"{conv.id} turn {turn}")
