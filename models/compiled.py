@@ -124,23 +124,25 @@ class CompileUnavailable(UserError):
 
 
 class StepModule(nn.Module):
-    """One forward of the stock model over a StaticCache whose tensors are this module's inputs.
+    """One forward of the stock model's decoder over a StaticCache whose tensors are this module's inputs; the LM
+    head stays outside the graph (CompiledEngine applies it to the rows that need logits: a prompt's last only).
 
     forward(input_ids (1, b), position_ids (1, b), mask (1, 1, b, capacity) additive, past () long,
-            *kv) -> (logits (1, b, V), hidden states (layers + 1, 1, b, H)); kv = every layer's keys,
-    then every layer's values, (1, kv_heads, capacity, head_dim) each, written at past .. past + b - 1.
+            *kv) -> hidden states (layers + 1, 1, b, H), the last one after the final norm (the head's input);
+    kv = every layer's keys, then every layer's values, (1, kv_heads, capacity, head_dim) each, written at
+    past .. past + b - 1.
     """
 
     def __init__(self, model: nn.Module, cache: StaticCache):
         super().__init__()
-        self.model = model
+        self.decoder = model.get_decoder()
         self.cache = cache
 
     def forward(self, input_ids, position_ids, mask, past, *kv):
         point_cache(self.cache, past, kv)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                         **with_cache(self.cache), use_cache=True, output_hidden_states=True)
-        return out.logits, torch.stack(out.hidden_states)
+        out = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                           **with_cache(self.cache), use_cache=True, output_hidden_states=True)
+        return torch.stack(out.hidden_states)
 
 
 class DGFStepModule(nn.Module):
@@ -517,6 +519,7 @@ class CompiledEngine(BucketGraphs):
             input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **with_cache(c), use_cache=True))
         super().__init__(StepModule(runs, cache), kv, model_fingerprint(runs, model.config.to_dict()), settings,
                          model.dtype, device, model.config.model_type, cache_dir)
+        self.head = runs.get_output_embeddings()  # on the invariant kernels: its rows are the same at any width
 
     def example(self, width: int) -> tuple:
         ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
@@ -529,23 +532,28 @@ class CompiledEngine(BucketGraphs):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKV, position_ids: torch.Tensor | None = None,
-                allowed: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+                allowed: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                last_only: bool = False) -> TargetOutput:
         n = input_ids.shape[1]
         if n > self.buckets[-1]:
             self.check_chunkable(n, position_ids, allowed)
-            return self._chunked(input_ids, cache, hidden_layers)
+            return self._chunked(input_ids, cache, hidden_layers, last_only)
         past = cache.length
         runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
         ids = pad_width(input_ids.to(self.device, torch.long), width)
-        logits, hidden = runner(ids, positions, mask, torch.tensor(past, device=self.device), *cache.tensors)
+        hidden = runner(ids, positions, mask, torch.tensor(past, device=self.device), *cache.tensors)
         cache.length = past + n
-        return TargetOutput(logits=logits[:, :n].float(), hidden={k: hidden[k][:, :n] for k in hidden_layers})
+        final = hidden[-1][:, n - 1:n] if last_only else hidden[-1][:, :n]
+        return TargetOutput(logits=self.head(final).float(), hidden={k: hidden[k][:, :n] for k in hidden_layers})
 
-    def _chunked(self, input_ids: torch.Tensor, cache: StaticKV, hidden_layers: tuple[int, ...]) -> TargetOutput:
-        """A long causal forward (a prompt) in chunks of the largest bucket."""
-        outs = [self.forward(input_ids[:, start:start + self.buckets[-1]], cache, hidden_layers=hidden_layers)
-                for start in range(0, input_ids.shape[1], self.buckets[-1])]
-        return TargetOutput(logits=torch.cat([o.logits for o in outs], 1),
+    def _chunked(self, input_ids: torch.Tensor, cache: StaticKV, hidden_layers: tuple[int, ...],
+                 last_only: bool) -> TargetOutput:
+        """A long causal forward (a prompt) in chunks of the largest bucket (with `last_only`, only the last
+        chunk's last row meets the head)."""
+        starts = range(0, input_ids.shape[1], self.buckets[-1])
+        outs = [self.forward(input_ids[:, start:start + self.buckets[-1]], cache, hidden_layers=hidden_layers,
+                             last_only=last_only) for start in starts]
+        return TargetOutput(logits=outs[-1].logits if last_only else torch.cat([o.logits for o in outs], 1),
                             hidden={k: torch.cat([o.hidden[k] for o in outs], 1) for k in hidden_layers})
 
 

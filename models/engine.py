@@ -131,10 +131,10 @@ class EagerEngine(EagerBuild):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
                 position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-                hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+                hidden_layers: tuple[int, ...] = (), last_only: bool = False) -> TargetOutput:
         mask = None if allowed is None else additive_mask(allowed, self.model.dtype)
         out = self.model(input_ids=input_ids, **with_cache(cache), position_ids=position_ids,
                          attention_mask=mask, use_cache=cache is not None,
-                         output_hidden_states=bool(hidden_layers))
+                         output_hidden_states=bool(hidden_layers), logits_to_keep=int(last_only))
         hidden = {layer: out.hidden_states[layer] for layer in hidden_layers}
         return TargetOutput(logits=out.logits.float(), hidden=hidden)

@@ -231,7 +231,7 @@ def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], inp
         check_lossless(state, spec, tokens, references, f"{conv.id} turn {turn}")
         row[str(spec)] = {"seconds": seconds, "new_tokens": len(tokens), "tokens": tokens,
                           "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
-                          "tau": stats.tau if stats else 1.0}
+                          "tau": stats.tau if stats else 1.0, "prefill_s": stats.prefill_s if stats else None}
     eager, compiled = references.get(Backend.EAGER), references.get(Backend.COMPILED)
     if state.config.temperature == 0 and len(references) == 2 and eager != compiled:
         row["compiled_vs_hf"] = first_difference(state.context.target, input_ids, eager, compiled)

@@ -200,7 +200,7 @@ class Generation:
         self.start = time.perf_counter()
         self.prompt = input_ids.to(device)[0]
         self.cache = target.new_cache(self.prompt.numel() + config.max_new_tokens + config.budget_limit + 1)
-        out = target.forward(self.prompt[None], self.cache, hidden_layers=tuple(hidden_layers))
+        out = target.forward(self.prompt[None], self.cache, hidden_layers=tuple(hidden_layers), last_only=True)
         self.prefill_hidden = {k: v[0] for k, v in out.hidden.items()}
         self.root = self.pick(out.logits[0, -1])
         self.generated = [self.root]
