@@ -22,7 +22,7 @@ import torch
 from draftsmith.config import ConfigError, check_config, config_to_dict, option
 from draftsmith.data.chat import prompt_ids
 from draftsmith.eval.bench.methods import MethodSpec, parse_method
-from draftsmith.eval.bench.run import WARMUP_MESSAGES, BenchConfig, mean_ci, run_benchmark
+from draftsmith.eval.bench.run import WARMUP_MESSAGES, BenchConfig, carryover_balanced, mean_ci, run_benchmark
 from draftsmith.eval.documents import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.prompts import (PromptSettings, check_suites, num_turns, prompt_options, select_conversations,
                                     turn_input_ids)
@@ -91,14 +91,17 @@ def prompt_turns(config: EngineBenchConfig) -> list[tuple[str, object]]:
 
 
 def run_turns(config: EngineBenchConfig, servers: dict, tokenizer, rows: list) -> None:
-    """Each method on each prompt turn, back to back; turn k + 1 continues from the engine's plain answer."""
+    """Each method on each prompt turn, back to back in a carryover-balanced order (each runs right after each other
+    one equally often: `carryover_balanced`); turn k + 1 continues from the engine's plain answer."""
     for suite, conv in prompt_turns(config):
         answers: list[str] = []
         for turn in range(1, num_turns(conv, config.turns) + 1):
             ids = turn_input_ids(tokenizer, conv, answers)[0].tolist()
-            row = {"suite": suite, "id": conv.id, "turn": turn, "prompt_tokens": len(ids), "runs": {}}
-            for spec, server in servers.items():
-                row["runs"][str(spec)] = one_request(server, ids, config.max_new_tokens)
+            specs = list(servers)
+            replies = {specs[i]: one_request(servers[specs[i]], ids, config.max_new_tokens)
+                       for i in carryover_balanced(len(specs), len(rows))}
+            row = {"suite": suite, "id": conv.id, "turn": turn, "prompt_tokens": len(ids),
+                   "runs": {str(spec): replies[spec] for spec in specs}}
             rows.append(row)
             plain = row["runs"][PLAIN_LABEL]["tokens"]
             answers.append(tokenizer.decode(plain, skip_special_tokens=True).strip())
