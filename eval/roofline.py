@@ -190,7 +190,7 @@ def feature_drafter_rows(config: RooflineConfig, base: TargetModel, roofs: dict,
         return seconds
 
     times = median_seconds(interleaved_seconds(seconds_of, config.widths, config.repeats))
-    runs = engine.step.model
+    runs = engine.runs
     shown = f"bundled: {Path(path).name}" if config.drafter == "bundled" else str(path)
     return {"path": shown, "widths": {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(
         runs, roofs, w, context, model.block_config, base.dtype)} for w, t in times.items()}}
@@ -218,7 +218,7 @@ def run_roofline(config: RooflineConfig) -> dict:
     target.prepare(tuple(config.widths))
     context = mt_bench_context(base.tokenizer, config.context_tokens)
     times = measure_forward_latency(target, context, config.widths, config.repeats)
-    runs = target.engine.step.model
+    runs = target.engine.runs
     rows = {}
     for width in config.widths:
         total = statistics.median(times[width])

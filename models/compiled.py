@@ -520,6 +520,7 @@ class CompiledEngine(BucketGraphs):
             input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **with_cache(c), use_cache=True))
         super().__init__(StepModule(runs, cache), kv, model_fingerprint(runs, model.config.to_dict()), settings,
                          model.dtype, device, model.config.model_type, cache_dir)
+        self.runs = runs  # the model the graphs run (on the invariant kernels: its linears packed)
         self.head = runs.get_output_embeddings()  # on the invariant kernels: its rows are the same at any width
 
     def example(self, width: int) -> tuple:
@@ -596,6 +597,7 @@ class CompiledDGFEngine(BucketGraphs):
             torch.zeros(1, 1, hidden, dtype=dtype, device=device), torch.zeros(1, 1, dtype=torch.long, device=device),
             cache=c))
         step = DGFStepModule(model, cache)  # the invariant copy, when it runs on those kernels
+        self.runs = model  # the model the graphs run
         fingerprint = model_fingerprint(step, model.config.to_dict())  # the drafter and the target's parts
         super().__init__(step, kv, fingerprint, settings, dtype, device, f"dgf drafter ({model.config.fusion})",
                          cache_dir)
@@ -613,7 +615,7 @@ class CompiledDGFEngine(BucketGraphs):
     @torch.inference_mode()
     def fuse_layers(self, layers: torch.Tensor) -> torch.Tensor:
         """The drafter's input features from the target's layers, on the kernels its forwards run on."""
-        return self.step.model.fuse_layers(layers)
+        return self.runs.fuse_layers(layers)
 
     @torch.inference_mode()
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, cache: StaticKV,

@@ -432,7 +432,7 @@ def prepare_engines(context: BuildContext, progress: bool) -> dict:
     for engine in context.compiled_engines():
         if progress:
             print(f"[bench] compiled engine for {engine.what} "
-                  f"({weight_count(engine.step) / 1e6:.0f}M weights): buckets "
+                  f"({weight_count(engine.runs) / 1e6:.0f}M weights): buckets "
                   f"{list(engine.buckets)}, cache {engine.directory}", flush=True)
         engine.prepare()
         report[str(engine.directory.name)] = {"model_type": engine.what, "buckets": list(engine.buckets),
