@@ -19,6 +19,7 @@ def test_roofline_of_a_tiny_target_and_medusa_heads(tmp_path, monkeypatch):
     monkeypatch.setattr(roofline, "machine_roofs", lambda: {
         "stream_gbs": 10.0, "reduction_gbs": 10.0, "float32_gflops": 50.0, "bfloat16_gflops": 100.0,
         "int8_gops": 200.0, "kernel_float32_gflops": 50.0, "kernel_int8_gops": 150.0})
+    monkeypatch.setattr(roofline, "stream_roofs", lambda: {"stream_gbs": 20.0, "reduction_gbs": 30.0})
     out = tmp_path / "roofline.json"
     document = roofline.main(["target=tiny:llama", "widths=[1,2]", "repeats=1", "context_tokens=8", "drafter=null",
                               f"medusa={tmp_path / 'heads'}", "compile.autotune=false", "compile.buckets=[1,2]",
@@ -28,3 +29,6 @@ def test_roofline_of_a_tiny_target_and_medusa_heads(tmp_path, monkeypatch):
     assert {"linear", "head", "attention", "rest"} <= set(written["widths"]["1"]["parts_ms"])
     assert list(written["drafters"]) == ["Medusa heads"] and document["drafters"]["Medusa heads"]["widths"][2]["ms"] > 0
     assert "Medusa heads" in out.with_suffix(".md").read_text()
+    # the stream moves with the VM: read again after the timings, the bound on the mean of both readings
+    assert written["roofs"]["stream_gbs"] == 15.0 and written["roofs"]["stream_gbs_after"] == 20.0
+    assert "the mean of 10.0 before and 20.0 after the timings" in out.with_suffix(".md").read_text()
