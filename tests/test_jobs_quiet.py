@@ -53,3 +53,21 @@ def test_killing_quiet_continues_the_jobs_at_once(tmp_path):
     finally:
         os.kill(job.pid, signal.SIGCONT)
         job.kill()
+
+
+def test_the_machine_kind_runner_lists_its_steps_and_what_is_done():
+    """scripts/jobs/machine_kind_smollm2.sh list: every per-kind step in priority order with its output and state,
+    under the folders of this machine's kind; ONLY picks steps. (Running them is the benches' own business.)"""
+    from draftsmith.eval.documents import machine_kind
+
+    runner = QUIET.with_name("machine_kind_smollm2.sh")
+    listed = subprocess.run(["bash", str(runner), "list"], capture_output=True, text=True, check=True).stdout
+    assert f"machine kind: {machine_kind()}" in listed
+    names = [line.split()[0] for line in listed.splitlines()[1:]]
+    assert names[:2] == ["roofline_float32", "roofline_w8a8"] and names[-1] == "llamacpp_blocks"
+    assert {"goal_float32", "engines", "exports", "medusa_bench", "trees"} <= set(names)
+    states = {line.split()[1] for line in listed.splitlines()[1:]}
+    assert states <= {"done", "to-do", "set-up", "not-here"}
+    only = subprocess.run(["bash", str(runner), "list"], capture_output=True, text=True, check=True,
+                          env=os.environ | {"ONLY": "trees"}).stdout
+    assert [line.split()[0] for line in only.splitlines()[1:]] == ["trees"]
