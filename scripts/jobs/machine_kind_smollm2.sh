@@ -2,7 +2,7 @@
 # Every measurement the engine and drafter-family studies keep per machine kind (Intel Xeon, AMD EPYC Zen 4, AMD
 # EPYC with AVX2 only), for SmolLM2-135M-Instruct, in priority order: the engine's roofline and goal benches first,
 # then the other engines side by side, then each drafter family's table. A step is skipped when its output exists,
-# so a later session on the same kind continues from the committed results where the last one stopped. Every
+# so a later run on a machine of the same kind continues from the committed results where the last one stopped. Every
 # timing step runs quiet (scripts/jobs/quiet.sh pauses this checkout's background data and training jobs).
 #   bash scripts/jobs/machine_kind_smollm2.sh             # every step not yet done, in order
 #   bash scripts/jobs/machine_kind_smollm2.sh list        # the steps, their outputs, which are done
