@@ -29,11 +29,12 @@ inline float x_value(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]);
 inline V load_weight(const float* p) { return vload(p); }
 inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 -> float
 
-// A tile of one or two rows spends so little time on each input that the hardware prefetcher falls behind the
-// weight stream (a one-row forward streamed ~10% slower than a four-row one): such tiles request the weights
-// PREFETCH_BYTES ahead, into L2. Wider tiles stream as fast without, and the requests cost them time. Measured for
-// float32 and bfloat16 weights and int8 x int8 quads (weight-only int8 was not, and goes without).
-constexpr int PREFETCH_ROWS = 2;
+// A tile of one row spends so little time on each input that the hardware prefetcher falls behind the weight stream
+// (a one-row forward streamed ~10% slower than a four-row one): it requests the weights PREFETCH_BYTES ahead, into
+// L2. Wider tiles stream as fast without, and the requests cost them time: two-row tiles with them took 3-15% longer
+// than one-row ones (bf16 8%, w8a8 9-15%), without them the same (eval.kernel_ab on a Zen 4). Measured for float32
+// and bfloat16 weights and int8 x int8 quads (weight-only int8 was not, and goes without).
+constexpr int PREFETCH_ROWS = 1;
 constexpr int64_t PREFETCH_BYTES = 6144;
 
 // The `bytes` of weights a tile reads at `w` for one input (a pair, a quad), requested PREFETCH_BYTES ahead.
