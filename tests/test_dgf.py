@@ -17,7 +17,6 @@ from draftsmith.models.dgf import DGFConfig, DGFModel, family_classes
 from draftsmith.models.eagle_layouts import export_eagle, load_eagle
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import TinyTokenizer
-from draftsmith.models.vocab import DraftVocab
 from draftsmith.train.losses import feature_regression_loss, soft_cross_entropy
 
 
@@ -287,30 +286,3 @@ def test_sampling_matches_target_distribution():
     assert accepted_any > SAMPLES // 10
     assert pooled_chisquare_pvalue(counts, exact, SAMPLES) > 1e-3
 
-
-@pytest.mark.parametrize("budget,stop_below,sliced", [(1, None, False), (3, None, False), (5, None, False),
-                                                      (5, 0.3, False), (8, 0.05, False), (4, None, True)])
-def test_chain_path_drafts_the_tree_paths_chain(trained, budget, stop_below, sliced):
-    """Top-k 1 drafts through the chain path (plain causal forwards); the tree path (masks, re-ranking) over the same
-    drafter gives the same tokens (`sliced`: a drafter scoring a draft vocabulary, whose ids it maps to the target's
-    before feeding them back)."""
-    model, fitted = trained["llama"]
-    if sliced:
-        vocab = DraftVocab.from_ids(range(1, model.config.vocab_size, 2), model.config.vocab_size)
-        fitted = make_drafter(model, draft_vocab_size=vocab.size, head="slice").set_vocab(vocab)
-    trees = []
-    for seed in range(3):
-        context = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            feats = model(context[None, :-1], output_hidden_states=True).hidden_states[-1][0]
-        for cap in (True, False):  # cap_at_budget=False never takes the chain path
-            drafter = DGFDrafter(fitted, depth=6, topk=1, budget=budget, stop_below=stop_below)
-            drafter.cap_at_budget = cap
-            drafter.begin(context)
-            drafter.observe(context[:-1], {-1: feats})
-            trees.append(drafter.propose(int(context[-1]), context, None, None))
-            assert drafter.engine.cache_length(drafter.cache) == context.numel() - 1  # the draft entries dropped
-    for chain, tree in zip(trees[::2], trees[1::2]):
-        assert torch.equal(chain.tokens, tree.tokens) and torch.equal(chain.parents, tree.parents)
-        assert torch.equal(chain.depths, tree.depths) and 1 <= chain.size <= min(budget, 6)
-    assert max(tree.size for tree in trees) > 1 or budget == 1 or stop_below == 0.3  # 0.05 stops at 2 here

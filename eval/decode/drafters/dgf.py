@@ -115,8 +115,6 @@ class DGFDrafter(Drafter):
             # kept node has depth <= g, lies in the top g of its level and among its parent's top g
             # children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper.
             k, depth = min(k, self.budget), min(depth, self.budget)
-            if k == 1:
-                return self._chain(root_feature, root_logits, depth)
         growth = Growth(self.device, root_feature, self.budget, self.vocab)
         if sampling is None:
             growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], torch.zeros(1, device=self.device), k)
@@ -134,25 +132,6 @@ class DGFDrafter(Drafter):
             else:
                 growth.sampled_children(best, logits, base, k, sampling, generator)
         return growth.tree(sampling is None)
-
-    def _chain(self, root_feature: torch.Tensor, root_logits: torch.Tensor, depth: int) -> DraftTree:
-        """The greedy tree of top-k 1: a chain of each level's most likely token, up to `depth` (or until its
-        cumulative probability falls below `stop_below`). The tree path's tree mask over a chain is the causal mask,
-        so each level is a plain forward of one token: the same tokens as the tree path (test_dgf), without its
-        masks and bookkeeping."""
-        floor = None if self.stop_below is None else math.log(self.stop_below)
-        feature, logits = root_feature, root_logits
-        tokens, score = [], torch.zeros((), device=self.device)
-        for level in range(depth):
-            best = torch.topk(torch.log_softmax(logits, -1), 1)  # as the tree path picks and scores
-            token = best.indices if self.vocab is None else self.vocab.to_target(best.indices)  # (1,) target id
-            tokens.append(token)
-            score = score + best.values[0]
-            if level + 1 == depth or (floor is not None and float(score) < floor):
-                break
-            out, next_logits = self.engine.forward(feature[None, None], token[None], self.cache)
-            feature, logits = out[0, -1], next_logits[0, -1]
-        return DraftTree.chain(torch.cat(tokens))
 
     def _expand(self, growth: "Growth", level: int, k: int, committed: int) -> tuple[list[int], torch.Tensor]:
         """One drafter forward over the best k nodes of the newest level (tree mask over the cache and
