@@ -104,3 +104,12 @@ def test_progress_bar_and_no_progress(tmp_path, capfd):
     assert medusa.cli(["--config", config("medusa"), f"output_dir={tmp_path / 'b'}", "--no-progress"]) == 0
     hidden = capfd.readouterr().err
     assert "step/s" not in hidden and "8/8" not in hidden
+
+
+def test_the_resume_hint_names_resume_once():
+    """A run started with --resume-from DIR (or --resume, --overwrite) is told to go on with one --resume."""
+    from draftsmith.train.run_guards import without_resume_flags
+
+    argv = ["train/dflash.py", "--config", "x.yaml", "--resume-from", "drafters/run/resume/step_9", "a=1",
+            "--resume", "--overwrite", "--resume-from=elsewhere", "--no-progress"]
+    assert without_resume_flags(argv) == ["train/dflash.py", "--config", "x.yaml", "a=1", "--no-progress"]

@@ -238,6 +238,11 @@ def test_loss_token_snapshots_and_a_lean_checkpoint_resume_on_another_machine(tm
     assert [r["step"] for r in after] == [3, 4] and after[-1]["train/loss_tokens_seen"] == seen[-1]
     assert (moved / "final" / "manifest.json").is_file()
 
+    rounded = load_checkpoint(write_lean_checkpoint(full / "checkpoints" / "step_2", tmp_path / "resume_bf16",
+                                                    torch.bfloat16))  # half the bytes, for a transfer
+    assert all(t.dtype == torch.bfloat16 for t in rounded["trainable"].values() if t.is_floating_point())
+    assert rounded["step"] == 2 and rounded["samples_seen"] == state["samples_seen"]
+
 
 def test_a_curve_run_stops_at_its_last_snapshot(tmp_path):
     """With every milestone written the run saves a checkpoint and stops before max_steps (no final/)."""

@@ -248,20 +248,32 @@ def load_latest_checkpoint(checkpoints_dir: str | Path, quarantine: bool = True)
     return None
 
 
-def write_lean_checkpoint(checkpoint: str | Path, resume_dir: str | Path) -> Path:
+LEAN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def write_lean_checkpoint(checkpoint: str | Path, resume_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Copy a checkpoint without its optimizer state into `resume_dir/step_<N>/` (the one newest kept): what a
-    long run commits so that another machine can resume it (`--resume resume_dir`; AdamW's moments restart).
-    The trainable weights, step, data position, schedule and RNG go along; the moments (2x the weights) do not."""
+    long run commits so that another machine can resume it (`--resume-from resume_dir/step_<N>`; AdamW's moments
+    restart). The trainable weights, step, data position, schedule and RNG go along; the moments (2x the weights)
+    do not. `dtype` bfloat16 stores the weights rounded to bf16 (half the bytes: a resume point that fits a
+    transfer; the resumed run trains on in its own dtype from the rounded values)."""
     state = load_checkpoint(checkpoint)
     state.pop("optimizer", None)
+    state["trainable"] = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                          for name, tensor in state["trainable"].items()}
     return save_checkpoint(resume_dir, int(state["step"]), state, keep_last=1)
 
 
+LEAN_USAGE = "usage: python -m draftsmith.train.checkpoints lean <checkpoint dir> <resume dir> [float32 | bfloat16]"
+
+
 def main(argv: list[str]) -> int:
-    """`python -m draftsmith.train.checkpoints lean <run>/checkpoints/step_<N> <resume dir>`."""
-    if len(argv) != 3 or argv[0] != "lean":
-        raise UserError("usage: python -m draftsmith.train.checkpoints lean <checkpoint dir> <resume dir>")
-    print(write_lean_checkpoint(argv[1], argv[2]))
+    """`python -m draftsmith.train.checkpoints lean <run>/checkpoints/step_<N> <resume dir> [dtype]`."""
+    if len(argv) not in (3, 4) or argv[0] != "lean":
+        raise UserError(LEAN_USAGE)
+    if len(argv) == 4 and argv[3] not in LEAN_DTYPES:
+        raise UserError(f"lean: unknown dtype {argv[3]!r} (float32 or bfloat16)")
+    print(write_lean_checkpoint(argv[1], argv[2], LEAN_DTYPES[argv[3] if len(argv) == 4 else "float32"]))
     return 0
 
 

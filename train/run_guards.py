@@ -37,6 +37,19 @@ def launch_command(argv: Sequence[str], environ: Mapping[str, str]) -> str:
     return shlex.join(["python", *argv])
 
 
+def without_resume_flags(argv: Sequence[str]) -> list[str]:
+    """argv less --resume, --resume-from DIR and --overwrite: the command a resume hint appends --resume to."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume-from":
+            skip = True
+        elif arg not in ("--resume", "--overwrite") and not arg.startswith("--resume-from="):
+            out.append(arg)
+    return out
+
+
 class NonFiniteLossError(UserError, FloatingPointError):
     """A loss (or gradient norm) became NaN/inf; the message names the step."""
 

@@ -55,7 +55,8 @@ from draftsmith.train.distributed import gather_trainable_state, local_rank_zero
 from draftsmith.train.recipe import Recipe, lr_factor
 from draftsmith.train.rng import rng_state, seed_everything, set_rng_state
 from draftsmith.train.run_guards import (METRICS_FILE, DirectoryLock, Interrupted, MetricsFile, RunDirectoryError,
-                                         StopRequest, check_finite, launch_command, print_summary)
+                                         StopRequest, check_finite, launch_command, print_summary,
+                                         without_resume_flags)
 
 log = logging.getLogger("draftsmith.train")
 
@@ -174,6 +175,9 @@ class TrainingRun:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, [lr_factor(cfg.optim, cfg.train.max_steps, hold) for hold in holds])
         self.module, self.optimizer = self.accelerator.prepare(module, optimizer)  # the scheduler is not prepared
+        if self.accelerator.mixed_precision != "no":  # `accelerate launch --mixed_precision bf16`: said once
+            self.log.info("mixed precision %s: the module's forward runs under autocast; the weights and AdamW's "
+                          "state keep their dtype", self.accelerator.mixed_precision)
 
     def unwrapped(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.module)
@@ -456,7 +460,8 @@ class TrainingRun:
     def _interrupt(self, recipe: Recipe) -> None:
         path = self.save_checkpoint(len(recipe.train_records), self._extra(recipe))
         name = signal.Signals(self.stop.signal).name if self.stop.signal else "a signal"
-        raise Interrupted(f"{name} at step {self.step}: saved {path}; resume with: {self.command} --resume")
+        raise Interrupted(f"{name} at step {self.step}: saved {path}; resume with: "
+                          f"{launch_command(without_resume_flags(sys.argv), os.environ)} --resume")
 
     def finish(self, summary: dict) -> dict:
         summary = {"step": self.step, "output_dir": str(self.output_dir), "processes": self.world,

@@ -4,10 +4,15 @@
 # not installed there):
 #   train   Medusa-1 (train/configs/medusa_smollm2_curve.yaml) for MEDUSA1_S seconds with snapshots up to 40M loss
 #           tokens, then Medusa-2 (joint LoRA on the target) to 1M. An H200: ~33k loss tokens/s (10.9M in 330 s).
-#   blocks  the DFlash drafter (train/configs/dflash_smollm2_curve.yaml) for DFLASH_S seconds (~20k tokens/s), then
-#           the distilled 6-layer student (train/configs/distill_smollm2_curve.yaml, lean bf16 snapshots) for
-#           STUDENT_S (~25k tokens/s); DFlash's newest two snapshots (bf16) packed into $OUT, the student's newest
-#           by `student_out` in a call of its own (a call brings back at most 64 MiB).
+#   blocks  the runs FAMILIES names, in order: the DFlash drafter (train/configs/dflash_smollm2_curve.yaml) for
+#           DFLASH_S seconds (~20k tokens/s in fp32), the distilled 6-layer student
+#           (train/configs/distill_smollm2_curve.yaml, lean bf16 snapshots) for STUDENT_S (~25k tokens/s in fp32).
+#           Each run resumes from its committed resume point where the payload carried one (drafters/<run>/resume,
+#           in .dev/c2) and packs into $OUT a lean resume point (weights in bf16, no moments), every snapshot's
+#           held-out figures, its metrics and log; DFlash's newest snapshot too (bf16). The other snapshots come
+#           back by `snapshots_out NAME COUNT` in calls of their own (a call brings back at most 64 MiB); a pack
+#           over what the call can still bring back waits on the machine for `pending_out`.
+#           MIXED_PRECISION=bf16: the forwards under autocast (accelerate's mixed precision), AdamW in fp32.
 #
 # A call carries at most 64 MiB with the tracked tree, so drafters/ and results/ leave the index for the calls
 # (`slim`; `unpack` puts them back) and the GGUF travels in three parts, one call each, on one warm machine:
@@ -17,23 +22,27 @@
 #   device: cp .dev/c2/gguf.part.* /tmp/draftsmith_device/          # carry .dev/c2: its 2nd part
 #   device: bash scripts/jobs/device_families_smollm2.sh train      # carry .dev/c3: the 3rd part and the records;
 #                                                                   # converts the target, trains, packs into $OUT
-#           (or `blocks`, then `student_out` without carry)
+#           (or `blocks`, then `snapshots_out NAME COUNT` without carry)
 #   here:   bash scripts/jobs/device_families_smollm2.sh unpack DIR # DIR: the train call's files_at; -> drafters/
+# The long runs (DFlash and the student toward 40M loss tokens, several passes over the mix) go on across lent
+# machines from the resume points that unpack commits: `payload` puts them into .dev/c2, `blocks` resumes from them.
 # Rehearsal here (after setup, the part copy and convert with DEVICE=cpu STATE=/tmp/rehearse OUT=/tmp/out):
 #   DEVICE=cpu MEDUSA1_S=100 MEDUSA2_S=60 MEDUSA1_AT="[2000,4000]" MEDUSA2_AT="[2000]" \
 #   OVERRIDES="data.max_length=64 data.max_heldout=4" bash scripts/jobs/device_families_smollm2.sh train
 set -euo pipefail
 source "$(dirname "$0")/newest.sh"
-STAGE=${1:?stage: payload | slim | train | blocks | student_out | unpack DIR}
+STAGE=${1:?stage: payload | slim | train | blocks | pending_out | snapshots_out NAME COUNT | unpack DIR}
 CONFIG=train/configs/medusa_smollm2_curve.yaml
 KEEP1=drafters/medusa1_smollm2_human
 KEEP2=drafters/medusa2_smollm2_human
-KEEP_DFLASH=drafters/dflash_smollm2_human
-KEEP_STUDENT=drafters/student6_smollm2_human
+KEEP_DFLASH=drafters/dflash_smollm2_human_long  # the 4M fp32 runs stay in ..._human
+KEEP_STUDENT=drafters/student6_smollm2_human_long
 DFLASH_S=${DFLASH_S:-280}  # wall-clock budget of the DFlash drafter (SIGTERM then saves a checkpoint)
-DFLASH_AT=${DFLASH_AT:-[250000,1000000,4000000,10000000,20000000]}
+DFLASH_AT=${DFLASH_AT:-[250000,1000000,4000000,10000000,20000000,40000000]}
 STUDENT_S=${STUDENT_S:-220}  # of the distilled student (6 of the 30 layers, lean bf16 snapshots)
-STUDENT_AT=${STUDENT_AT:-[250000,1000000,4000000,10000000]}
+STUDENT_AT=${STUDENT_AT:-[250000,1000000,4000000,10000000,20000000,40000000]}
+FAMILIES=${FAMILIES:-dflash student}  # the blocks stage's runs, in order
+MIXED_PRECISION=${MIXED_PRECISION:-no}  # bf16: accelerate's autocast around the forwards (AdamW's state fp32)
 DEVICE=${DEVICE:-cuda}
 MEDUSA1_S=${MEDUSA1_S:-330}  # wall-clock budget of Medusa-1; SIGTERM then saves a checkpoint
 MEDUSA2_S=${MEDUSA2_S:-150}  # of Medusa-2 (it stops by itself at its last snapshot)
@@ -67,22 +76,52 @@ stage_inputs() {  # the GGUF's last part, the converted target (once) and the re
 }
 
 run_recipe() {  # NAME SECONDS RECIPE CONFIG [key=value ...]: outputs/NAME trained until done or SIGTERM; log kept
-  local name=$1 seconds=$2 recipe=$3 config=$4
+  local name=$1 seconds=$2 recipe=$3 config=$4 resume=()
   shift 4
   mkdir -p "outputs/$name"
-  timeout -k 20 -s TERM "$seconds" python3 "$recipe" --config "$config" output_dir="outputs/$name" "$@" "${EXTRA[@]}" \
-    --no-progress > "outputs/$name.log" 2>&1 || true
+  # the committed resume point, where the payload carried one and this machine has not gone on from it already
+  local point; point=$(newest_numbered ".dev/c2/${name}_resume/step_*")
+  if [ -d "outputs/$name/checkpoints" ]; then resume=(--resume); elif [ -n "$point" ]; then resume=(--resume-from "$point"); fi
+  ACCELERATE_MIXED_PRECISION=$MIXED_PRECISION timeout -k 20 -s TERM "$seconds" python3 "$recipe" --config "$config" \
+    output_dir="outputs/$name" "$@" "${EXTRA[@]}" "${resume[@]}" --no-progress > "outputs/$name.log" 2>&1 || true
   { grep -v "step .* loss" "outputs/$name.log" | tail -8; grep "step .* loss" "outputs/$name.log" | tail -2; } || true
   cp "outputs/$name.log" "outputs/$name/train.log"
 }
 
-pack_newest() {  # the newest $3 snapshots of run $1 (weights in bfloat16), its metrics and log -> $OUT/$2.tar.gz.*
-  local run=$1 name=$2 count=$3 snaps
-  snaps=$(ls -d "$run"/snapshots/loss_tokens_* 2>/dev/null | sort -t_ -k3 -n | tail -"$count" | xargs -r -n1 basename) || true
-  for snap in $snaps; do (cd /tmp && python3 -m draftsmith.models.artifacts to_bfloat16 "$OLDPWD/$run/snapshots/$snap"); done
-  local keep=(metrics.jsonl train_config.yaml train.log)
+bf16_snapshots() {  # run $1's snapshots named by the rest, weights rounded to bfloat16 in place
+  local run=$1 snap; shift
+  for snap in "$@"; do (cd /tmp && python3 -m draftsmith.models.artifacts to_bfloat16 "$OLDPWD/$run/snapshots/$snap"); done
+}
+
+pack_family() {  # run $1 -> $STATE/packs/$2.tar.gz.*: a lean bf16 resume point, every snapshot's held-out
+  # figures, the metrics and log, and the newest $3 snapshots (bf16); `deliver` moves it into $OUT
+  local run=$1 name=$2 count=$3 newest snaps snap keep=(metrics.jsonl train_config.yaml train.log)
+  newest=$(newest_numbered "$run"/checkpoints/step_*)
+  [ -z "$newest" ] || (cd /tmp && python3 -m draftsmith.train.checkpoints lean "$OLDPWD/$newest" "$OLDPWD/$run/resume" \
+    bfloat16 > /dev/null)
+  [ -d "$run/resume" ] && keep+=(resume)
+  snaps=$(by_number "$run"/snapshots/loss_tokens_* | tail -n "$count" | xargs -r -n1 basename)
+  bf16_snapshots "$run" $snaps
   for snap in $snaps; do keep+=("snapshots/$snap"); done
-  tar -C "$run" -cf - $(cd "$run" && ls -d "${keep[@]}" 2>/dev/null) | gzip -1 | split -b 15m - "$OUT/$name.tar.gz."
+  for snap in $(by_number "$run"/snapshots/loss_tokens_* | xargs -r -n1 basename); do
+    [[ " $snaps " == *" $snap "* ]] || keep+=("snapshots/$snap/snapshot.json")
+  done
+  mkdir -p "$STATE/packs" && rm -f "$STATE/packs/$name".tar.gz.*
+  tar -C "$run" -cf - $(cd "$run" && ls -d "${keep[@]}" 2>/dev/null) | gzip -1 | split -b 15m - "$STATE/packs/$name.tar.gz."
+}
+
+deliver() {  # the packs in $STATE/packs into $OUT, whole and in the order packed, while they fit what a call
+  # brings back (8 files, 64 MiB); what is left waits there for `pending_out` (a call of its own)
+  local pack files size used count
+  used=$(du -cm "$OUT" | tail -1 | cut -f1); count=$(ls "$OUT" | wc -l)  # what this call's earlier packs hold
+  for pack in $(ls -tr "$STATE"/packs/*.tar.gz.aa 2>/dev/null); do
+    files=$(ls "${pack%.aa}".*); size=$(du -cm $files | tail -1 | cut -f1)
+    if [ $((used + size)) -le 62 ] && [ $((count + $(echo $files | wc -w))) -le 8 ]; then
+      mv $files "$OUT/"; used=$((used + size)); count=$((count + $(echo $files | wc -w)))
+    else
+      echo "$(basename "${pack%.tar.gz.aa}"): left for pending_out (this call brings back ${used} MiB)"
+    fi
+  done
 }
 
 case "$STAGE" in
@@ -92,6 +131,11 @@ payload)
     pack "sharegpt + gsm8k:train + python-source" "$OLDPWD/.dev/curve_records.npz" --target smollm2-135m-instruct \
     --max-length 1024)
   cp .dev/curve_records.npz .dev/c3/records.npz
+  for name in dflash student; do  # the long runs' committed resume points (bf16 weights), for blocks
+    keep=$KEEP_DFLASH; [ "$name" = dflash ] || keep=$KEEP_STUDENT
+    point=$(newest_numbered "$keep"/resume/step_*)
+    [ -z "$point" ] || { mkdir -p ".dev/c2/${name}_resume" && cp -r "$point" ".dev/c2/${name}_resume/"; }
+  done
   du -sh .dev/c1 .dev/c2 .dev/c3
   ;;
 slim)  # the calls' tree under 64 MiB: untracked and ignored (.git/info/exclude); unpack tracks them again
@@ -110,18 +154,32 @@ train)
   pack_run outputs/medusa2 medusa2
   ls -la "$OUT"
   ;;
-blocks)  # the DFlash drafter, then the distilled student, on the records of the train stage; DFlash packed here
+blocks)  # the runs FAMILIES names (dflash, student), each on from its resume point, each packed as it stops
   device_yaml train/configs/dflash_smollm2_curve.yaml "$STATE/dflash.yaml"
   device_yaml train/configs/distill_smollm2_curve.yaml "$STATE/student.yaml"
   stage_inputs
-  run_recipe dflash "$DFLASH_S" train/dflash.py "$STATE/dflash.yaml" "train.snapshots_at_loss_tokens=$DFLASH_AT"
-  pack_newest outputs/dflash dflash 2
-  run_recipe student "$STUDENT_S" train/distill.py "$STATE/student.yaml" "train.snapshots_at_loss_tokens=$STUDENT_AT" \
-    export.lean=true export.dtype=bfloat16 train.checkpoint_every=100000
+  for family in $FAMILIES; do
+    case "$family" in
+    dflash) run_recipe dflash "$DFLASH_S" train/dflash.py "$STATE/dflash.yaml" "train.snapshots_at_loss_tokens=$DFLASH_AT"
+            pack_family outputs/dflash dflash 1; deliver ;;
+    student) run_recipe student "$STUDENT_S" train/distill.py "$STATE/student.yaml" \
+               "train.snapshots_at_loss_tokens=$STUDENT_AT" export.lean=true export.dtype=bfloat16 train.checkpoint_every=100000
+             pack_family outputs/student student 0; deliver ;;  # its snapshot (42 MB) by snapshots_out
+    *) echo "error: FAMILIES: unknown run $family (dflash student)" >&2; exit 2 ;;
+    esac
+  done
   ls -la "$OUT"
   ;;
-student_out)  # the student's newest lean snapshot (a call brings back at most 64 MiB)
-  pack_newest outputs/student student 1
+pending_out)  # the packs blocks left behind (over what its call could bring back)
+  deliver
+  ls -la "$OUT"
+  ;;
+snapshots_out)  # NAME COUNT: run NAME's newest COUNT snapshots (bf16), in a call of their own
+  name=${2:?snapshots_out NAME COUNT}
+  count=${3:?snapshots_out NAME COUNT}
+  snaps=$(by_number outputs/"$name"/snapshots/loss_tokens_* | tail -n "$count" | xargs -r -n1 basename)
+  bf16_snapshots "outputs/$name" $snaps
+  tar -C "outputs/$name" -cf - $(for snap in $snaps; do echo "snapshots/$snap"; done) | gzip -1 | split -b 15m - "$OUT/$name.tar.gz."
   ls -la "$OUT"
   ;;
 unpack)
@@ -135,11 +193,27 @@ unpack)
     rm -rf ".dev/$name" && mkdir -p ".dev/$name" && cat "$from"/$name.tar.gz.* | gunzip | tar -C ".dev/$name" -xf -
     keep=${keeps[$name]}
     mkdir -p "$keep"
-    for snap in .dev/$name/snapshots/loss_tokens_*; do [ -d "$snap" ] && cp -rn "$snap" "$keep/"; done
+    for snap in .dev/$name/snapshots/loss_tokens_*; do  # weights (a snapshot.json alone: its figures, below)
+      [ -n "$(ls "$snap"/*.safetensors 2>/dev/null)" ] && cp -rn "$snap" "$keep/"
+    done
+    python3 - "$keep/snapshots.json" ".dev/$name/snapshots" <<'PY'  # every snapshot's held-out figures, one file
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1]); table = json.loads(out.read_text()) if out.exists() else {}
+for f in Path(sys.argv[2]).glob("*/snapshot.json"):
+    table[f.parent.name] = json.loads(f.read_text())
+out.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1]))), indent=1) + "\n")
+PY
     [ -d ".dev/$name/resume" ] && rm -rf "$keep/resume" && cp -r ".dev/$name/resume" "$keep/resume"
-    cp ".dev/$name/metrics.jsonl" ".dev/$name/train.log" "$keep/" 2>/dev/null || true
+    if [ -f ".dev/$name/train.log" ]; then  # a resumed run's metrics and log go on after the committed ones
+      if grep -q "resumed from" ".dev/$name/train.log" && [ -f "$keep/metrics.jsonl" ]; then
+        cat ".dev/$name/metrics.jsonl" >> "$keep/metrics.jsonl" && cat ".dev/$name/train.log" >> "$keep/train.log"
+      else
+        cp ".dev/$name/metrics.jsonl" ".dev/$name/train.log" "$keep/"
+      fi
+    fi
     ls "$keep"
   done
   ;;
-*) echo "unknown stage $STAGE: payload | slim | train | blocks | student_out | unpack DIR" >&2; exit 2 ;;
+*) echo "unknown stage $STAGE: payload | slim | train | blocks | pending_out | snapshots_out NAME COUNT | unpack DIR" >&2; exit 2 ;;
 esac
