@@ -169,7 +169,11 @@ def test_bench_temperature_one_records_tau_without_token_comparison(tiny_pair, p
     parts = chain["prefill_s"] + chain["draft_s"] + chain["verify_s"] + chain["other_s"]  # where the time went
     assert chain["prefill_s"] > 0 and chain["verify_s"] > 0 and parts <= chain["seconds"] + 1e-6
     assert "speedup" in chain and chain["speedup"] > 0
-    assert "sampled (not compared)" in (tmp_path / "t1" / "bench.md").read_text()
+    rounds, ms = chain["verify_rounds_by_width"], chain["verify_ms_by_width"]  # the loop's verify cost by width
+    assert set(rounds) == set(ms) and all(int(w) >= 1 for w in rounds)
+    assert sum(ms[w] * rounds[w] for w in rounds) / 1000 == pytest.approx(chain["verify_s"])
+    markdown = (tmp_path / "t1" / "bench.md").read_text()
+    assert "sampled (not compared)" in markdown and "Verify forwards in the decode loop by width" in markdown
 
 
 def test_suite_errors(tiny_pair, tmp_path):
@@ -374,8 +378,13 @@ def test_the_main_job_path_prints_no_warning(tiny_pair, prompts_file, tmp_path):
             config = BenchConfig(methods=[parse_method(m) for m in specs], suites=[f"jsonl:{prompts_file}"],
                                  num_prompts=1, max_new_tokens=6, output_dir=str(tmp_path / backend), backend=backend,
                                  **extra)
-            write_outputs(run_benchmark(config, target=target, draft=draft, progress=False), config)
+            results = run_benchmark(config, target=target, draft=draft, progress=False)
+            write_outputs(results, config)
     assert [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught] == []
+    # the compiled run's verify forwards by width, each over plain-compiled's one-token step in the loop
+    assert results["summary"]["plain-compiled"]["verify_step_ratio_by_width"] == {"1": 1.0}
+    chain = results["summary"]["lm-chain:budget=2"]["verify_step_ratio_by_width"]
+    assert chain and all(ratio > 0 for ratio in chain.values())
 
 
 TORCH_WITHOUT_TYPED_STORAGE_CALL = (2, 14, 1)  # torch 2.13's inductor autotuner calls tensor.storage(); fixed here

@@ -157,8 +157,26 @@ def _speed_text(entry: dict) -> str:
 def format_table(results: dict) -> str:
     """Markdown: the summary table, then (for several suites / turns / categories) breakdowns, the compiled
     engines, and the run's settings and machine."""
-    return "\n".join(summary_lines(results) + breakdown_lines(results["summary"]) + policy_lines(results)
-                     + compile_lines(results) + ["", run_line(results)])
+    summary = results["summary"]
+    return "\n".join(summary_lines(results) + breakdown_lines(summary) + verify_width_lines(summary)
+                     + policy_lines(results) + compile_lines(results) + ["", run_line(results)])
+
+
+def verify_width_lines(summary: dict, share: float = 0.05) -> list[str]:
+    """The decode loop's verify cost by width (the widths holding at least `share` of a method's rounds)."""
+    rows = []
+    for method, entry in summary.items():
+        rounds, ms = entry.get("verify_rounds_by_width") or {}, entry.get("verify_ms_by_width") or {}
+        ratios, total = entry.get("verify_step_ratio_by_width") or {}, sum(rounds.values())
+        cells = [f"{w}: {ms[w]:.1f} ms" + (f" ({ratios[w]:.2f}x)" if w in ratios else "") + f", {n / total:.0%}"
+                 for w, n in rounds.items() if n >= share * total]
+        if cells:
+            rows.append(f"| {method} | " + "; ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", "Verify forwards in the decode loop by width (tokens in the forward, root included): mean ms, x the "
+            "same backend's plain step in the loop, share of the method's rounds:", "", "| method | by width |",
+            "|---|---|"] + rows
 
 
 def policy_lines(results: dict) -> list[str]:

@@ -319,7 +319,9 @@ def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool,
              "depth_acceptance": {str(k): v for k, v in stats.depth_acceptance.items()},
              "tree_tokens_per_round": stats.tree_tokens / forwards if forwards else None,
              "prefill_s": stats.prefill_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
-             "other_s": stats.other_s, "draft_ms_per_round": stats.draft_ms_per_round if forwards else None}
+             "other_s": stats.other_s, "draft_ms_per_round": stats.draft_ms_per_round if forwards else None,
+             "verify_ms_by_width": {str(w): ms for w, ms in stats.verify_ms_by_width.items()},
+             "verify_rounds_by_width": {str(w): n for w, n in sorted(stats.verify_width_rounds.items())}}
     if plain_runs:
         entry.update(speedup_entry(runs, plain_runs, sampled, total_s, entry["tokens_per_s"]))
         plain_tokens = sum(run["tokens"] for run in plain_runs)
@@ -343,6 +345,18 @@ def add_headline(entry: dict, runs: list[dict], plain_runs, compiled_runs, sampl
     rate = lambda rs: sum(r["tokens"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-12)  # noqa: E731
     if rate(compiled_runs) > rate(plain_runs):
         entry.update(headline_baseline=str(PLAIN_COMPILED), headline_speedup=versus["speedup"])
+
+
+def add_verify_ratios(entry: dict, step_runs: list[dict] | None) -> None:
+    """verify_step_ratio_by_width: the in-loop cost of a verify of w tokens over the same backend's plain step in
+    the loop (its verify of one token), the decode loop's T(w)/T(1)."""
+    stats = DecodeStats()
+    for run in step_runs or []:
+        if run["stats"] is not None:
+            stats.merge(run["stats"])
+    step_ms = stats.verify_ms_by_width.get(1)
+    if step_ms:
+        entry["verify_step_ratio_by_width"] = {w: ms / step_ms for w, ms in entry["verify_ms_by_width"].items()}
 
 
 GROUPS = {"by_suite": "suite", "by_category": "category", "by_turn": "turn"}
@@ -372,6 +386,7 @@ def summarize(state: BenchState) -> dict:
             entry["target_step_ms"] = 1000 * sum(r["seconds"] for r in step_runs) / max(
                 sum(r["tokens"] for r in step_runs), 1)
             entry["draft_step_ratio"] = entry["draft_ms_per_round"] / entry["target_step_ms"]
+        add_verify_ratios(entry, step_runs)
         for group, key in GROUPS.items():
             entry[group] = {}
             for value in dict.fromkeys(run[key] for run in runs):

@@ -76,6 +76,8 @@ class DecodeStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     transfer_bytes: int = 0  # bytes crossing devices (eval.policies.placement: placed drafters), summed
+    verify_width_rounds: Counter = field(default_factory=Counter)  # tokens in a verify forward -> rounds
+    verify_width_s: Counter = field(default_factory=Counter)  # tokens in a verify forward -> seconds, summed
 
     @property
     def tau(self) -> float:
@@ -98,7 +100,12 @@ class DecodeStats:
     def draft_ms_per_round(self) -> float:
         return 1000 * self.draft_s / self.verify_forwards if self.verify_forwards else 0.0
 
-    COUNTERS = ("accepted_hist", "depth_attempts", "depth_accepts")
+    COUNTERS = ("accepted_hist", "depth_attempts", "depth_accepts", "verify_width_rounds", "verify_width_s")
+
+    @property
+    def verify_ms_by_width(self) -> dict[int, float]:
+        """The mean cost of a verify forward of w tokens (root included) in the decode loop: the in-loop T(w)."""
+        return {w: 1000 * self.verify_width_s[w] / n for w, n in sorted(self.verify_width_rounds.items()) if n}
 
     @classmethod
     def from_dict(cls, data: dict) -> "DecodeStats":
@@ -124,7 +131,7 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for name in ("accepted_hist", "depth_attempts", "depth_accepts"):
+        for name in self.COUNTERS:
             out[name] = {str(k): v for k, v in sorted(getattr(self, name).items())}
         out.update(tau=self.tau, depth_acceptance={str(k): v for k, v in self.depth_acceptance.items()},
                    other_s=self.other_s, tokens_per_s=self.tokens_per_s)
@@ -259,7 +266,10 @@ class Generation:
         slots = torch.tensor([0] + [node + 1 for node in accepted], device=device)
         target.commit(self.cache, torch.cat([torch.arange(past, device=device), past + slots]))
         hidden = {k: v[0, slots] for k, v in out.hidden.items()}  # (m, H) per layer
-        self.stats.verify_s += time.perf_counter() - tick
+        seconds = time.perf_counter() - tick
+        self.stats.verify_s += seconds
+        self.stats.verify_width_s[len(ids)] += seconds
+        self.stats.verify_width_rounds[len(ids)] += 1
         return Round(self.root, tree, accepted, next_token, hidden, logits)
 
     def advance(self, round: Round) -> list[int]:
