@@ -19,19 +19,20 @@
 #   here:   bash scripts/jobs/device_families_smollm2.sh payload    # .dev/c1 .dev/c2 .dev/c3
 #   here:   bash scripts/jobs/device_families_smollm2.sh slim       # untracks drafters/ results/ (not committed)
 #   device: bash scripts/jobs/device_curve_smollm2.sh setup         # carry .dev/c1: install, the GGUF's 1st part
-#   device: cp .dev/c2/gguf.part.* /tmp/draftsmith_device/          # carry .dev/c2: its 2nd part
+#   device: bash scripts/jobs/device_families_smollm2.sh second     # carry .dev/c2: its 2nd part, resume points
 #   device: bash scripts/jobs/device_families_smollm2.sh train      # carry .dev/c3: the 3rd part and the records;
 #                                                                   # converts the target, trains, packs into $OUT
 #           (or `blocks`, then `snapshots_out NAME COUNT` without carry)
 #   here:   bash scripts/jobs/device_families_smollm2.sh unpack DIR # DIR: the train call's files_at; -> drafters/
 # The long runs (DFlash and the student toward 40M loss tokens, several passes over the mix) go on across lent
-# machines from the resume points that unpack commits: `payload` puts them into .dev/c2, `blocks` resumes from them.
+# machines from the resume points that unpack commits: `payload` puts them into .dev/c2, `second` stages them on the
+# device, `blocks` resumes from them.
 # Rehearsal here (after setup, the part copy and convert with DEVICE=cpu STATE=/tmp/rehearse OUT=/tmp/out):
 #   DEVICE=cpu MEDUSA1_S=100 MEDUSA2_S=60 MEDUSA1_AT="[2000,4000]" MEDUSA2_AT="[2000]" \
 #   OVERRIDES="data.max_length=64 data.max_heldout=4" bash scripts/jobs/device_families_smollm2.sh train
 set -euo pipefail
 source "$(dirname "$0")/newest.sh"
-STAGE=${1:?stage: payload | slim | train | blocks | pending_out | snapshots_out NAME COUNT | unpack DIR}
+STAGE=${1:?stage: payload | slim | second | train | blocks | pending_out | snapshots_out NAME COUNT | unpack DIR}
 CONFIG=train/configs/medusa_smollm2_curve.yaml
 KEEP1=drafters/medusa1_smollm2_human
 KEEP2=drafters/medusa2_smollm2_human
@@ -80,7 +81,7 @@ run_recipe() {  # NAME SECONDS RECIPE CONFIG [key=value ...]: outputs/NAME train
   shift 4
   mkdir -p "outputs/$name"
   # the committed resume point, where the payload carried one and this machine has not gone on from it already
-  local point; point=$(newest_numbered ".dev/c2/${name}_resume/step_*")
+  local point; point=$(newest_numbered "$STATE/${name}_resume"/step_*)  # staged by `second`
   if [ -d "outputs/$name/checkpoints" ]; then resume=(--resume); elif [ -n "$point" ]; then resume=(--resume-from "$point"); fi
   ACCELERATE_MIXED_PRECISION=$MIXED_PRECISION timeout -k 20 -s TERM "$seconds" python3 "$recipe" --config "$config" \
     output_dir="outputs/$name" "$@" "${EXTRA[@]}" "${resume[@]}" --no-progress > "outputs/$name.log" 2>&1 || true
@@ -137,6 +138,11 @@ payload)
     [ -z "$point" ] || { mkdir -p ".dev/c2/${name}_resume" && cp -r "$point" ".dev/c2/${name}_resume/"; }
   done
   du -sh .dev/c1 .dev/c2 .dev/c3
+  ;;
+second)  # the GGUF's 2nd part and the long runs' resume points, out of the checkout (re-synced between calls)
+  cp .dev/c2/gguf.part.* "$STATE/"
+  for point in .dev/c2/*_resume; do [ -d "$point" ] && rm -rf "$STATE/$(basename "$point")" && cp -r "$point" "$STATE/"; done
+  ls "$STATE"
   ;;
 slim)  # the calls' tree under 64 MiB: untracked and ignored (.git/info/exclude); unpack tracks them again
   git rm -r -q --cached drafters results models/bundled/*/dgf.safetensors
@@ -215,5 +221,5 @@ PY
     ls "$keep"
   done
   ;;
-*) echo "unknown stage $STAGE: payload | slim | train | blocks | pending_out | snapshots_out NAME COUNT | unpack DIR" >&2; exit 2 ;;
+*) echo "unknown stage $STAGE: payload | slim | second | train | blocks | pending_out | snapshots_out NAME COUNT | unpack DIR" >&2; exit 2 ;;
 esac
