@@ -27,7 +27,7 @@
 # The long runs (DFlash and the student toward 40M loss tokens, several passes over the mix) go on across lent
 # machines from the resume points that unpack commits: `payload` puts them into .dev/c2, `second` stages them on the
 # device, `blocks` resumes from them.
-# Rehearsal here (after setup, the part copy and convert with DEVICE=cpu STATE=/tmp/rehearse OUT=/tmp/out):
+# Rehearsal here (after setup, `second` and convert with DEVICE=cpu STATE=/tmp/rehearse OUT=/tmp/out):
 #   DEVICE=cpu MEDUSA1_S=100 MEDUSA2_S=60 MEDUSA1_AT="[2000,4000]" MEDUSA2_AT="[2000]" \
 #   OVERRIDES="data.max_length=64 data.max_heldout=4" bash scripts/jobs/device_families_smollm2.sh train
 set -euo pipefail
@@ -89,6 +89,10 @@ run_recipe() {  # NAME SECONDS RECIPE CONFIG [key=value ...]: outputs/NAME train
   cp "outputs/$name.log" "outputs/$name/train.log"
 }
 
+snapshot_names() {  # run $1's snapshot folders by name, in token order; the newest $2 of them (all when unset)
+  by_number "$1"/snapshots/loss_tokens_* | tail -n "${2:-+1}" | xargs -r -n1 basename
+}
+
 bf16_snapshots() {  # run $1's snapshots named by the rest, weights rounded to bfloat16 in place
   local run=$1 snap; shift
   for snap in "$@"; do (cd /tmp && python3 -m draftsmith.models.artifacts to_bfloat16 "$OLDPWD/$run/snapshots/$snap"); done
@@ -101,10 +105,10 @@ pack_family() {  # run $1 -> $STATE/packs/$2.tar.gz.*: a lean bf16 resume point,
   [ -z "$newest" ] || (cd /tmp && python3 -m draftsmith.train.checkpoints lean "$OLDPWD/$newest" "$OLDPWD/$run/resume" \
     bfloat16 > /dev/null)
   [ -d "$run/resume" ] && keep+=(resume)
-  snaps=$(by_number "$run"/snapshots/loss_tokens_* | tail -n "$count" | xargs -r -n1 basename)
+  snaps=$(snapshot_names "$run" "$count")
   bf16_snapshots "$run" $snaps
   for snap in $snaps; do keep+=("snapshots/$snap"); done
-  for snap in $(by_number "$run"/snapshots/loss_tokens_* | xargs -r -n1 basename); do
+  for snap in $(snapshot_names "$run"); do
     [[ " $snaps " == *" $snap "* ]] || keep+=("snapshots/$snap/snapshot.json")
   done
   mkdir -p "$STATE/packs" && rm -f "$STATE/packs/$name".tar.gz.*
@@ -183,7 +187,7 @@ pending_out)  # the packs blocks left behind (over what its call could bring bac
 snapshots_out)  # NAME COUNT: run NAME's newest COUNT snapshots (bf16), in a call of their own
   name=${2:?snapshots_out NAME COUNT}
   count=${3:?snapshots_out NAME COUNT}
-  snaps=$(by_number outputs/"$name"/snapshots/loss_tokens_* | tail -n "$count" | xargs -r -n1 basename)
+  snaps=$(snapshot_names "outputs/$name" "$count")
   bf16_snapshots "outputs/$name" $snaps
   tar -C "outputs/$name" -cf - $(for snap in $snaps; do echo "snapshots/$snap"; done) | gzip -1 | split -b 15m - "$OUT/$name.tar.gz."
   ls -la "$OUT"
