@@ -261,20 +261,32 @@ def test_wandb_offline_logging(tiny_pair, prompts_file, tmp_path, monkeypatch):
 def test_results_page_discovery_and_markers(tmp_path):
     from draftsmith.eval.bench import results_page
 
-    root = tmp_path / "outputs"
-    for name, fmt, target in [("medusa_a", "draftsmith.medusa/1", "t"), ("medusa_untrained", "draftsmith.medusa/1", "t"),
-                              ("dgf_x", "draftsmith.dgf/1", "t"), ("other", "draftsmith.dgf/1", "u"),
-                              ("stud", "draftsmith.distilled/1", "t"), ("junk", "nope/1", "t")]:
-        (root / name / "final").mkdir(parents=True)
-        training = {"untrained": True} if "untrained" in name else {}  # what the manifest says, not the path
-        (root / name / "final" / "manifest.json").write_text(json.dumps({"format": fmt, "target": {"name": target},
-                                                                        "training": training}))
+    root = tmp_path / "drafters"
+    for folder, fmt, target, tokens in [
+            ("medusa_a/loss_tokens_1000", "draftsmith.medusa/1", "t", 1000),
+            ("medusa_a/loss_tokens_4000", "draftsmith.medusa/1", "t", 4000),  # the run's most trained snapshot
+            ("medusa_b/loss_tokens_2000", "draftsmith.medusa/1", "t", 2000),
+            ("medusa_untrained/final", "draftsmith.medusa/1", "t", None),
+            ("dgf_x/final", "draftsmith.dgf/1", "t", None), ("other/final", "draftsmith.dgf/1", "u", None),
+            ("stud/loss_tokens_5", "draftsmith.distilled/1", "t", 5),
+            ("block/loss_tokens_7", "draftsmith.dflash/1", "t", 7), ("junk/final", "nope/1", "t", None)]:
+        (root / folder).mkdir(parents=True)
+        training = {"untrained": True} if "untrained" in folder else {}  # what the manifest says, not the path
+        (root / folder / "manifest.json").write_text(json.dumps({"format": fmt, "target": {"name": target},
+                                                                  "training": training}))
+        if tokens is not None:
+            (root / folder / "snapshot.json").write_text(json.dumps({"loss_tokens_seen": tokens}))
     found = results_page.discover_drafters(root, "t", quick=True)
-    assert sorted(kind for kind, _ in found) == ["dgf", "medusa", "student"]
-    assert len(results_page.discover_drafters(root, "t", quick=False)) == 4
+    assert [(f.kind, f.path.relative_to(root).as_posix()) for f in found] == [
+        ("medusa", "medusa_a/loss_tokens_4000"), ("medusa", "medusa_b/loss_tokens_2000"),
+        ("dflash", "block/loss_tokens_7"), ("student", "stud/loss_tokens_5"), ("dgf", "dgf_x/final")]
+    assert len(results_page.discover_drafters(root, "t", quick=False)) == 6
     methods = results_page.drafter_methods(found, quick=True, per_kind=1)
-    assert any(m.startswith("medusa:") and m.endswith("budget=12") for m in methods)
-    assert any(m.startswith("lm-chain:budget=4,model=") for m in methods) and any(m.startswith("dgf:") for m in methods)
+    assert methods == [f"medusa:{root}/medusa_a/loss_tokens_4000,adapter=ignore",
+                       f"dflash:{root}/block/loss_tokens_7,budget=3",
+                       f"lm-chain:model={root}/stud/loss_tokens_5,budget=3,precision=int8-weights",
+                       f"dgf:{root}/dgf_x/final,depth=3,topk=1,budget=3"]
+    assert len(results_page.drafter_methods(found, quick=False, per_kind=2)) == 8  # 2 medusa, 2 dflash, 2 student, 2 dgf
     page = tmp_path / "RESULTS.md"
     page.write_text("# Results\n\nintro\n")
     results_page.update_page(page, f"{results_page.BEGIN}\nfirst\n{results_page.END}")

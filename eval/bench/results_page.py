@@ -1,21 +1,23 @@
 """Regenerate the RESULTS page: one eval.bench run per target with every drafter found on this machine.
 
     python -m draftsmith.eval.bench.results_page quick=true   # SmolLM2-135M only, 3 prompts per suite, 64 new
-                                                              # tokens: ~10-15 min
+                                                              # tokens: ~15 min
     python -m draftsmith.eval.bench.results_page              # + the Qwen2.5-Coder 1.5B/0.5B pair (if fetched):
                                                               # ~1.5-2 h on 2 cores
 
 On a shared machine wrap it in the CPU lock:
 `flock /tmp/draftsmith_cpu.lock env OMP_NUM_THREADS=2 python -m draftsmith.eval.bench.results_page quick=true`.
 
-Per target it runs `eval.bench` once over MT-Bench (both turns) and GSM8K test (seeded sample),
-greedy, with: plain HF greedy (the reference every other method must reproduce token by token),
-our loop without a drafter, the training-free drafters (prompt lookup, Self-Draft, a layer-subset
-student of the target), the decoder policies (LLMCad, Minions; full mode only), HF assisted
-generation and the draft LM (for targets with a draft model), and every trained drafter under
-`outputs/` whose manifest names that target: Medusa heads (`draftsmith.medusa/1`, at two tree
-widths), DGF/EAGLE drafters (`draftsmith.dgf/1`) and distilled students (`draftsmith.distilled/1`).
-Untrained baselines (manifests whose training ran 0 optimizer updates, e.g. lr 0) are skipped with --quick.
+Per target it runs `eval.bench` once over MT-Bench (both turns), GSM8K test (seeded sample) and HumanEval, greedy,
+on the compiled engine, with: plain HF greedy and plain-compiled (the references every other method must reproduce
+token by token), the training-free drafters (prompt lookup, Self-Draft, a layer-subset student of the target), the
+bundled drafter alone and in the cascade with lookup, the decoder policies (LLMCad, Minions; full mode only), HF
+assisted generation and the draft LM (for targets with a draft model), and of each trained kind found under
+`drafters/` (the committed snapshots; `drafters_root=outputs` for a run's final/) the drafter trained on the most
+tokens: Medusa heads (`draftsmith.medusa/1`), feature drafters (`draftsmith.dgf/1`), distilled students
+(`draftsmith.distilled/1`) and DFlash block drafters (`draftsmith.dflash/1`). Untrained baselines (manifests whose
+training ran 0 optimizer updates, e.g. lr 0) are skipped with quick=true. The page's block names the machine kind
+it ran on: compare its numbers only with others of that kind.
 
 Writes `<out_dir>/<run>/bench.json/.md/*.png` (eval.bench's outputs) and `<out_dir>/summary.json`, then
 replaces the block between the `<!-- eval.results_page:begin -->` / `<!-- eval.results_page:end -->` markers
@@ -35,11 +37,13 @@ from draftsmith.errors import exit_with
 from draftsmith.eval.bench.run import BenchConfig, run_benchmark, write_outputs
 from draftsmith.eval.bench.methods import parse_method
 from draftsmith.eval.bench.report import format_table
+from draftsmith.eval.documents import machine_kind
 from draftsmith.models.registry import is_fetched
 
 BEGIN = "<!-- eval.results_page:begin -->"
 END = "<!-- eval.results_page:end -->"
-MANIFEST_KINDS = {"draftsmith.medusa/1": "medusa", "draftsmith.dgf/1": "dgf", "draftsmith.distilled/1": "student"}
+MANIFEST_KINDS = {"draftsmith.medusa/1": "medusa", "draftsmith.dgf/1": "dgf", "draftsmith.distilled/1": "student",
+                  "draftsmith.dflash/1": "dflash"}
 
 
 @dataclass
@@ -57,8 +61,7 @@ class RunPlan:
 
 PLANS = [
     RunPlan(name="smollm2", target="smollm2-135m-instruct", title="SmolLM2-135M-Instruct (float32)",
-            methods=["plain", "loop-plain", "ngram", "ngram:branches=3", "self-draft:branches=3,length=4",
-                     "lm-chain:budget=4,every=3"],
+            methods=["plain", "ngram", "dgf", "cascade", "self-draft:branches=3,length=4", "lm-chain:budget=4,every=3"],
             full_only_methods=["llmcad:every=3", "minions:drafters=[(lm-chain:every=2),(lm-chain:every=3),ngram]"]),
     RunPlan(name="qwen1.5b", target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
             title="Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft (bfloat16)", dtype="bfloat16",
@@ -68,10 +71,35 @@ PLANS = [
 ]
 
 
-def discover_drafters(root: Path, target: str, quick: bool) -> list[tuple[str, Path]]:
-    """(kind, final dir) of trained drafters under `root` whose manifest names `target`, newest first."""
-    found = []
-    for manifest_file in sorted(root.glob("**/final/manifest.json")):
+@dataclass(frozen=True)
+class FoundDrafter:
+    kind: str
+    path: Path
+    loss_tokens: int  # what its snapshot.json says it was trained on (0 where it has none)
+
+
+# Each kind's methods: its best setting on the drafter-family benches that needs nothing of one target (a draft
+# vocabulary is per target) first, the only one with quick=true; then the others.
+KIND_METHODS = {
+    "medusa": ("medusa:{path},adapter=ignore",),
+    "dgf": ("dgf:{path},depth=3,topk=1,budget=3", "dgf:{path},depth=6,topk=2,budget=8,stop_below=0.2"),
+    "student": ("lm-chain:model={path},budget=3,precision=int8-weights", "lm-chain:model={path},budget=3"),
+    "dflash": ("dflash:{path},budget=3", "dflash:{path}"),
+}
+
+
+def snapshot_tokens(directory: Path) -> int:
+    try:
+        return int(json.loads((directory / "snapshot.json").read_text()).get("loss_tokens_seen") or 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def discover_drafters(root: Path, target: str, quick: bool) -> list[FoundDrafter]:
+    """Trained drafters under `root` (every folder whose manifest is of a known kind and names `target`): of each
+    run (the folder holding its snapshots or final/) the one trained on the most loss tokens; most trained first."""
+    best: dict[Path, FoundDrafter] = {}
+    for manifest_file in sorted(root.glob("**/manifest.json")):
         try:
             manifest = json.loads(manifest_file.read_text())
         except (OSError, json.JSONDecodeError):
@@ -81,8 +109,11 @@ def discover_drafters(root: Path, target: str, quick: bool) -> list[tuple[str, P
             continue
         if quick and untrained(manifest):
             continue
-        found.append((manifest_file.stat().st_mtime, kind, manifest_file.parent))
-    return [(kind, path) for _, kind, path in sorted(found, key=lambda item: -item[0])]
+        found = FoundDrafter(kind, manifest_file.parent, snapshot_tokens(manifest_file.parent))
+        run = manifest_file.parent.parent
+        if run not in best or found.loss_tokens > best[run].loss_tokens:
+            best[run] = found
+    return sorted(best.values(), key=lambda found: (-found.loss_tokens, str(found.path)))
 
 
 def untrained(manifest: dict) -> bool:
@@ -91,18 +122,15 @@ def untrained(manifest: dict) -> bool:
     return optim.get("lr") == 0 or (manifest.get("training") or {}).get("untrained") is True
 
 
-def drafter_methods(found: list[tuple[str, Path]], quick: bool, per_kind: int) -> list[str]:
+def drafter_methods(found: list[FoundDrafter], quick: bool, per_kind: int) -> list[str]:
+    """The methods of the `per_kind` most trained drafters of each kind."""
     methods, seen = [], {}
-    for kind, path in found:
-        if seen.get(kind, 0) >= per_kind:
+    for drafter in found:
+        if seen.get(drafter.kind, 0) >= per_kind:
             continue
-        seen[kind] = seen.get(kind, 0) + 1
-        if kind == "medusa":
-            methods += [f"medusa:{path},budget=4", f"medusa:{path},budget=12"]
-        elif kind == "dgf":
-            methods += [f"dgf:{path},depth=5,topk=4,budget=8"] + ([] if quick else [f"dgf:{path},depth=7,topk=10,budget=16"])
-        else:
-            methods.append(f"lm-chain:budget=4,model={path}")
+        seen[drafter.kind] = seen.get(drafter.kind, 0) + 1
+        templates = KIND_METHODS[drafter.kind][:1] if quick else KIND_METHODS[drafter.kind]
+        methods += [template.format(path=drafter.path) for template in templates]
     return methods
 
 
@@ -126,7 +154,7 @@ def plan_runs(args) -> list[tuple[RunPlan, list[str]]]:
 
 
 def render_page_block(entries: list[dict], command: str, elapsed_s: float) -> str:
-    lines = [BEGIN, "## Current numbers for every drafter (generated by "
+    lines = [BEGIN, f"## Every drafter found, one run on {machine_kind()} (generated by "
              "`python -m draftsmith.eval.bench.results_page`)", "",
              f"Command: `{command}` (wall time {elapsed_s / 60:.1f} min, finished "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). Everything between the `eval.results_page` "
@@ -169,10 +197,11 @@ class ResultsConfig:
     only: list[str] | None = option(None, f"run only these plans: {', '.join(plan.name for plan in PLANS)}")
     out_dir: str = option("results/current", "where each run's bench output and summary.json go")
     page: str = option("RESULTS.md", "the page whose generated block is replaced")
-    drafters_root: str = option("outputs", "where trained drafters' final/ directories are searched")
-    per_kind: int = option(3, "trained drafters per kind (newest first)", ge=1)
+    drafters_root: str = option("drafters", "where trained drafters are searched (every folder with a manifest: "
+                                            "the committed snapshots, or a run's final/)")
+    per_kind: int = option(1, "trained drafters per kind (the most trained first)", ge=1)
     threads: int = option(2, "torch CPU threads", ge=0)
-    suite: str = option("mt-bench,gsm8k", "comma-separated suites")
+    suite: str = option("mt-bench,gsm8k,humaneval", "comma-separated suites")
     dry_run: bool = option(False, "print the planned runs and exit")
     wandb: bool = option(False, "log each run to W&B (offline without network)")
 
