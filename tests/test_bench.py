@@ -498,3 +498,17 @@ def test_each_method_follows_each_other_equally_often(count):
         assert sorted(order) == list(range(count))
         follows.update(zip(order, order[1:]))
     assert len(follows) == count * (count - 1) and set(follows.values()) <= {2}
+
+
+def test_results_page_refuses_to_rerender_a_finished_run(tmp_path, monkeypatch):
+    """A rerun over the page's last run measures again only with --overwrite; without it, one line and no work (a
+    finished run re-rendered as if new would show old numbers)."""
+    from draftsmith.eval.bench import results_page
+
+    plan = results_page.RunPlan(name="tiny", target="tiny:llama", title="tiny")
+    monkeypatch.setattr(results_page, "plan_runs", lambda args: [(plan, ["plain"])])
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "bench.json").write_text("{}")
+    with pytest.raises(UserError, match="--overwrite"):
+        results_page.main([f"out_dir={tmp_path}", f"page={tmp_path / 'RESULTS.md'}"])
+    assert not (tmp_path / "RESULTS.md").exists()

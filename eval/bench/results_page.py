@@ -4,6 +4,7 @@
                                                               # tokens: ~15 min
     python -m draftsmith.eval.bench.results_page              # + the Qwen2.5-Coder 1.5B/0.5B pair (if fetched):
                                                               # ~1.5-2 h on 2 cores
+    ... --overwrite                                           # measure again over the last run in out_dir
 
 On a shared machine wrap it in the CPU lock:
 `flock /tmp/draftsmith_cpu.lock env OMP_NUM_THREADS=2 python -m draftsmith.eval.bench.results_page quick=true`.
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from draftsmith.config import command_parser, option, parse_command
 from draftsmith.errors import exit_with
-from draftsmith.eval.bench.run import BenchConfig, run_benchmark, write_outputs
+from draftsmith.eval.bench.run import BenchConfig, check_output_dir, run_benchmark, write_outputs
 from draftsmith.eval.bench.methods import parse_method
 from draftsmith.eval.bench.report import format_table
 from draftsmith.eval.documents import machine_kind
@@ -208,7 +209,8 @@ class ResultsConfig:
 
 def main(argv: list[str]) -> list[dict]:
     parser = command_parser("python -m draftsmith.eval.bench.results_page", __doc__.split("\n\n")[0], ResultsConfig)
-    args, _ = parse_command(parser, ResultsConfig, argv)
+    parser.add_argument("--overwrite", action="store_true", help="measure again over an earlier run in out_dir")
+    args, flags = parse_command(parser, ResultsConfig, argv)
     runs = plan_runs(args)
     for plan, methods in runs:
         print(f"{plan.name}: {plan.target} draft={plan.draft} {plan.num_prompts} prompts x {args.suite} "
@@ -220,12 +222,14 @@ def main(argv: list[str]) -> list[dict]:
     command = " ".join(["python -m draftsmith.eval.bench.results_page", *argv])
     start = time.perf_counter()
     entries = []
-    for plan, methods in runs:
-        config = BenchConfig(target=plan.target, draft=plan.draft, methods=[parse_method(m) for m in methods],
-                             suites=args.suite.split(","), num_prompts=plan.num_prompts,
-                             max_new_tokens=plan.max_new_tokens, dtype=plan.dtype, threads=args.threads,
-                             output_dir=str(out_dir / plan.name), wandb=args.wandb)
-        results = run_benchmark(config)
+    configs = [BenchConfig(target=plan.target, draft=plan.draft, methods=[parse_method(m) for m in methods],
+                           suites=args.suite.split(","), num_prompts=plan.num_prompts,
+                           max_new_tokens=plan.max_new_tokens, dtype=plan.dtype, threads=args.threads,
+                           output_dir=str(out_dir / plan.name), wandb=args.wandb) for plan, methods in runs]
+    for config in configs:  # a finished earlier run is never silently re-rendered as a new one
+        check_output_dir(config, flags.overwrite)
+    for (plan, _), config in zip(runs, configs):
+        results = run_benchmark(config, overwrite=flags.overwrite)
         results["command"] = command
         written = write_outputs(results, config)
         print(format_table(results), flush=True)
