@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import build_spec, pooled_chisquare_pvalue, tiny_model
+from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import DGFDrafter
 from draftsmith.eval.decode.tree import ancestor_matrix
@@ -258,6 +259,27 @@ def test_stop_below_gives_a_dynamic_depth_and_stays_lossless(trained, tmp_path):
     assert drafted[dynamic] < drafted[full] == 6
     with pytest.raises(ValueError, match="stop_below"):
         build("stop_below=1.5")
+
+
+def test_keep_above_gives_a_dynamic_size_and_stays_lossless(trained, tmp_path):
+    """dgf:...,keep_above=p verifies only the budget's nodes whose path probability is above p: fewer tokens a round
+    than the full budget, never none, greedy output unchanged; a sampled decode refuses it in one line."""
+    model, target, _, build = saved_drafter_methods(trained, tmp_path)
+    full = build("depth=4,topk=2,budget=8").drafter
+    trimmed = build("depth=4,topk=2,budget=8,keep_above=0.3").drafter
+    assert trimmed.engine is full.engine and trimmed.keep_above == 0.3
+    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    reference = greedy_reference(model, prompt, 20)
+    drafted = {}
+    for drafter in (full, trimmed):
+        result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=20)).generate(prompt)
+        assert result.tokens == reference
+        drafted[drafter] = result.stats.tree_tokens / result.stats.verify_forwards
+    assert 1 <= drafted[trimmed] < drafted[full] == 8
+    with pytest.raises(UserError, match="keep_above"):
+        SpeculativeDecoder(target, trimmed, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
+    with pytest.raises(ValueError, match="keep_above"):
+        build("keep_above=0")
 
 
 VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1200

@@ -292,6 +292,8 @@ class DGFOptions:
                                       f"{TREE_BUDGET}", ge=1)
     stop_below: float | None = option(None, "dynamic depth: no deeper level once the drafter's probability of its "
                                             "best path falls below this (null: always the full depth)", gt=0, lt=1)
+    keep_above: float | None = option(None, "dynamic size (greedy): of the budget's nodes verify only those whose "
+                                            "path probability is above this (null: all of them)", gt=0, lt=1)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
 
@@ -449,11 +451,12 @@ def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     key = ("dgf", str(path), o.dtype, o.weights)
     if key in ctx.models:  # the same drafter in another tree shape: one model, one engine per run
         depth, topk, budget = drafter_tree(path, o.depth, o.topk, o.budget)
-        return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label, o.stop_below), spec.label)
+        return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label, o.stop_below,
+                                          o.keep_above), spec.label)
     drafter = ctx.models[key] = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget,
                                                  name=spec.label, backend=ctx.backend,
-                                                 settings=drafter_settings(spec, ctx),
-                                                 stop_below=o.stop_below, dtype=o.dtype and resolve_dtype(o.dtype))
+                                                 settings=drafter_settings(spec, ctx), stop_below=o.stop_below,
+                                                 dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above)
     ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)
 

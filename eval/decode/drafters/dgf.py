@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.errors import UserError
 from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
                                                   draw_children)
 from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
@@ -47,10 +48,13 @@ DGF_DEPTH, DGF_TOPK = DGF_TREE.depth, DGF_TREE.topk  # Dovetail's dynamic tree (
 
 class DGFDrafter(Drafter):
     def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
-                 name: str | None = None, engine=None, stop_below: float | None = None):
+                 name: str | None = None, engine=None, stop_below: float | None = None,
+                 keep_above: float | None = None):
         check_sizes(name or "dgf", depth=depth, topk=topk, budget=budget)
         check_open_unit(name or "dgf", "stop_below", stop_below)
+        check_open_unit(name or "dgf", "keep_above", keep_above)
         self.stop_below = stop_below  # dynamic depth: no deeper level once the best path's q falls below it
+        self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's q is above it are verified
         model._need_target()
         self.model = model.eval()
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
@@ -115,6 +119,9 @@ class DGFDrafter(Drafter):
             # kept node has depth <= g, lies in the top g of its level and among its parent's top g
             # children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper.
             k, depth = min(k, self.budget), min(depth, self.budget)
+        if sampling is not None and self.keep_above is not None:
+            raise UserError(f"{self.name}: keep_above trims a greedy tree; a sampled tree keeps every drawn node "
+                            "(speculative sampling needs them): drop keep_above or decode greedily")
         growth = Growth(self.device, root_feature, self.budget, self.vocab)
         if sampling is None:
             growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], torch.zeros(1, device=self.device), k)
@@ -131,7 +138,7 @@ class DGFDrafter(Drafter):
                 growth.greedy_children(best, torch.log_softmax(logits, -1), base, k)
             else:
                 growth.sampled_children(best, logits, base, k, sampling, generator)
-        return growth.tree(sampling is None)
+        return growth.tree(sampling is None, self.keep_above)
 
     def _expand(self, growth: "Growth", level: int, k: int, committed: int) -> tuple[list[int], torch.Tensor]:
         """One drafter forward over the best k nodes of the newest level (tree mask over the cache and
@@ -225,22 +232,27 @@ class Growth:
         for i, node in enumerate(nodes):
             self.fed_features[node] = features[i]
 
-    def tree(self, greedy: bool) -> DraftTree:
-        """The grown tree; greedy trees keep the `budget` best nodes (EAGLE-2's re-ranking)."""
+    def tree(self, greedy: bool, keep_above: float | None = None) -> DraftTree:
+        """The grown tree; greedy trees keep the `budget` best nodes (EAGLE-2's re-ranking), and with `keep_above`
+        only those whose path probability is above it (a path's probability falls along it, so they stay closed
+        under ancestors): a confident round verifies a wide tree, a doubtful one a narrow one."""
         tree = DraftTree.from_parents(torch.cat(self.tokens), torch.cat(self.parents).long().cpu(),
                                       torch.cat(self.rows) if self.rows else None)
         tree = DraftTree(tree.tokens, tree.parents.to(self.device), tree.depths.to(self.device), tree.draft_probs)
         if greedy:
-            tree = subtree(tree, select_top_nodes(self.all_scores(), tree.parents, self.budget))
+            scores, budget = self.all_scores(), self.budget
+            if keep_above is not None:
+                budget = min(budget, max(1, int((scores > math.log(keep_above)).sum())))
+            tree = subtree(tree, select_top_nodes(scores, tree.parents, budget))
         return tree
 
 
 def same_weights(drafter: DGFDrafter, depth: int, topk: int, budget: int, name: str | None = None,
-                 stop_below: float | None = None) -> DGFDrafter:
+                 stop_below: float | None = None, keep_above: float | None = None) -> DGFDrafter:
     """Another tree shape over `drafter`'s model and engine (a bench comparing shapes holds one copy of the
     weights and, compiled, one package: the engine keeps no decode state, each drafter its own cache)."""
     return DGFDrafter(drafter.model, depth=depth, topk=topk, budget=budget, name=name, engine=drafter.engine,
-                      stop_below=stop_below)
+                      stop_below=stop_below, keep_above=keep_above)
 
 
 def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = None,
@@ -257,7 +269,7 @@ def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = 
 def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: int | None = None,
                      budget: int | None = None, name: str | None = None, backend: Backend = Backend.EAGER,
                      settings: CompileSettings | None = None, stop_below: float | None = None,
-                     dtype: torch.dtype | None = None) -> DGFDrafter:
+                     dtype: torch.dtype | None = None, keep_above: float | None = None) -> DGFDrafter:
     """A DGFDrafter for `target` from a recipe's final/ directory or a dgf-layout export (refuses another
     target's drafter); tree shape as `drafter_tree`. The drafter runs in `dtype` (default: the target's) on the
     target's device, on the `backend` engine."""
@@ -265,4 +277,4 @@ def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: i
     engine = make_engine(model.eval(), backend, settings)
     depth, topk, budget = drafter_tree(path, depth, topk, budget)
     return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine,
-                      stop_below=stop_below)
+                      stop_below=stop_below, keep_above=keep_above)
