@@ -242,21 +242,28 @@ def test_tree_shapes_of_one_drafter_share_its_weights_and_stay_lossless(trained,
             assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=16)).generate(prompt).tokens == reference
 
 
+def lossless_tokens_per_round(trained, tmp_path, seed: int, *options: str) -> tuple[dict, object, object]:
+    """(drafter -> tree tokens verified a round, build, target) for one drafter per `options` spec, each decoding
+    one prompt greedily, checked token by token against plain greedy."""
+    model, target, _, build = saved_drafter_methods(trained, tmp_path)
+    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
+    reference = greedy_reference(model, prompt, 20)
+    drafted = {}
+    for spec in options:
+        drafter = build(spec).drafter
+        result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=20)).generate(prompt)
+        assert result.tokens == reference, spec
+        drafted[spec] = result.stats.tree_tokens / result.stats.verify_forwards
+    return drafted, build, target
+
+
 def test_stop_below_gives_a_dynamic_depth_and_stays_lossless(trained, tmp_path):
     """dgf:...,stop_below=p stops growing the tree once its best path's draft probability is below p: a deep
     chain drafts fewer tokens per round, greedy output unchanged; same weights as the plain spec."""
-    model, target, _, build = saved_drafter_methods(trained, tmp_path)
-    full = build("depth=6,topk=1,budget=6").drafter
-    dynamic = build("depth=6,topk=1,budget=6,stop_below=0.6").drafter
-    assert dynamic.engine is full.engine and dynamic.stop_below == 0.6
-    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
-    reference = greedy_reference(model, prompt, 20)
-    drafted = {}
-    for drafter in (full, dynamic):
-        result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=20)).generate(prompt)
-        assert result.tokens == reference
-        drafted[drafter] = result.stats.tree_tokens / result.stats.verify_forwards
+    full, dynamic = "depth=6,topk=1,budget=6", "depth=6,topk=1,budget=6,stop_below=0.6"
+    drafted, build, _ = lossless_tokens_per_round(trained, tmp_path, 1, full, dynamic)
     assert drafted[dynamic] < drafted[full] == 6
+    assert build(dynamic).drafter.engine is build(full).drafter.engine and build(dynamic).drafter.stop_below == 0.6
     with pytest.raises(ValueError, match="stop_below"):
         build("stop_below=1.5")
 
@@ -264,20 +271,14 @@ def test_stop_below_gives_a_dynamic_depth_and_stays_lossless(trained, tmp_path):
 def test_keep_above_gives_a_dynamic_size_and_stays_lossless(trained, tmp_path):
     """dgf:...,keep_above=p verifies only the budget's nodes whose path probability is above p: fewer tokens a round
     than the full budget, never none, greedy output unchanged; a sampled decode refuses it in one line."""
-    model, target, _, build = saved_drafter_methods(trained, tmp_path)
-    full = build("depth=4,topk=2,budget=8").drafter
-    trimmed = build("depth=4,topk=2,budget=8,keep_above=0.3").drafter
-    assert trimmed.engine is full.engine and trimmed.keep_above == 0.3
-    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
-    reference = greedy_reference(model, prompt, 20)
-    drafted = {}
-    for drafter in (full, trimmed):
-        result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=20)).generate(prompt)
-        assert result.tokens == reference
-        drafted[drafter] = result.stats.tree_tokens / result.stats.verify_forwards
+    full, trimmed = "depth=4,topk=2,budget=8", "depth=4,topk=2,budget=8,keep_above=0.3"
+    drafted, build, target = lossless_tokens_per_round(trained, tmp_path, 2, full, trimmed)
     assert 1 <= drafted[trimmed] < drafted[full] == 8
+    drafter = build(trimmed).drafter
+    assert drafter.keep_above == 0.3
     with pytest.raises(UserError, match="keep_above"):
-        SpeculativeDecoder(target, trimmed, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
+        SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(
+            torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match="keep_above"):
         build("keep_above=0")
 
