@@ -62,8 +62,9 @@ def classify(name: str, shapes: list, vocab: int) -> str:
         return "other_kernels"
     shapes = [shape for shape in shapes if isinstance(shape, (list, tuple))]
     dims = [d for shape in shapes for d in shape]
-    # The batch-invariant kernels' weights are packed (panels, K, columns per panel): the head's cover the vocabulary.
-    packed_columns = [shape[0] * shape[-1] for shape in shapes if len(shape) == 3 and "draftsmith" in lowered]
+    # The batch-invariant kernels' weights are packed (panels, K, columns per panel), bf16 pairs and int8 quads with
+    # a last axis of 2 or 4: (panels, K / 2 or 4, columns per panel, 2 or 4). The head's panels cover the vocabulary.
+    packed_columns = [shape[0] * shape[2] for shape in shapes if len(shape) in (3, 4) and "draftsmith" in lowered]
     head = vocab in dims or f"n{vocab}" in lowered or any(columns >= vocab for columns in packed_columns)
     return "lm_head" if head else "gemm"
 

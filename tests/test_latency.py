@@ -56,6 +56,9 @@ def test_classify_names_the_lm_head_and_attention():
     # the batch-invariant kernels: weights packed (panels, K, 48); the head's panels cover the vocabulary
     assert forward_profile.classify("draftsmith::linear", [[1, 1, 48], [2, 48, 48], [], [], []], 96) == "lm_head"
     assert forward_profile.classify("draftsmith::linear", [[1, 1, 48], [1, 48, 48], [], [], []], 96) == "gemm"
+    # bf16 weights packed in pairs (panels, K / 2, 48, 2)
+    assert forward_profile.classify("draftsmith::linear", [[1, 1, 48], [2, 24, 48, 2], [], [], []], 96) == "lm_head"
+    assert forward_profile.classify("draftsmith::linear", [[1, 1, 48], [1, 24, 48, 2], [], [], []], 96) == "gemm"
 
 
 def test_the_machine_kind_names_its_vector_arithmetic():
