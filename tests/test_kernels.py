@@ -204,8 +204,8 @@ def chain_inputs(rows: int, context: int, kv_heads: int, groups: int, head_dim: 
 def test_long_rows_in_key_blocks_are_batch_invariant(context, groups, head_dim, dtype):
     """Rows over more than one block of visible keys (some rows crossing a block boundary), on the fixed paths and
     off them: each row alone, at one thread or two, computes exactly its row of the verify, and matches softmax."""
-    q, k, v, mask = (t.to(dtype) if t.dim() == 4 and i < 3 else t
-                     for i, t in enumerate(chain_inputs(8, context, 2, groups, head_dim)))
+    q, k, v, mask = chain_inputs(8, context, 2, groups, head_dim)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
