@@ -239,6 +239,8 @@ def test_every_instruction_set_is_batch_invariant(isa):
         "    assert (full.double() - ref).abs().max() < 0.05 * ref.abs().max()\n"
         "    for r in range(11): assert torch.equal(torch.ops.draftsmith.linear(x[r:r + 1], p, s, None, 130), "
         "full[r:r + 1])\n"
+        "    for m in range(2, 11): assert torch.equal(torch.ops.draftsmith.linear(x[:m], p, s, None, 130), "
+        "full[:m])\n"  # every tile and pass the row counts take (AVX2: wide for few rows, narrow beyond)
         "q, k, v = torch.randn(1, 4, 6, 40, generator=g), torch.randn(1, 2, 50, 40, generator=g), "
         "torch.randn(1, 2, 50, 40, generator=g)\n"
         "mask = torch.zeros(1, 1, 6, 50); mask[..., 45:] = torch.finfo(torch.float32).min\n"

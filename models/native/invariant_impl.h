@@ -19,6 +19,17 @@ constexpr int PANEL_VECTORS = PANEL / VL;
 // verify of up to 9 rows streams each weight once, in one pass; AVX2: 4 x 3, all 16).
 constexpr int TILE_VECTORS = VL == 1 ? 4 : 3;
 constexpr int TILE_ROWS = VL == 16 ? 9 : VL == 8 ? 4 : 2;
+// Where that tile is narrower than a panel (AVX2: 3 of its 6 vectors), a verify of few rows takes the whole panel in
+// each sweep instead: half-panel tasks read each panel row's 192 bytes as two overlapping 96-byte runs, a stream the
+// hardware prefetcher follows worse. float32 weights: up to WIDE_UP_TO rows in passes of WIDE_ROWS (AVX2: 2 x 6
+// accumulators, the weights read straight into the fmas); wider verifies keep the narrow tile, whose fewer passes
+// read the panel from L2 half as often. bf16 and int8 weights: one row (6 accumulators and the 6 converted weight
+// vectors; with two rows they spill). 0: no wide tile.
+constexpr int WIDE_ROWS = TILE_VECTORS < PANEL_VECTORS && VL == 8 ? 2 : 0;
+constexpr int WIDE_UP_TO = 8;
+
+template <typename WT>
+constexpr int64_t wide_up_to() { return WIDE_ROWS == 0 ? 0 : std::is_same_v<WT, float> ? WIDE_UP_TO : 1; }
 
 inline float x_value(const float* x, int64_t i) { return x[i]; }
 inline float x_value(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]); }
@@ -173,6 +184,21 @@ inline const void* next_panel(const void* packed, int64_t p, int64_t panels, int
   return static_cast<const char*>(packed) + (p + 1) * panel_bytes;
 }
 
+// linear_kernel for M <= wide_up_to<WT>() rows: a task per panel, its whole width in each sweep.
+template <typename XT, typename WT, typename OT>
+void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t N, const float* scale,
+                        const float* bias, OT* out, int64_t panels, int64_t panel_size) {
+  const int64_t panel_bytes = panel_size * int64_t(sizeof(WT)), passes = passes_of<WIDE_ROWS>(M);
+#pragma omp parallel for schedule(static) if (panels > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const void* next = next_panel(packed, p, panels, panel_bytes, M);
+    in_passes<WIDE_ROWS>(M, [&](auto rows, int64_t m, int64_t pass) {
+      tile<decltype(rows)::value, PANEL_VECTORS>(x + m * K, K, packed + p * panel_size, 0, out + m * N, p * PANEL, N,
+                                                 scale, bias, sweep_ahead(next, panel_bytes, pass, passes, K));
+    });
+  }
+}
+
 // y (M, N) = x (M, K) . W^T (+ per-column scale, + bias), W packed in panels of PANEL columns. Threads take
 // contiguous runs of tasks, so each streams its weights in order.
 template <typename XT, typename WT, typename OT>
@@ -180,6 +206,9 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
                    const float* bias, OT* out) {
   const int64_t panels = (N + PANEL - 1) / PANEL;
   const int64_t panel_size = std::is_same_v<WT, uint16_t> ? ((K + 1) / 2) * PANEL * 2 : K * PANEL;
+  if constexpr (WIDE_ROWS > 0) {
+    if (M <= wide_up_to<WT>()) return wide_linear_kernel(x, M, K, packed, N, scale, bias, out, panels, panel_size);
+  }
   const int64_t subs = PANEL_VECTORS / TILE_VECTORS;
   const int64_t tasks = panels * subs;
 #pragma omp parallel for schedule(static) if (tasks > 1)
