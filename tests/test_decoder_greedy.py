@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import repetitive_prompt, tiny_model
+from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import InputError
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -100,6 +101,28 @@ def test_medusa_tree_must_use_rank_prefixes():
         MedusaDrafter(heads, paths=[[0], [2]])
     with pytest.raises(ValueError, match="num_heads"):
         MedusaDrafter(heads, paths=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_medusa_keep_above_trims_its_tree_and_stays_lossless():
+    """Medusa with keep_above (greedy): of its static tree only the nodes whose path probability under the heads is
+    above it, never none; output unchanged; a sampled decode refuses it in one line."""
+    model = tiny_model("llama", seed=4, num_layers=3)
+    target = TargetModel(model, tokenizer=None)
+    torch.manual_seed(4)
+    heads = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3))
+    heads.init_lm_heads(model.lm_head.weight)
+    prompt = repetitive_prompt(1)
+    full, trimmed = MedusaDrafter(heads), MedusaDrafter(heads, keep_above=0.02)
+    drafted = {}
+    for drafter in (full, trimmed):
+        result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=NEW_TOKENS)).generate(prompt)
+        assert result.tokens == reference_greedy(model, prompt)
+        drafted[drafter] = result.stats.tree_tokens / result.stats.verify_forwards
+    assert 1 <= drafted[trimmed] < drafted[full] == full.budget
+    with pytest.raises(UserError, match="keep_above"):
+        SpeculativeDecoder(target, trimmed, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
+    with pytest.raises(ValueError, match="keep_above"):
+        MedusaDrafter(heads, keep_above=1.0)
 
 
 def test_chain_stop_below_shortens_chains_and_is_checked():

@@ -8,6 +8,7 @@ import torch
 
 from conftest import build_spec, tiny_model
 from draftsmith.config import ConfigError, load_config
+from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import InputError
 from draftsmith.eval.decode.drafters.dflash import DFlashDrafter, load_dflash_drafter
@@ -112,6 +113,21 @@ def test_a_dflash_tree_decodes_like_plain(stop_below):
     plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
     result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
     assert result.tokens == plain.tokens
+
+
+def test_keep_above_trims_a_dflash_tree_and_stays_lossless():
+    """keep_above (greedy): fewer tokens verified a round than the whole tree, never none, output unchanged; a
+    sampled decode refuses it in one line."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    target = TargetModel(model, tokenizer=None)
+    prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    drafter = DFlashDrafter(random_drafter(model), topk=3, keep_above=0.02)
+    result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert result.tokens == plain.tokens
+    assert 1 <= result.stats.tree_tokens / result.stats.verify_forwards < 9
+    with pytest.raises(UserError, match="keep_above"):
+        SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
 
 
 def test_budget_beyond_the_block_is_refused():

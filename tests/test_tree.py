@@ -6,6 +6,7 @@ import torch
 from conftest import tiny_model
 from draftsmith.eval.decode.tree import (DraftTree, ancestor_matrix, chain_paths, node_depths, path_to_root, select_top_nodes,
                        subtree, tree_attention_mask, tree_from_paths, tree_position_ids)
+from draftsmith.eval.decode.drafters.base import confident_subtree
 from draftsmith.models.engine import commit_kv
 from draftsmith.models.target import TargetModel
 
@@ -53,6 +54,16 @@ def test_select_top_nodes_is_ancestor_closed():
     tree = DraftTree.from_parents(torch.tensor([10, 11, 12, 13, 14]), PARENTS)
     small = subtree(tree, torch.tensor([1, 3]))
     assert small.tokens.tolist() == [11, 13] and small.parents.tolist() == [-1, 0]
+
+
+def test_confident_subtree_keeps_the_paths_above_the_threshold():
+    """root -> a(0) -> c(2) -> e(4); root -> b(1) -> d(3): path probabilities 0.6, 0.3, 0.3, 0.12, 0.27."""
+    tree = DraftTree(torch.arange(10, 15), PARENTS, node_depths(PARENTS))
+    probs = torch.tensor([0.6, 0.3, 0.5, 0.4, 0.9])
+    kept = confident_subtree(tree, probs, 0.25)
+    assert kept.tokens.tolist() == [10, 11, 12, 14] and kept.parents.tolist() == [-1, -1, 0, 2]
+    assert confident_subtree(tree, probs, 0.9).tokens.tolist() == [10]  # never empty: the best path's first node
+    assert confident_subtree(tree, probs, None) is tree
 
 
 def test_validate_rejects_unordered_trees():

@@ -260,6 +260,10 @@ class NgramOptions:
     branches: int = option(1, "distinct continuations merged into a trie", ge=1)
 
 
+KEEP_ABOVE_HELP = ("dynamic size (greedy): of the tree's nodes verify only those whose path probability under the "
+                   "drafter is above this (null: all of them)")
+
+
 @dataclass
 class MedusaOptions:
     path: str = option(help="a train/medusa.py final/ directory")
@@ -267,6 +271,7 @@ class MedusaOptions:
                                       "the best measured on a 2-core CPU)", ge=1)
     adapter: Literal["refuse", "merge", "ignore"] = option("refuse", "Medusa-2 heads: merge the LoRA adapter "
                                                                      "into the target, or ignore it")
+    keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
 
 
 @dataclass
@@ -279,6 +284,7 @@ class DFlashOptions:
                                      "slice of the LM head (cheaper; null: the whole vocabulary, as exported)")
     topk: int = option(1, "candidates per block position: 1 a chain, k > 1 a tree of budget x k nodes (the top k "
                           "at each position under the previous position's first)", ge=1)
+    keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
 
@@ -292,8 +298,7 @@ class DGFOptions:
                                       f"{TREE_BUDGET}", ge=1)
     stop_below: float | None = option(None, "dynamic depth: no deeper level once the drafter's probability of its "
                                             "best path falls below this (null: always the full depth)", gt=0, lt=1)
-    keep_above: float | None = option(None, "dynamic size (greedy): of the budget's nodes verify only those whose "
-                                            "path probability is above this (null: all of them)", gt=0, lt=1)
+    keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
 
@@ -421,7 +426,7 @@ def build_ngram(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_medusa_drafter(o.path, ctx.target, budget=o.budget, target_adapter=o.adapter, name=spec.label,
-                                  backend=ctx.backend, settings=ctx.settings)
+                                  backend=ctx.backend, settings=ctx.settings, keep_above=o.keep_above)
     return DrafterMethod(drafter, spec.label)
 
 
@@ -441,7 +446,7 @@ def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
                                   vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=drafter_settings(spec, ctx),
-                                  topk=o.topk, dtype=o.dtype and resolve_dtype(o.dtype))
+                                  topk=o.topk, dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above)
     return DrafterMethod(drafter, spec.label)
 
 
@@ -529,7 +534,7 @@ def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
     if drafter_spec.name == "medusa":
         o = drafter_spec.options
         drafter = load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=spec.label,
-                                      backend=backend, settings=ctx.settings)
+                                      backend=backend, settings=ctx.settings, keep_above=o.keep_above)
     else:
         drafter = inner_drafter(build_method(drafter_spec.replace(budget=max(budget, 1)), ctx), spec.label)
     ratio = profile["best"].get("hcmp_ratio")

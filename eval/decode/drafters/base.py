@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
 from draftsmith.eval.decode.verify import logits_to_probs
 from draftsmith.models.target import check_same_tokenizer
 from draftsmith.models.trees import CHAIN_BUDGET, TREE_BUDGET  # noqa: F401  (re-exported: drafters import them here)
@@ -42,6 +43,26 @@ def check_open_unit(what: str, name: str, value: float | None) -> None:
     """A probability threshold a drafter is built with (stop_below): strictly between 0 and 1 (None: not given)."""
     if value is not None and not 0 < value < 1:
         raise InputError(f"{what}: {name}={value} must be between 0 and 1 (exclusive)")
+
+
+def refuse_sampled_trim(name: str, keep_above: float | None, sampling: Sampling | None) -> None:
+    """keep_above trims greedy trees only: speculative sampling needs every drawn node."""
+    if sampling is not None and keep_above is not None:
+        raise UserError(f"{name}: keep_above trims a greedy tree; a sampled tree keeps every drawn node "
+                        "(speculative sampling needs them): drop keep_above or decode greedily")
+
+
+def confident_subtree(tree: DraftTree, node_probs: torch.Tensor, keep_above: float | None) -> DraftTree:
+    """A greedy tree's dynamic size: only its nodes whose path probability (`node_probs`, the drafter's probability
+    of each node's token, multiplied along the path) is above `keep_above`, the most probable always kept. A path's
+    probability falls along it, so the kept nodes stay closed under ancestors: a confident round verifies its whole
+    tree, a doubtful one its best guesses only. None: the tree as it is."""
+    if keep_above is None or tree.size == 0:
+        return tree
+    reach = ancestor_matrix(tree.parents)[1:, 1:].to(torch.float64)  # [a, b]: b is a or an ancestor of a
+    scores = reach @ node_probs.to(reach.device, torch.float64).clamp_min(1e-300).log()
+    budget = max(1, int((scores > math.log(keep_above)).sum()))
+    return subtree(tree, select_top_nodes(scores, tree.parents, budget))
 
 
 def check_types(where: str, expected: list[tuple[str, object, type | tuple[type, ...], str]]) -> None:

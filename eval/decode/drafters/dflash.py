@@ -9,7 +9,8 @@ the threshold). Sampling: block position k's token is drawn from its own distrib
 on the tokens drawn before it, so q_k is exactly the distribution the verifier needs for that node. With `topk`
 > 1 the round is a tree instead: at every block position the top-k candidates (sampling: k draws without
 replacement) as children of the previous position's first candidate, budget x topk nodes (static_tree_tokens, as
-Medusa's heads: a position's distribution does not depend on the parent).
+Medusa's heads: a position's distribution does not depend on the parent). `keep_above` (greedy) verifies only the
+nodes whose path probability under the drafter is above it, as the other drafters' dynamic size.
 The decoder verifies every proposal, so the output is the target's whatever the drafter says.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
-                                                 static_tree_tokens)
+                                                 confident_subtree, refuse_sampled_trim, static_tree_tokens)
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 
 from draftsmith.models.artifacts import load_dflash
@@ -35,11 +36,13 @@ from draftsmith.models.vocab import DraftVocab
 class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashModel, budget: int | None = None, name: str = "dflash",
                  stop_below: float | None = None, vocab: DraftVocab | None = None,
-                 precision: WeightPrecision | None = None, topk: int = 1):
+                 precision: WeightPrecision | None = None, topk: int = 1, keep_above: float | None = None):
         most = model.config.block_size - 1
         budget = most if budget is None else budget
         check_sizes(name, budget=budget, topk=topk)
         check_open_unit(name, "stop_below", stop_below)
+        check_open_unit(name, "keep_above", keep_above)
+        self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's probability is above it
         if budget > most:
             raise InputError(f"{name}: budget={budget} is more than the block of {model.config.block_size} can "
                              f"propose ({most} tokens after the root)")
@@ -94,6 +97,7 @@ class DFlashDrafter(Drafter):
         if self.length != context.numel() - 1:
             raise RuntimeError(f"DFlashDrafter has features for {self.length} positions but the context holds "
                                f"{context.numel() - 1} committed tokens (observe() must see every committed token)")
+        refuse_sampled_trim(self.name, self.keep_above, sampling)
         logits = self.block_logits(root)
         if self.topk > 1:
             return self._tree(logits, context.device, sampling, generator)
@@ -101,7 +105,8 @@ class DFlashDrafter(Drafter):
             probs = torch.softmax(logits, -1)
             best, tokens = probs.max(-1)
             keep = self._kept(best)
-            return DraftTree.chain(self._to_target(tokens[:keep]).to(context.device))
+            chain = DraftTree.chain(self._to_target(tokens[:keep]).to(context.device))
+            return confident_subtree(chain, best[:keep], self.keep_above)
         probs = sampling.probs(logits)
         tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
         rows = self._full_rows(probs)
@@ -115,8 +120,9 @@ class DFlashDrafter(Drafter):
         tokens, rows = static_tree_tokens(lambda d: probs[d - 1], self.depths[:nodes], self.ranks[:nodes], sampling,
                                           generator)
         rows = None if rows is None else self._full_rows(rows).to(device)
-        return DraftTree(self._to_target(tokens).to(device), self.parents[:nodes].to(device),
+        tree = DraftTree(self._to_target(tokens).to(device), self.parents[:nodes].to(device),
                          self.depths[:nodes].to(device), rows)
+        return confident_subtree(tree, probs[self.depths[:nodes] - 1, tokens], self.keep_above)
 
     def _kept(self, best: torch.Tensor) -> int:
         """How many of the chain's tokens to propose (all, or until the path's probability falls below
@@ -137,7 +143,8 @@ class DFlashDrafter(Drafter):
 def load_dflash_drafter(path: str | Path, target, budget: int | None = None, name: str = "dflash",
                         stop_below: float | None = None, vocab: DraftVocab | None = None,
                         backend: Backend = Backend.EAGER, settings: CompileSettings | None = None,
-                        topk: int = 1, dtype: torch.dtype | None = None) -> DFlashDrafter:
+                        topk: int = 1, dtype: torch.dtype | None = None,
+                        keep_above: float | None = None) -> DFlashDrafter:
     """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel), in
     `dtype` (default: the target's); on the compiled backend with the batch-invariant kernels (`settings`), its
     Linears and head run on those kernels."""
@@ -145,4 +152,4 @@ def load_dflash_drafter(path: str | Path, target, budget: int | None = None, nam
     settings = settings or CompileSettings()
     fast = settings.runs_invariant_kernels(backend)
     return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
-                         precision=settings.weights if fast else None, topk=topk)
+                         precision=settings.weights if fast else None, topk=topk, keep_above=keep_above)

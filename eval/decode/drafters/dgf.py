@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import UserError
 from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
-                                                  draw_children)
+                                                  draw_children, refuse_sampled_trim)
 from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
 from draftsmith.models.compiled import CompileSettings
@@ -119,9 +118,7 @@ class DGFDrafter(Drafter):
             # kept node has depth <= g, lies in the top g of its level and among its parent's top g
             # children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper.
             k, depth = min(k, self.budget), min(depth, self.budget)
-        if sampling is not None and self.keep_above is not None:
-            raise UserError(f"{self.name}: keep_above trims a greedy tree; a sampled tree keeps every drawn node "
-                            "(speculative sampling needs them): drop keep_above or decode greedily")
+        refuse_sampled_trim(self.name, self.keep_above, sampling)
         growth = Growth(self.device, root_feature, self.budget, self.vocab)
         if sampling is None:
             growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], torch.zeros(1, device=self.device), k)

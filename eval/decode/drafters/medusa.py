@@ -16,7 +16,8 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from draftsmith.eval.decode.drafters.base import Drafter, Sampling, static_tree_tokens
+from draftsmith.eval.decode.drafters.base import (Drafter, Sampling, check_open_unit, confident_subtree,
+                                                  refuse_sampled_trim, static_tree_tokens)
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 from draftsmith.models.artifacts import ACCURACY_FILE, ArtifactError, load_medusa_heads
 from draftsmith.models.compiled import CompileSettings
@@ -30,7 +31,9 @@ class MedusaDrafter(Drafter):
     hidden_layers = (-1,)  # the final normed hidden state, as the target's LM head reads it
 
     def __init__(self, heads: MedusaHeads, paths: list[list[int]] | None = None, name: str = "medusa",
-                 runs: nn.Module | None = None):
+                 runs: nn.Module | None = None, keep_above: float | None = None):
+        check_open_unit(name, "keep_above", keep_above)
+        self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's probability is above it
         self.heads = heads.eval()
         self.runs = runs or self.heads  # what computes the logits: the heads, or their batch-invariant copy
         self.vocab = heads.draft_vocab  # None: the heads score the full vocabulary
@@ -53,24 +56,26 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, root, context, sampling: Sampling | None, generator) -> DraftTree:
+        refuse_sampled_trim(self.name, self.keep_above, sampling)
         param = next(self.heads.parameters())
         logits = self.runs(self.last_hidden.to(param.device, param.dtype)).float()  # (K, V)
         device = context.device
-
-        def probs_at(depth: int) -> torch.Tensor:
-            return torch.softmax(logits[depth - 1], -1) if sampling is None else sampling.probs(logits[depth - 1])
-
-        tokens, rows = static_tree_tokens(probs_at, self.depths, self.ranks, sampling, generator)
+        head_probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
+        tokens, rows = static_tree_tokens(lambda depth: head_probs[depth - 1], self.depths, self.ranks, sampling,
+                                          generator)
+        node_probs = head_probs[self.depths - 1, tokens]
         probs = None if rows is None else rows.to(device)
         if self.vocab is not None:  # draft-vocabulary ids -> target ids, q rows onto the full vocabulary
             tokens = self.vocab.to_target(tokens)
             probs = None if probs is None else self.vocab.scatter(probs)
-        return DraftTree(tokens.to(device), self.parents.to(device), self.depths.to(device), probs)
+        tree = DraftTree(tokens.to(device), self.parents.to(device), self.depths.to(device), probs)
+        return confident_subtree(tree, node_probs.to(device), self.keep_above)
 
 
 def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None = None, budget: int | None = None,
                         target_adapter: Literal["refuse", "merge", "ignore"] = "refuse", name: str | None = None,
-                        backend: Backend = Backend.EAGER, settings: CompileSettings | None = None):
+                        backend: Backend = Backend.EAGER, settings: CompileSettings | None = None,
+                        keep_above: float | None = None):
     """A MedusaDrafter for `target` from a recipe's final/ directory.
 
     Refuses a manifest whose target hidden size, vocab size or vocab fingerprint differs from the
@@ -78,7 +83,8 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
     the held-out per-rank accuracies saved with the heads. Medusa-2 heads
     were trained on the LoRA-adapted target: `target_adapter="merge"` merges the saved adapter into
     `target.model` in place, "ignore" uses the target as given, "refuse" (default) raises. On the compiled
-    `backend` with the batch-invariant kernels (`settings`), the heads run on those kernels too.
+    `backend` with the batch-invariant kernels (`settings`), the heads run on those kernels too. `keep_above`
+    (greedy): of the tree's nodes verify only those whose path probability under the heads is above it.
     """
     path = Path(path)
     heads, manifest = load_medusa_heads(path, device=target.device, target=target)
@@ -102,5 +108,5 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
     runs = None
     if settings.runs_invariant_kernels(backend):
         runs = InvariantMedusaHeads(heads, settings.weights)
-    return MedusaDrafter(heads, paths, name=name or f"medusa:{path}", runs=runs)
+    return MedusaDrafter(heads, paths, name=name or f"medusa:{path}", runs=runs, keep_above=keep_above)
 
