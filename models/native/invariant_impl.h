@@ -78,9 +78,11 @@ inline Ahead sweep_ahead(const void* next, int64_t panel_bytes, int64_t sweep, i
   return {static_cast<const char*>(next) + sweep * panel_bytes / sweeps, panel_bytes / (sweeps * K)};
 }
 
+// Inputs k0 .. k1 - 1 of the tile (tile_fma: all K of them).
 template <int MB, int NV, typename XT, typename WT>
-inline void tile_fma(const XT* x, int64_t ldx, const WT* panel, int64_t K, int c0, V acc[MB][NV], const Ahead& ahead) {
-  for (int64_t k = 0; k < K; ++k) {
+inline void tile_fma_range(const XT* x, int64_t ldx, const WT* panel, int64_t k0, int64_t k1, int c0, V acc[MB][NV],
+                           const Ahead& ahead) {
+  for (int64_t k = k0; k < k1; ++k) {
     const WT* w = panel + k * PANEL + c0;
     if constexpr (!std::is_same_v<WT, int8_t>) prefetch_ahead<MB>(w, NV * VL * sizeof(WT));
     ahead.request(k, 1);
@@ -91,6 +93,11 @@ inline void tile_fma(const XT* x, int64_t ldx, const WT* panel, int64_t K, int c
       for (int v = 0; v < NV; ++v) acc[m][v] = vfma(xb, wv[v], acc[m][v]);
     }
   }
+}
+
+template <int MB, int NV, typename XT, typename WT>
+inline void tile_fma(const XT* x, int64_t ldx, const WT* panel, int64_t K, int c0, V acc[MB][NV], const Ahead& ahead) {
+  tile_fma_range<MB, NV>(x, ldx, panel, 0, K, c0, acc, ahead);
 }
 
 // Inputs 2p and 2p + 1 of a row as one bf16 pair (the second 0 past K): one 4-byte load where the pair is whole,
@@ -184,27 +191,57 @@ inline const void* next_panel(const void* packed, int64_t p, int64_t panels, int
   return static_cast<const char*>(packed) + (p + 1) * panel_bytes;
 }
 
-// linear_kernel for M <= wide_up_to<WT>() rows: a task per panel, its whole width in each sweep, WIDE_ROWS rows a
-// pass. An odd M's last pass takes the row before it again (the same bits: every row is computed alone): a pass of
-// one row after others cost more than one of two (fp32, AVX2 on a Zen 4 at a fast stream: 3 rows 1.36 steps of
-// linears as [2, 1], 1.13 as [2, 2]; 5 rows 1.44 -> 1.26).
+// linear_kernel for M <= wide_up_to<WT>() rows: a task per panel, its whole width in each sweep. Several rows (fp32
+// weights) go WIDE_ROWS a pass, the passes taking the panel WIDE_CHUNK inputs at a time: each chunk comes from
+// memory in the first pass and from L1 in the others, and every pass requests its share of the next chunk (the
+// weights are one stream: a panel's inputs in order, the next panel after it), so the memory stream runs on through
+// every pass. The accumulators wait in L1 between chunks (stored and reloaded exactly: each element's sum still runs
+// over k in order). An odd M's last pass takes the row before it again (the same bits: every row is computed
+// alone): a one-row pass after others cost more than a two-row one.
+constexpr int64_t WIDE_CHUNK = 64;  // 64 inputs x 192 bytes of fp32 panel: 12 KB, well inside L1
+constexpr int WIDE_PASSES = WIDE_ROWS > 0 ? WIDE_UP_TO / WIDE_ROWS : 1;
+constexpr int WIDE_TILE_ROWS = WIDE_ROWS > 0 ? WIDE_ROWS : 1;
+
+template <typename XT, typename WT>
+inline void wide_passes(const XT* x, int64_t M, int64_t K, const WT* panel,
+                        V acc[WIDE_PASSES][WIDE_TILE_ROWS][PANEL_VECTORS]) {
+  const int64_t passes = passes_of<WIDE_TILE_ROWS>(M), stride = PANEL * int64_t(sizeof(WT)) / passes;
+  for (int64_t k0 = 0; k0 < K; k0 += WIDE_CHUNK) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + WIDE_CHUNK);
+    const char* next = reinterpret_cast<const char*>(panel + k1 * PANEL);  // the chunk after this one
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int64_t m = std::min<int64_t>(pass * WIDE_TILE_ROWS, M - WIDE_TILE_ROWS);  // odd M: overlaps a row
+      const Ahead ahead{next + (pass * (k1 - k0) - k0) * stride, stride};  // its share, indexed by k
+      V chunk[WIDE_TILE_ROWS][PANEL_VECTORS];  // in registers for the chunk
+      std::memcpy(chunk, acc[pass], sizeof(chunk));
+      tile_fma_range<WIDE_TILE_ROWS, PANEL_VECTORS>(x + m * K, K, panel, k0, k1, 0, chunk, ahead);
+      std::memcpy(acc[pass], chunk, sizeof(chunk));
+    }
+  }
+}
+
 template <typename XT, typename WT, typename OT>
 void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t N, const float* scale,
                         const float* bias, OT* out, int64_t panels, int64_t panel_size) {
-  const int64_t panel_bytes = panel_size * int64_t(sizeof(WT)), passes = passes_of<WIDE_ROWS>(M);
 #pragma omp parallel for schedule(static) if (panels > 1)
   for (int64_t p = 0; p < panels; ++p) {
-    const void* next = next_panel(packed, p, panels, panel_bytes, M);
-    for (int64_t pass = 0; pass < passes; ++pass) {
-      const Ahead ahead = sweep_ahead(next, panel_bytes, pass, passes, K);
-      const WT* panel = packed + p * panel_size;
-      if (M < WIDE_ROWS) {
-        tile<1, PANEL_VECTORS>(x, K, panel, 0, out, p * PANEL, N, scale, bias, ahead);
+    const WT* panel = packed + p * panel_size;
+    if constexpr (std::is_same_v<WT, float>) {
+      if (M >= WIDE_TILE_ROWS && M > 1) {
+        V acc[WIDE_PASSES][WIDE_TILE_ROWS][PANEL_VECTORS];
+        for (auto& pass : acc)
+          for (auto& row : pass)
+            for (auto& vector : row) vector = vzero();
+        wide_passes(x, M, K, panel, acc);
+        for (int64_t pass = 0; pass < passes_of<WIDE_TILE_ROWS>(M); ++pass) {
+          const int64_t m = std::min<int64_t>(pass * WIDE_TILE_ROWS, M - WIDE_TILE_ROWS);
+          for (int r = 0; r < WIDE_TILE_ROWS; ++r)
+            store_row<PANEL_VECTORS>(out + (m + r) * N, acc[pass][r], p * PANEL, N, scale, bias);
+        }
         continue;
       }
-      const int64_t m = std::min<int64_t>(pass * WIDE_ROWS, M - WIDE_ROWS);  // odd M: the last pass overlaps a row
-      tile<WIDE_ROWS, PANEL_VECTORS>(x + m * K, K, panel, 0, out + m * N, p * PANEL, N, scale, bias, ahead);
     }
+    tile<1, PANEL_VECTORS>(x, K, panel, 0, out, p * PANEL, N, scale, bias, Ahead{});
   }
 }
 
