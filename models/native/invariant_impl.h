@@ -22,9 +22,9 @@ constexpr int TILE_ROWS = VL == 16 ? 9 : VL == 8 ? 4 : 2;
 // Where that tile is narrower than a panel (AVX2: 3 of its 6 vectors), a verify of few rows takes the whole panel in
 // each sweep instead: half-panel tasks read each panel row's 192 bytes as two overlapping 96-byte runs, a stream the
 // hardware prefetcher follows worse. float32 weights: up to WIDE_UP_TO rows in passes of WIDE_ROWS (AVX2: 2 x 6
-// accumulators, the weights read straight into the fmas); wider verifies keep the narrow tile, whose fewer passes
-// read the panel from L2 half as often. bf16 and int8 weights: one row (6 accumulators and the 6 converted weight
-// vectors; with two rows they spill). 0: no wide tile.
+// accumulators, the weights read straight into the fmas; wide_linear_kernel); wider verifies keep the narrow tile
+// (9-12 rows as whole-panel passes, before they went in chunks, were slower than its fewer passes). bf16 and int8
+// weights: one row (6 accumulators and the 6 converted weight vectors; with two rows they spill). 0: no wide tile.
 constexpr int WIDE_ROWS = TILE_VECTORS < PANEL_VECTORS && VL == 8 ? 2 : 0;
 constexpr int WIDE_UP_TO = 8;
 
@@ -191,13 +191,13 @@ inline const void* next_panel(const void* packed, int64_t p, int64_t panels, int
   return static_cast<const char*>(packed) + (p + 1) * panel_bytes;
 }
 
-// linear_kernel for M <= wide_up_to<WT>() rows: a task per panel, its whole width in each sweep. Several rows (fp32
-// weights) go WIDE_ROWS a pass, the passes taking the panel WIDE_CHUNK inputs at a time: each chunk comes from
-// memory in the first pass and from L1 in the others, and every pass requests its share of the next chunk (the
-// weights are one stream: a panel's inputs in order, the next panel after it), so the memory stream runs on through
-// every pass. The accumulators wait in L1 between chunks (stored and reloaded exactly: each element's sum still runs
-// over k in order). An odd M's last pass takes the row before it again (the same bits: every row is computed
-// alone): a one-row pass after others cost more than a two-row one.
+// linear_kernel for M <= wide_up_to<WT>() rows: a task per panel, its whole width in each sweep. More rows than
+// one pass takes (fp32 weights) go WIDE_ROWS a pass, the passes taking the panel WIDE_CHUNK inputs at a time: each
+// chunk comes from memory in the first pass and from L1 in the others, and every pass requests its share of the
+// next chunk (the weights are one stream: a panel's inputs in order, the next panel after it), so the memory stream
+// runs on through every pass. The accumulators wait in L1 between chunks (stored and reloaded exactly: each
+// element's sum still runs over k in order). An odd M's last pass takes the row before it again (the same bits:
+// every row is computed alone): a one-row pass after others cost more than a two-row one.
 constexpr int64_t WIDE_CHUNK = 64;  // 64 inputs x 192 bytes of fp32 panel: 12 KB, well inside L1
 constexpr int WIDE_PASSES = WIDE_ROWS > 0 ? WIDE_UP_TO / WIDE_ROWS : 1;
 constexpr int WIDE_TILE_ROWS = WIDE_ROWS > 0 ? WIDE_ROWS : 1;
@@ -227,7 +227,7 @@ void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int
   for (int64_t p = 0; p < panels; ++p) {
     const WT* panel = packed + p * panel_size;
     if constexpr (std::is_same_v<WT, float>) {
-      if (M >= WIDE_TILE_ROWS && M > 1) {
+      if (M > WIDE_TILE_ROWS) {  // more than one pass (one pass: the whole panel at once, below)
         V acc[WIDE_PASSES][WIDE_TILE_ROWS][PANEL_VECTORS];
         for (auto& pass : acc)
           for (auto& row : pass)
@@ -241,7 +241,9 @@ void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int
         continue;
       }
     }
-    tile<1, PANEL_VECTORS>(x, K, panel, 0, out, p * PANEL, N, scale, bias, Ahead{});
+    with_rows<WIDE_TILE_ROWS>(M, 0, 0, [&](auto rows, int64_t, int64_t) {
+      tile<decltype(rows)::value, PANEL_VECTORS>(x, K, panel, 0, out, p * PANEL, N, scale, bias, Ahead{});
+    });
   }
 }
 
