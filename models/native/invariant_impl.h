@@ -202,6 +202,11 @@ constexpr int64_t WIDE_CHUNK = 64;  // 64 inputs x 192 bytes of fp32 panel: 12 K
 constexpr int WIDE_PASSES = WIDE_ROWS > 0 ? WIDE_UP_TO / WIDE_ROWS : 1;
 constexpr int WIDE_TILE_ROWS = WIDE_ROWS > 0 ? WIDE_ROWS : 1;
 
+// The first row of wide pass `pass` of M rows (odd M: the last pass overlaps the one before by a row).
+inline int64_t wide_pass_row(int64_t pass, int64_t M) {
+  return std::min<int64_t>(pass * WIDE_TILE_ROWS, M - WIDE_TILE_ROWS);
+}
+
 template <typename XT, typename WT>
 inline void wide_passes(const XT* x, int64_t M, int64_t K, const WT* panel,
                         V acc[WIDE_PASSES][WIDE_TILE_ROWS][PANEL_VECTORS]) {
@@ -210,7 +215,7 @@ inline void wide_passes(const XT* x, int64_t M, int64_t K, const WT* panel,
     const int64_t k1 = std::min<int64_t>(K, k0 + WIDE_CHUNK);
     const char* next = reinterpret_cast<const char*>(panel + k1 * PANEL);  // the chunk after this one
     for (int64_t pass = 0; pass < passes; ++pass) {
-      const int64_t m = std::min<int64_t>(pass * WIDE_TILE_ROWS, M - WIDE_TILE_ROWS);  // odd M: overlaps a row
+      const int64_t m = wide_pass_row(pass, M);
       const Ahead ahead{next + (pass * (k1 - k0) - k0) * stride, stride};  // its share, indexed by k
       V chunk[WIDE_TILE_ROWS][PANEL_VECTORS];  // in registers for the chunk
       std::memcpy(chunk, acc[pass], sizeof(chunk));
@@ -233,11 +238,9 @@ void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int
           for (auto& row : pass)
             for (auto& vector : row) vector = vzero();
         wide_passes(x, M, K, panel, acc);
-        for (int64_t pass = 0; pass < passes_of<WIDE_TILE_ROWS>(M); ++pass) {
-          const int64_t m = std::min<int64_t>(pass * WIDE_TILE_ROWS, M - WIDE_TILE_ROWS);
+        for (int64_t pass = 0; pass < passes_of<WIDE_TILE_ROWS>(M); ++pass)
           for (int r = 0; r < WIDE_TILE_ROWS; ++r)
-            store_row<PANEL_VECTORS>(out + (m + r) * N, acc[pass][r], p * PANEL, N, scale, bias);
-        }
+            store_row<PANEL_VECTORS>(out + (wide_pass_row(pass, M) + r) * N, acc[pass][r], p * PANEL, N, scale, bias);
         continue;
       }
     }

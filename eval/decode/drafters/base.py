@@ -52,17 +52,24 @@ def refuse_sampled_trim(name: str, keep_above: float | None, sampling: Sampling 
                         "(speculative sampling needs them): drop keep_above or decode greedily")
 
 
-def confident_subtree(tree: DraftTree, node_probs: torch.Tensor, keep_above: float | None) -> DraftTree:
-    """A greedy tree's dynamic size: only its nodes whose path probability (`node_probs`, the drafter's probability
-    of each node's token, multiplied along the path) is above `keep_above`, the most probable always kept. A path's
+def keep_confident(tree: DraftTree, path_scores: torch.Tensor, keep_above: float | None, budget: int) -> DraftTree:
+    """A greedy tree cut to its `budget` best nodes by path log-probability (`path_scores`: EAGLE-2's re-ranking),
+    and with `keep_above` to those whose path probability is above it, the most probable always kept. A path's
     probability falls along it, so the kept nodes stay closed under ancestors: a confident round verifies its whole
-    tree, a doubtful one its best guesses only. None: the tree as it is."""
+    budget, a doubtful one its best guesses only."""
+    if keep_above is not None:
+        budget = min(budget, max(1, int((path_scores > math.log(keep_above)).sum())))
+    return subtree(tree, select_top_nodes(path_scores, tree.parents, budget))
+
+
+def confident_subtree(tree: DraftTree, node_probs: torch.Tensor, keep_above: float | None) -> DraftTree:
+    """keep_confident for a static tree given the drafter's probability of each node's token (`node_probs`; a path's
+    probability is their product along it). None: the tree as it is."""
     if keep_above is None or tree.size == 0:
         return tree
     reach = ancestor_matrix(tree.parents)[1:, 1:].to(torch.float64)  # [a, b]: b is a or an ancestor of a
     scores = reach @ node_probs.to(reach.device, torch.float64).clamp_min(1e-300).log()
-    budget = max(1, int((scores > math.log(keep_above)).sum()))
-    return subtree(tree, select_top_nodes(scores, tree.parents, budget))
+    return keep_confident(tree, scores, keep_above, tree.size)
 
 
 def check_types(where: str, expected: list[tuple[str, object, type | tuple[type, ...], str]]) -> None:

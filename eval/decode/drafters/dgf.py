@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
-                                                  draw_children, refuse_sampled_trim)
-from draftsmith.eval.decode.tree import DraftTree, select_top_nodes, subtree
+                                                  draw_children, keep_confident, refuse_sampled_trim)
+from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
@@ -237,10 +237,7 @@ class Growth:
                                       torch.cat(self.rows) if self.rows else None)
         tree = DraftTree(tree.tokens, tree.parents.to(self.device), tree.depths.to(self.device), tree.draft_probs)
         if greedy:
-            scores, budget = self.all_scores(), self.budget
-            if keep_above is not None:
-                budget = min(budget, max(1, int((scores > math.log(keep_above)).sum())))
-            tree = subtree(tree, select_top_nodes(scores, tree.parents, budget))
+            tree = keep_confident(tree, self.all_scores(), keep_above, self.budget)
         return tree
 
 
