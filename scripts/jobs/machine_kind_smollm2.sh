@@ -49,6 +49,14 @@ exports() {  # the drafters as the other engines load them, once per machine (ex
 
 quiet() { scripts/jobs/quiet.sh "$@"; }
 
+seed_policies() {  # the seed policies' config with this kind's own ARCA profile (the committed one names the Zen 4's)
+  local config source=eval/configs/seed_policies_smollm2.yaml zen4=results/drafter_families_zen4/arca_profile_medusa1_10m.json
+  grep -q "arca:$zen4" $source || { echo "error: $source no longer names $zen4: mend seed_policies()" >&2; return 2; }
+  config=$(mktemp --suffix .yaml)
+  sed "s#arca:$zen4#arca:$FAMILIES/arca_profile_medusa1_10m.json#" $source > "$config"
+  quiet $BENCH --config "$config" output_dir=$FAMILIES/seed_policies
+}
+
 # name | output (done when it exists; "-": a set-up step, a no-op when done) | needs bf16 (1) or not (0) | command
 STEPS=(
   "roofline_float32|$ROOF""_float32.json|0|quiet python -m draftsmith.eval.roofline medusa=$MEDUSA output=$ROOF""_float32.json"
@@ -68,9 +76,10 @@ STEPS=(
   "medusa_bench|$FAMILIES/medusa_bench/bench.json|0|quiet $BENCH --config eval/configs/medusa_bench_smollm2.yaml output_dir=$FAMILIES/medusa_bench"
   "block_student_bench|$FAMILIES/block_student_bench/bench.json|0|quiet $BENCH --config eval/configs/block_student_bench_smollm2.yaml output_dir=$FAMILIES/block_student_bench"
   "student_draft_cost|$FAMILIES/student_draft_cost/bench.json|0|quiet $BENCH --config eval/configs/student_draft_cost_smollm2.yaml output_dir=$FAMILIES/student_draft_cost"
-  "seed_policies|$FAMILIES/seed_policies/bench.json|0|quiet $BENCH --config eval/configs/seed_policies_smollm2.yaml output_dir=$FAMILIES/seed_policies"
   "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA output=$FAMILIES/arca_profile_medusa1_10m.json"
+  "seed_policies|$FAMILIES/seed_policies/bench.json|0|seed_policies"
   "trees|$FAMILIES/trees/bench.json|0|quiet $BENCH --config eval/configs/trees_smollm2.yaml output_dir=$FAMILIES/trees"
+  "trees_keep_above|$FAMILIES/trees_keep_above/bench.json|0|quiet $BENCH --config eval/configs/trees_keep_above_smollm2.yaml output_dir=$FAMILIES/trees_keep_above"
   "llamacpp_blocks|$FAMILIES/llamacpp_blocks/bench.json|0|quiet $BENCH --config eval/configs/llamacpp_blocks_smollm2.yaml output_dir=$FAMILIES/llamacpp_blocks"
 )
 
