@@ -408,3 +408,5 @@ def test_bench_specs_build_each_policy():
         build_drafter("pipeline", target, None)
     with pytest.raises(ValueError, match="depth: expected an integer"):
         build_drafter("lm-tree:depth=abc,every=2", target, None)
+    with pytest.raises(ValueError, match="need length >= gram - 1 = 3"):  # its branches would never fill the cache
+        build_drafter("self-draft:branches=1,length=2,gram=4", target, None)

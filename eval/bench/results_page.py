@@ -62,7 +62,7 @@ class RunPlan:
 
 PLANS = [
     RunPlan(name="smollm2", target="smollm2-135m-instruct", title="SmolLM2-135M-Instruct (float32)",
-            methods=["plain", "ngram", "dgf", "cascade", "self-draft:branches=3,length=4", "lm-chain:budget=4,every=3"],
+            methods=["plain", "ngram", "dgf", "cascade", "self-draft", "lm-chain:budget=4,every=3"],
             full_only_methods=["llmcad:every=3", "minions:drafters=[(lm-chain:every=2),(lm-chain:every=3),ngram]"]),
     RunPlan(name="qwen1.5b", target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
             title="Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft (bfloat16)", dtype="bfloat16",
