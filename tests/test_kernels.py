@@ -241,7 +241,7 @@ def test_every_instruction_set_is_batch_invariant(isa):
         "full[r:r + 1])\n"
         "    for m in range(2, 19): assert torch.equal(torch.ops.draftsmith.linear(x[:m], p, s, None, 130), "
         "full[:m])\n"  # every tile and pass the row counts take (AVX2: wide passes for few rows, the narrow tile
-        # beyond; AVX-512: one pass up to 9 rows, two chunked passes beyond, the tile's passes for more)
+        # beyond; AVX-512: one pass of the tile up to 9 rows, two passes up to 18)
         "q, k, v = torch.randn(1, 4, 6, 40, generator=g), torch.randn(1, 2, 50, 40, generator=g), "
         "torch.randn(1, 2, 50, 40, generator=g)\n"
         "mask = torch.zeros(1, 1, 6, 50); mask[..., 45:] = torch.finfo(torch.float32).min\n"
