@@ -51,7 +51,8 @@ from draftsmith.eval.latency import context_ids
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, Generation, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.eval.policies.hcmp import HcmpConfig, hcmp_mode
-from draftsmith.eval.bench.methods import BuildContext, MethodSpec, build_method, inner_drafter, parse_method
+from draftsmith.eval.bench.methods import (BuildContext, LMChainOptions, MedusaOptions, MethodSpec, NgramOptions,
+                                          build_method, inner_drafter, parse_method)
 from draftsmith.eval.policies.placement import PlacedDrafter
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.bundled import DEFAULT_TARGET
@@ -214,7 +215,7 @@ def latency_curves(config: ProfileConfig, targets: dict[str, TargetModel], input
 
 def calibration_spec(spec: MethodSpec, budget: int) -> MethodSpec:
     """The drafter with the calibration tree size (chains and prompt lookup: at most 16 tokens)."""
-    if spec.name in ("lm-chain", "ngram"):
+    if isinstance(spec.options, (LMChainOptions, NgramOptions)):
         return spec.replace(budget=min(budget, 16))
     return spec.replace(budget=budget) if spec.has_option("budget") else spec
 
@@ -280,9 +281,9 @@ def calibration_of(calibrations: dict[str, dict], setting: Setting) -> dict:
 def acceptance_table(config: ProfileConfig, calibration: dict) -> tuple[str, list[list[float]]]:
     source = config.acceptance
     if source == "auto":
-        source = "saved" if config.drafter.name == "medusa" else "measured"
+        source = "saved" if isinstance(config.drafter.options, MedusaOptions) else "measured"
     if source == "saved":
-        if config.drafter.name != "medusa":
+        if not isinstance(config.drafter.options, MedusaOptions):
             raise UserError("acceptance=saved needs a Medusa drafter (its head_accuracy.json)")
         return source, load_rank_accuracy(config.drafter.options.path)
     return source, calibration["measured"]
@@ -298,7 +299,7 @@ def budget_tree(config: ProfileConfig, accuracy, calibration: dict, budget: int)
     if budget == 0:
         return [], 1.0, 1.0
     rank_paths = calibration["recorder"].rank_paths
-    chain = config.drafter.name == "lm-chain"  # a chain drafter has one candidate per depth
+    chain = isinstance(config.drafter.options, LMChainOptions)  # a chain drafter has one candidate per depth
     paths = [[0] * d for d in range(1, budget + 1)] if chain else arca_paths(accuracy, budget)
     tau_estimate = 1 + expected_accepted(paths, accuracy)
     tau_replay = replay_tau(paths, rank_paths)
@@ -320,7 +321,7 @@ def predict_row(config: ProfileConfig, tree: tuple, curve: dict, step: bool, dra
     paths, tau_est, tau_replay = tree
     tau = tau_replay if recorded and budget else tau_est
     nodes = len(paths) if budget else 0  # a tree can have fewer nodes than b (the table ran out)
-    chain = config.drafter.name == "lm-chain"
+    chain = isinstance(config.drafter.options, LMChainOptions)
     per_token = draft_per_round / max(min(config.calibration_budget, 16), 1)
     t_draft = 0.0 if budget == 0 else (per_token * max(nodes, 1) if chain else draft_per_round)
     t_verify = interpolate_latency(curve, nodes, step)

@@ -51,7 +51,7 @@ from huggingface_hub import HfApi
 
 from draftsmith.config import ConfigError, check_config, option, parse_script
 from draftsmith.errors import UserError, exit_with, one_line
-from draftsmith.eval.bench.methods import parse_method
+from draftsmith.eval.bench.methods import DGFOptions, parse_method
 from draftsmith.eval.decode.drafters.dgf import drafter_tree
 from draftsmith.fileio import refuse_overwrite
 from draftsmith.models import export_dflash, export_medusa
@@ -154,7 +154,7 @@ def measured_tree(source: str, bench_method: str | None) -> dict | None:
     if bench_method is None:
         return None
     spec = parse_method(bench_method)
-    if spec.name != "dgf":
+    if not isinstance(spec.options, DGFOptions):
         return None
     o = spec.options
     depth, topk, budget = drafter_tree(o.path or source, o.depth, o.topk, o.budget)

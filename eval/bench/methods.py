@@ -531,7 +531,7 @@ def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
     drafter_spec = parse_method(profile["drafter"], f"{spec.options.path}: drafter")
     backend = Backend(profile["best"]["backend"])
     ctx = replace(ctx, backend=backend)  # an LM drafter runs on the engine the profile picked (models shared)
-    if drafter_spec.name == "medusa":
+    if isinstance(drafter_spec.options, MedusaOptions):
         o = drafter_spec.options
         drafter = load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=spec.label,
                                       backend=backend, settings=ctx.settings, keep_above=o.keep_above)
