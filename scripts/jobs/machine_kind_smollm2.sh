@@ -27,6 +27,7 @@ ROOF=results/roofline/$KIND
 ENGINE=results/engine_kernels_$SHORT
 FAMILIES=results/drafter_families_$SHORT
 MEDUSA=drafters/medusa1_smollm2_human/loss_tokens_10000000
+ZEN4_ARCA=results/drafter_families_zen4/arca_profile_medusa1_10m  # + .json / _measured.json: what the configs name
 EAGLE3=drafters/eagle3_smollm2_all_regen/loss_tokens_2400000  # the bundled drafter's fp32 source
 BENCH="python -m draftsmith.eval.bench"
 export WANDB_MODE=offline HF_HUB_OFFLINE=1
@@ -49,12 +50,12 @@ exports() {  # the drafters as the other engines load them, once per machine (ex
 
 quiet() { scripts/jobs/quiet.sh "$@"; }
 
-seed_policies() {  # the seed policies' config with this kind's own ARCA profile (the committed one names the Zen 4's)
-  local config source=eval/configs/seed_policies_smollm2.yaml zen4=results/drafter_families_zen4/arca_profile_medusa1_10m.json
-  grep -q "arca:$zen4" $source || { echo "error: $source no longer names $zen4: mend seed_policies()" >&2; return 2; }
+with_kind_profile() {  # bench config $1, which names the Zen 4's ARCA profile $2, with this kind's own profile; output $3
+  local config source=$1 zen4=$2
+  grep -q "arca:$zen4" "$source" || { echo "error: $source no longer names $zen4: mend the runner" >&2; return 2; }
   config=$(mktemp --suffix .yaml)
-  sed "s#arca:$zen4#arca:$FAMILIES/arca_profile_medusa1_10m.json#" $source > "$config"
-  quiet $BENCH --config "$config" output_dir=$FAMILIES/seed_policies
+  sed "s#arca:$zen4#arca:$FAMILIES/arca_profile_medusa1_10m.json#" "$source" > "$config"
+  quiet $BENCH --config "$config" output_dir="$3"
 }
 
 # name | output (done when it exists; "-": a set-up step, a no-op when done) | needs bf16 (1) or not (0) | command
@@ -76,8 +77,9 @@ STEPS=(
   "medusa_bench|$FAMILIES/medusa_bench/bench.json|0|quiet $BENCH --config eval/configs/medusa_bench_smollm2.yaml output_dir=$FAMILIES/medusa_bench"
   "block_student_bench|$FAMILIES/block_student_bench/bench.json|0|quiet $BENCH --config eval/configs/block_student_bench_smollm2.yaml output_dir=$FAMILIES/block_student_bench"
   "student_draft_cost|$FAMILIES/student_draft_cost/bench.json|0|quiet $BENCH --config eval/configs/student_draft_cost_smollm2.yaml output_dir=$FAMILIES/student_draft_cost"
-  "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA output=$FAMILIES/arca_profile_medusa1_10m.json"
-  "seed_policies|$FAMILIES/seed_policies/bench.json|0|seed_policies"
+  "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA acceptance=measured output=$FAMILIES/arca_profile_medusa1_10m.json"
+  "seed_policies|$FAMILIES/seed_policies/bench.json|0|with_kind_profile eval/configs/seed_policies_smollm2.yaml $ZEN4_ARCA.json $FAMILIES/seed_policies"
+  "policies_after_lookup|$FAMILIES/policies_after_lookup/bench.json|0|with_kind_profile eval/configs/policies_after_lookup_smollm2.yaml $ZEN4_ARCA""_measured.json $FAMILIES/policies_after_lookup"
   "trees|$FAMILIES/trees/bench.json|0|quiet $BENCH --config eval/configs/trees_smollm2.yaml output_dir=$FAMILIES/trees"
   "trees_keep_above|$FAMILIES/trees_keep_above/bench.json|0|quiet $BENCH --config eval/configs/trees_keep_above_smollm2.yaml output_dir=$FAMILIES/trees_keep_above"
   "llamacpp_blocks|$FAMILIES/llamacpp_blocks/bench.json|0|quiet $BENCH --config eval/configs/llamacpp_blocks_smollm2.yaml output_dir=$FAMILIES/llamacpp_blocks"
