@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every measurement the engine and drafter-family studies keep per machine kind (Intel Xeon, AMD EPYC Zen 4, AMD
 # EPYC with AVX2 only), for SmolLM2-135M-Instruct, in priority order: the engine's roofline and goal benches first,
-# then the other engines side by side, then each drafter family's table. A step is skipped when its output exists,
+# then the other engines side by side, then the one table of every drafter family and seed policy (their best
+# settings, alone and after lookup, in one run), then each family's own study. A step is skipped when its output exists,
 # so a later run on a machine of the same kind continues from the committed results where the last one stopped. Every
 # timing step runs quiet (scripts/jobs/quiet.sh pauses this checkout's background data and training jobs).
 #   bash scripts/jobs/machine_kind_smollm2.sh             # every step not yet done, in order
@@ -74,10 +75,11 @@ STEPS=(
   "openvino_bf16_vs_bf16|$ENGINE/engines/openvino_bf16_vs_bf16.json|1|quiet python -m draftsmith.eval.engines.openvino_bench --config eval/configs/openvino_bf16_smollm2.yaml output=$ENGINE/engines/openvino_bf16_vs_bf16.json"
   "long_context_256|$ENGINE/long_context/latency_ctx256.json|0|quiet python -m draftsmith.eval.latency backends=[compiled] widths=[1,4,8] context_tokens=256 compile.capacity=2176 output=$ENGINE/long_context/latency_ctx256.json"
   "long_context_2000|$ENGINE/long_context/latency_ctx2000.json|0|quiet python -m draftsmith.eval.latency backends=[compiled] widths=[1,4,8] context_tokens=2000 compile.capacity=2176 output=$ENGINE/long_context/latency_ctx2000.json"
+  "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA acceptance=measured output=$FAMILIES/arca_profile_medusa1_10m.json"
+  "families_table|$FAMILIES/families_table/bench.json|0|with_kind_profile eval/configs/families_table_smollm2.yaml $ZEN4_ARCA""_measured.json $FAMILIES/families_table"
   "medusa_bench|$FAMILIES/medusa_bench/bench.json|0|quiet $BENCH --config eval/configs/medusa_bench_smollm2.yaml output_dir=$FAMILIES/medusa_bench"
   "block_student_bench|$FAMILIES/block_student_bench/bench.json|0|quiet $BENCH --config eval/configs/block_student_bench_smollm2.yaml output_dir=$FAMILIES/block_student_bench"
   "student_draft_cost|$FAMILIES/student_draft_cost/bench.json|0|quiet $BENCH --config eval/configs/student_draft_cost_smollm2.yaml output_dir=$FAMILIES/student_draft_cost"
-  "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA acceptance=measured output=$FAMILIES/arca_profile_medusa1_10m.json"
   "seed_policies|$FAMILIES/seed_policies/bench.json|0|with_kind_profile eval/configs/seed_policies_smollm2.yaml $ZEN4_ARCA.json $FAMILIES/seed_policies"
   "policies_after_lookup|$FAMILIES/policies_after_lookup/bench.json|0|with_kind_profile eval/configs/policies_after_lookup_smollm2.yaml $ZEN4_ARCA""_measured.json $FAMILIES/policies_after_lookup"
   "trees|$FAMILIES/trees/bench.json|0|quiet $BENCH --config eval/configs/trees_smollm2.yaml output_dir=$FAMILIES/trees"
