@@ -30,6 +30,7 @@ runs after its graph, on the rows that need logits (every row of a verify, a pro
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -465,17 +466,30 @@ class StaticKVBook:
         cache.length = kept
 
     def static_mask(self, allowed: torch.Tensor | None, past: int, n: int, bucket: int) -> torch.Tensor:
-        """(1, 1, bucket, capacity) additive mask: real rows from `allowed` (None: causal), padded rows
-        attend to their own slot only."""
-        mask = torch.zeros(bucket, self.capacity, dtype=torch.bool, device=self.device)
+        """(1, 1, bucket, capacity) additive mask (0 where a row sees a slot, the dtype's minimum elsewhere): real
+        rows from `allowed` (None: causal), padded rows attend to their own slot only. A causal forward at its
+        exact width (every decode step and chain) is a copy of a window of `causal_rows`: a few ops a forward."""
+        if allowed is None and bucket == n:
+            window = self.causal_rows[:n, self.capacity - past:2 * self.capacity - past]
+            return window.clone(memory_format=torch.contiguous_format)[None, None]  # its own aligned storage
+        out = torch.full((bucket, self.capacity), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
         if allowed is None:
-            mask[:n, :past + n] = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
-        else:
-            mask[:n, :past + n] = allowed.reshape(n, past + n)
-        pad = torch.arange(n, bucket, device=self.device)
-        mask[pad, past + pad] = True
-        out = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
-        return out.masked_fill_(~mask, torch.finfo(self.dtype).min)[None, None]
+            allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
+        out[:n, :past + n].masked_fill_(allowed.reshape(n, past + n), 0.0)
+        if bucket > n:
+            pad = torch.arange(n, bucket, device=self.device)
+            out[pad, past + pad] = 0.0
+        return out[None, None]
+
+    @functools.cached_property
+    def causal_rows(self) -> torch.Tensor:
+        """(largest bucket, 2 x capacity) additive: row i sees columns <= capacity + i, so columns capacity - past
+        onwards are the causal mask of a forward after `past` slots (row i sees slots <= past + i)."""
+        columns = torch.arange(2 * self.capacity, device=self.device)
+        rows = torch.arange(self.buckets[-1], device=self.device)
+        sees = columns[None, :] <= self.capacity + rows[:, None]
+        out = torch.zeros(sees.shape, dtype=self.dtype, device=self.device)
+        return out.masked_fill_(~sees, torch.finfo(self.dtype).min)
 
 
 

@@ -57,6 +57,35 @@ def test_compiled_graph_choice_shared_and_padded():
     assert padded.graph_groups((1, 2, 4, 8)) == [(1,), (2, 4), (8,)]
 
 
+def additive_mask_reference(capacity, dtype, allowed, past, n, bucket):
+    """The static mask spelled out: a bool mask of what each row sees, then 0 there and the dtype's minimum
+    elsewhere (padded rows see their own slot only)."""
+    sees = torch.zeros(bucket, capacity, dtype=torch.bool)
+    sees[:n, :past + n] = torch.ones(n, past + n, dtype=torch.bool).tril(past) if allowed is None else allowed
+    pad = torch.arange(n, bucket)
+    sees[pad, past + pad] = True
+    return torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)[None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_masks_are_bit_for_bit_the_spelled_out_ones(dtype):
+    """The causal mask cut from a precomputed window and the allowed masks filled in place are the same bits as
+    the mask spelled out (the kernels' outputs depend on them), each in its own contiguous storage."""
+    model = tiny_model("llama", seed=3, num_layers=1)
+    engine = CompiledEngine(model.to(dtype), CompileSettings(buckets=[1, 4, 8], capacity=40, autotune=False))
+    generator = torch.Generator().manual_seed(0)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for past, n, padding in [(0, 1, 0), (5, 1, 0), (31, 1, 0), (0, 8, 0), (31, 8, 0), (3, 3, 1), (12, 2, 2)]:
+        for allowed in (None, torch.rand(n, past + n, generator=generator) > 0.5):
+            mask = engine.static_mask(allowed, past, n, n + padding)
+            expected = additive_mask_reference(40, dtype, allowed, past, n, n + padding)
+            assert mask.is_contiguous() and torch.equal(mask.view(bits), expected.view(bits)), (past, n, padding)
+    first = engine.static_mask(None, 5, 1, 1)
+    first.fill_(0)  # a caller's mask is its own: the window it came from is unchanged
+    assert torch.equal(engine.static_mask(None, 5, 1, 1).view(bits), additive_mask_reference(40, dtype, None, 5, 1,
+                                                                                             1).view(bits))
+
+
 def test_compiled_padded_graphs_match_eager(tmp_path):
     """shared_width=false: one graph per bucket, a 5-token tree padded to 8, prompt chunks of 8."""
     model = tiny_model("llama", seed=3, num_layers=1)

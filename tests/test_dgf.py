@@ -199,6 +199,29 @@ def test_capping_depth_and_topk_at_g_keeps_the_tree(trained, budget):
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
 
 
+@pytest.mark.parametrize("depth,budget,stop_below,keep_above", [(3, 3, None, None), (6, 6, 0.03, None),
+                                                                (6, 6, None, 0.03), (7, 4, None, None)])
+def test_chain_steps_draft_the_tree_the_growth_would(trained, depth, budget, stop_below, keep_above):
+    """A greedy top-1 tree drafted by causal steps (no tree bookkeeping) is the tree Growth grows: the same tokens
+    and shape after every context, whatever stop_below and keep_above cut (and uncapped depths cut to the budget)."""
+    model, fitted = trained["llama"]
+    for seed in range(4):
+        context = torch.randint(0, 96, (9 + seed,), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            feats = model(context[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+        trees = []
+        for chain_steps, cap in ((True, True), (False, True), (True, False)):
+            drafter = DGFDrafter(fitted, depth=depth, topk=1, budget=budget, stop_below=stop_below,
+                                 keep_above=keep_above)
+            drafter.chain_steps, drafter.cap_at_budget = chain_steps, cap
+            drafter.begin(context)
+            drafter.observe(context[:-1], {-1: feats})
+            trees.append(drafter.propose(int(context[-1]), context, None, None))
+        for tree in trees[1:]:
+            assert torch.equal(tree.tokens, trees[0].tokens) and torch.equal(tree.parents, trees[0].parents)
+            assert torch.equal(tree.depths, trees[0].depths)
+
+
 def test_build_from_spec_and_option_errors(tmp_path):
     model = tiny_model("llama")
     target = TargetModel(model, TinyTokenizer(96))

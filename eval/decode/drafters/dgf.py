@@ -19,7 +19,9 @@ sampling: the same expansion order, but each expanded node draws its children fr
     q-rows honest for `verify_sampling` (as `LMDrafter` does).
 
 `depth` = the maximum depth of a drafted node (drafter forwards per round: 1 + depth - 1). Greedy
-trees cap depth and top-k at g (exact: no node beyond them can be among the g kept).
+trees cap depth and top-k at g (exact: no node beyond them can be among the g kept). A greedy tree of top-k 1
+is a chain: it is drafted by causal steps without the tree bookkeeping (the same nodes, scores and drafter
+inputs, bit for bit: each node sees the cache and the chain before it, which is causal attention).
 The decoder verifies every proposal, so the output is the target's whatever the drafter says.
 """
 
@@ -45,6 +47,11 @@ from draftsmith.models.vocab import DraftVocab
 DGF_DEPTH, DGF_TOPK = DGF_TREE.depth, DGF_TREE.topk  # Dovetail's dynamic tree (models/trees.py)
 
 
+def target_ids(vocab: DraftVocab | None, ids: torch.Tensor) -> torch.Tensor:
+    """Draft-vocabulary ids as the target's (a drafter scoring the full vocabulary: as they are)."""
+    return ids if vocab is None else vocab.to_target(ids)
+
+
 class DGFDrafter(Drafter):
     def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
                  name: str | None = None, engine=None, stop_below: float | None = None,
@@ -59,6 +66,7 @@ class DGFDrafter(Drafter):
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
         self.depth, self.topk, self.budget = depth, topk, budget
         self.cap_at_budget = True  # greedy: cap depth and top-k at g (same tree; False only for tests)
+        self.chain_steps = True  # greedy top-k 1: causal steps, no tree bookkeeping (same tree; False only for tests)
         self.hidden_layers = tuple(model.config.layers_read)
         self.vocab = model.draft_vocab  # None: the drafter scores the full vocabulary
         self.name = name or f"dgf-{model.config.fusion}-m{model.config.num_blocks}"
@@ -118,6 +126,8 @@ class DGFDrafter(Drafter):
             # kept node has depth <= g, lies in the top g of its level and among its parent's top g
             # children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper.
             k, depth = min(k, self.budget), min(depth, self.budget)
+        if sampling is None and k == 1 and self.chain_steps:
+            return self._chain(root_feature, root_logits, depth)
         refuse_sampled_trim(self.name, self.keep_above, sampling)
         growth = Growth(self.device, root_feature, self.budget, self.vocab)
         if sampling is None:
@@ -136,6 +146,26 @@ class DGFDrafter(Drafter):
             else:
                 growth.sampled_children(best, logits, base, k, sampling, generator)
         return growth.tree(sampling is None, self.keep_above)
+
+    def _chain(self, root_feature: torch.Tensor, root_logits: torch.Tensor, depth: int) -> DraftTree:
+        """The greedy chain Growth grows at top-k 1 (the best token after each node, its path score the sum of the
+        log-probabilities along it; stop_below and keep_above as for a tree), each level one causal drafter step on
+        its parent's predicted feature: the cache holds the committed pairs and the chain so far, all visible."""
+        best = torch.topk(torch.log_softmax(root_logits, -1), 1)
+        tokens, scores = [target_ids(self.vocab, best.indices)], [best.values]
+        feature = root_feature
+        for _ in range(1, depth):
+            if self.stop_below is not None and float(scores[-1]) < math.log(self.stop_below):
+                break
+            out, logits = self.engine.forward(feature[None, None], tokens[-1][None], self.cache)
+            feature = out[0, 0]
+            best = torch.topk(torch.log_softmax(logits[0, 0], -1), 1)
+            tokens.append(target_ids(self.vocab, best.indices))
+            scores.append(scores[-1] + best.values)
+        kept = min(len(tokens), self.budget)  # path scores fall along a chain: the nodes kept are a prefix
+        if self.keep_above is not None:
+            kept = min(kept, max(1, int((torch.cat(scores) > math.log(self.keep_above)).sum())))
+        return DraftTree.chain(torch.cat(tokens[:kept]))
 
     def _expand(self, growth: "Growth", level: int, k: int, committed: int) -> tuple[list[int], torch.Tensor]:
         """One drafter forward over the best k nodes of the newest level (tree mask over the cache and
@@ -186,10 +216,8 @@ class Growth:
         """The top-k children of each node (logp (n, V) its next-token log-probs, base (n,) its score)."""
         top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # (n, k)
         parents = torch.tensor(nodes, device=self.device).repeat_interleave(top.indices.shape[1])
-        self.add_level(self._target_ids(top.indices.reshape(-1)), parents, (base[:, None] + top.values).reshape(-1))
-
-    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.vocab is None else self.vocab.to_target(ids)
+        self.add_level(target_ids(self.vocab, top.indices.reshape(-1)), parents,
+                       (base[:, None] + top.values).reshape(-1))
 
     def sampled_children(self, nodes: list[int], logits: torch.Tensor, base: torch.Tensor, k: int,
                          sampling: Sampling, generator) -> None:
@@ -202,7 +230,7 @@ class Growth:
             probs = sampling.probs(logits[i])
             children, q = draw_children(probs, min(k, self.budget_left), sampling, generator)
             self.budget_left -= children.numel()
-            tokens.append(self._target_ids(children))
+            tokens.append(target_ids(self.vocab, children))
             scores.append(base[i] + torch.log(probs[children].clamp(min=1e-30)))
             parents.append(torch.full_like(children, nodes[i]))
             self.rows.append(q if self.vocab is None else self.vocab.scatter(q))

@@ -1,0 +1,85 @@
+"""Where a speculative round's time goes outside the two models' compiled packages: the bundled drafter's chain of 3
+(or its dynamic tree) decoding SmolLM2-135M-Instruct on the compiled engine, with every package call, every mask
+build and the drafter's observe timed apart (in-process wrappers, nothing else changed). Reports per round: the
+drafter's time in propose (its package calls, its masks, the rest: Python and small tensor ops), observe, and the
+verify (the target's package call, its mask, the rest: the LM head, verification, commit).
+    scripts/jobs/quiet.sh python scripts/jobs/draft_round_probe.py [float32 | bfloat16] [chain | tree] [prompts]
+"""
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from draftsmith.eval.decode.decoder import DecodeConfig, Generation, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
+from draftsmith.eval.prompts import load_prompts
+from draftsmith.models.bundled import bundled_drafter
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
+from draftsmith.models.target import TargetModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHAPES = {"chain": {}, "tree": {"depth": 6, "topk": 2, "budget": 8, "stop_below": 0.2, "keep_above": 0.1}}
+TOTALS: dict[str, float] = defaultdict(float)
+INSIDE: set[str] = set()  # the timed calls under way: the target's parts count inside a verify only (not the prefill)
+
+
+def timed(name: str, function, within: str | None = None):
+    def wrapper(*args, **kwargs):
+        INSIDE.add(name)
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            INSIDE.discard(name)
+            if within is None or within in INSIDE:
+                TOTALS[name] += time.perf_counter() - start
+    return wrapper
+
+
+def instrument(engine, label: str, within: str) -> None:
+    """Time `engine`'s package calls and mask builds under `label`, inside `within` (its runners are loaded by then)."""
+    for graph, runner in list(engine.runners.items()):
+        engine.runners[graph] = timed(f"{label} package", runner, within)
+    engine.static_mask = timed(f"{label} mask", engine.static_mask, within)
+
+
+@torch.inference_mode()
+def main(argv: list[str]) -> None:
+    dtype = DTYPES[argv[0] if argv else "float32"]
+    shape = SHAPES[argv[1] if len(argv) > 1 else "chain"]
+    count = int(argv[2]) if len(argv) > 2 else 6
+    torch.set_num_threads(2)
+    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=dtype)
+    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    drafter = load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
+                               settings=CompileSettings(), **shape)
+    decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=128))
+    prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
+    decoder.generate(prompts[0])  # warm-up: loads every package the rounds use
+    instrument(target.engine, "verify", "verify all")
+    instrument(drafter.engine, "draft", "draft all")
+    drafter.propose = timed("draft all", drafter.propose)
+    drafter.observe = timed("observe all", drafter.observe)
+    target.commit = timed("verify commit", target.commit)
+    target.engine.head = timed("verify head", target.engine.head, "verify all")
+    Generation.verify = timed("verify all", Generation.verify)
+    rounds = tokens = 0
+    TOTALS.clear()
+    for ids in prompts:
+        stats = decoder.generate(ids).stats
+        rounds, tokens = rounds + stats.verify_forwards, tokens + stats.new_tokens
+    per_round = {name: 1000 * seconds / rounds for name, seconds in sorted(TOTALS.items())}
+    print(f"{dtype} {argv[1] if len(argv) > 1 else 'chain'}: {rounds} rounds, {tokens / rounds:.2f} tokens a round")
+    print(f"  draft:  {per_round['draft all']:.3f} ms a round = package {per_round['draft package']:.3f} + mask "
+          f"{per_round['draft mask']:.3f} + rest {per_round['draft all'] - per_round['draft package'] - per_round['draft mask']:.3f}")
+    print(f"  observe: {per_round['observe all']:.3f} ms a round")
+    parts = ("package", "head", "mask", "commit")
+    rest = per_round["verify all"] - sum(per_round[f"verify {part}"] for part in parts)
+    print(f"  verify: {per_round['verify all']:.3f} ms a round = "
+          + " + ".join(f"{part} {per_round[f'verify {part}']:.3f}" for part in parts) + f" + rest {rest:.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,90 @@
+"""In-process A/B of the decode loop's bookkeeping: the static masks spelled out (a bool mask, then filled: ~9 ops a
+forward) and the drafter's chain grown as a tree (Growth), against the masks cut from a precomputed window and the
+chain drafted by causal steps (models/compiled.py static_mask, DGFDrafter._chain). SmolLM2-135M-Instruct on the
+compiled engine, the bundled drafter's chain of 3 and plain decoding, MT-Bench first turns, 128 new tokens; per
+prompt both arms in alternating order, each arm's speedup over its own plain. Same tokens in both arms (checked).
+    scripts/jobs/quiet.sh python scripts/jobs/loop_overhead_ab.py [float32 | bfloat16] [prompts] [output.json]
+"""
+import json
+import sys
+import time
+import types
+
+import torch
+
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
+from draftsmith.eval.documents import cpu_model
+from draftsmith.eval.prompts import load_prompts
+from draftsmith.models.bundled import bundled_drafter
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
+from draftsmith.models.target import TargetModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ARMS = ("before", "after")
+
+
+def spelled_out_mask(self, allowed, past, n, bucket):
+    """The static mask as it was built before the window: a bool mask of what each row sees, then filled."""
+    sees = torch.zeros(bucket, self.capacity, dtype=torch.bool, device=self.device)
+    if allowed is None:
+        sees[:n, :past + n] = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
+    else:
+        sees[:n, :past + n] = allowed.reshape(n, past + n)
+    pad = torch.arange(n, bucket, device=self.device)
+    sees[pad, past + pad] = True
+    out = torch.zeros(sees.shape, dtype=self.dtype, device=self.device)
+    return out.masked_fill_(~sees, torch.finfo(self.dtype).min)[None, None]
+
+
+def set_arm(arm: str, engines, drafter) -> None:
+    for engine in engines:
+        if arm == "before":
+            engine.static_mask = types.MethodType(spelled_out_mask, engine)
+        else:
+            engine.__dict__.pop("static_mask", None)
+    drafter.chain_steps = arm == "after"
+
+
+@torch.inference_mode()
+def main(argv: list[str]) -> None:
+    name = argv[0] if argv else "float32"
+    count = int(argv[1]) if len(argv) > 1 else 12
+    torch.set_num_threads(2)
+    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=DTYPES[name])
+    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    drafter = load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
+                               settings=CompileSettings())
+    config = DecodeConfig(max_new_tokens=128)
+    decoders = {"plain": SpeculativeDecoder(target, None, config), "chain": SpeculativeDecoder(target, drafter, config)}
+    prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
+    for decoder in decoders.values():
+        decoder.generate(prompts[0])  # warm-up: loads every package
+    seconds = {(arm, method): 0.0 for arm in ARMS for method in decoders}
+    tokens = dict.fromkeys(seconds, 0)
+    for index, ids in enumerate(prompts):
+        outputs = {}
+        for arm in ARMS if index % 2 == 0 else ARMS[::-1]:
+            set_arm(arm, (target.engine, drafter.engine), drafter)
+            for method, decoder in decoders.items():
+                start = time.perf_counter()
+                outputs[arm, method] = decoder.generate(ids).tokens
+                seconds[arm, method] += time.perf_counter() - start
+                tokens[arm, method] += len(outputs[arm, method])
+        assert len({tuple(out) for out in outputs.values()}) == 1, f"prompt {index}: the arms' tokens differ"
+    rate = {key: tokens[key] / seconds[key] for key in seconds}
+    result = {"machine": cpu_model(), "dtype": name, "prompts": count, "tokens_per_s": {f"{a} {m}": r for (a, m), r in
+                                                                                   rate.items()},
+              "chain_speedup": {arm: rate[arm, "chain"] / rate[arm, "plain"] for arm in ARMS}}
+    print(f"{name}, {count} MT-Bench first turns, tokens/s (same tokens in both arms):")
+    for arm in ARMS:
+        print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, chain of 3 {rate[arm, 'chain']:.2f} "
+              f"({result['chain_speedup'][arm]:.3f}x its plain)")
+    if len(argv) > 2:
+        with open(argv[2], "w") as handle:
+            json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
