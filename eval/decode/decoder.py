@@ -249,7 +249,7 @@ class Generation:
         past = target.cache_length(self.cache)
         ids = [self.root] + tree.tokens.tolist() + list(extra_tokens or [])
         input_ids = torch.tensor([ids], device=device)
-        is_chain = bool((tree.parents == torch.arange(tree.size, device=tree.parents.device) - 1).all())
+        is_chain = tree.parents.tolist() == list(range(-1, tree.size - 1))
         if allowed is None and is_chain and not extra_tokens:  # a chain is plain causal attention
             out = target.forward(input_ids, self.cache, hidden_layers=hidden_layers)
         else:
@@ -264,7 +264,10 @@ class Generation:
         else:
             accepted, next_token = verify_sampling(tree, self.sampling.probs(tree_logits), self.generator)
         slots = torch.tensor([0] + [node + 1 for node in accepted], device=device)
-        target.commit(self.cache, torch.cat([torch.arange(past, device=device), past + slots]))
+        if accepted == list(range(len(accepted))):  # the path is the slots right after the root: nothing moves
+            target.truncate(self.cache, past + 1 + len(accepted))
+        else:
+            target.commit(self.cache, torch.cat([torch.arange(past, device=device), past + slots]))
         hidden = {k: v[0, slots] for k, v in out.hidden.items()}  # (m, H) per layer
         seconds = time.perf_counter() - tick
         self.stats.verify_s += seconds

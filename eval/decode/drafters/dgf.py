@@ -93,11 +93,12 @@ class DGFDrafter(Drafter):
         self.num_features += feature.shape[0]
 
     def _pending_features(self) -> torch.Tensor:
-        """Features of positions fed .. num_features - 1, (n, H); keeps only what is still needed."""
+        """Features of positions fed .. num_features - 1, (n, H); keeps only those (the ones fed before are never
+        read again, so a round copies its few new rows, not the whole context's)."""
         allf = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
-        start = self.fed - (self.num_features - allf.shape[0])
-        self.features = [allf]
-        return allf[start:]
+        pending = allf[self.fed - (self.num_features - allf.shape[0]):]
+        self.features = [pending]
+        return pending
 
     @torch.inference_mode()
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
