@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
     for ids in prompts:
         stats = decoder.generate(ids).stats
         rounds, tokens = rounds + stats.verify_forwards, tokens + stats.new_tokens
-    per_round = {name: 1000 * seconds / rounds for name, seconds in sorted(TOTALS.items())}
+    per_round = defaultdict(float, {name: 1000 * seconds / rounds for name, seconds in TOTALS.items()})
     print(f"{dtype} {argv[1] if len(argv) > 1 else 'chain'}: {rounds} rounds, {tokens / rounds:.2f} tokens a round")
     print(f"  draft:  {per_round['draft all']:.3f} ms a round = package {per_round['draft package']:.3f} + mask "
           f"{per_round['draft mask']:.3f} + rest {per_round['draft all'] - per_round['draft package'] - per_round['draft mask']:.3f}")
