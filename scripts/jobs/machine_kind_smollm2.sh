@@ -85,6 +85,7 @@ STEPS=(
   "trees|$FAMILIES/trees/bench.json|0|quiet $BENCH --config eval/configs/trees_smollm2.yaml output_dir=$FAMILIES/trees"
   "trees_keep_above|$FAMILIES/trees_keep_above/bench.json|0|quiet $BENCH --config eval/configs/trees_keep_above_smollm2.yaml output_dir=$FAMILIES/trees_keep_above"
   "llamacpp_blocks|$FAMILIES/llamacpp_blocks/bench.json|0|quiet $BENCH --config eval/configs/llamacpp_blocks_smollm2.yaml output_dir=$FAMILIES/llamacpp_blocks"
+  "sampling|$ENGINE/sampling_bench/bench.json|0|quiet $BENCH --config eval/configs/sampling_bench_smollm2.yaml output_dir=$ENGINE/sampling_bench"
 )
 
 chosen() {  # step $1 is in ONLY (or ONLY is empty)
