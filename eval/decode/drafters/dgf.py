@@ -66,7 +66,7 @@ class DGFDrafter(Drafter):
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
         self.depth, self.topk, self.budget = depth, topk, budget
         self.cap_at_budget = True  # greedy: cap depth and top-k at g (same tree; False only for tests)
-        self.chain_steps = True  # greedy top-k 1: causal steps, no tree bookkeeping (same tree; False only for tests)
+        self.chain_steps = True  # greedy top-k 1: causal steps, no tree bookkeeping (same tree; False: tests, A/Bs)
         self.hidden_layers = tuple(model.config.layers_read)
         self.vocab = model.draft_vocab  # None: the drafter scores the full vocabulary
         self.name = name or f"dgf-{model.config.fusion}-m{model.config.num_blocks}"
