@@ -54,7 +54,7 @@ from draftsmith.config import ConfigError, Unread, check_config, option
 from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel, invariant_drafter
-from draftsmith.models.engine import Backend, TargetOutput, with_cache
+from draftsmith.models.engine import Backend, TargetOutput, additive_mask, with_cache
 from draftsmith.models.kernels import (InvariantLinear, JoinedProjection, Kernels, SiblingProjection, WeightPrecision,
                                       arena_zeros, invariant_attention, invariant_model)
 from draftsmith.models.precision import Int8WeightLinear
@@ -487,9 +487,7 @@ class StaticKVBook:
         onwards are the causal mask of a forward after `past` slots (row i sees slots <= past + i)."""
         columns = torch.arange(2 * self.capacity, device=self.device)
         rows = torch.arange(self.buckets[-1], device=self.device)
-        sees = columns[None, :] <= self.capacity + rows[:, None]
-        out = torch.zeros(sees.shape, dtype=self.dtype, device=self.device)
-        return out.masked_fill_(~sees, torch.finfo(self.dtype).min)
+        return additive_mask(columns[None, :] <= self.capacity + rows[:, None], self.dtype)
 
 
 

@@ -18,7 +18,7 @@ from draftsmith.eval.documents import cpu_model
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.engine import Backend
+from draftsmith.models.engine import Backend, additive_mask
 from draftsmith.models.target import TargetModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -34,8 +34,7 @@ def spelled_out_mask(self, allowed, past, n, bucket):
         sees[:n, :past + n] = allowed.reshape(n, past + n)
     pad = torch.arange(n, bucket, device=self.device)
     sees[pad, past + pad] = True
-    out = torch.zeros(sees.shape, dtype=self.dtype, device=self.device)
-    return out.masked_fill_(~sees, torch.finfo(self.dtype).min)[None, None]
+    return additive_mask(sees, self.dtype)[None, None]
 
 
 def set_arm(arm: str, engines, drafter) -> None:
