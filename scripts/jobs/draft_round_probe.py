@@ -47,6 +47,10 @@ def instrument(engine, label: str, within: str) -> None:
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
+    if (len(argv) > 3 or (argv and argv[0] not in DTYPES) or (len(argv) > 1 and argv[1] not in SHAPES)
+            or (len(argv) > 2 and not argv[2].isdigit())):
+        sys.exit(f"usage: python scripts/jobs/draft_round_probe.py [{' | '.join(DTYPES)}] [{' | '.join(SHAPES)}] "
+                 "[prompts]")
     dtype = DTYPES[argv[0] if argv else "float32"]
     shape = SHAPES[argv[1] if len(argv) > 1 else "chain"]
     count = int(argv[2]) if len(argv) > 2 else 6

@@ -9,6 +9,7 @@ import json
 import sys
 import time
 import types
+from pathlib import Path
 
 import torch
 
@@ -48,8 +49,12 @@ def set_arm(arm: str, engines, drafter) -> None:
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
+    if len(argv) > 3 or (argv and argv[0] not in DTYPES) or (len(argv) > 1 and not argv[1].isdigit()):
+        sys.exit(f"usage: python scripts/jobs/loop_overhead_ab.py [{' | '.join(DTYPES)}] [prompts] [output.json]")
     name = argv[0] if argv else "float32"
     count = int(argv[1]) if len(argv) > 1 else 12
+    if len(argv) > 2 and Path(argv[2]).exists():
+        sys.exit(f"error: {argv[2]} exists: give a new output path (nothing is overwritten)")
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=DTYPES[name])
     target = base.with_backend(Backend.COMPILED, CompileSettings())
