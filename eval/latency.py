@@ -5,7 +5,8 @@
         dtypes="float32 bfloat16" output=results/latency/qwen0.5b.json
 
 Each forward is causal over w random tokens appended to a `context_tokens`-long cache (an MT-Bench
-prompt in its chat template, repeated), then truncated back; medians of `repeats`, the widths
+prompt in its chat template, repeated), then truncated back, with the LM head greedy decoding reads (the compiled
+engine's greedy head where `compile.head` gives one; `compile.head=model`: the model's head); medians of `repeats`, the widths
 interleaved so that load changes hit them alike. Compiled graphs are built or loaded before anything
 is timed (their seconds are reported apart). `release=true` frees each compiled graph after the widths it
 runs are measured (one frozen weight copy in memory at a time: how per-bucket graphs of the 1.5B fit in
@@ -77,20 +78,22 @@ def mt_bench_context(tokenizer, length: int) -> torch.Tensor:
     return context_ids(torch.tensor([prompt_ids(tokenizer, first.messages)]), length)
 
 
-def forward_seconds(target: TargetModel, cache, ids: torch.Tensor) -> float:
-    """Wall seconds of one forward of `ids` over `cache` (device synchronised on both sides)."""
+def forward_seconds(target: TargetModel, cache, ids: torch.Tensor, argmax_only: bool = True) -> float:
+    """Wall seconds of one forward of `ids` over `cache` (device synchronised on both sides); `argmax_only` as
+    greedy decoding asks (TargetModel.forward)."""
     sync(target.device)
     start = time.perf_counter()
-    target.forward(ids, cache)
+    target.forward(ids, cache, argmax_only=argmax_only)
     sync(target.device)
     return time.perf_counter() - start
 
 
-def time_forward(target: TargetModel, cache, past: int, width: int, generator: torch.Generator) -> float:
+def time_forward(target: TargetModel, cache, past: int, width: int, generator: torch.Generator,
+                 argmax_only: bool = True) -> float:
     """Seconds of one causal forward of `width` random tokens after `past` cached ones (cache restored)."""
     vocab = target.model.get_output_embeddings().out_features
     ids = torch.randint(0, vocab, (1, width), generator=generator).to(target.device)
-    seconds = forward_seconds(target, cache, ids)
+    seconds = forward_seconds(target, cache, ids, argmax_only)
     target.truncate(cache, past)
     return seconds
 
@@ -110,8 +113,10 @@ def interleaved_seconds(seconds_of: Callable[[int], float], widths: Sequence[int
 
 @torch.inference_mode()
 def measure_forward_latency(target: TargetModel, context: torch.Tensor, widths: list[int], repeats: int,
-                            warmup: int = 2, release: bool = False, seed: int = 0) -> dict[int, list[float]]:
-    """{width: [seconds, ...]} over the cache of `context` (1, T); see the module docstring."""
+                            warmup: int = 2, release: bool = False, seed: int = 0,
+                            argmax_only: bool = True) -> dict[int, list[float]]:
+    """{width: [seconds, ...]} over the cache of `context` (1, T); see the module docstring (`argmax_only` false:
+    every forward reads the model's head)."""
     cache = target.new_cache(context.shape[1] + max(widths))
     target.forward(context.to(target.device), cache)
     past = target.cache_length(cache)
@@ -120,8 +125,8 @@ def measure_forward_latency(target: TargetModel, context: torch.Tensor, widths: 
     groups = target.graph_groups(tuple(widths)) if release else [tuple(widths)]  # interleaved within a graph
     for group in groups:
         target.prepare(tuple(group))
-        times.update(interleaved_seconds(lambda width: time_forward(target, cache, past, width, generator), group,
-                                         repeats, warmup))
+        times.update(interleaved_seconds(lambda width: time_forward(target, cache, past, width, generator,
+                                                                    argmax_only), group, repeats, warmup))
         if release:
             target.release(tuple(group))
             gc.collect()

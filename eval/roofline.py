@@ -7,7 +7,8 @@ Measures, on the torch threads used:
   decode step streams; the faster of the weight in ordinary memory and in a huge-page weight arena, where the
   engine keeps its weights) beside a plain reduction over 512 MB, and matmul throughput in float32, bfloat16 and int8
   (torch's own large GEMMs) and the invariant kernels' at 64 rows (float32, and int8 x int8 for w8a8's bound);
-- the target on the compiled engine (`compile.kernels`, default the batch-invariant kernels): T(w) for every width,
+- the target on the compiled engine (`compile.kernels`, default the batch-invariant kernels; its forwards read the
+  model's own LM head, the one the bound counts, whatever `compile.head` says): T(w) for every width,
   beside its bound max(bytes / bandwidth, FLOPs / throughput), bytes = its weights + the KV cache it reads, FLOPs =
   2 x weights x w + attention;
 - T(w) split by part: the decoder's linear layers and the LM head (their ops timed alone on the same weights),
@@ -230,7 +231,7 @@ def run_roofline(config: RooflineConfig) -> dict:
     target = base.with_backend(Backend.COMPILED, config.compile)
     target.prepare(tuple(config.widths))
     context = mt_bench_context(base.tokenizer, config.context_tokens)
-    times = measure_forward_latency(target, context, config.widths, config.repeats)
+    times = measure_forward_latency(target, context, config.widths, config.repeats, argmax_only=False)
     roofs = restream(roofs)
     print(f"[roofline] stream {roofs['stream_gbs_before']:.1f} GB/s before the timings, "
           f"{roofs['stream_gbs_after']:.1f} after", flush=True)

@@ -55,8 +55,9 @@ from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel, invariant_drafter
 from draftsmith.models.engine import Backend, TargetOutput, additive_mask, with_cache
-from draftsmith.models.kernels import (InvariantLinear, JoinedProjection, Kernels, SiblingProjection, WeightPrecision,
-                                      arena_zeros, invariant_attention, invariant_model)
+from draftsmith.models.kernels import (GreedyHead, HeadLogits, InvariantLinear, JoinedProjection, Kernels,
+                                      SiblingProjection, WeightPrecision, arena_zeros, invariant_attention,
+                                      invariant_model)
 from draftsmith.models.precision import Int8WeightLinear
 from draftsmith.models.registry import draftsmith_cache
 
@@ -86,16 +87,39 @@ class CompileSettings:
                                       "(weight-only, a scale per output row) or w8a8 (int8 weights, and each input "
                                       "row quantized to int8 as it arrives: integer dot products; float32 models); "
                                       "invariant kernels only")
+    head: HeadLogits | None = option(None, "the LM head of greedy decoding's forwards: greedy (int8 or bf16 copies "
+                                     "streamed, the logits that could be the largest recomputed exactly: the exact "
+                                     "argmax from a quarter to half of a float32 head's bytes; invariant kernels, "
+                                     "weights=model), model (every logit from the model's weights); null: greedy for "
+                                     "a float32 model where it applies, else model. Sampling and drafters always "
+                                     "read the model's head")
 
     def __post_init__(self):
         check_config(self)
         if self.weights is not WeightPrecision.MODEL and self.kernels is not Kernels.INVARIANT:
             raise ConfigError(f"weights: {self.weights} runs on the invariant kernels only (set kernels=invariant)")
+        if self.head is HeadLogits.GREEDY and not self.greedy_head_applies:
+            raise ConfigError("head: greedy streams an int8 copy of a head in the model's own weights: it needs "
+                              "kernels=invariant and weights=model")
         self.buckets = sorted(set(self.buckets))
         if not self.buckets:
             raise ConfigError("buckets: give at least one input size")
         if self.capacity <= self.buckets[-1]:
             raise ConfigError(f"capacity: {self.capacity} must exceed the largest bucket {self.buckets[-1]}")
+
+    @property
+    def greedy_head_applies(self) -> bool:
+        """Whether the greedy head can serve these settings (the invariant kernels, the model's own weights)."""
+        return self.kernels is Kernels.INVARIANT and self.weights is WeightPrecision.MODEL
+
+    def greedy_head(self, dtype: torch.dtype) -> bool:
+        """Whether greedy decoding's forwards on a model in `dtype` read the greedy head: as `head` says, by default
+        for float32 models where it applies. (A bfloat16 head already streams half the bytes and costs the same
+        as the greedy head's from two rows, and its greedy token is the argmax of logits rounded to bfloat16,
+        whose ties the exact argmax would break otherwise.)"""
+        if self.head is not None:
+            return self.head is HeadLogits.GREEDY
+        return self.greedy_head_applies and dtype == torch.float32
 
     def runs_invariant_kernels(self, backend: Backend) -> bool:
         """Whether a model on `backend` with these settings runs on the batch-invariant kernels."""
@@ -534,6 +558,7 @@ class CompiledEngine(BucketGraphs):
                          model.dtype, device, model.config.model_type, cache_dir)
         self.runs = runs  # the model the graphs run (on the invariant kernels: its linears packed)
         self.head = runs.get_output_embeddings()  # on the invariant kernels: its rows are the same at any width
+        self.greedy_head = placed_greedy_head(model) if settings.greedy_head(model.dtype) else None
 
     def example(self, width: int) -> tuple:
         ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
@@ -547,28 +572,38 @@ class CompiledEngine(BucketGraphs):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKV, position_ids: torch.Tensor | None = None,
                 allowed: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
-                last_only: bool = False) -> TargetOutput:
+                last_only: bool = False, argmax_only: bool = False) -> TargetOutput:
         n = input_ids.shape[1]
         if n > self.buckets[-1]:
             self.check_chunkable(n, position_ids, allowed)
-            return self._chunked(input_ids, cache, hidden_layers, last_only)
+            return self._chunked(input_ids, cache, hidden_layers, last_only, argmax_only)
         past = cache.length
         runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
         ids = pad_width(input_ids.to(self.device, torch.long), width)
         hidden = runner(ids, positions, mask, torch.tensor(past, device=self.device), *cache.tensors)
         cache.length = past + n
         final = hidden[-1][:, n - 1:n] if last_only else hidden[-1][:, :n]
-        return TargetOutput(logits=self.head(final).float(), hidden={k: hidden[k][:, :n] for k in hidden_layers})
+        head = self.greedy_head if argmax_only and self.greedy_head is not None else self.head
+        return TargetOutput(logits=head(final).float(), hidden={k: hidden[k][:, :n] for k in hidden_layers})
 
     def _chunked(self, input_ids: torch.Tensor, cache: StaticKV, hidden_layers: tuple[int, ...],
-                 last_only: bool) -> TargetOutput:
+                 last_only: bool, argmax_only: bool) -> TargetOutput:
         """A long causal forward (a prompt) in chunks of the largest bucket (with `last_only`, only the last
         chunk's last row meets the head)."""
         starts = range(0, input_ids.shape[1], self.buckets[-1])
         outs = [self.forward(input_ids[:, start:start + self.buckets[-1]], cache, hidden_layers=hidden_layers,
-                             last_only=last_only) for start in starts]
+                             last_only=last_only, argmax_only=argmax_only) for start in starts]
         return TargetOutput(logits=outs[-1].logits if last_only else torch.cat([o.logits for o in outs], 1),
                             hidden={k: torch.cat([o.hidden[k] for o in outs], 1) for k in hidden_layers})
+
+
+def placed_greedy_head(model: nn.Module) -> GreedyHead:
+    """The greedy head of `model`'s LM head, its int8 and bf16 copies in a weight arena of their own (huge pages)."""
+    head = GreedyHead(model.get_output_embeddings())
+    copies = [head.packed] + ([] if head.packed_bf16 is None else [head.packed_bf16])
+    placed = [arena.copy_(copy) for arena, copy in zip(arena_zeros(copies), copies)]
+    head.packed, head.packed_bf16 = placed[0], placed[1] if len(placed) > 1 else None
+    return head
 
 
 def machine_load() -> dict:

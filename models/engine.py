@@ -131,7 +131,9 @@ class EagerEngine(EagerBuild):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
                 position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-                hidden_layers: tuple[int, ...] = (), last_only: bool = False) -> TargetOutput:
+                hidden_layers: tuple[int, ...] = (), last_only: bool = False,
+                argmax_only: bool = False) -> TargetOutput:
+        """(`argmax_only`: every logit is computed here anyway.)"""
         mask = None if allowed is None else additive_mask(allowed, self.model.dtype)
         out = self.model(input_ids=input_ids, **with_cache(cache), position_ids=position_ids,
                          attention_mask=mask, use_cache=cache is not None,

@@ -79,6 +79,16 @@ class WeightPrecision(str, enum.Enum):
         return WEIGHT_LABELS[self]
 
 
+class HeadLogits(str, enum.Enum):
+    """What a compiled target's LM head computes."""
+
+    MODEL = "model"  # every logit, from the model's own weights (sampling needs them)
+    GREEDY = "greedy"  # GreedyHead: int8 logits, those that could be the largest recomputed exactly (greedy only)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 WEIGHT_LABELS = {WeightPrecision.MODEL: "", WeightPrecision.INT8: "int8 weights",
                  WeightPrecision.W8A8: "w8a8 (int8 weights and inputs)"}
 
@@ -147,6 +157,10 @@ def register_fakes() -> None:
     def _linear_i8_fake(x, packed, scale, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("draftsmith::greedy_head")
+    def _greedy_head_fake(x, packed, scale, weight):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
     @torch.library.register_fake("draftsmith::attention")
     def _attention_fake(q, k, v, mask, scaling):
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
@@ -207,6 +221,46 @@ class InvariantLinear(nn.Module):
         if self.quantizes_inputs:
             return torch.ops.draftsmith.linear_i8(x, self.packed, self.scale, self.bias, self.out_features)
         return torch.ops.draftsmith.linear(x, self.packed, self.scale, self.bias, self.out_features)
+
+
+# From how many rows the greedy head's approximate logits come from bfloat16 weights and inputs instead of int8
+# weights, per instruction set (absent: int8 at every width). With a bf16 dot product (Zen 4, 2 threads, SmolLM2's
+# head alone): int8 0.57 / 0.87 / 1.41 / 2.69 ms at 1 / 2 / 4 / 9 rows, bf16 0.86 / 0.69 / 0.89 / 1.58 (the
+# model's float32 head 1.44 / 1.67 / 1.61 / 2.58): one row streams, more rows compute.
+GREEDY_BF16_FROM_ROWS = {"avx512_bf16": 2}
+
+
+class GreedyHead(nn.Module):
+    """An LM head for greedy decoding: logits whose argmax is the argmax of the exact logits, from a quarter (one row)
+    or half (more rows) of a float32 head's bytes (draftsmith::greedy_head).
+
+    Approximate logits a_j come from the head's rows rounded to int8 (a scale s_j = max|w_j| / 127 per row, round to
+    nearest), or, where a bf16 dot product exists and the forward has several rows, from rows and inputs rounded to
+    bfloat16. Either way |a_j - x . w_j| <= s_j * sum_k |x_k| * (1/2 + 127 (K + 2) 2^-24): an int8 weight is within
+    s_j / 2 of its float; a bf16 product within 2^-8 |x_k w_jk| <= 2^-8 127 s_j |x_k|; the rest bounds the float32
+    sums. Every row j whose upper bound reaches the largest lower bound could hold the largest exact logit; each is
+    recomputed in float64 (the inputs in a fixed order: its value does not depend on what else the forward holds)
+    and replaces a_j. On SmolLM2 a few rows of 49,152 are recomputed a token. So the greedy token is the exact
+    logits' argmax (float64 to float32, ties to the first) whatever the width and the approximation: batch-invariant
+    in float32 and bfloat16 (and within one approximation each row's logits are the same bits at any width). The
+    other logits are approximations: sampling reads the model's head."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.bias is not None:
+            raise UserError("the greedy head takes an LM head without a bias")
+        weight = linear.weight.detach()
+        quantized, scale = quantize_int8(weight)
+        self.bf16_from_rows = GREEDY_BF16_FROM_ROWS.get(kernel_isa())
+        self.register_buffer("packed", pack_weight(quantized))
+        self.register_buffer("packed_bf16", None if self.bf16_from_rows is None else
+                             pack_weight(weight.to(torch.bfloat16)))
+        self.register_buffer("scale", scale)
+        self.register_buffer("weight", weight.contiguous())  # the model's own rows (tied to the embedding: shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = self.bf16_from_rows is not None and x.numel() >= self.bf16_from_rows * x.shape[-1]
+        return torch.ops.draftsmith.greedy_head(x, self.packed_bf16 if wide else self.packed, self.scale, self.weight)
 
 
 # Linears of one parent module that the HF Llama-family code feeds the same input, first member first.

@@ -249,12 +249,14 @@ class TargetModel:
 
     def forward(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None,
                 allowed: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
-                last_only: bool = False) -> TargetOutput:
+                last_only: bool = False, argmax_only: bool = False) -> TargetOutput:
         """One forward over `input_ids` (1, n) appended to `cache`.
 
         `allowed` (1, 1, n, past + n) bool: which cache/new slots each new token may attend to; None
         means plain causal attention. Returns float32 logits (of the last position only with `last_only`: a
         prompt's prefill needs no more, and the LM head is a fifth of a small model's work) and the requested
-        hidden states. The cache grows by n slots (`commit` keeps only some of them).
+        hidden states. The cache grows by n slots (`commit` keeps only some of them). With `argmax_only` (greedy
+        decoding) only each row's argmax need be exact: the compiled engine's greedy head computes the others from
+        int8 weights (models.kernels.GreedyHead).
         """
-        return self.engine.forward(input_ids, cache, position_ids, allowed, hidden_layers, last_only)
+        return self.engine.forward(input_ids, cache, position_ids, allowed, hidden_layers, last_only, argmax_only)

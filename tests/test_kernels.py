@@ -2,7 +2,8 @@
 precision's rounding, and row-for-row identical whatever the number of rows, the precision, the shape, the thread
 count and the instruction set; attention identical wherever a row's visible keys lie in the cache; a model on them
 verifies exactly what one-token steps compute, eager and compiled, in float32, bfloat16, int8 weights and w8a8 (int8
-weights and inputs, exact against an integer reference on every instruction set)."""
+weights and inputs, exact against an integer reference on every instruction set); the greedy head's argmax is the
+exact logits' argmax, near ties included, at any width and on every instruction set."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.models.compiled import CompiledEngine, CompileSettings
 from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.errors import UserError
-from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, InvariantLinear, WeightPrecision, invariant_model,
-                                       kernel_isa, load_kernels, pack_weight, quantize_int8)
+from draftsmith.config import ConfigError
+from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, WeightPrecision,
+                                       frozen_linear, invariant_model, kernel_isa, load_kernels, pack_weight,
+                                       quantize_int8)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -242,6 +245,12 @@ def test_every_instruction_set_is_batch_invariant(isa):
         "    for m in range(2, 19): assert torch.equal(torch.ops.draftsmith.linear(x[:m], p, s, None, 130), "
         "full[:m])\n"  # every tile and pass the row counts take (AVX2: wide passes for few rows, the narrow tile
         # beyond; AVX-512: one pass of the tile up to 9 rows, two passes up to 18)
+        "w = torch.randn(301, 77, generator=g); w[1::2] = w[::2][:150]; x = torch.randn(12, 77, generator=g)\n"
+        "exact = (x.double() @ w.double().T).float().argmax(-1); q8, s = quantize_int8(w)\n"
+        "for p in (pack_weight(q8), pack_weight(w.bfloat16())):\n"
+        "    full = torch.ops.draftsmith.greedy_head(x, p, s, w); assert torch.equal(full.argmax(-1), exact)\n"
+        "    for r in range(12): assert torch.equal(torch.ops.draftsmith.greedy_head(x[r:r + 1], p, s, w), "
+        "full[r:r + 1])\n"
         "q, k, v = torch.randn(1, 4, 6, 40, generator=g), torch.randn(1, 2, 50, 40, generator=g), "
         "torch.randn(1, 2, 50, 40, generator=g)\n"
         "mask = torch.zeros(1, 1, 6, 50); mask[..., 45:] = torch.finfo(torch.float32).min\n"
@@ -263,6 +272,57 @@ def test_every_instruction_set_is_batch_invariant(isa):
     result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DRAFTSMITH_KERNEL_ISA": isa},
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def near_tie_head(n: int, k: int, rows: int, dtype: torch.dtype, seed: int):
+    """A head (n, k) and inputs (rows, k) whose logits hold near ties and exact ones: rows copied, some nudged by one
+    part in 10^7 of an input, a zero row, an input with an outlier and one of zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator)
+    x = torch.randn(rows, k, generator=generator) * 3
+    x[0, 0] = 300.0
+    x[rows // 2] = 0
+    for j in range(1, n, 3):
+        weight[j] = weight[j - 1]  # an exact tie
+        if j % 2:
+            weight[j, j % k] += 1e-7 * weight[j, j % k].abs().clamp(min=1.0)  # a near one
+    weight[n // 2] = 0
+    return weight.to(dtype), x.to(dtype)
+
+
+def exact_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The exact logits' argmax: float64 products and sums, rounded to float32, ties to the first."""
+    return (x.double() @ weight.double().T).float().argmax(-1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(2, 20), n=st.integers(2, 400), k=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99))
+def test_greedy_head_argmax_is_the_exact_argmax_at_any_width(rows, n, k, dtype, seed):
+    """Both approximations (int8 weights; bf16 weights and inputs) give the exact argmax, and a row is the same bits
+    whatever the rows beside it."""
+    weight, x = near_tie_head(n, k, rows, dtype, seed)
+    quantized, scale = quantize_int8(weight.float())
+    expected = exact_argmax(x, weight)
+    for packed in (pack_weight(quantized), pack_weight(weight.to(torch.bfloat16))):
+        full = torch.ops.draftsmith.greedy_head(x, packed, scale, weight)
+        assert full.dtype == torch.float32 and full.shape == (rows, n)
+        assert torch.equal(full.argmax(-1), expected)
+        for start, stop in [(0, 1), (rows - 1, rows), (1, rows), (0, rows // 2 + 1)]:
+            assert torch.equal(torch.ops.draftsmith.greedy_head(x[start:stop], packed, scale, weight),
+                               full[start:stop])
+
+
+def test_greedy_head_module_switches_copies_by_width_and_keeps_the_argmax():
+    """GreedyHead: int8 for one row, bf16 from GREEDY_BF16_FROM_ROWS where a bf16 dot exists; every width's argmax
+    the exact one; an LM head with a bias is refused in one line."""
+    weight, x = near_tie_head(300, 64, 12, torch.float32, seed=3)
+    head = GreedyHead(frozen_linear(weight))
+    expected = exact_argmax(x, weight)
+    assert torch.equal(torch.cat([head(x[r:r + 1]) for r in range(12)]).argmax(-1), expected)
+    assert torch.equal(head(x).argmax(-1), expected)
+    with pytest.raises(UserError, match="without a bias"):
+        GreedyHead(torch.nn.Linear(8, 5))
 
 
 def test_invariant_linear_module_keeps_shape_and_bias():
@@ -363,6 +423,36 @@ def test_compiled_verify_equals_steps(tmp_path, dtype, weights):
     target.truncate(cache, 0)
     steps = torch.cat([target.forward(ids[:, i:i + 1], cache).logits for i in range(14)], 1)
     assert torch.equal(torch.cat([prefill, verify], 1), steps)
+
+
+def test_compiled_greedy_head_serves_greedy_forwards_only(tmp_path):
+    """A float32 target's compiled engine reads the greedy head where a forward asks for the argmax only: its argmax
+    is the model head's and the one-token steps' (whose approximate logits come from the other copy); other forwards
+    read the model's head bit for bit. The default is the model's head for bf16 (greedy when asked); int8 weights refuse it in one line."""
+    model = tiny_model("llama", seed=2, num_layers=2)
+    settings = CompileSettings(buckets=[1, 8], capacity=64, autotune=False)
+    engine = CompiledEngine(model, settings, cache_dir=tmp_path)
+    assert engine.greedy_head is not None
+    target = TargetModel(model, None, engine=engine)
+    ids = torch.randint(0, model.config.vocab_size, (1, 14), generator=torch.Generator().manual_seed(1))
+    cache = target.new_cache()
+    full = target.forward(ids, cache).logits
+    target.truncate(cache, 0)
+    greedy = torch.cat([target.forward(ids[:, :8], cache, argmax_only=True).logits,
+                        target.forward(ids[:, 8:], cache, argmax_only=True).logits], 1)
+    target.truncate(cache, 0)
+    steps = torch.cat([target.forward(ids[:, i:i + 1], cache, argmax_only=True).logits for i in range(14)], 1)
+    assert torch.equal(greedy.argmax(-1), steps.argmax(-1)) and torch.equal(greedy.argmax(-1), full.argmax(-1))
+    target.truncate(cache, 0)
+    assert torch.equal(target.forward(ids, cache).logits, full)
+    model_head = CompiledEngine(model, CompileSettings(buckets=[1, 8], capacity=64, autotune=False, head="model"),
+                                cache_dir=tmp_path)
+    assert model_head.greedy_head is None
+    half = tiny_model("llama", seed=2, num_layers=2).to(torch.bfloat16)
+    assert not settings.greedy_head(half.dtype)
+    assert CompileSettings(head="greedy").greedy_head(half.dtype)
+    with pytest.raises(ConfigError, match="weights=model"):
+        CompileSettings(head="greedy", weights="int8")
 
 
 @pytest.mark.parametrize("head", ["slice", "own"])

@@ -21,9 +21,10 @@ def draft_lm_storage(precision: DraftPrecision, backend: Backend,
                      settings: CompileSettings) -> tuple[DraftPrecision, CompileSettings]:
     """(the precision a draft LM's copy is converted to, the compile settings of its engine). Weight-only int8 on
     the batch-invariant kernels is their own int8 weights under a bf16 copy (a quarter of the fp32 weight stream,
-    through the kernels every compiled step uses); elsewhere torch's weight-only int8 kernel."""
+    through the kernels every compiled step uses; a drafter reads its head's every logit, so the target's `head`
+    is not its); elsewhere torch's weight-only int8 kernel."""
     if precision is DraftPrecision.INT8_WEIGHTS and settings.runs_invariant_kernels(backend):
-        return DraftPrecision.BFLOAT16, replace(settings, weights=WeightPrecision.INT8)
+        return DraftPrecision.BFLOAT16, replace(settings, weights=WeightPrecision.INT8, head=None)
     return precision, settings
 
 

@@ -207,7 +207,8 @@ class Generation:
         self.start = time.perf_counter()
         self.prompt = input_ids.to(device)[0]
         self.cache = target.new_cache(self.prompt.numel() + config.max_new_tokens + config.budget_limit + 1)
-        out = target.forward(self.prompt[None], self.cache, hidden_layers=tuple(hidden_layers), last_only=True)
+        out = target.forward(self.prompt[None], self.cache, hidden_layers=tuple(hidden_layers), last_only=True,
+                             argmax_only=self.sampling is None)
         self.prefill_hidden = {k: v[0] for k, v in out.hidden.items()}
         self.root = self.pick(out.logits[0, -1])
         self.generated = [self.root]
@@ -250,13 +251,15 @@ class Generation:
         ids = [self.root] + tree.tokens.tolist() + list(extra_tokens or [])
         input_ids = torch.tensor([ids], device=device)
         is_chain = tree.parents.tolist() == list(range(-1, tree.size - 1))
+        greedy = self.sampling is None
         if allowed is None and is_chain and not extra_tokens:  # a chain is plain causal attention
-            out = target.forward(input_ids, self.cache, hidden_layers=hidden_layers)
+            out = target.forward(input_ids, self.cache, hidden_layers=hidden_layers, argmax_only=greedy)
         else:
             if allowed is None:
                 allowed = tree_attention_mask(tree.parents.to(device), past)
                 positions = tree_position_ids(tree.depths.to(device), past)
-            out = target.forward(input_ids, self.cache, positions, allowed, hidden_layers=hidden_layers)
+            out = target.forward(input_ids, self.cache, positions, allowed, hidden_layers=hidden_layers,
+                                 argmax_only=greedy)
         logits = out.logits[0]  # (slots, V)
         tree_logits = logits[: tree.size + 1]
         if self.sampling is None:

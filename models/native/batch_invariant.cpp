@@ -66,6 +66,7 @@ inline float vreduce_max(V v) { return v; }
 inline float vreduce_add(V v) { return v; }
 inline V vreduce_each(const V* a) { return a[0]; }
 inline uint32_t vvisible_bits(V v) { return v > MASKED_BELOW ? 1u : 0u; }
+inline uint32_t vat_least_bits(V a, V b) { return a >= b ? 1u : 0u; }
 inline V vload_i8(const int8_t* p) { return float(*p); }
 using VI = int32_t;
 using XQ = uint32_t;
@@ -128,6 +129,7 @@ inline float vreduce_max(V v) {
 inline uint32_t vvisible_bits(V v) {
   return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(MASKED_BELOW), _CMP_GT_OQ)));
 }
+inline uint32_t vat_least_bits(V a, V b) { return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ))); }
 inline float vreduce_add(V v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -231,6 +233,7 @@ inline V vexp(V x) {
   inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }                                                         \
   inline float vreduce_max(V v) { return _mm512_reduce_max_ps(v); }                                               \
   inline uint32_t vvisible_bits(V v) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(MASKED_BELOW), _CMP_GT_OQ); }   \
+  inline uint32_t vat_least_bits(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }                        \
   inline float vreduce_add(V v) {                                                                                  \
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),                                                            \
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));                    \
@@ -467,6 +470,52 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
+// The greedy head (invariant_impl.h's greedy_head_rows): approximate logits from int8 weights (`scale` their scale per
+// row) or from bfloat16 weights and inputs, then the columns that could be the largest recomputed exactly.
+at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && weight.device().is_cpu(),
+              "draftsmith::greedy_head runs on the CPU");
+  const auto xt = x.scalar_type(), pt = packed.scalar_type();
+  TORCH_CHECK((xt == at::kFloat || xt == at::kBFloat16) && weight.scalar_type() == xt,
+              "draftsmith::greedy_head: inputs and weight share one dtype, float32 or bfloat16");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(-1),
+              "draftsmith::greedy_head: the weight must be a contiguous (N, K) matrix over the inputs");
+  const int64_t K = x.size(-1), N = weight.size(0);
+  TORCH_CHECK((pt == at::kChar || pt == at::kBFloat16) && packed.is_contiguous() &&
+              packed.numel() == packed_elements(K, N, pt == at::kBFloat16 ? 2 : 1),
+              "draftsmith::greedy_head: the packed int8 or bfloat16 weight does not match ", K, " inputs and ", N,
+              " outputs");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+              "draftsmith::greedy_head: the int8 scale per output (max |w| / 127)");
+  at::Tensor xc = x.contiguous();
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty(sizes, x.options().dtype(at::kFloat));
+  const int64_t M = K ? xc.numel() / K : 0;
+  if (M == 0) return out;
+  // |exact - a[j]| <= scale[j] * sum|x| * (1/2 + 127 (K + 2) u), u = 2^-24: int8 weights are within scale / 2 of the
+  // exact ones; bfloat16 weights and inputs within 2^-9 of each, so a product within 2^-8 |x w| <= 2^-8 127 scale |x|
+  // (< 1/2); the rest is the float32 sums and the scale's product. Taken with room: 130 for 127, a factor 1 + 2^-16.
+  const double error = (0.5 + 130.0 * double(K + 2) / double(1 << 24)) * (1.0 + 1.0 / (1 << 16));
+  const float* s = scale.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  if (pt == at::kBFloat16) {
+    const at::Tensor rounded = xc.to(at::kBFloat16);
+    run_linear(reinterpret_cast<const uint16_t*>(rounded.data_ptr()), M, K,
+               reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, nullptr, nullptr, o);
+  } else if (xt == at::kFloat) {
+    run_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, s, nullptr, o);
+  } else {
+    run_linear(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, packed.data_ptr<int8_t>(), N, s, nullptr, o);
+  }
+  if (xt == at::kFloat)
+    DISPATCH_ISA(greedy_head_rows(xc.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, s, error, o))
+  else
+    DISPATCH_ISA(greedy_head_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K,
+                                  reinterpret_cast<const uint16_t*>(weight.data_ptr()), N, s, error, o))
+  return out;
+}
+
 template <typename T>
 void run_attention(const T* q, const int64_t* qs, const T* k, const T* v, const int64_t* kvs, const float* mask,
                    const int64_t* ms, int64_t B, int64_t Hq, int64_t Hkv, int64_t W, int64_t C, int64_t D,
@@ -515,12 +564,14 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? scale, Tensor? bias, int out_features) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int out_features) -> Tensor");
+  m.def("greedy_head(Tensor x, Tensor packed, Tensor scale, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
   m.impl("linear", &linear);
   m.impl("attention", &attention);
   m.impl("linear_i8", &linear_i8);
+  m.impl("greedy_head", &greedy_head);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) { module.def("kernel_isa", &kernel_isa); }

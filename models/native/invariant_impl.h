@@ -685,3 +685,82 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
       combine_blocks(partial_of(r, head, 0), blocks_of(counts[r]), partial_stride, D, out + (r * Hq + head) * D);
   }
 }
+
+// ---- The greedy head: approximate logits, then exactly those that could be the largest -------------------------
+// A row's approximate logits (`a`, N: from int8 weights, `scale` their scales, or from bfloat16 weights and inputs) are
+// each within
+//   bound_j = scale[j] * reach + |a[j]| * HEAD_SLACK + HEAD_FLOOR
+// of the exact logit, where reach = sum_k |x_k| times the error constant (kernels.py's GreedyHead says why). Every
+// column whose upper bound a[j] + bound_j reaches the largest lower bound max_j (a[j] - bound_j) may hold the exact
+// maximum; each of them is recomputed in float64, the inputs in order (the same value whatever else the row holds).
+// The other columns keep a[j], below the exact maximum: the row's argmax is the exact logits' argmax.
+constexpr float HEAD_SLACK = 1.0f / (1 << 20);  // covers the float rounding of a[j] +- bound_j
+constexpr float HEAD_FLOOR = 1e-30f;  // covers inputs or products flushed to zero (denormals)
+
+inline V head_bound(V a, V scale, V reach) {
+  return vadd(vadd(vmul(scale, reach), vmul(vmax(a, vmul(a, vset1(-1.0f))), vset1(HEAD_SLACK))), vset1(HEAD_FLOOR));
+}
+inline float head_bound_one(float a, float scale, float reach) {
+  return scale * reach + std::fabs(a) * HEAD_SLACK + HEAD_FLOOR;
+}
+
+inline float largest_lower_bound(const float* a, const float* scale, float reach, int64_t N) {
+  const V vreach = vset1(reach), minus = vset1(-1.0f);
+  V best = vset1(-INFINITY);
+  int64_t j = 0;
+  for (; j + VL <= N; j += VL) {
+    const V value = vload(a + j);
+    best = vmax(best, vadd(value, vmul(head_bound(value, vload(scale + j), vreach), minus)));
+  }
+  float lowest = vreduce_max(best);
+  for (; j < N; ++j) lowest = std::max(lowest, a[j] - head_bound_one(a[j], scale[j], reach));
+  return lowest;
+}
+
+inline void head_candidates(const float* a, const float* scale, float reach, float lowest, int64_t N,
+                            std::vector<int64_t>& columns) {
+  const V vreach = vset1(reach), vlowest = vset1(lowest);
+  int64_t j = 0;
+  for (; j + VL <= N; j += VL) {
+    const V value = vload(a + j);
+    for (uint32_t bits = vat_least_bits(vadd(value, head_bound(value, vload(scale + j), vreach)), vlowest); bits;
+         bits &= bits - 1)
+      columns.push_back(j + __builtin_ctz(bits));
+  }
+  for (; j < N; ++j)
+    if (a[j] + head_bound_one(a[j], scale[j], reach) >= lowest) columns.push_back(j);
+}
+
+// x . w in float64: lane l of DOT_LANES sums the products of inputs l, l + DOT_LANES, ... in order (each product and
+// sum rounded alone: the build does not contract them), then the lanes in a fixed tree. Every instruction set
+// computes the same value (the lanes are independent: a vectorised loop does the same operations).
+constexpr int DOT_LANES = 8;
+template <typename T>
+inline double exact_dot(const T* x, const T* w, int64_t K) {
+  double lane[DOT_LANES] = {};
+  int64_t k = 0;
+  for (; k + DOT_LANES <= K; k += DOT_LANES)
+    for (int l = 0; l < DOT_LANES; ++l) lane[l] += double(x_value(x, k + l)) * double(x_value(w, k + l));
+  for (int l = 0; k < K; ++k, ++l) lane[l] += double(x_value(x, k)) * double(x_value(w, k));
+  for (int width = DOT_LANES / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
+  return lane[0];
+}
+
+// out (M, N) holds the approximate logits of x (M, K); each row's candidates are replaced by their exact values.
+// `error` is the approximation's error constant (a bound on |exact - a[j]| over scale[j] * sum |x|).
+template <typename T>
+void greedy_head_rows(const T* x, int64_t M, int64_t K, const T* weight, int64_t N, const float* scale, double error,
+                      float* out) {
+#pragma omp parallel for schedule(static) if (M > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row_x = x + m * K;
+    float* row = out + m * N;
+    double l1 = 0.0;
+    for (int64_t k = 0; k < K; ++k) l1 += std::fabs(double(x_value(row_x, k)));
+    const float reach = float(l1 * error * (1.0 + 1.0 / (1 << 20)));  // rounded up, with room
+    std::vector<int64_t> columns;
+    head_candidates(row, scale, reach, largest_lower_bound(row, scale, reach, N), N, columns);
+    for (int64_t j : columns) row[j] = float(exact_dot(row_x, weight + j * K, K));
+  }
+}
