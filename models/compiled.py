@@ -1,6 +1,8 @@
 """The `compiled` backend: the stock HF model's decoder (and the DGF drafter with the target's frozen embedding and
 LM head), compiled ahead of time over a preallocated KV cache (gpt-fast's recipe, on the CPU). The target's LM head
-runs after its graph, on the rows that need logits (every row of a verify, a prompt's last).
+runs after its graph, on the rows that need logits (every row of a verify, a prompt's last); greedy decoding's
+forwards read the greedy head there (`compile.head`; models.kernels.GreedyHead: the exact argmax from int8 or bf16
+copies of the head).
 
 - Static cache: the KV cache is preallocated to `capacity` slots (transformers' `StaticCache`
   layers, re-pointed at tensors this engine owns).

@@ -9,9 +9,9 @@ the tokens differ only where two logits are closer than float32's rounding (coun
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+from ab_arguments import DTYPES, ab_arguments
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -20,9 +20,9 @@ from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import HeadLogits
 from draftsmith.models.target import TargetModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ARMS = ("model head", "greedy head")
 TREE = dict(depth=6, topk=2, budget=8, stop_below=0.2, keep_above=0.1)
 
@@ -35,15 +35,10 @@ def decoders(target, drafters) -> dict:
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
-    if len(argv) > 3 or (argv and argv[0] not in DTYPES) or (len(argv) > 1 and not argv[1].isdigit()):
-        sys.exit(f"usage: python scripts/jobs/greedy_head_ab.py [{' | '.join(DTYPES)}] [prompts] [output.json]")
-    name = argv[0] if argv else "float32"
-    count = int(argv[1]) if len(argv) > 1 else 12
-    if len(argv) > 2 and Path(argv[2]).exists():
-        sys.exit(f"error: {argv[2]} exists: give a new output path (nothing is overwritten)")
+    name, count, output = ab_arguments(argv, "greedy_head_ab.py")
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=DTYPES[name])
-    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    target = base.with_backend(Backend.COMPILED, CompileSettings(head=HeadLogits.GREEDY))  # (bf16's default: model)
     greedy_head = target.engine.greedy_head
     bundled = bundled_drafter("smollm2-135m-instruct")
     drafters = {"chain": load_dgf_drafter(bundled, target, backend=Backend.COMPILED, settings=CompileSettings()),
@@ -86,8 +81,8 @@ def main(argv: list[str]) -> None:
         print(f"  {arm}: " + ", ".join(f"{m} {rate[arm, m]:.2f}" + ("" if m == "plain" else
                                         f" ({rate[arm, m] / rate[arm, 'plain']:.3f}x, tau {tau[arm, m]:.2f})")
                                         + f" [verify {verify_ms[arm, m]:.1f} ms]" for m in methods))
-    if len(argv) > 2:
-        with open(argv[2], "w") as handle:
+    if output:
+        with open(output, "w") as handle:
             json.dump(result, handle, indent=1)
 
 

@@ -9,9 +9,9 @@ import json
 import sys
 import time
 import types
-from pathlib import Path
 
 import torch
+from ab_arguments import DTYPES, ab_arguments
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -22,7 +22,6 @@ from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend, additive_mask
 from draftsmith.models.target import TargetModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ARMS = ("before", "after")
 
 
@@ -49,12 +48,7 @@ def set_arm(arm: str, engines, drafter) -> None:
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
-    if len(argv) > 3 or (argv and argv[0] not in DTYPES) or (len(argv) > 1 and not argv[1].isdigit()):
-        sys.exit(f"usage: python scripts/jobs/loop_overhead_ab.py [{' | '.join(DTYPES)}] [prompts] [output.json]")
-    name = argv[0] if argv else "float32"
-    count = int(argv[1]) if len(argv) > 1 else 12
-    if len(argv) > 2 and Path(argv[2]).exists():
-        sys.exit(f"error: {argv[2]} exists: give a new output path (nothing is overwritten)")
+    name, count, output = ab_arguments(argv, "loop_overhead_ab.py")
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=DTYPES[name])
     target = base.with_backend(Backend.COMPILED, CompileSettings())
@@ -85,8 +79,8 @@ def main(argv: list[str]) -> None:
     for arm in ARMS:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, chain of 3 {rate[arm, 'chain']:.2f} "
               f"({result['chain_speedup'][arm]:.3f}x its plain)")
-    if len(argv) > 2:
-        with open(argv[2], "w") as handle:
+    if output:
+        with open(output, "w") as handle:
             json.dump(result, handle, indent=1)
 
 
