@@ -7,13 +7,15 @@ Measures, on the torch threads used:
   decode step streams; the faster of the weight in ordinary memory and in a huge-page weight arena, where the
   engine keeps its weights) beside a plain reduction over 512 MB, and matmul throughput in float32, bfloat16 and int8
   (torch's own large GEMMs) and the invariant kernels' at 64 rows (float32, and int8 x int8 for w8a8's bound);
-- the target on the compiled engine (`compile.kernels`, default the batch-invariant kernels; its forwards read the
-  model's own LM head, the one the bound counts, whatever `compile.head` says): T(w) for every width,
+- the target on the compiled engine (`compile.kernels`, default the batch-invariant kernels; these forwards read the
+  model's own LM head, the one the bound counts): T(w) for every width,
   beside its bound max(bytes / bandwidth, FLOPs / throughput), bytes = its weights + the KV cache it reads, FLOPs =
   2 x weights x w + attention;
 - T(w) split by part: the decoder's linear layers and the LM head (their ops timed alone on the same weights),
   attention (the op over the filled cache), and the rest (norms, rotary, residuals, cache writes, launch and
   Python overhead) as T(w) minus those parts;
+- where the engine has a greedy head (`compile.head`), T(w) of the forwards greedy decoding runs, beside the bound of
+  their bytes (the head's int8 or bf16 copy in place of the model's);
 - the drafters on the same engine and kernels: the feature drafter (`drafter`, default the target's bundled one)
   T(w) of its forward over the same cached length, and Medusa heads (`medusa`, a trained final/ or snapshot
   directory) T(w) of their logits, each beside its bound.
@@ -166,13 +168,19 @@ def part_seconds(model, config, width: int, context: int) -> dict:
                                                for _ in range(layers)])}
 
 
-def bound_seconds(model, roofs: dict, width: int, context: int, layers_config, dtype: torch.dtype) -> float:
+def bound_seconds(model, roofs: dict, width: int, context: int, layers_config, dtype: torch.dtype,
+                  head: nn.Module | None = None) -> float:
     """max(bytes / stream, FLOPs / throughput) of a forward of `width` tokens over `context` cached ones: the
     InvariantLinears' packed weights and params, plus attention over the layers `layers_config` describes (an HF
-    config; None: no attention, as Medusa heads)."""
+    config; None: no attention, as Medusa heads). With `head` (a GreedyHead) in place of the model's LM head: its
+    copy's bytes for this width, and no head FLOPs (a lower bound: they run at the copy's rate)."""
     linears = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+    if head is not None:
+        linears = [m for m in linears if m is not model.get_output_embeddings()]
     weights = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     params = sum(m.in_features * m.out_features for m in linears)
+    if head is not None:
+        weights += head.copy_for(width).numel() * head.copy_for(width).element_size()
     cfg = layers_config
     kv_bytes = attention_flops = 0
     if cfg is not None:
@@ -224,6 +232,14 @@ def medusa_rows(config: RooflineConfig, base: TargetModel, roofs: dict) -> dict:
         runs, roofs, w, 0, None, dtype)} for w, t in times.items()}}
 
 
+def greedy_step_rows(target: TargetModel, times: dict[int, list[float]], context: int, roofs: dict) -> dict:
+    """T(w) of the forwards greedy decoding runs (`times`: through the compiled engine's greedy head) beside their
+    bound."""
+    runs, head = target.engine.runs, target.engine.greedy_head
+    return {w: {"ms": 1000 * t, "bound_ms": 1000 * bound_seconds(runs, roofs, w, context, runs.config, runs.dtype,
+                                                                 head)} for w, t in median_seconds(times).items()}
+
+
 def run_roofline(config: RooflineConfig) -> dict:
     roofs = machine_roofs()
     print("[roofline] machine: " + ", ".join(f"{k} {v:.1f}" for k, v in roofs.items()), flush=True)
@@ -232,7 +248,10 @@ def run_roofline(config: RooflineConfig) -> dict:
     target.prepare(tuple(config.widths))
     context = mt_bench_context(base.tokenizer, config.context_tokens)
     times = measure_forward_latency(target, context, config.widths, config.repeats, argmax_only=False)
+    greedy_times = (measure_forward_latency(target, context, config.widths, config.repeats)
+                    if target.engine.greedy_head is not None else None)
     roofs = restream(roofs)
+    greedy = greedy_step_rows(target, greedy_times, context.shape[1], roofs) if greedy_times else {}
     print(f"[roofline] stream {roofs['stream_gbs_before']:.1f} GB/s before the timings, "
           f"{roofs['stream_gbs_after']:.1f} after", flush=True)
     runs = target.engine.runs
@@ -259,7 +278,7 @@ def run_roofline(config: RooflineConfig) -> dict:
     info = {"processor": cpu_model(), "isa": cpu_isa(), "kernel_isa": kernel_isa(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads()}
     return {"format": "draftsmith.roofline/1", "config": config_to_dict(config), "machine_info": info,
-            "roofs": roofs, "widths": rows, "drafters": drafters}
+            "roofs": roofs, "widths": rows, "greedy_head_widths": greedy, "drafters": drafters}
 
 
 def stream_memory(roofs: dict) -> str:
@@ -292,6 +311,14 @@ def format_roofline(document: dict) -> str:
         cells = [f"{parts[k]:.1f}" if k in parts else "-" for k in ("linear", "head", "attention", "rest")]
         bound_cells = [f"{bound:.1f}", f"{bound / total:.0%}"] if bound else ["-", "-"]
         lines.append(f"| {width} | {total:.1f} | {total / first:.2f} | " + " | ".join(bound_cells + cells) + " |")
+    greedy = document.get("greedy_head_widths") or {}
+    if greedy:
+        first = greedy[min(greedy, key=int)]["ms"]
+        lines += ["", "The forwards greedy decoding runs (the greedy head: an int8 or bf16 copy of the LM head streamed, "
+                      "the bound counting its bytes and not its FLOPs):", "",
+                  "| w | T(w) ms | T(w)/T(1) | bound ms | bound / T(w) |", "|---|---|---|---|---|"]
+        lines += [f"| {w} | {row['ms']:.1f} | {row['ms'] / first:.2f} | {row['bound_ms']:.1f} | "
+                  f"{row['bound_ms'] / row['ms']:.0%} |" for w, row in greedy.items()]
     for name, drafter in document.get("drafters", {}).items():
         rows = drafter["widths"]
         first = rows[min(rows, key=int)]["ms"]

@@ -258,9 +258,13 @@ class GreedyHead(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("weight", weight.contiguous())  # the model's own rows (tied to the embedding: shared)
 
+    def copy_for(self, rows: int) -> torch.Tensor:
+        """The packed copy a forward of `rows` rows streams."""
+        return self.packed_bf16 if self.bf16_from_rows is not None and rows >= self.bf16_from_rows else self.packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = self.bf16_from_rows is not None and x.numel() >= self.bf16_from_rows * x.shape[-1]
-        return torch.ops.draftsmith.greedy_head(x, self.packed_bf16 if wide else self.packed, self.scale, self.weight)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return torch.ops.draftsmith.greedy_head(x, self.copy_for(rows), self.scale, self.weight)
 
 
 # Linears of one parent module that the HF Llama-family code feeds the same input, first member first.

@@ -27,6 +27,10 @@ def test_roofline_of_a_tiny_target_and_medusa_heads(tmp_path, monkeypatch):
     written = json.loads(out.read_text())
     assert set(written["widths"]) == {"1", "2"} and written["widths"]["1"]["bound_ms"] > 0
     assert {"linear", "head", "attention", "rest"} <= set(written["widths"]["1"]["parts_ms"])
+    # a float32 target's greedy decoding reads the greedy head: its forwards beside the bound of its copy's bytes
+    greedy = written["greedy_head_widths"]
+    assert set(greedy) == {"1", "2"} and 0 < greedy["1"]["bound_ms"] < written["widths"]["1"]["bound_ms"]
+    assert "The forwards greedy decoding runs" in out.with_suffix(".md").read_text()
     assert list(written["drafters"]) == ["Medusa heads"] and document["drafters"]["Medusa heads"]["widths"][2]["ms"] > 0
     assert "Medusa heads" in out.with_suffix(".md").read_text()
     # the stream moves with the VM: read again after the timings, the bound on the mean of both readings
