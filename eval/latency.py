@@ -6,8 +6,8 @@
 
 Each forward is causal over w random tokens appended to a `context_tokens`-long cache (an MT-Bench
 prompt in its chat template, repeated), then truncated back, with the LM head greedy decoding reads (the compiled
-engine's greedy head where `compile.head` gives one; `compile.head=model`: the model's head); medians of `repeats`, the widths
-interleaved so that load changes hit them alike. Compiled graphs are built or loaded before anything
+engine's greedy head where `compile.head` gives one; `compile.head=model`: the model's head); medians of
+`repeats`, the widths interleaved so that load changes hit them alike. Compiled graphs are built or loaded before anything
 is timed (their seconds are reported apart). `release=true` frees each compiled graph after the widths it
 runs are measured (one frozen weight copy in memory at a time: how per-bucket graphs of the 1.5B fit in
 24 GB); the widths of one graph are interleaved, graphs are measured one after another (the shared-width

@@ -174,13 +174,11 @@ def bound_seconds(model, roofs: dict, width: int, context: int, layers_config, d
     InvariantLinears' packed weights and params, plus attention over the layers `layers_config` describes (an HF
     config; None: no attention, as Medusa heads). With `head` (a GreedyHead) in place of the model's LM head: its
     copy's bytes for this width, and no head FLOPs (a lower bound: they run at the copy's rate)."""
-    linears = [m for m in model.modules() if isinstance(m, InvariantLinear)]
-    if head is not None:
-        linears = [m for m in linears if m is not model.get_output_embeddings()]
-    weights = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    linears = ([m for m in model.modules() if isinstance(m, InvariantLinear)] if head is None
+               else model_linears(model)[0])
+    copies = [] if head is None else [head.copy_for(width)]
+    weights = sum(t.numel() * t.element_size() for t in [m.packed for m in linears] + copies)
     params = sum(m.in_features * m.out_features for m in linears)
-    if head is not None:
-        weights += head.copy_for(width).numel() * head.copy_for(width).element_size()
     cfg = layers_config
     kv_bytes = attention_flops = 0
     if cfg is not None:
@@ -314,8 +312,8 @@ def format_roofline(document: dict) -> str:
     greedy = document.get("greedy_head_widths") or {}
     if greedy:
         first = greedy[min(greedy, key=int)]["ms"]
-        lines += ["", "The forwards greedy decoding runs (the greedy head: an int8 or bf16 copy of the LM head streamed, "
-                      "the bound counting its bytes and not its FLOPs):", "",
+        lines += ["", "The forwards greedy decoding runs (the greedy head: an int8 or bf16 copy of the LM head "
+                      "streamed, the bound counting its bytes and not its FLOPs):", "",
                   "| w | T(w) ms | T(w)/T(1) | bound ms | bound / T(w) |", "|---|---|---|---|---|"]
         lines += [f"| {w} | {row['ms']:.1f} | {row['ms'] / first:.2f} | {row['bound_ms']:.1f} | "
                   f"{row['bound_ms'] / row['ms']:.0%} |" for w, row in greedy.items()]

@@ -101,7 +101,7 @@ class CompileSettings:
         if self.weights is not WeightPrecision.MODEL and self.kernels is not Kernels.INVARIANT:
             raise ConfigError(f"weights: {self.weights} runs on the invariant kernels only (set kernels=invariant)")
         if self.head is HeadLogits.GREEDY and not self.greedy_head_applies:
-            raise ConfigError("head: greedy streams an int8 copy of a head in the model's own weights: it needs "
+            raise ConfigError("head: greedy streams int8 / bf16 copies of a head in the model's own weights: it needs "
                               "kernels=invariant and weights=model")
         self.buckets = sorted(set(self.buckets))
         if not self.buckets:
@@ -602,9 +602,9 @@ class CompiledEngine(BucketGraphs):
 def placed_greedy_head(model: nn.Module) -> GreedyHead:
     """The greedy head of `model`'s LM head, its int8 and bf16 copies in a weight arena of their own (huge pages)."""
     head = GreedyHead(model.get_output_embeddings())
-    copies = [head.packed] + ([] if head.packed_bf16 is None else [head.packed_bf16])
-    placed = [arena.copy_(copy) for arena, copy in zip(arena_zeros(copies), copies)]
-    head.packed, head.packed_bf16 = placed[0], placed[1] if len(placed) > 1 else None
+    names = [name for name in ("packed", "packed_bf16") if getattr(head, name) is not None]
+    for name, placed in zip(names, arena_zeros([getattr(head, name) for name in names])):
+        setattr(head, name, placed.copy_(getattr(head, name)))
     return head
 
 

@@ -83,7 +83,7 @@ class HeadLogits(str, enum.Enum):
     """What a compiled target's LM head computes."""
 
     MODEL = "model"  # every logit, from the model's own weights (sampling needs them)
-    GREEDY = "greedy"  # GreedyHead: int8 logits, those that could be the largest recomputed exactly (greedy only)
+    GREEDY = "greedy"  # GreedyHead: int8 / bf16 logits, those that could be the largest recomputed exactly (greedy)
 
     def __str__(self) -> str:
         return self.value

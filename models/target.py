@@ -257,6 +257,6 @@ class TargetModel:
         prompt's prefill needs no more, and the LM head is a fifth of a small model's work) and the requested
         hidden states. The cache grows by n slots (`commit` keeps only some of them). With `argmax_only` (greedy
         decoding) only each row's argmax need be exact: the compiled engine's greedy head computes the others from
-        int8 weights (models.kernels.GreedyHead).
+        int8 or bf16 copies of its weights (models.kernels.GreedyHead).
         """
         return self.engine.forward(input_ids, cache, position_ids, allowed, hidden_layers, last_only, argmax_only)

@@ -428,7 +428,8 @@ def test_compiled_verify_equals_steps(tmp_path, dtype, weights):
 def test_compiled_greedy_head_serves_greedy_forwards_only(tmp_path):
     """A float32 target's compiled engine reads the greedy head where a forward asks for the argmax only: its argmax
     is the model head's and the one-token steps' (whose approximate logits come from the other copy); other forwards
-    read the model's head bit for bit. The default is the model's head for bf16 (greedy when asked); int8 weights refuse it in one line."""
+    read the model's head bit for bit. The default is the model's head for bf16 (greedy when asked); int8 weights
+    refuse it in one line."""
     model = tiny_model("llama", seed=2, num_layers=2)
     settings = CompileSettings(buckets=[1, 8], capacity=64, autotune=False)
     engine = CompiledEngine(model, settings, cache_dir=tmp_path)

@@ -472,7 +472,8 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Te
 
 // The greedy head (invariant_impl.h's greedy_head_rows): approximate logits from int8 weights (`scale` their scale per
 // row) or from bfloat16 weights and inputs, then the columns that could be the largest recomputed exactly.
-at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& weight) {
+at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && weight.device().is_cpu(),
               "draftsmith::greedy_head runs on the CPU");
   const auto xt = x.scalar_type(), pt = packed.scalar_type();
