@@ -8,27 +8,30 @@
 #           DFLASH_S seconds (~20k tokens/s in fp32), the distilled 6-layer student
 #           (train/configs/distill_smollm2_curve.yaml, lean bf16 snapshots) for STUDENT_S (~25k tokens/s in fp32).
 #           Each run resumes from its committed resume point where the payload carried one (drafters/<run>/resume,
-#           in .dev/c4) and packs into $OUT a lean resume point (weights in bf16, no moments), every snapshot's
-#           held-out figures, its metrics and log; DFlash's newest snapshot too (bf16). The other snapshots come
-#           back by `snapshots_out NAME COUNT` in calls of their own (a call brings back at most 64 MiB); a pack
-#           over what the call can still bring back waits on the machine for `pending_out`.
+#           in .dev/c4 and .dev/c5) and packs into $OUT a lean resume point (weights in bf16, no moments), every
+#           snapshot's held-out figures, its metrics and log; DFlash's newest snapshot too (bf16). The other
+#           snapshots come back by `snapshots_out NAME COUNT` in calls of their own (a call brings back at most
+#           64 MiB); a pack over what the call can still bring back waits on the machine for `pending_out`.
+#           An H200 under bf16 autocast: DFlash ~37k loss tokens/s, the student ~25k (the full target's forward,
+#           the teacher, dominates its step: autocast gains it nothing).
 #           MIXED_PRECISION=bf16: the forwards under autocast (accelerate's mixed precision), AdamW in fp32.
 #
 # A call carries at most 64 MiB with the tracked tree, so drafters/ and results/ leave the index for the calls
 # (`slim`; `unpack` puts them back) and the GGUF travels in three parts, one call each, on one warm machine:
-#   here:   bash scripts/jobs/device_families_smollm2.sh payload    # .dev/c1 .dev/c2 .dev/c3 (.dev/c4)
+#   here:   bash scripts/jobs/device_families_smollm2.sh payload    # .dev/c1 .dev/c2 .dev/c3 (.dev/c4 .dev/c5)
 #   here:   bash scripts/jobs/device_families_smollm2.sh slim       # untracks drafters/ results/ (not committed)
 #   device: bash scripts/jobs/device_curve_smollm2.sh setup         # carry .dev/c1: install, the GGUF's 1st part
 #   device: bash scripts/jobs/device_families_smollm2.sh second     # carry .dev/c2: its 2nd part
-#   device: bash scripts/jobs/device_families_smollm2.sh second     # carry .dev/c4 (where payload made it): the
-#                                                                   # long runs' resume points
+#   device: bash scripts/jobs/device_families_smollm2.sh second     # carry .dev/c4, then .dev/c5 (where payload
+#                                                                   # made them): DFlash's and the student's resume
+#                                                                   # points (24 + 41 MB: one call each)
 #   device: bash scripts/jobs/device_families_smollm2.sh train      # carry .dev/c3: the 3rd part and the records;
 #                                                                   # converts the target, trains, packs into $OUT
 #           (or `blocks`, then `snapshots_out NAME COUNT` without carry)
 #   here:   bash scripts/jobs/device_families_smollm2.sh unpack DIR # DIR: the train call's files_at; -> drafters/
 # The long runs (DFlash and the student toward 40M loss tokens, several passes over the mix) go on across lent
-# machines from the resume points that unpack commits: `payload` puts them into .dev/c4, `second` stages them on the
-# device, `blocks` resumes from them.
+# machines from the resume points that unpack commits: `payload` puts them into .dev/c4 and .dev/c5, `second` stages
+# them on the device, `blocks` resumes from them.
 # Rehearsal here (after setup, `second` and convert with DEVICE=cpu STATE=/tmp/rehearse OUT=/tmp/out):
 #   DEVICE=cpu MEDUSA1_S=100 MEDUSA2_S=60 MEDUSA1_AT="[2000,4000]" MEDUSA2_AT="[2000]" \
 #   OVERRIDES="data.max_length=64 data.max_heldout=4" bash scripts/jobs/device_families_smollm2.sh train
@@ -138,18 +141,18 @@ payload)
     pack "sharegpt + gsm8k:train + python-source" "$OLDPWD/.dev/curve_records.npz" --target smollm2-135m-instruct \
     --max-length 1024)
   cp .dev/curve_records.npz .dev/c3/records.npz
-  rm -rf .dev/c4
-  for name in dflash student; do  # the long runs' committed resume points (bf16 weights), for blocks
-    keep=$KEEP_DFLASH; [ "$name" = dflash ] || keep=$KEEP_STUDENT
+  rm -rf .dev/c4 .dev/c5
+  for name in dflash student; do  # the long runs' committed resume points (bf16 weights), for blocks: one carry each
+    keep=$KEEP_DFLASH carry=.dev/c4; [ "$name" = dflash ] || { keep=$KEEP_STUDENT carry=.dev/c5; }
     point=$(newest_numbered "$keep"/resume/step_*)
-    [ -z "$point" ] || { mkdir -p ".dev/c4/${name}_resume" && cp -r "$point" ".dev/c4/${name}_resume/"; }
+    [ -z "$point" ] || { mkdir -p "$carry/${name}_resume" && cp -r "$point" "$carry/${name}_resume/"; }
   done
   du -sh .dev/c?  # each with the slim tree (~6 MiB) under a call's 64 MiB
   ;;
 second)  # what this call carries (the GGUF's 2nd part; the long runs' resume points) out of the checkout
   mkdir -p "$STATE"  # (re-synced between calls)
   cp .dev/c2/gguf.part.* "$STATE/" 2>/dev/null || true
-  for point in .dev/c4/*_resume; do [ -d "$point" ] && rm -rf "$STATE/$(basename "$point")" && cp -r "$point" "$STATE/"; done
+  for point in .dev/c[45]/*_resume; do [ -d "$point" ] && rm -rf "$STATE/$(basename "$point")" && cp -r "$point" "$STATE/"; done
   ls "$STATE"
   ;;
 slim)  # the calls' tree under 64 MiB: untracked and ignored (.git/info/exclude); unpack tracks them again
