@@ -72,3 +72,31 @@ def test_the_machine_kind_runner_lists_its_steps_and_what_is_done():
     only = subprocess.run(["bash", str(runner), "list"], capture_output=True, text=True, check=True,
                           env=os.environ | {"ONLY": "trees"}).stdout
     assert [line.split()[0] for line in only.splitlines()[1:]] == ["trees"]
+
+
+def test_each_runner_step_hands_its_config_to_the_tool_that_reads_it():
+    """A per-kind step that names a config file runs the module whose config type accepts that file's keys (a llama.cpp
+    bench's config given to the PyTorch bench stopped a run at its first line)."""
+    import re
+
+    from draftsmith.config import load_config
+    from draftsmith.eval.bench.run import BenchConfig
+    from draftsmith.eval.engines.llamacpp_bench import LlamaCppBenchConfig
+    from draftsmith.eval.engines.openvino_bench import OpenVinoBenchConfig
+
+    readers = {"$BENCH": BenchConfig, "with_kind_profile": BenchConfig,
+               "python -m draftsmith.eval.bench": BenchConfig,
+               "python -m draftsmith.eval.engines.llamacpp_bench": LlamaCppBenchConfig,
+               "python -m draftsmith.eval.engines.openvino_bench": OpenVinoBenchConfig}
+    runner = QUIET.with_name("machine_kind_smollm2.sh").read_text()
+    steps = re.findall(r'^  "(\w+)\|[^|]*\|[01]\|(.*)"$', runner, flags=re.MULTILINE)
+    checked = 0
+    for name, command in steps:
+        found = re.search(r"(\$BENCH|with_kind_profile|python -m [\w.]+)(?: --config)? (eval/configs/\S+\.yaml)", command)
+        if found is None:
+            continue
+        reader = readers.get(found.group(1))
+        assert reader is not None, f"{name}: no config type known for {found.group(1)}"
+        load_config(reader, QUIET.parents[2] / found.group(2))
+        checked += 1
+    assert checked >= 15

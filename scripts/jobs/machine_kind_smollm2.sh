@@ -86,7 +86,7 @@ STEPS=(
   "policies_after_lookup|$FAMILIES/policies_after_lookup/bench.json|0|with_kind_profile eval/configs/policies_after_lookup_smollm2.yaml $ZEN4_ARCA""_measured.json $FAMILIES/policies_after_lookup"
   "trees|$FAMILIES/trees/bench.json|0|quiet $BENCH --config eval/configs/trees_smollm2.yaml output_dir=$FAMILIES/trees"
   "trees_keep_above|$FAMILIES/trees_keep_above/bench.json|0|quiet $BENCH --config eval/configs/trees_keep_above_smollm2.yaml output_dir=$FAMILIES/trees_keep_above"
-  "llamacpp_blocks|$FAMILIES/llamacpp_blocks/bench.json|0|quiet $BENCH --config eval/configs/llamacpp_blocks_smollm2.yaml output_dir=$FAMILIES/llamacpp_blocks"
+  "llamacpp_blocks|$FAMILIES/llamacpp_blocks/bench.json|0|exports && quiet python -m draftsmith.eval.engines.llamacpp_bench --config eval/configs/llamacpp_blocks_smollm2.yaml output=$FAMILIES/llamacpp_blocks/bench.json"
   "sampling|$ENGINE/sampling_bench/bench.json|0|quiet $BENCH --config eval/configs/sampling_bench_smollm2.yaml output_dir=$ENGINE/sampling_bench"
 )
 
