@@ -39,10 +39,11 @@ set -euo pipefail
 source "$(dirname "$0")/newest.sh"
 STAGE=${1:?stage: payload | slim | second | train | blocks | pending_out | snapshots_out NAME COUNT | unpack DIR}
 CONFIG=train/configs/medusa_smollm2_curve.yaml
-KEEP1=drafters/medusa1_smollm2_human
-KEEP2=drafters/medusa2_smollm2_human
-KEEP_DFLASH=drafters/dflash_smollm2_human_long  # the 4M fp32 runs stay in ..._human
-KEEP_STUDENT=drafters/student6_smollm2_human_long
+# where each run's results are committed (the 4M fp32 DFlash and student runs stay in ..._human), and the carry
+# that takes a long run's resume point to the device
+declare -A KEEPS=([medusa1]=drafters/medusa1_smollm2_human [medusa2]=drafters/medusa2_smollm2_human
+                  [dflash]=drafters/dflash_smollm2_human_long [student]=drafters/student6_smollm2_human_long)
+declare -A RESUME_CARRIES=([dflash]=.dev/c4 [student]=.dev/c5)
 DFLASH_S=${DFLASH_S:-280}  # wall-clock budget of the DFlash drafter (SIGTERM then saves a checkpoint)
 DFLASH_AT=${DFLASH_AT:-[250000,1000000,4000000,10000000,20000000,40000000]}
 STUDENT_S=${STUDENT_S:-220}  # of the distilled student (6 of the 30 layers, lean bf16 snapshots)
@@ -141,10 +142,10 @@ payload)
     pack "sharegpt + gsm8k:train + python-source" "$OLDPWD/.dev/curve_records.npz" --target smollm2-135m-instruct \
     --max-length 1024)
   cp .dev/curve_records.npz .dev/c3/records.npz
-  rm -rf .dev/c4 .dev/c5
-  for name in dflash student; do  # the long runs' committed resume points (bf16 weights), for blocks: one carry each
-    keep=$KEEP_DFLASH carry=.dev/c4; [ "$name" = dflash ] || { keep=$KEEP_STUDENT carry=.dev/c5; }
-    point=$(newest_numbered "$keep"/resume/step_*)
+  rm -rf "${RESUME_CARRIES[@]}"
+  for name in "${!RESUME_CARRIES[@]}"; do  # the long runs' committed resume points (bf16 weights): one carry each
+    point=$(newest_numbered "${KEEPS[$name]}"/resume/step_*)
+    carry=${RESUME_CARRIES[$name]}
     [ -z "$point" ] || { mkdir -p "$carry/${name}_resume" && cp -r "$point" "$carry/${name}_resume/"; }
   done
   du -sh .dev/c?  # each with the slim tree (~6 MiB) under a call's 64 MiB
@@ -152,7 +153,9 @@ payload)
 second)  # what this call carries (the GGUF's 2nd part; the long runs' resume points) out of the checkout
   mkdir -p "$STATE"  # (re-synced between calls)
   cp .dev/c2/gguf.part.* "$STATE/" 2>/dev/null || true
-  for point in .dev/c[45]/*_resume; do [ -d "$point" ] && rm -rf "$STATE/$(basename "$point")" && cp -r "$point" "$STATE/"; done
+  for carry in "${RESUME_CARRIES[@]}"; do
+    for point in "$carry"/*_resume; do [ -d "$point" ] && rm -rf "$STATE/$(basename "$point")" && cp -r "$point" "$STATE/"; done
+  done
   ls "$STATE"
   ;;
 slim)  # the calls' tree under 64 MiB: untracked and ignored (.git/info/exclude); unpack tracks them again
@@ -204,11 +207,10 @@ unpack)
   git reset -q  # drafters/ and results/ tracked again (slim)
   grep -vxF -f <(printf '%s\n' "$SLIM_EXCLUDE") .git/info/exclude > .git/info/exclude.new || true
   mv .git/info/exclude.new .git/info/exclude
-  declare -A keeps=([medusa1]=$KEEP1 [medusa2]=$KEEP2 [dflash]=$KEEP_DFLASH [student]=$KEEP_STUDENT)
   for name in medusa1 medusa2 dflash student; do
     [ -n "$(ls "$from"/$name.tar.gz.* 2>/dev/null)" ] || continue
     rm -rf ".dev/$name" && mkdir -p ".dev/$name" && cat "$from"/$name.tar.gz.* | gunzip | tar -C ".dev/$name" -xf -
-    keep=${keeps[$name]}
+    keep=${KEEPS[$name]}
     mkdir -p "$keep"
     for snap in .dev/$name/snapshots/loss_tokens_*; do  # weights (a snapshot.json alone: its figures, below)
       [ -n "$(ls "$snap"/*.safetensors 2>/dev/null)" ] && cp -rn "$snap" "$keep/"
