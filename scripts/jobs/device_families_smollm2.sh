@@ -227,14 +227,17 @@ PY
     if [ -f ".dev/$name/train.log" ]; then  # a resumed run's metrics and log go on after the committed ones
       if grep -q "resumed from" ".dev/$name/train.log" && [ -f "$keep/metrics.jsonl" ]; then
         # only the steps after the committed ones: a run resumed on the same machine wrote on in its own file
-        python3 - "$keep/metrics.jsonl" ".dev/$name/metrics.jsonl" <<'PY'
+        added=$(python3 - "$keep/metrics.jsonl" ".dev/$name/metrics.jsonl" <<'PY'
 import json, sys
 kept = open(sys.argv[1]).read().splitlines()
 last = max((json.loads(line)["step"] for line in kept if line.strip()), default=-1)
 new = [line for line in open(sys.argv[2]).read().splitlines() if line.strip() and json.loads(line)["step"] > last]
 open(sys.argv[1], "a").write("".join(line + "\n" for line in new))
+print(len(new))
 PY
-        cat ".dev/$name/train.log" >> "$keep/train.log"
+)
+        # the log goes on only when its run added steps: the same files unpacked twice leave it as it was
+        if [ "$added" -gt 0 ]; then cat ".dev/$name/train.log" >> "$keep/train.log"; fi
       else
         cp ".dev/$name/metrics.jsonl" ".dev/$name/train.log" "$keep/"
       fi
