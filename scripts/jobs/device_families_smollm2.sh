@@ -207,7 +207,7 @@ unpack)
   git reset -q  # drafters/ and results/ tracked again (slim)
   grep -vxF -f <(printf '%s\n' "$SLIM_EXCLUDE") .git/info/exclude > .git/info/exclude.new || true
   mv .git/info/exclude.new .git/info/exclude
-  for name in medusa1 medusa2 dflash student; do
+  for name in "${!KEEPS[@]}"; do  # every run the table names, whose pack this call brought back
     [ -n "$(ls "$from"/$name.tar.gz.* 2>/dev/null)" ] || continue
     rm -rf ".dev/$name" && mkdir -p ".dev/$name" && cat "$from"/$name.tar.gz.* | gunzip | tar -C ".dev/$name" -xf -
     keep=${KEEPS[$name]}
