@@ -1,5 +1,7 @@
 """Greedy equivalence: every drafter + the tree decoder == model.generate(do_sample=False)."""
 
+import time
+
 import pytest
 import torch
 
@@ -85,6 +87,27 @@ def test_eos_stops_like_generate(family):
     target = TargetModel(model, tokenizer=None)
     for drafter in (None, LMDrafter(model, mode="chain", budget=5), NgramDrafter()):
         assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=30)).generate(prompt).tokens == expected
+
+
+class SlowObserver(NgramDrafter):
+    """A drafter whose bookkeeping after each round (observe) takes a known time."""
+
+    PAUSE_S = 0.01
+
+    def observe(self, tokens, hidden):
+        time.sleep(self.PAUSE_S)
+        super().observe(tokens, hidden)
+
+
+def test_the_drafters_observe_counts_as_drafting():
+    """draft_s holds everything a drafter does (its prompt, its bookkeeping after each round), not only propose:
+    a feature drafter's context work would otherwise fall into the unexplained rest."""
+    model = tiny_model(seed=1)
+    decoder = SpeculativeDecoder(TargetModel(model, None), SlowObserver(), DecodeConfig(max_new_tokens=12))
+    stats = decoder.generate(repetitive_prompt(1)).stats
+    observed = (stats.verify_forwards + 1) * SlowObserver.PAUSE_S  # each round's observe and the prompt's
+    assert stats.draft_s >= observed
+    assert stats.other_s < observed / 2
 
 
 def test_tree_budget_is_enforced():

@@ -10,7 +10,8 @@ The pieces of the loop are public so that policies which change the loop itself
         with gen.drafting():
             tree = drafter.propose(gen.root, gen.context, gen.sampling, gen.generator)
         round = gen.verify(tree, hidden_layers)                   # one forward, verification, KV commit
-        drafter.observe(round.committed, round.hidden)
+        with gen.drafting():                                      # the drafter's bookkeeping is drafting too
+            drafter.observe(round.committed, round.hidden)
         gen.advance(round)                                        # stats, emission with EOS/max stops
     result = gen.result()
 
@@ -72,7 +73,7 @@ class DecodeStats:
     depth_accepts: Counter = field(default_factory=Counter)  # depth k -> rounds accepting depth k
     tree_tokens: int = 0  # draft nodes sent to verification, summed
     prefill_s: float = 0.0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # everything the drafter does: begin and observe (its own context), propose
     verify_s: float = 0.0
     total_s: float = 0.0
     transfer_bytes: int = 0  # bytes crossing devices (eval.policies.placement: placed drafters), summed
@@ -316,14 +317,16 @@ class SpeculativeDecoder:
         """input_ids (1, T) -> up to max_new_tokens new tokens (stops after an EOS)."""
         drafter, layers = self.drafter, tuple(self.drafter.hidden_layers)
         gen = Generation(self.target, self.config, input_ids, layers)
-        drafter.begin(gen.prompt)
-        drafter.observe(gen.prompt, gen.prefill_hidden)
+        with gen.drafting():  # the drafter's work on the prompt (a feature drafter's context) is drafting too
+            drafter.begin(gen.prompt)
+            drafter.observe(gen.prompt, gen.prefill_hidden)
         while not gen.done:
             with gen.drafting():
                 tree = drafter.propose(gen.root, gen.context, gen.sampling, gen.generator)
             gen.check_budget(tree, drafter.name)
             round = gen.verify(tree, layers)
-            drafter.observe(round.committed, round.hidden)
+            with gen.drafting():
+                drafter.observe(round.committed, round.hidden)
             gen.advance(round)
         return gen.result()
 

@@ -111,8 +111,9 @@ class PipelineDecoder:
         gen = Generation(self.target, self.config, input_ids)
         draft_generator = (torch.Generator(device=self.target.device).manual_seed(self.config.seed + 1)
                            if gen.sampling else None)
-        self.drafter.begin(gen.prompt)
-        self.drafter.observe(gen.prompt, {})
+        with gen.drafting():
+            self.drafter.begin(gen.prompt)
+            self.drafter.observe(gen.prompt, {})
         ready: DraftTree | None = None  # a pre-drafted tree for the current root
         while not gen.done:
             with gen.drafting():
@@ -124,7 +125,8 @@ class PipelineDecoder:
             with gen.drafting():  # waiting for the background draft
                 ready = self._collect(round, assumed, future)
             self.policy.rounds += 1
-            self.drafter.observe(round.committed, {})
+            with gen.drafting():
+                self.drafter.observe(round.committed, {})
             gen.advance(round)
         return gen.result()
 
