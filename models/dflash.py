@@ -137,14 +137,20 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x, context_k, context_v, cos, sin, mask):
+    def forward(self, x, context_k, context_v, cos, sin, mask, length: int | None = None):
         """x (B, Q, H) the block's normed states; context keys/values (B, kv, C, D); mask (B, 1, Q, C + Q) bool or
-        None (every query sees everything)."""
+        None (every query sees everything). With `length`, the context is the first `length` slots of buffers
+        (ContextBuffers) and the block's keys and values are written after them: the context is not copied."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k, v = self.keys_values(x, cos, sin)
-        k, v = torch.cat([context_k, k], 2), torch.cat([context_v, v], 2)
+        if length is None:
+            k, v = torch.cat([context_k, k], 2), torch.cat([context_v, v], 2)
+        else:
+            end = length + q_len
+            context_k[:, :, length:end], context_v[:, :, length:end] = k, v
+            k, v = context_k[:, :, :end], context_v[:, :, :end]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -168,8 +174,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, context_k, context_v, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask)
+    def forward(self, x, context_k, context_v, cos, sin, mask, length: int | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask, length)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -230,13 +236,15 @@ class DFlashModel(nn.Module):
         return [layer.self_attn.keys_values(fused, cos.to(fused.dtype), sin.to(fused.dtype)) for layer in self.layers]
 
     def block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor,
-                     context: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
-        """block_ids / positions (B, Q) -> the final normed states (B, Q, H)."""
+                     context: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
+                     length: int | None = None) -> torch.Tensor:
+        """block_ids / positions (B, Q) -> the final normed states (B, Q, H). `context`: each layer's keys and
+        values, or with `length` each layer's ContextBuffers whose first `length` slots hold them."""
         x = self.embedding(block_ids).to(self.hidden_norm.weight.dtype)
         cos, sin = self.rotary(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, (k, v) in zip(self.layers, context):
-            x = layer(x, k, v, cos, sin, mask)
+            x = layer(x, k, v, cos, sin, mask, length)
         return self.norm(x)
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor,
@@ -254,6 +262,43 @@ class DFlashModel(nn.Module):
         mask = anchored_block_mask(anchors, anchor_valid, valid, block)
         hidden = self.block_hidden(block_ids, block_positions, context, mask)
         return hidden.view(b, a, block, -1)
+
+
+class ContextBuffers:
+    """Each draft layer's context keys and values at inference, in buffers with room after them (B, kv heads,
+    capacity, D): the first `length` slots hold the context. A round's new context is written after it and the
+    block's own keys and values after that (Attention.forward with `length`), so a round never copies the whole
+    context (concatenating did, once in observe and once per layer in the block); the buffers double when full."""
+
+    def __init__(self):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0][0].shape[2] if self.layers else 0
+
+    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]], room: int) -> None:
+        """Each layer's (keys, values) (B, kv, m, D) of m new context positions, keeping `room` slots free after
+        them (the block a round runs)."""
+        count = new[0][0].shape[2]
+        end = self.length + count
+        if end + room > self.capacity:
+            self._grow(max(end + room, 2 * self.capacity, 256), new)
+        for (keys, values), (new_keys, new_values) in zip(self.layers, new):
+            keys[:, :, self.length:end], values[:, :, self.length:end] = new_keys, new_values
+        self.length = end
+
+    def _grow(self, capacity: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        grown = []
+        for i, (new_keys, new_values) in enumerate(like):
+            b, heads, _, dim = new_keys.shape
+            pair = tuple(new_keys.new_empty(b, heads, capacity, dim) for _ in range(2))
+            if self.layers:
+                for buffer, old in zip(pair, self.layers[i]):
+                    buffer[:, :, :self.length] = old[:, :, :self.length]
+            grown.append(pair)
+        self.layers = grown
 
 
 def anchored_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, valid: torch.Tensor,

@@ -53,6 +53,31 @@ def test_decoder_block_equals_the_trained_block():
         assert (decoded - trained[0, j, 1:]).abs().max().item() < 1e-5
 
 
+def test_the_context_buffers_grow_and_give_the_concatenated_blocks_logits():
+    """Observed a few positions at a time past the buffers' first capacity (256 slots; each round's block written
+    after the context and then overwritten), the drafter's block logits are those of the whole context's keys
+    and values concatenated (the training layout)."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    dflash = random_drafter(model, block=5)
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(1, 300, 2 * model.config.hidden_size, generator=generator)
+    drafter = DFlashDrafter(dflash)
+    drafter.begin(None)
+    start = 0
+    for size in [40, 1, 3, 200, 2, 1, 53]:  # 300 positions; a block runs after each
+        split = features[0, start:start + size].split(model.config.hidden_size, -1)
+        drafter.observe(None, dict(zip(dflash.config.hidden_layers, split)))
+        start += size
+        buffered = drafter.block_logits(7)
+        with torch.no_grad():
+            context = dflash.context_kv(features[:, :start], torch.arange(start)[None])
+            ids = torch.full((1, 5), dflash.config.mask_token_id)
+            ids[0, 0] = 7
+            hidden = dflash.block_hidden(ids, torch.arange(start, start + 5)[None], context, None)[0, 1:]
+        assert (buffered - dflash.lm_head(hidden)).abs().max().item() < 1e-5
+    assert drafter.context.capacity >= 300 + 5
+
+
 def test_anchored_mask_sees_the_context_before_its_anchor_and_its_own_block():
     mask = anchored_block_mask(torch.tensor([[2, 4]]), torch.tensor([[True, False]]), torch.ones(1, 6), 2)[0, 0]
     assert mask.shape == (4, 6 + 4)

@@ -29,7 +29,7 @@ from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import (WeightPrecision, frozen_linear, gather_weights, invariant_model,
                                       invariant_rows)
-from draftsmith.models.dflash import DFlashModel
+from draftsmith.models.dflash import ContextBuffers, DFlashModel
 from draftsmith.models.vocab import DraftVocab
 
 
@@ -65,23 +65,22 @@ class DFlashDrafter(Drafter):
             self.runs = invariant_model(model, precision, gather=False)
             self.head = invariant_rows(head.detach(), precision)
             gather_weights(self.runs, self.head)  # the block's layers, then its head: the order a round streams
-        self.context: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.length = 0
+        self.context = ContextBuffers()
+
+    @property
+    def length(self) -> int:
+        """Context positions the drafter has keys and values of."""
+        return self.context.length
 
     def begin(self, prompt_ids):
-        self.context, self.length = [], 0
+        self.context = ContextBuffers()
 
     @torch.inference_mode()
     def observe(self, tokens, hidden):
         device = self.model.fc.weight.device
         features = torch.cat([hidden[layer].to(device) for layer in self.hidden_layers], -1)[None]  # (1, m, kH)
         positions = torch.arange(self.length, self.length + features.shape[1], device=device)[None]
-        new = self.runs.context_kv(features, positions)
-        if not self.context:
-            self.context = new
-        else:
-            self.context = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.context, new)]
-        self.length += features.shape[1]
+        self.context.append(self.runs.context_kv(features, positions), room=self.budget + 1)
 
     @torch.inference_mode()
     def block_logits(self, root: int) -> torch.Tensor:
@@ -90,7 +89,7 @@ class DFlashDrafter(Drafter):
         ids = torch.full((1, self.budget + 1), self.model.config.mask_token_id, device=device)
         ids[0, 0] = root
         positions = torch.arange(self.length, self.length + self.budget + 1, device=device)[None]
-        hidden = self.runs.block_hidden(ids, positions, self.context, None)[0, 1:]
+        hidden = self.runs.block_hidden(ids, positions, self.context.layers, None, self.length)[0, 1:]
         return self.head(hidden).float()
 
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
