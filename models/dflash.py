@@ -239,7 +239,7 @@ class DFlashModel(nn.Module):
                      context: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
                      length: int | None = None) -> torch.Tensor:
         """block_ids / positions (B, Q) -> the final normed states (B, Q, H). `context`: each layer's keys and
-        values, or with `length` each layer's ContextBuffers whose first `length` slots hold them."""
+        values, or with `length` each layer's buffers (ContextBuffers.layers) whose first `length` slots hold them."""
         x = self.embedding(block_ids).to(self.hidden_norm.weight.dtype)
         cos, sin = self.rotary(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
