@@ -290,14 +290,11 @@ class ContextBuffers:
         self.length = end
 
     def _grow(self, capacity: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        grown = []
-        for i, (new_keys, new_values) in enumerate(like):
-            b, heads, _, dim = new_keys.shape
-            pair = tuple(new_keys.new_empty(b, heads, capacity, dim) for _ in range(2))
-            if self.layers:
-                for buffer, old in zip(pair, self.layers[i]):
-                    buffer[:, :, :self.length] = old[:, :, :self.length]
-            grown.append(pair)
+        """Buffers of `capacity` slots shaped as `like`'s keys and values, the context so far copied into them."""
+        grown = [tuple(t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in pair) for pair in like]
+        for new_pair, old_pair in zip(grown, self.layers):  # none the first time
+            for buffer, old in zip(new_pair, old_pair):
+                buffer[:, :, :self.length] = old[:, :, :self.length]
         self.layers = grown
 
 
