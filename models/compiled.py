@@ -239,6 +239,7 @@ def traced_code_digest(step: nn.Module) -> str:
         sources.append(inspect.getsource(invariant_attention))
     if isinstance(step, DGFStepModule):
         sources.append(inspect.getsource(sys.modules[DGFModel.__module__]))
+    sources += [inspect.getsource(module) for module in getattr(step, "traced_sources", ())]
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
 
 

@@ -19,6 +19,10 @@ positions a..a+B-1 that sees the context features of positions < a and its own b
 target's distribution for the token at a + k (speculators' anchored blocks, DFlash's exponentially decaying
 weights per position, train/dflash.py).
 
+Inference (the decoder's drafter): EagerDFlashEngine keeps a request's context keys and values in ContextBuffers and
+runs the block after them; models/compiled_dflash.py runs the same two forwards (`context_into`, `block_cached`) as
+compiled graphs over a static cache.
+
 Parameter names are z-lab's (`fc`, `hidden_norm`, `layers.N.self_attn.q_proj`, `norm`), so the state dict is the
 checkpoint llama.cpp's converter and speculators read (models/export_dflash.py writes their configs).
 """
@@ -137,22 +141,41 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(B, Q, H) -> queries (B, heads, Q, D), normed and rotated."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        return apply_rotary(q, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Queries (B, heads, Q, D) over keys / values (B, kv, C, D) -> the output projection (B, Q, H)."""
+        b, _, q_len, _ = q.shape
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
     def forward(self, x, context_k, context_v, cos, sin, mask, length: int | None = None):
         """x (B, Q, H) the block's normed states; context keys/values (B, kv, C, D); mask (B, 1, Q, C + Q) bool or
         None (every query sees everything). With `length`, the context is the first `length` slots of buffers
         (ContextBuffers) and the block's keys and values are written after them: the context is not copied."""
-        b, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
+        q = self.queries(x, cos, sin)
         k, v = self.keys_values(x, cos, sin)
         if length is None:
             k, v = torch.cat([context_k, k], 2), torch.cat([context_v, v], 2)
         else:
-            end = length + q_len
+            end = length + x.shape[1]
             context_k[:, :, length:end], context_v[:, :, length:end] = k, v
             k, v = context_k[:, :, :end], context_v[:, :, :end]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        return self.attend(q, k, v, mask)
+
+    def forward_cached(self, x, keys, values, slots, cos, sin, mask):
+        """The block over static buffers (the compiled engine's): its keys and values written at cache `slots`
+        (Q,) of keys / values (B, kv, capacity, D), every query attending where the bool `mask` (B, 1, Q, capacity)
+        allows."""
+        q = self.queries(x, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v)
+        return self.attend(q, keys, values, mask)
 
 
 class MLP(nn.Module):
@@ -176,6 +199,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, context_k, context_v, cos, sin, mask, length: int | None = None):
         x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, mask, length)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, keys, values, slots, cos, sin, mask):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), keys, values, slots, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -235,16 +262,40 @@ class DFlashModel(nn.Module):
         cos, sin = self.rotary(positions)
         return [layer.self_attn.keys_values(fused, cos.to(fused.dtype), sin.to(fused.dtype)) for layer in self.layers]
 
+    def block_input(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The block's embedded tokens and its rotary cos / sin, in the drafter's dtype."""
+        x = self.embedding(block_ids).to(self.hidden_norm.weight.dtype)
+        cos, sin = self.rotary(positions)
+        return x, cos.to(x.dtype), sin.to(x.dtype)
+
     def block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor,
                      context: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
                      length: int | None = None) -> torch.Tensor:
         """block_ids / positions (B, Q) -> the final normed states (B, Q, H). `context`: each layer's keys and
         values, or with `length` each layer's buffers (ContextBuffers.layers) whose first `length` slots hold them."""
-        x = self.embedding(block_ids).to(self.hidden_norm.weight.dtype)
-        cos, sin = self.rotary(positions)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x, cos, sin = self.block_input(block_ids, positions)
         for layer, (k, v) in zip(self.layers, context):
             x = layer(x, k, v, cos, sin, mask, length)
+        return self.norm(x)
+
+    def context_into(self, features: torch.Tensor, positions: torch.Tensor, cache: list[torch.Tensor]) -> None:
+        """Static buffers (the compiled engine's): features (1, T, k * H) at positions (1, T) -> each layer's
+        context keys and values written at those slots of `cache` (every layer's keys, then every layer's values,
+        (1, kv, capacity, D) each)."""
+        slots, count = positions[0], len(self.layers)
+        for index, (keys, values) in enumerate(self.context_kv(features, positions)):
+            cache[index].index_copy_(2, slots, keys)
+            cache[count + index].index_copy_(2, slots, values)
+
+    def block_cached(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+        """Static buffers: the block block_ids / positions (1, Q) after the context in the first positions[0, 0]
+        slots of `cache` (its own keys and values written after them) -> the final normed states (1, Q, H)."""
+        x, cos, sin = self.block_input(block_ids, positions)
+        slots, count = positions[0], len(self.layers)
+        capacity = cache[0].shape[2]
+        mask = (torch.arange(capacity, device=positions.device) <= positions[0, -1]).expand(1, 1, x.shape[1], -1)
+        for index, layer in enumerate(self.layers):
+            x = layer.forward_cached(x, cache[index], cache[count + index], slots, cos, sin, mask)
         return self.norm(x)
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor,
@@ -296,6 +347,33 @@ class ContextBuffers:
             for buffer, old in zip(new_pair, old_pair):
                 buffer[:, :, :self.length] = old[:, :, :self.length]
         self.layers = grown
+
+
+class EagerDFlashEngine:
+    """A drafter's forwards at inference in eager PyTorch: one request's context in ContextBuffers, a round's block
+    of `width` tokens after it, the draft logits from `head` (the interface of models.compiled_dflash's engine)."""
+
+    def __init__(self, model: DFlashModel, head: nn.Module, width: int):
+        self.model, self.head, self.width = model, head, width
+        self.buffers = ContextBuffers()
+
+    def begin(self) -> None:
+        self.buffers = ContextBuffers()
+
+    @property
+    def length(self) -> int:
+        """Context positions with keys and values."""
+        return self.buffers.length
+
+    def append(self, features: torch.Tensor) -> None:
+        """features (1, m, k * H) of the next m context positions."""
+        positions = torch.arange(self.length, self.length + features.shape[1], device=features.device)[None]
+        self.buffers.append(self.model.context_kv(features, positions), room=self.width)
+
+    def logits(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """block_ids (1, width) at the positions after the context -> their draft logits (1, width, V)."""
+        positions = torch.arange(self.length, self.length + self.width, device=block_ids.device)[None]
+        return self.head(self.model.block_hidden(block_ids, positions, self.buffers.layers, None, self.length))
 
 
 def anchored_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, valid: torch.Tensor,

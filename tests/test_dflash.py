@@ -1,5 +1,5 @@
-"""The DFlash block drafter: the decoder's forward is the trained one, decoding with it is lossless, and the
-recipe trains, saves and loads it."""
+"""The DFlash block drafter: the decoder's forward is the trained one (eager, and as compiled graphs over a static
+cache), decoding with it is lossless, and the recipe trains, saves and loads it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from conftest import build_spec, tiny_model
 from draftsmith.config import ConfigError, load_config
 from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.decode.drafters.base import InputError
+from draftsmith.eval.decode.drafters.base import InputError, confident_subtree, static_tree_tokens
 from draftsmith.eval.decode.drafters.dflash import DFlashDrafter, load_dflash_drafter
+from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.compiled_dflash import CompiledDFlashEngine
 from draftsmith.models.artifacts import load_dflash, save_dflash, store_in_bfloat16, target_block
 from draftsmith.models.kernels import WeightPrecision
 from draftsmith.models.dflash import DFlashConfig, DFlashModel, anchored_block_mask, evenly_spaced_layers
@@ -75,7 +78,7 @@ def test_the_context_buffers_grow_and_give_the_concatenated_blocks_logits():
             ids[0, 0] = 7
             hidden = dflash.block_hidden(ids, torch.arange(start, start + 5)[None], context, None)[0, 1:]
         assert (buffered - dflash.lm_head(hidden)).abs().max().item() < 1e-5
-    assert drafter.context.capacity >= 300 + 5
+    assert drafter.engine.buffers.capacity >= 300 + 5
 
 
 def test_anchored_mask_sees_the_context_before_its_anchor_and_its_own_block():
@@ -119,7 +122,7 @@ def test_a_bfloat16_dflash_drafter_decodes_like_the_float32_target(precision):
     target = TargetModel(model, tokenizer=None)
     draft_vocab = DraftVocab.from_ids(list(range(0, 96, 2)), 96)
     drafter = DFlashDrafter(random_drafter(model).to(torch.bfloat16), vocab=draft_vocab, precision=precision)
-    head = drafter.head.weight if precision is None else drafter.head.packed
+    head = drafter.engine.head.weight if precision is None else drafter.engine.head.packed
     assert head.dtype == (torch.int8 if precision is WeightPrecision.INT8 else torch.bfloat16)
     prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
     plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
@@ -153,6 +156,70 @@ def test_keep_above_trims_a_dflash_tree_and_stays_lossless():
     assert 1 <= result.stats.tree_tokens / result.stats.verify_forwards < 9
     with pytest.raises(UserError, match="keep_above"):
         SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
+
+
+@pytest.mark.parametrize("stop_below, keep_above", [(None, None), (None, 0.02), (0.05, 0.01), (None, 0.3)])
+def test_the_greedy_tree_is_the_static_trees_top_candidates(stop_below, keep_above):
+    """The greedy tree from one top-k over the block equals the static tree's construction (each node's token drawn
+    by rank from its position's distribution, path probabilities through the ancestor matrix) for random blocks."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    drafter = DFlashDrafter(random_drafter(model, block=5), topk=3, stop_below=stop_below, keep_above=keep_above)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        probs = torch.softmax(3 * torch.randn(4, 96, generator=generator), -1)
+        depth = drafter._kept(probs.max(-1).values)
+        nodes = depth * 3
+        tokens, _ = static_tree_tokens(lambda d: probs[d - 1], drafter.depths[:nodes], drafter.ranks[:nodes], None,
+                                       None)
+        whole = DraftTree(tokens, drafter.parents[:nodes], drafter.depths[:nodes])
+        expected = confident_subtree(whole, probs[drafter.depths[:nodes] - 1, tokens], keep_above)
+        tree = drafter._greedy_tree(probs, torch.device("cpu"))
+        for field in ("tokens", "parents", "depths"):
+            assert torch.equal(getattr(tree, field), getattr(expected, field))
+
+
+@pytest.fixture(scope="module")
+def compiled_dflash():
+    """(tiny target, its random DFlash model, that drafter on the compiled backend with its graphs built)."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    dflash = random_drafter(model, block=4)
+    drafter = DFlashDrafter(dflash, budget=3, precision=WeightPrecision.MODEL, topk=3,
+                            compiled=CompileSettings(buckets=[1, 8], capacity=128, autotune=False))
+    for graphs in drafter.engine.graphs:
+        graphs.prepare()
+    return model, dflash, drafter
+
+
+def test_the_compiled_block_gives_the_eager_blocks_logits(compiled_dflash):
+    """Context observed in pieces (one longer than the largest bucket: chunked), a block after each: the compiled
+    graphs' logits are the eager drafter's on the same kernels."""
+    model, dflash, compiled = compiled_dflash
+    eager = DFlashDrafter(dflash, budget=3, precision=WeightPrecision.MODEL, topk=3)
+    features = torch.randn(1, 40, 2 * model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for drafter in (eager, compiled):
+        drafter.begin(None)
+    start = 0
+    for size in [13, 1, 3, 8, 2]:
+        split = dict(zip(dflash.config.hidden_layers, features[0, start:start + size].split(48, -1)))
+        logits = []
+        for drafter in (eager, compiled):
+            drafter.observe(None, split)
+            logits.append(drafter.block_logits(7))
+        start += size
+        assert compiled.length == start and (logits[0] - logits[1]).abs().max().item() < 1e-4
+
+
+def test_the_compiled_dflash_drafter_decodes_like_plain_and_refuses_a_full_cache(compiled_dflash):
+    model, dflash, drafter = compiled_dflash
+    target = TargetModel(model, tokenizer=None)
+    prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt).tokens == plain.tokens
+    small = CompiledDFlashEngine(drafter.engine.context.runs, drafter.engine.block.step.head, 4,
+                                 CompileSettings(buckets=[1, 8], capacity=16, autotune=False))
+    small.begin()
+    with pytest.raises(UserError, match="cannot hold 14 context positions and a block of 4"):
+        small.append(torch.zeros(1, 14, 2 * model.config.hidden_size))
 
 
 def test_budget_beyond_the_block_is_refused():

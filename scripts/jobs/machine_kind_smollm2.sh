@@ -84,6 +84,7 @@ STEPS=(
   "student_draft_cost|$FAMILIES/student_draft_cost/bench.json|0|quiet $BENCH --config eval/configs/student_draft_cost_smollm2.yaml output_dir=$FAMILIES/student_draft_cost"
   "student_budget|$FAMILIES/student_budget/bench.json|0|quiet $BENCH --config eval/configs/student_budget_smollm2.yaml output_dir=$FAMILIES/student_budget"
   "dflash_draft_cost|$FAMILIES/dflash_draft_cost/bench.json|0|quiet $BENCH --config eval/configs/dflash_draft_cost_smollm2.yaml output_dir=$FAMILIES/dflash_draft_cost"
+  "dflash_compiled|$FAMILIES/dflash_compiled/bench.json|0|quiet $BENCH --config eval/configs/dflash_compiled_smollm2.yaml output_dir=$FAMILIES/dflash_compiled"
   "seed_policies|$FAMILIES/seed_policies/bench.json|0|with_kind_profile eval/configs/seed_policies_smollm2.yaml $ZEN4_ARCA.json $FAMILIES/seed_policies"
   "policies_after_lookup|$FAMILIES/policies_after_lookup/bench.json|0|with_kind_profile eval/configs/policies_after_lookup_smollm2.yaml $ZEN4_ARCA""_measured.json $FAMILIES/policies_after_lookup"
   "trees|$FAMILIES/trees/bench.json|0|quiet $BENCH --config eval/configs/trees_smollm2.yaml output_dir=$FAMILIES/trees"

@@ -1,7 +1,8 @@
 """DFlash block drafter in the decoder: one drafter forward per round proposes a chain of up to block - 1 tokens.
 
 State per request: each draft layer's keys and values of the committed positions, computed from the target
-features `observe` hands over (the target's hidden states at the drafter's layers). `propose(root, context)` runs
+features `observe` hands over (the target's hidden states at the drafter's layers), held by the drafter's engine
+(models.dflash.EagerDFlashEngine, or on the compiled backend models.compiled_dflash.CompiledDFlashEngine). `propose(root, context)` runs
 the block [root, mask, ..., mask] at the positions after the committed ones; the block attends to the whole
 context and to itself, and block position k proposes the token k steps after the root. Greedy: the argmax at
 each position (a chain; `stop_below` cuts it where the product of the drafter's probabilities so far falls below
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
-                                                 confident_subtree, refuse_sampled_trim, static_tree_tokens)
+                                                 confident_subtree, keep_confident, refuse_sampled_trim,
+                                                 static_tree_tokens)
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 
 from draftsmith.models.artifacts import load_dflash
@@ -29,14 +31,16 @@ from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import (WeightPrecision, frozen_linear, gather_weights, invariant_model,
                                       invariant_rows)
-from draftsmith.models.dflash import ContextBuffers, DFlashModel
+from draftsmith.models.compiled_dflash import CompiledDFlashEngine
+from draftsmith.models.dflash import DFlashModel, EagerDFlashEngine
 from draftsmith.models.vocab import DraftVocab
 
 
 class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashModel, budget: int | None = None, name: str = "dflash",
                  stop_below: float | None = None, vocab: DraftVocab | None = None,
-                 precision: WeightPrecision | None = None, topk: int = 1, keep_above: float | None = None):
+                 precision: WeightPrecision | None = None, topk: int = 1, keep_above: float | None = None,
+                 compiled: CompileSettings | None = None):
         most = model.config.block_size - 1
         budget = most if budget is None else budget
         check_sizes(name, budget=budget, topk=topk)
@@ -60,27 +64,28 @@ class DFlashDrafter(Drafter):
         head = head.to(model.fc.weight.dtype)  # the target's rows, in the drafter's arithmetic
         # precision given: the compiled engine's batch-invariant kernels (the stock mm is slow for a block's few rows)
         if precision is None:
-            self.runs, self.head = model, frozen_linear(head.detach())
+            runs, head = model, frozen_linear(head.detach())
         else:
-            self.runs = invariant_model(model, precision, gather=False)
-            self.head = invariant_rows(head.detach(), precision)
-            gather_weights(self.runs, self.head)  # the block's layers, then its head: the order a round streams
-        self.context = ContextBuffers()
+            runs = invariant_model(model, precision, gather=False)
+            head = invariant_rows(head.detach(), precision)
+            gather_weights(runs, head)  # the block's layers, then its head: the order a round streams
+        # compiled given: the round's two forwards as compiled graphs over a static cache (models.compiled_dflash)
+        self.engine = (EagerDFlashEngine(runs, head, budget + 1) if compiled is None
+                       else CompiledDFlashEngine(runs, head, budget + 1, compiled))
 
     @property
     def length(self) -> int:
         """Context positions the drafter has keys and values of."""
-        return self.context.length
+        return self.engine.length
 
     def begin(self, prompt_ids):
-        self.context = ContextBuffers()
+        self.engine.begin()
 
     @torch.inference_mode()
     def observe(self, tokens, hidden):
         device = self.model.fc.weight.device
         features = torch.cat([hidden[layer].to(device) for layer in self.hidden_layers], -1)[None]  # (1, m, kH)
-        positions = torch.arange(self.length, self.length + features.shape[1], device=device)[None]
-        self.context.append(self.runs.context_kv(features, positions), room=self.budget + 1)
+        self.engine.append(features)
 
     @torch.inference_mode()
     def block_logits(self, root: int) -> torch.Tensor:
@@ -88,9 +93,7 @@ class DFlashDrafter(Drafter):
         device = self.model.fc.weight.device
         ids = torch.full((1, self.budget + 1), self.model.config.mask_token_id, device=device)
         ids[0, 0] = root
-        positions = torch.arange(self.length, self.length + self.budget + 1, device=device)[None]
-        hidden = self.runs.block_hidden(ids, positions, self.context.layers, None, self.length)[0, 1:]
-        return self.head(hidden).float()
+        return self.engine.logits(ids)[0, 1:].float()
 
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
         if self.length != context.numel() - 1:
@@ -113,15 +116,27 @@ class DFlashDrafter(Drafter):
 
     def _tree(self, logits: torch.Tensor, device, sampling: Sampling | None, generator) -> DraftTree:
         """The round as a tree of topk candidates per block position (greedy: cut at stop_below's depth)."""
-        probs = torch.softmax(logits, -1) if sampling is None else sampling.probs(logits)
-        depth = self._kept(probs.max(-1).values) if sampling is None else self.budget
-        nodes = depth * self.topk  # nodes are ordered by depth: the first `nodes` are the tree cut at `depth`
-        tokens, rows = static_tree_tokens(lambda d: probs[d - 1], self.depths[:nodes], self.ranks[:nodes], sampling,
-                                          generator)
-        rows = None if rows is None else self._full_rows(rows).to(device)
-        tree = DraftTree(self._to_target(tokens).to(device), self.parents[:nodes].to(device),
-                         self.depths[:nodes].to(device), rows)
-        return confident_subtree(tree, probs[self.depths[:nodes] - 1, tokens], self.keep_above)
+        if sampling is None:
+            return self._greedy_tree(torch.softmax(logits, -1), device)
+        probs = sampling.probs(logits)
+        tokens, rows = static_tree_tokens(lambda d: probs[d - 1], self.depths, self.ranks, sampling, generator)
+        return DraftTree(self._to_target(tokens).to(device), self.parents.to(device), self.depths.to(device),
+                         self._full_rows(rows).to(device))
+
+    def _greedy_tree(self, probs: torch.Tensor, device) -> DraftTree:
+        """Greedy: node (depth d, rank r) is block position d's r-th most probable token, from one top-k over the
+        block; its path probability is the top-1 probabilities of the positions before it times its own (its
+        parent is the previous position's top 1). Cut at stop_below's depth, trimmed by keep_above."""
+        values, indices = probs.topk(self.topk, -1)  # (budget, topk), ranks in order (draw_children's greedy pick)
+        nodes = self._kept(values[:, 0]) * self.topk  # nodes are ordered by depth: the tree cut at that depth
+        depth, rank = self.depths[:nodes] - 1, self.ranks[:nodes]
+        tree = DraftTree(self._to_target(indices[depth, rank]).to(device), self.parents[:nodes].to(device),
+                         self.depths[:nodes].to(device))
+        if self.keep_above is None:
+            return tree
+        logs = values.double().clamp_min(1e-300).log()
+        before = torch.cat([logs.new_zeros(1), logs[:, 0].cumsum(0)])  # the path to each position's parent
+        return keep_confident(tree, before[depth] + logs[depth, rank], self.keep_above, tree.size)
 
     def _kept(self, best: torch.Tensor) -> int:
         """How many of the chain's tokens to propose (all, or until the path's probability falls below
@@ -145,10 +160,11 @@ def load_dflash_drafter(path: str | Path, target, budget: int | None = None, nam
                         topk: int = 1, dtype: torch.dtype | None = None,
                         keep_above: float | None = None) -> DFlashDrafter:
     """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel), in
-    `dtype` (default: the target's); on the compiled backend with the batch-invariant kernels (`settings`), its
-    Linears and head run on those kernels."""
+    `dtype` (default: the target's); on the compiled backend its context and block run as compiled graphs
+    (models.compiled_dflash), their Linears and head on the batch-invariant kernels when `settings` use them."""
     model, _ = load_dflash(path, target, dtype=dtype or target.dtype)
     settings = settings or CompileSettings()
     fast = settings.runs_invariant_kernels(backend)
     return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
-                         precision=settings.weights if fast else None, topk=topk, keep_above=keep_above)
+                         precision=settings.weights if fast else None, topk=topk, keep_above=keep_above,
+                         compiled=settings if backend is Backend.COMPILED else None)
