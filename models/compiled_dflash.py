@@ -44,7 +44,8 @@ class DFlashContextStep(nn.Module):
 
 
 class DFlashBlockStep(nn.Module):
-    """forward(block ids (1, w), positions (1, w), *kv) -> draft logits (1, w, V or the draft vocabulary's size);
+    """forward(block ids (1, w), positions (1, w), *kv) -> draft logits of block positions 1 .. w - 1 (1, w - 1, V or
+    the draft vocabulary's size);
     the block's keys and values written at slots `positions`. The target's embedding is registered here (the
     drafter only references it), the head is the drafter's."""
 
@@ -55,7 +56,8 @@ class DFlashBlockStep(nn.Module):
         self.model, self.head, self.embedding = model, head, model.embedding
 
     def forward(self, block_ids, positions, *kv):
-        return self.head(self.model.block_cached(block_ids, positions, list(kv)))
+        hidden = self.model.block_cached(block_ids, positions, list(kv))
+        return self.head(hidden[:, 1:])  # the root's row proposes nothing
 
 
 class DFlashGraphs(GraphPackages):
@@ -143,5 +145,6 @@ class CompiledDFlashEngine:
 
     @torch.inference_mode()
     def logits(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """block_ids (1, width) at the positions after the context -> their draft logits (1, width, V)."""
+        """block_ids (1, width) at the positions after the context -> the draft logits of block positions 1 ..
+        width - 1 (1, width - 1, V)."""
         return self.block.run(block_ids.long(), self.length, self.cache)

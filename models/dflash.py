@@ -371,9 +371,11 @@ class EagerDFlashEngine:
         self.buffers.append(self.model.context_kv(features, positions), room=self.width)
 
     def logits(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """block_ids (1, width) at the positions after the context -> their draft logits (1, width, V)."""
+        """block_ids (1, width) at the positions after the context -> the draft logits of block positions 1 ..
+        width - 1 (1, width - 1, V): the root's row proposes nothing."""
         positions = torch.arange(self.length, self.length + self.width, device=block_ids.device)[None]
-        return self.head(self.model.block_hidden(block_ids, positions, self.buffers.layers, None, self.length))
+        hidden = self.model.block_hidden(block_ids, positions, self.buffers.layers, None, self.length)
+        return self.head(hidden[:, 1:])
 
 
 def anchored_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, valid: torch.Tensor,

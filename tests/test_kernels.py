@@ -495,7 +495,7 @@ def test_a_drafters_head_streams_from_the_arena_of_its_layers():
                                              mask_token_id=model.config.vocab_size - 1)
     block = DFlashDrafter(DFlashModel(dflash_config).attach_target(model).eval(), vocab=vocab,
                           precision=WeightPrecision.MODEL)
-    assert one_arena(block.runs, block.head)
+    assert one_arena(block.engine.model, block.engine.head)
 
 
 def test_a_compiled_cache_is_zeroed_in_one_arena(tmp_path):

@@ -2,14 +2,14 @@
 
 State per request: each draft layer's keys and values of the committed positions, computed from the target
 features `observe` hands over (the target's hidden states at the drafter's layers), held by the drafter's engine
-(models.dflash.EagerDFlashEngine, or on the compiled backend models.compiled_dflash.CompiledDFlashEngine). `propose(root, context)` runs
-the block [root, mask, ..., mask] at the positions after the committed ones; the block attends to the whole
-context and to itself, and block position k proposes the token k steps after the root. Greedy: the argmax at
-each position (a chain; `stop_below` cuts it where the product of the drafter's probabilities so far falls below
-the threshold). Sampling: block position k's token is drawn from its own distribution q_k, which does not depend
-on the tokens drawn before it, so q_k is exactly the distribution the verifier needs for that node. With `topk`
-> 1 the round is a tree instead: at every block position the top-k candidates (sampling: k draws without
-replacement) as children of the previous position's first candidate, budget x topk nodes (static_tree_tokens, as
+(models.dflash.EagerDFlashEngine, or on the compiled backend models.compiled_dflash.CompiledDFlashEngine).
+`propose(root, context)` runs the block [root, mask, ..., mask] at the positions after the committed ones; the
+block attends to the whole context and to itself, and block position k proposes the token k steps after the root.
+Greedy: the argmax at each position (a chain; `stop_below` cuts it where the product of the drafter's probabilities
+so far falls below the threshold). Sampling: block position k's token is drawn from its own distribution q_k, which
+does not depend on the tokens drawn before it, so q_k is exactly the distribution the verifier needs for that node.
+With `topk` > 1 the round is a tree instead: at every block position the top-k candidates (sampling: k draws
+without replacement) as children of the previous position's first candidate, budget x topk nodes (static_tree_tokens, as
 Medusa's heads: a position's distribution does not depend on the parent). `keep_above` (greedy) verifies only the
 nodes whose path probability under the drafter is above it, as the other drafters' dynamic size.
 The decoder verifies every proposal, so the output is the target's whatever the drafter says.
@@ -93,7 +93,7 @@ class DFlashDrafter(Drafter):
         device = self.model.fc.weight.device
         ids = torch.full((1, self.budget + 1), self.model.config.mask_token_id, device=device)
         ids[0, 0] = root
-        return self.engine.logits(ids)[0, 1:].float()
+        return self.engine.logits(ids)[0].float()
 
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
         if self.length != context.numel() - 1:
