@@ -38,6 +38,11 @@ class DFlashContextStep(nn.Module):
         super().__init__()
         self.model = model
 
+    def first_input(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An example of the first input: features of `width` positions."""
+        return torch.zeros(1, width, self.model.config.hidden_size * len(self.model.config.target_layer_ids),
+                           dtype=dtype, device=device)
+
     def forward(self, features, positions, *kv):
         self.model.context_into(features, positions, list(kv))
         return positions + 0  # a graph output (the writes into kv are the result)
@@ -45,15 +50,18 @@ class DFlashContextStep(nn.Module):
 
 class DFlashBlockStep(nn.Module):
     """forward(block ids (1, w), positions (1, w), *kv) -> draft logits of block positions 1 .. w - 1 (1, w - 1, V or
-    the draft vocabulary's size);
-    the block's keys and values written at slots `positions`. The target's embedding is registered here (the
-    drafter only references it), the head is the drafter's."""
+    the draft vocabulary's size); the block's keys and values written at slots `positions`. The target's embedding
+    is registered here (the drafter only references it), the head is the drafter's."""
 
     traced_sources = (sys.modules[DFlashModel.__module__],)
 
     def __init__(self, model: DFlashModel, head: nn.Module):
         super().__init__()
         self.model, self.head, self.embedding = model, head, model.embedding
+
+    def first_input(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An example of the first input: a block of `width` token ids."""
+        return torch.zeros(1, width, dtype=torch.long, device=device)
 
     def forward(self, block_ids, positions, *kv):
         hidden = self.model.block_cached(block_ids, positions, list(kv))
@@ -72,14 +80,10 @@ class DFlashGraphs(GraphPackages):
                          cache_dir)
         self.runs = runs  # the model the graphs run
 
-    def first_input(self, width: int) -> torch.Tensor:
-        if isinstance(self.step, DFlashContextStep):
-            return torch.zeros(1, width, self.runs.fc.in_features, dtype=self.dtype, device=self.device)
-        return torch.zeros(1, width, dtype=torch.long, device=self.device)
-
     def example(self, width: int) -> tuple:
         positions = torch.arange(width, device=self.device)[None]
-        return (self.first_input(width), positions, *[torch.zeros_like(tensor) for tensor in self.kv])
+        return (self.step.first_input(width, self.dtype, self.device), positions,
+                *[torch.zeros_like(tensor) for tensor in self.kv])
 
     def width_axes(self, width) -> tuple:
         return ({1: width}, {1: width}, tuple(None for _ in self.kv))

@@ -16,7 +16,7 @@ from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.compiled_dflash import CompiledDFlashEngine
 from draftsmith.models.artifacts import load_dflash, save_dflash, store_in_bfloat16, target_block
-from draftsmith.models.kernels import WeightPrecision
+from draftsmith.models.kernels import Kernels, WeightPrecision
 from draftsmith.models.dflash import DFlashConfig, DFlashModel, anchored_block_mask, evenly_spaced_layers
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import TinyTokenizer
@@ -220,6 +220,18 @@ def test_the_compiled_dflash_drafter_decodes_like_plain_and_refuses_a_full_cache
     small.begin()
     with pytest.raises(UserError, match="cannot hold 14 context positions and a block of 4"):
         small.append(torch.zeros(1, 14, 2 * model.config.hidden_size))
+
+
+@pytest.mark.slow  # two more builds (~45 s); the invariant kernels' graphs are the default, tested above
+def test_the_compiled_dflash_drafter_on_inductors_kernels_decodes_like_plain():
+    """compile.kernels=inductor: the drafter's own Linears (not the batch-invariant ones) frozen into its graphs."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    settings = CompileSettings(buckets=[1, 8], capacity=128, autotune=False, kernels=Kernels.INDUCTOR)
+    drafter = DFlashDrafter(random_drafter(model, block=4), budget=3, compiled=settings)
+    target = TargetModel(model, tokenizer=None)
+    prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt).tokens == plain.tokens
 
 
 def test_budget_beyond_the_block_is_refused():
