@@ -182,6 +182,8 @@ class DGFStepModule(nn.Module):
     the graph with the drafter.
     """
 
+    traced_sources = (sys.modules[DGFModel.__module__],)
+
     def __init__(self, model: DGFModel, cache: StaticCache):
         super().__init__()
         model._need_target()
@@ -206,6 +208,14 @@ def point_cache(cache: StaticCache, past: torch.Tensor, kv: tuple) -> None:
     for i, layer in enumerate(layers):
         layer.keys, layer.values = kv[i], kv[len(layers) + i]
         layer.cumulative_length = past.clone()  # StaticLayer writes at its cumulative length
+
+
+def zeroed_cache(like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeroed KV tensors shaped as `like`'s, a request's own: on the CPU in one huge-page arena, as the weights (a
+    long context's step reads all of it)."""
+    if like[0].device.type == "cpu":
+        return arena_zeros(like)
+    return [torch.zeros_like(tensor) for tensor in like]
 
 
 @dataclass
@@ -237,9 +247,7 @@ def traced_code_digest(step: nn.Module) -> str:
     if any(isinstance(module, InvariantLinear) for module in step.modules()):
         sources += [inspect.getsource(cls) for cls in (InvariantLinear, JoinedProjection, SiblingProjection)]
         sources.append(inspect.getsource(invariant_attention))
-    if isinstance(step, DGFStepModule):
-        sources.append(inspect.getsource(sys.modules[DGFModel.__module__]))
-    sources += [inspect.getsource(module) for module in getattr(step, "traced_sources", ())]
+    sources += [inspect.getsource(module) for module in getattr(step, "traced_sources", ())]  # a step's own model file
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
 
 
@@ -471,9 +479,7 @@ class StaticKVBook:
         if max_length is not None and max_length + self.buckets[-1] > self.capacity:
             raise UserError(f"this request needs up to {max_length} KV slots (+ one padded bucket); the compiled "
                             f"engine holds {self.capacity}: raise its capacity or shorten the request")
-        if self.device.type == "cpu":  # on huge pages, as the weights: a long context's step reads all of it
-            return StaticKV(arena_zeros(self.kv), 0)
-        return StaticKV([torch.zeros_like(tensor) for tensor in self.kv], 0)
+        return StaticKV(zeroed_cache(self.kv), 0)
 
     def cache_length(self, cache: StaticKV) -> int:
         return cache.length

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.models.compiled import CompileSettings, GraphPackages, StaticKV, model_fingerprint
+from draftsmith.models.compiled import (CompileSettings, GraphPackages, StaticKV, model_fingerprint,
+                                       zeroed_cache)
 from draftsmith.models.dflash import DFlashModel
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import arena_zeros
 
 
 class DFlashContextStep(nn.Module):
@@ -118,7 +118,7 @@ class CompiledDFlashEngine:
         block = dataclasses.replace(settings, buckets=[width], shared_width=False)
         self.block = DFlashGraphs(DFlashBlockStep(runs, head), runs, self.kv, block, "dflash drafter (block)",
                                   cache_dir)
-        self.cache = StaticKV([])
+        self.cache = StaticKV(zeroed_cache(self.kv))  # one request at a time: begin() empties it
 
     @property
     def graphs(self) -> list[DFlashGraphs]:
@@ -126,8 +126,6 @@ class CompiledDFlashEngine:
         return [self.context, self.block]
 
     def begin(self) -> None:
-        if not self.cache.tensors:
-            self.cache = StaticKV(arena_zeros(self.kv))
         self.cache.length = 0
 
     @property

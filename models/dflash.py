@@ -353,6 +353,8 @@ class EagerDFlashEngine:
     """A drafter's forwards at inference in eager PyTorch: one request's context in ContextBuffers, a round's block
     of `width` tokens after it, the draft logits from `head` (the interface of models.compiled_dflash's engine)."""
 
+    graphs = ()  # nothing to build before timing (the compiled engine's packages)
+
     def __init__(self, model: DFlashModel, head: nn.Module, width: int):
         self.model, self.head, self.width = model, head, width
         self.buffers = ContextBuffers()

@@ -447,7 +447,7 @@ def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
                                   vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=drafter_settings(spec, ctx),
                                   topk=o.topk, dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above)
-    ctx.drafter_engines.extend(getattr(drafter.engine, "graphs", []))  # compiled: built before timing
+    ctx.drafter_engines.extend(drafter.engine.graphs)  # compiled: built before timing
     return DrafterMethod(drafter, spec.label)
 
 
