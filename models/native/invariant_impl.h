@@ -44,7 +44,9 @@ inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 ->
 // (a one-row forward streamed ~10% slower than a four-row one): it requests the weights PREFETCH_BYTES ahead, into
 // L2. Wider tiles stream as fast without, and the requests cost them time: two-row tiles with them took 3-15% longer
 // than one-row ones (bf16 8%, w8a8 9-15%), without them the same (eval.kernel_ab on a Zen 4). Measured for float32
-// and bfloat16 weights and int8 x int8 quads (weight-only int8 was not, and goes without).
+// and bfloat16 weights and int8 x int8 quads; weight-only int8 takes them as the others do (on the AVX2 EPYC its
+// one-row step was faster with them in 4 of 6 alternations of eval.kernel_ab, 2% on the mean: within that VM's noise,
+// results/engine_kernels_epyc_avx2/kernel_ab/).
 constexpr int PREFETCH_ROWS = 1;
 constexpr int64_t PREFETCH_BYTES = 6144;
 
@@ -84,7 +86,7 @@ inline void tile_fma_range(const XT* x, int64_t ldx, const WT* panel, int64_t k0
                            const Ahead& ahead) {
   for (int64_t k = k0; k < k1; ++k) {
     const WT* w = panel + k * PANEL + c0;
-    if constexpr (!std::is_same_v<WT, int8_t>) prefetch_ahead<MB>(w, NV * VL * sizeof(WT));
+    prefetch_ahead<MB>(w, NV * VL * sizeof(WT));
     ahead.request(k, 1);
     V wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load_weight(w + v * VL);

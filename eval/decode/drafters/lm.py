@@ -77,15 +77,17 @@ class LMDrafter(Drafter):
         self.cache, self.cached = self.lm.new_cache(), []
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Append input_ids (1, n) to the cache; float32 logits (n, V)."""
-        return self.lm.forward(input_ids, self.cache, position_ids, allowed).logits[0]
+                 allowed: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Append input_ids (1, n) to the cache; float32 logits (n, V), or (1, V) of the last token with
+        `last_only`."""
+        return self.lm.forward(input_ids, self.cache, position_ids, allowed, last_only=last_only).logits[0]
 
     def _sync(self, context: list[int]) -> torch.Tensor:
-        """Make the cache hold exactly `context`; return the logits after its last token (V,)."""
+        """Make the cache hold exactly `context`; return the logits after its last token (V,). Only that token meets
+        the LM head (a prompt's other rows would cost the head's multiply-adds for nothing)."""
         common = self._common_prefix(context)
         self.lm.truncate(self.cache, common)
-        logits = self._forward(torch.tensor([context[common:]], device=self.device))
+        logits = self._forward(torch.tensor([context[common:]], device=self.device), last_only=True)
         self.cached = list(context)
         return logits[-1]
 
