@@ -40,8 +40,7 @@ class DFlashContextStep(nn.Module):
 
     def first_input(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An example of the first input: features of `width` positions."""
-        return torch.zeros(1, width, self.model.config.hidden_size * len(self.model.config.target_layer_ids),
-                           dtype=dtype, device=device)
+        return torch.zeros(1, width, self.model.fc.in_features, dtype=dtype, device=device)
 
     def forward(self, features, positions, *kv):
         self.model.context_into(features, positions, list(kv))
