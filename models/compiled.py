@@ -56,7 +56,7 @@ from draftsmith.config import ConfigError, Unread, check_config, option
 from draftsmith.errors import UserError
 from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel, invariant_drafter
-from draftsmith.models.engine import Backend, TargetOutput, additive_mask, with_cache
+from draftsmith.models.engine import Backend, GreedyRows, TargetOutput, additive_mask, with_cache
 from draftsmith.models.kernels import (GreedyHead, HeadLogits, InvariantLinear, JoinedProjection, Kernels,
                                       SiblingProjection, WeightPrecision, arena_zeros, invariant_attention,
                                       invariant_model)
@@ -581,7 +581,7 @@ class CompiledEngine(BucketGraphs):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKV, position_ids: torch.Tensor | None = None,
                 allowed: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
-                last_only: bool = False, argmax_only: bool = False) -> TargetOutput:
+                last_only: bool = False, argmax_only: bool = False, greedy_rows: bool = False) -> TargetOutput:
         n = input_ids.shape[1]
         if n > self.buckets[-1]:
             self.check_chunkable(n, position_ids, allowed)
@@ -593,7 +593,10 @@ class CompiledEngine(BucketGraphs):
         cache.length = past + n
         final = hidden[-1][:, n - 1:n] if last_only else hidden[-1][:, :n]
         head = self.greedy_head if argmax_only and self.greedy_head is not None else self.head
-        return TargetOutput(logits=head(final).float(), hidden={k: hidden[k][:, :n] for k in hidden_layers})
+        layers = {k: hidden[k][:, :n] for k in hidden_layers}
+        if greedy_rows and head is self.greedy_head and head.rows_apart and final.shape[1] > 1:
+            return TargetOutput(logits=None, hidden=layers, greedy=GreedyRows(head, final))
+        return TargetOutput(logits=head(final).float(), hidden=layers)
 
     def _chunked(self, input_ids: torch.Tensor, cache: StaticKV, hidden_layers: tuple[int, ...],
                  last_only: bool, argmax_only: bool) -> TargetOutput:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import inspect
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -44,10 +45,25 @@ class Backend(str, enum.Enum):
         return self.value
 
 
+class GreedyRows:
+    """The greedy token after each row of a forward, computed when first asked for, one row a pass of `head` (an LM
+    head whose argmax is exact whatever the width: models.kernels.GreedyHead). A greedy verify asks only for the
+    rows of its accepted path."""
+
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], final: torch.Tensor):
+        self.head, self.final, self.tokens = head, final, {}  # final: (1, n, H), the head's inputs
+
+    def __call__(self, row: int) -> int:
+        if row not in self.tokens:
+            self.tokens[row] = int(self.head(self.final[:, row:row + 1])[0, 0].argmax())
+        return self.tokens[row]
+
+
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # (B, n, V) float32
+    logits: torch.Tensor | None  # (B, n, V) float32; None where the greedy tokens come row by row (`greedy`)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> (B, n, H)
+    greedy: GreedyRows | None = None  # a forward(..., greedy_rows=True) whose engine computes rows apart
 
 
 def sync(device: torch.device) -> None:
@@ -132,8 +148,8 @@ class EagerEngine(EagerBuild):
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
                 position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
                 hidden_layers: tuple[int, ...] = (), last_only: bool = False,
-                argmax_only: bool = False) -> TargetOutput:
-        """(`argmax_only`: every logit is computed here anyway.)"""
+                argmax_only: bool = False, greedy_rows: bool = False) -> TargetOutput:
+        """(`argmax_only`, `greedy_rows`: every logit is computed here anyway.)"""
         mask = None if allowed is None else additive_mask(allowed, self.model.dtype)
         out = self.model(input_ids=input_ids, **with_cache(cache), position_ids=position_ids,
                          attention_mask=mask, use_cache=cache is not None,

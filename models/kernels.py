@@ -258,6 +258,16 @@ class GreedyHead(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("weight", weight.contiguous())  # the model's own rows (tied to the embedding: shared)
 
+    @property
+    def rows_apart(self) -> bool:
+        """Whether a verify's rows cost less one at a time, each only where its verify asks for it (GreedyRows), than
+        together: where every width reads the int8 copy, one row streams it and each more row in a pass adds its
+        multiply-adds at the float32 rate (the AVX2 EPYC, SmolLM2's head, cold: 1.34 / 1.90 / 3.19 / 6.16 ms at
+        1 / 2 / 4 / 8 rows, scripts/jobs/greedy_head_rows_probe.py), and a greedy verify reads only its accepted
+        path's rows (tau of them: a chain of 3's head 3.5 -> 2.1 ms a round there). With the bf16 copy more rows
+        cost about what one does (GREEDY_BF16_FROM_ROWS): together."""
+        return self.bf16_from_rows is None
+
     def copy_for(self, rows: int) -> torch.Tensor:
         """The packed copy a forward of `rows` rows streams."""
         return self.packed_bf16 if self.bf16_from_rows is not None and rows >= self.bf16_from_rows else self.packed

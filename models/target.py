@@ -249,7 +249,7 @@ class TargetModel:
 
     def forward(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None,
                 allowed: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
-                last_only: bool = False, argmax_only: bool = False) -> TargetOutput:
+                last_only: bool = False, argmax_only: bool = False, greedy_rows: bool = False) -> TargetOutput:
         """One forward over `input_ids` (1, n) appended to `cache`.
 
         `allowed` (1, 1, n, past + n) bool: which cache/new slots each new token may attend to; None
@@ -257,6 +257,9 @@ class TargetModel:
         prompt's prefill needs no more, and the LM head is a fifth of a small model's work) and the requested
         hidden states. The cache grows by n slots (`commit` keeps only some of them). With `argmax_only` (greedy
         decoding) only each row's argmax need be exact: the compiled engine's greedy head computes the others from
-        int8 or bf16 copies of its weights (models.kernels.GreedyHead).
+        int8 or bf16 copies of its weights (models.kernels.GreedyHead). With `greedy_rows` (greedy decoding, a caller
+        that reads each row's greedy token only) an engine whose greedy head costs less a row apart than rows
+        together (GreedyHead.rows_apart) returns no logits but `greedy`: each row's token on demand.
         """
-        return self.engine.forward(input_ids, cache, position_ids, allowed, hidden_layers, last_only, argmax_only)
+        return self.engine.forward(input_ids, cache, position_ids, allowed, hidden_layers, last_only, argmax_only,
+                                   greedy_rows)

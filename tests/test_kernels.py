@@ -17,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dflash import DFlashDrafter
+from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.models.compiled import CompiledEngine, CompileSettings
 from draftsmith.models.medusa import InvariantMedusaHeads
@@ -29,6 +31,7 @@ from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLi
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.student import layer_subset_student
 from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab
 
@@ -454,6 +457,41 @@ def test_compiled_greedy_head_serves_greedy_forwards_only(tmp_path):
     assert CompileSettings(head="greedy").greedy_head(half.dtype)
     with pytest.raises(ConfigError, match="weights=model"):
         CompileSettings(head="greedy", weights="int8")
+
+
+def test_a_greedy_verify_reads_only_its_paths_rows_where_they_cost_less_apart(tmp_path, monkeypatch):
+    """Where the greedy head costs less a row apart (GreedyHead.rows_apart: the int8 copy at every width), a forward
+    with greedy_rows returns no logits but each row's greedy token on demand, one head pass a row asked for, equal
+    to the logits' argmax; elsewhere the logits. Decoding reads either way and emits plain greedy's tokens."""
+    passes = []
+    forward = GreedyHead.forward
+    monkeypatch.setattr(GreedyHead, "forward", lambda self, x: passes.append(x.shape[1]) or forward(self, x))
+    model = tiny_model("llama", seed=2, num_layers=2)
+    engine = CompiledEngine(model, CompileSettings(buckets=[1, 8], capacity=64, autotune=False), cache_dir=tmp_path)
+    target = TargetModel(model, None, engine=engine)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    cache = target.new_cache()
+    expected = target.forward(ids, cache, argmax_only=True).logits[0].argmax(-1).tolist()
+    prompt = torch.tensor([[5, 9, 2, 7, 5, 9, 2]])
+    plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+                           do_sample=False)[0, prompt.shape[1]:].tolist()
+    draft = layer_subset_student(model, [0])
+    for rows_apart in (True, False):
+        monkeypatch.setattr(GreedyHead, "rows_apart", property(lambda self: rows_apart))
+        target.truncate(cache, 0)
+        passes.clear()
+        out = target.forward(ids, cache, argmax_only=True, greedy_rows=True)
+        if rows_apart:
+            assert out.logits is None and passes == []
+            assert [out.greedy(row) for row in (3, 0, 3, 5)] == [expected[row] for row in (3, 0, 3, 5)]
+            assert passes == [1, 1, 1]  # row 3 once
+        else:
+            assert out.greedy is None and out.logits[0].argmax(-1).tolist() == expected and passes == [6]
+        for drafter in (LMDrafter(draft, mode="chain", budget=3),
+                        LMDrafter(draft, mode="tree", depth=3, topk=2, budget=7)):
+            config = DecodeConfig(max_new_tokens=16, budget_limit=7)
+            decoded = SpeculativeDecoder(target, drafter, config).generate(prompt)
+            assert decoded.tokens == plain and decoded.stats.verify_forwards < 16
 
 
 @pytest.mark.parametrize("head", ["slice", "own"])

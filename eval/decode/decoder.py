@@ -36,7 +36,7 @@ from draftsmith.config import check_config, option
 from draftsmith.errors import UserError
 from draftsmith.eval.decode.drafters.base import Drafter, InputError, NoDrafter, Sampling, check_types
 from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
-from draftsmith.eval.decode.verify import verify_greedy, verify_sampling
+from draftsmith.eval.decode.verify import greedy_path, verify_greedy, verify_sampling
 from draftsmith.models.engine import Backend
 from draftsmith.models.target import TargetModel, check_same_tokenizer
 
@@ -154,7 +154,8 @@ class Round:
     accepted: list[int]  # accepted node ids, root's child first
     next_token: int  # the target's token after the accepted path (bonus / correction)
     hidden: dict[int, torch.Tensor]  # layer -> (m, H) hidden states of the committed slots
-    logits: torch.Tensor  # (slots, V) float32 logits of the whole forward (extra slots included)
+    logits: torch.Tensor | None  # (slots, V) float32 logits of the whole forward (extra slots included); None
+    # where a greedy verify read its accepted path's tokens row by row (models.engine.GreedyRows)
 
     @property
     def new_tokens(self) -> list[int]:
@@ -245,7 +246,8 @@ class Generation:
                allowed: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Round:
         """One target forward over [root, tree (, extra slots)], verification of the tree, KV commit of the
         accepted path. `extra_tokens` with their full `allowed` mask and `positions` (Self-Draft's
-        branches) ride along in the same forward; their logits come back in Round.logits."""
+        branches) ride along in the same forward; their logits come back in Round.logits (a greedy verify without
+        them may read only its accepted path's tokens: models.engine.GreedyRows, no logits)."""
         tick = time.perf_counter()
         target, device = self.target, self.target.device
         past = target.cache_length(self.cache)
@@ -253,20 +255,24 @@ class Generation:
         input_ids = torch.tensor([ids], device=device)
         is_chain = tree.parents.tolist() == list(range(-1, tree.size - 1))
         greedy = self.sampling is None
+        rows = greedy and extra_tokens is None  # no slot's logits are read: only the accepted path's tokens
         if allowed is None and is_chain and not extra_tokens:  # a chain is plain causal attention
-            out = target.forward(input_ids, self.cache, hidden_layers=hidden_layers, argmax_only=greedy)
+            out = target.forward(input_ids, self.cache, hidden_layers=hidden_layers, argmax_only=greedy,
+                                 greedy_rows=rows)
         else:
             if allowed is None:
                 allowed = tree_attention_mask(tree.parents.to(device), past)
                 positions = tree_position_ids(tree.depths.to(device), past)
             out = target.forward(input_ids, self.cache, positions, allowed, hidden_layers=hidden_layers,
-                                 argmax_only=greedy)
-        logits = out.logits[0]  # (slots, V)
-        tree_logits = logits[: tree.size + 1]
-        if self.sampling is None:
-            accepted, next_token = verify_greedy(tree, tree_logits)
+                                 argmax_only=greedy, greedy_rows=rows)
+        logits = None if out.logits is None else out.logits[0]  # (slots, V)
+        if out.greedy is not None:
+            accepted, next_token = greedy_path(tree, out.greedy)
+        elif self.sampling is None:
+            accepted, next_token = verify_greedy(tree, logits[: tree.size + 1])
         else:
-            accepted, next_token = verify_sampling(tree, self.sampling.probs(tree_logits), self.generator)
+            probs = self.sampling.probs(logits[: tree.size + 1])
+            accepted, next_token = verify_sampling(tree, probs, self.generator)
         slots = torch.tensor([0] + [node + 1 for node in accepted], device=device)
         if accepted == list(range(len(accepted))):  # the path is the slots right after the root: nothing moves
             target.truncate(self.cache, past + 1 + len(accepted))

@@ -21,6 +21,8 @@ proposal is a point mass, q = None).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from draftsmith.eval.decode.tree import DraftTree
@@ -61,14 +63,21 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int
     logits (n+1, V). Returns (accepted node indices from depth 1 down, bonus token id).
     """
     predicted = logits.argmax(dim=-1).tolist()  # (n+1,) target's next token per slot
+    return greedy_path(tree, predicted.__getitem__)
+
+
+def greedy_path(tree: DraftTree, predicted: Callable[[int], int]) -> tuple[list[int], int]:
+    """verify_greedy's walk with `predicted(slot)` the target's greedy token after `slot`, asked for the slots of
+    the accepted path only, in order (models.engine.GreedyRows computes just those)."""
     tokens = tree.tokens.tolist()
     children = children_lists(tree.parents)
     accepted: list[int] = []
     slot = 0
     while True:
-        match = next((c for c in children[slot] if tokens[c] == predicted[slot]), None)
+        token = predicted(slot)
+        match = next((c for c in children[slot] if tokens[c] == token), None)
         if match is None:
-            return accepted, predicted[slot]
+            return accepted, token
         accepted.append(match)
         slot = match + 1
 

@@ -1,7 +1,9 @@
-"""The arguments the in-process A/B scripts share: [float32 | bfloat16] [prompts] [output.json], checked in one line
-each (an existing output file is refused: nothing is overwritten)."""
+"""What the in-process A/B scripts share: their arguments, [float32 | bfloat16] [prompts] [output.json], checked in
+one line each (an existing output file is refused: nothing is overwritten), and their alternating loop."""
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -16,3 +18,22 @@ def ab_arguments(argv: list[str], script: str) -> tuple[str, int, str | None]:
         sys.exit(f"error: {argv[2]} exists: give a new output path (nothing is overwritten)")
     return (argv[0] if argv else "float32", int(argv[1]) if len(argv) > 1 else 12,
             argv[2] if len(argv) > 2 else None)
+
+
+def alternating_rates(prompts: list, arms: tuple[str, ...], set_arm: Callable[[str], None],
+                      decoders: dict) -> dict[tuple[str, str], float]:
+    """Tokens/s of every (arm, method): per prompt each arm in turn (the order reversed every other prompt), each
+    running every decoder on it; every output the same tokens (checked: the arms and methods are lossless)."""
+    seconds = {(arm, method): 0.0 for arm in arms for method in decoders}
+    tokens = dict.fromkeys(seconds, 0)
+    for index, ids in enumerate(prompts):
+        outputs = {}
+        for arm in arms if index % 2 == 0 else arms[::-1]:
+            set_arm(arm)
+            for method, decoder in decoders.items():
+                start = time.perf_counter()
+                outputs[arm, method] = decoder.generate(ids).tokens
+                seconds[arm, method] += time.perf_counter() - start
+                tokens[arm, method] += len(outputs[arm, method])
+        assert len({tuple(out) for out in outputs.values()}) == 1, f"prompt {index}: the outputs' tokens differ"
+    return {key: tokens[key] / seconds[key] for key in seconds}

@@ -3,7 +3,8 @@
 build and the drafter's observe timed apart (in-process wrappers, nothing else changed). Reports per round: the
 drafter's time in propose (its package calls, its masks, the rest: Python and small tensor ops), observe, and the
 verify (the target's package call, its mask, the rest: the LM head, verification, commit).
-    scripts/jobs/quiet.sh python scripts/jobs/draft_round_probe.py [float32 | bfloat16] [chain | tree] [prompts]
+    scripts/jobs/quiet.sh python scripts/jobs/draft_round_probe.py [float32 | bfloat16 | int8] [chain | tree] [prompts]
+int8: the float32 target, the drafter with weight-only int8 weights (the goal bench's `dgf:weights=int8`).
 """
 import sys
 import time
@@ -17,9 +18,11 @@ from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import WeightPrecision
 from draftsmith.models.target import TargetModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
+DRAFT_WEIGHTS = {"int8": WeightPrecision.INT8}  # the rest: the model's own
 SHAPES = {"chain": {}, "tree": {"depth": 6, "topk": 2, "budget": 8, "stop_below": 0.2, "keep_above": 0.1}}
 TOTALS: dict[str, float] = defaultdict(float)
 INSIDE: set[str] = set()  # the timed calls under way: the target's parts count inside a verify only (not the prefill)
@@ -51,14 +54,15 @@ def main(argv: list[str]) -> None:
             or (len(argv) > 2 and not argv[2].isdigit())):
         sys.exit(f"usage: python scripts/jobs/draft_round_probe.py [{' | '.join(DTYPES)}] [{' | '.join(SHAPES)}] "
                  "[prompts]")
-    dtype = DTYPES[argv[0] if argv else "float32"]
-    shape = SHAPES[argv[1] if len(argv) > 1 else "chain"]
+    precision, shape_name = argv[0] if argv else "float32", argv[1] if len(argv) > 1 else "chain"
+    dtype, draft_weights = DTYPES[precision], DRAFT_WEIGHTS.get(precision, WeightPrecision.MODEL)
+    shape = SHAPES[shape_name]
     count = int(argv[2]) if len(argv) > 2 else 6
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=dtype)
     target = base.with_backend(Backend.COMPILED, CompileSettings())
     drafter = load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
-                               settings=CompileSettings(), **shape)
+                               settings=CompileSettings(weights=draft_weights), **shape)
     decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=128))
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     decoder.generate(prompts[0])  # warm-up: loads every package the rounds use
@@ -68,6 +72,9 @@ def main(argv: list[str]) -> None:
     drafter.observe = timed("observe all", drafter.observe)
     target.commit = timed("verify commit", target.commit)
     target.engine.head = timed("verify head", target.engine.head, "verify all")
+    greedy_head = target.engine.greedy_head
+    if greedy_head is not None:  # a float32 target's greedy forwards read it (all rows, or the path's row by row)
+        greedy_head.forward = timed("verify head", greedy_head.forward, "verify all")
     Generation.verify = timed("verify all", Generation.verify)
     rounds = tokens = 0
     TOTALS.clear()
@@ -75,9 +82,10 @@ def main(argv: list[str]) -> None:
         stats = decoder.generate(ids).stats
         rounds, tokens = rounds + stats.verify_forwards, tokens + stats.new_tokens
     per_round = defaultdict(float, {name: 1000 * seconds / rounds for name, seconds in TOTALS.items()})
-    print(f"{dtype} {argv[1] if len(argv) > 1 else 'chain'}: {rounds} rounds, {tokens / rounds:.2f} tokens a round")
+    print(f"{precision} {shape_name}: {rounds} rounds, {tokens / rounds:.2f} tokens a round")
+    draft_rest = per_round["draft all"] - per_round["draft package"] - per_round["draft mask"]
     print(f"  draft:  {per_round['draft all']:.3f} ms a round = package {per_round['draft package']:.3f} + mask "
-          f"{per_round['draft mask']:.3f} + rest {per_round['draft all'] - per_round['draft package'] - per_round['draft mask']:.3f}")
+          f"{per_round['draft mask']:.3f} + rest {draft_rest:.3f}")
     print(f"  observe: {per_round['observe all']:.3f} ms a round")
     parts = ("package", "head", "mask", "commit")
     rest = per_round["verify all"] - sum(per_round[f"verify {part}"] for part in parts)

@@ -7,11 +7,10 @@ prompt both arms in alternating order, each arm's speedup over its own plain. Sa
 """
 import json
 import sys
-import time
 import types
 
 import torch
-from ab_arguments import DTYPES, ab_arguments
+from ab_arguments import DTYPES, ab_arguments, alternating_rates
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -59,19 +58,8 @@ def main(argv: list[str]) -> None:
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     for decoder in decoders.values():
         decoder.generate(prompts[0])  # warm-up: loads every package
-    seconds = {(arm, method): 0.0 for arm in ARMS for method in decoders}
-    tokens = dict.fromkeys(seconds, 0)
-    for index, ids in enumerate(prompts):
-        outputs = {}
-        for arm in ARMS if index % 2 == 0 else ARMS[::-1]:
-            set_arm(arm, (target.engine, drafter.engine), drafter)
-            for method, decoder in decoders.items():
-                start = time.perf_counter()
-                outputs[arm, method] = decoder.generate(ids).tokens
-                seconds[arm, method] += time.perf_counter() - start
-                tokens[arm, method] += len(outputs[arm, method])
-        assert len({tuple(out) for out in outputs.values()}) == 1, f"prompt {index}: the arms' tokens differ"
-    rate = {key: tokens[key] / seconds[key] for key in seconds}
+    rate = alternating_rates(prompts, ARMS, lambda arm: set_arm(arm, (target.engine, drafter.engine), drafter),
+                             decoders)
     result = {"machine": cpu_model(), "dtype": name, "prompts": count, "tokens_per_s": {f"{a} {m}": r for (a, m), r in
                                                                                    rate.items()},
               "chain_speedup": {arm: rate[arm, "chain"] / rate[arm, "plain"] for arm in ARMS}}

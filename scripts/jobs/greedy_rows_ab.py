@@ -1,0 +1,67 @@
+"""In-process A/B of how a greedy verify reads the greedy head: every row in one pass (`together`) against each row of
+the accepted path in a pass of its own, asked for as the walk goes (`apart`: models.engine.GreedyRows, the default
+where GreedyHead.rows_apart). SmolLM2-135M-Instruct float32 on the compiled engine, plain decoding and the bundled
+drafter with int8 weights as the goal bench runs it (its chain of 3 and its dynamic tree), MT-Bench first turns, 128
+new tokens; per prompt both arms in alternating order, each arm's speedup over its own plain. Same tokens in every
+arm and method (checked). The float32 target only: a bf16 target reads the model's head.
+    scripts/jobs/quiet.sh python scripts/jobs/greedy_rows_ab.py [float32] [prompts] [output.json]
+"""
+import json
+import sys
+
+import torch
+from ab_arguments import ab_arguments, alternating_rates
+
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
+from draftsmith.eval.documents import cpu_model
+from draftsmith.eval.prompts import load_prompts
+from draftsmith.models.bundled import bundled_drafter
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import GreedyHead, WeightPrecision
+from draftsmith.models.target import TargetModel
+
+ARMS = ("together", "apart")
+TREE = {"depth": 6, "topk": 2, "budget": 8, "stop_below": 0.2, "keep_above": 0.1}  # the goal bench's tree
+
+
+def set_arm(arm: str) -> None:
+    GreedyHead.rows_apart = property(lambda self: arm == "apart")
+
+
+@torch.inference_mode()
+def main(argv: list[str]) -> None:
+    name, count, output = ab_arguments(argv, "greedy_rows_ab.py")
+    if name != "float32":
+        sys.exit("error: the greedy head serves float32 targets: run with float32")
+    torch.set_num_threads(2)
+    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
+    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    int8 = CompileSettings(weights=WeightPrecision.INT8)
+    path = bundled_drafter("smollm2-135m-instruct")
+    config = DecodeConfig(max_new_tokens=128)
+    decoders = {"plain": SpeculativeDecoder(target, None, config),
+                "chain": SpeculativeDecoder(target, load_dgf_drafter(path, target, backend=Backend.COMPILED,
+                                                                     settings=int8), config),
+                "tree": SpeculativeDecoder(target, load_dgf_drafter(path, target, backend=Backend.COMPILED,
+                                                                    settings=int8, **TREE), config)}
+    prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
+    for decoder in decoders.values():
+        decoder.generate(prompts[0])  # warm-up: loads every package
+    rate = alternating_rates(prompts, ARMS, set_arm, decoders)
+    speedup = {f"{arm} {method}": rate[arm, method] / rate[arm, "plain"]
+               for arm in ARMS for method in ("chain", "tree")}
+    result = {"machine": cpu_model(), "prompts": count, "speedup": speedup,
+              "tokens_per_s": {f"{arm} {method}": value for (arm, method), value in rate.items()}}
+    print(f"float32, {count} MT-Bench first turns, tokens/s (same tokens in every arm and method):")
+    for arm in ARMS:
+        print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 chain of 3 {rate[arm, 'chain']:.2f} "
+              f"({speedup[f'{arm} chain']:.3f}x), int8 tree {rate[arm, 'tree']:.2f} ({speedup[f'{arm} tree']:.3f}x)")
+    if output:
+        with open(output, "w") as handle:
+            json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
