@@ -1,5 +1,6 @@
 """What the in-process A/B scripts share: their arguments, [float32 | bfloat16] [prompts] [output.json], checked in
-one line each (an existing output file is refused: nothing is overwritten), and their alternating loop."""
+one line each (an existing output file is refused: nothing is overwritten), their alternating loop and the goal
+bench's dynamic tree of the bundled drafter."""
 import sys
 import time
 from pathlib import Path
@@ -8,6 +9,8 @@ from typing import Callable
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The bundled drafter's dynamic tree as eval/configs/goal_bench_smollm2.yaml runs it (load_dgf_drafter's keywords)
+GOAL_TREE = {"depth": 6, "topk": 2, "budget": 8, "stop_below": 0.2, "keep_above": 0.1}
 
 
 def ab_arguments(argv: list[str], script: str) -> tuple[str, int, str | None]:

@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 
 import torch
+from ab_arguments import GOAL_TREE
 
 from draftsmith.eval.decode.decoder import DecodeConfig, Generation, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -23,7 +24,7 @@ from draftsmith.models.target import TargetModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
 DRAFT_WEIGHTS = {"int8": WeightPrecision.INT8}  # the rest: the model's own
-SHAPES = {"chain": {}, "tree": {"depth": 6, "topk": 2, "budget": 8, "stop_below": 0.2, "keep_above": 0.1}}
+SHAPES = {"chain": {}, "tree": GOAL_TREE}
 TOTALS: dict[str, float] = defaultdict(float)
 INSIDE: set[str] = set()  # the timed calls under way: the target's parts count inside a verify only (not the prefill)
 

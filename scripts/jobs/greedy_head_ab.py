@@ -11,7 +11,7 @@ import sys
 import time
 
 import torch
-from ab_arguments import DTYPES, ab_arguments
+from ab_arguments import DTYPES, GOAL_TREE, ab_arguments
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -24,7 +24,6 @@ from draftsmith.models.kernels import HeadLogits
 from draftsmith.models.target import TargetModel
 
 ARMS = ("model head", "greedy head")
-TREE = dict(depth=6, topk=2, budget=8, stop_below=0.2, keep_above=0.1)
 
 
 def decoders(target, drafters) -> dict:
@@ -43,7 +42,7 @@ def main(argv: list[str]) -> None:
     bundled = bundled_drafter("smollm2-135m-instruct")
     drafters = {"chain": load_dgf_drafter(bundled, target, backend=Backend.COMPILED, settings=CompileSettings()),
                 "tree": load_dgf_drafter(bundled, target, backend=Backend.COMPILED, settings=CompileSettings(),
-                                         **TREE)}
+                                         **GOAL_TREE)}
     methods = decoders(target, drafters)
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     for decoder in methods.values():
@@ -69,7 +68,7 @@ def main(argv: list[str]) -> None:
     rate = {key: tokens[key] / seconds[key] for key in seconds}
     tau = {key: emitted[key] / max(rounds[key], 1) for key in seconds}
     verify_ms = {key: 1e3 * verify_s[key] / max(rounds[key], 1) for key in seconds}
-    result = {"machine": cpu_model(), "dtype": name, "prompts": count, "tree": TREE,
+    result = {"machine": cpu_model(), "dtype": name, "prompts": count, "tree": GOAL_TREE,
               "tokens_per_s": {f"{a} {m}": r for (a, m), r in rate.items()},
               "tau": {f"{a} {m}": r for (a, m), r in tau.items()},
               "verify_ms_per_round": {f"{a} {m}": r for (a, m), r in verify_ms.items()},

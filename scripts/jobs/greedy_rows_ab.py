@@ -10,7 +10,7 @@ import json
 import sys
 
 import torch
-from ab_arguments import ab_arguments, alternating_rates
+from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -23,7 +23,6 @@ from draftsmith.models.kernels import GreedyHead, WeightPrecision
 from draftsmith.models.target import TargetModel
 
 ARMS = ("together", "apart")
-TREE = {"depth": 6, "topk": 2, "budget": 8, "stop_below": 0.2, "keep_above": 0.1}  # the goal bench's tree
 
 
 def set_arm(arm: str) -> None:
@@ -45,7 +44,7 @@ def main(argv: list[str]) -> None:
                 "chain": SpeculativeDecoder(target, load_dgf_drafter(path, target, backend=Backend.COMPILED,
                                                                      settings=int8), config),
                 "tree": SpeculativeDecoder(target, load_dgf_drafter(path, target, backend=Backend.COMPILED,
-                                                                    settings=int8, **TREE), config)}
+                                                                    settings=int8, **GOAL_TREE), config)}
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     for decoder in decoders.values():
         decoder.generate(prompts[0])  # warm-up: loads every package
