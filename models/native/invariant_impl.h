@@ -22,8 +22,8 @@ constexpr int TILE_ROWS = VL == 16 ? 9 : VL == 8 ? 4 : 2;
 // Where that tile is narrower than a panel (AVX2: 3 of its 6 vectors), a verify of few rows takes the whole panel in
 // each sweep instead: half-panel tasks read each panel row's 192 bytes as two overlapping 96-byte runs, a stream the
 // hardware prefetcher follows worse. float32 weights: up to WIDE_UP_TO rows in passes of WIDE_ROWS (AVX2: 2 x 6
-// accumulators, the weights read straight into the fmas; an odd count's last three rows 3 x 3 over each half panel
-// in the same chunks: wide_linear_kernel); wider verifies keep the narrow tile
+// accumulators, the weights read straight into the fmas; quads and triples of rows over each half panel in the same
+// chunks: wide_linear_kernel); wider verifies keep the narrow tile
 // (9-12 rows as whole-panel passes, before they went in chunks, were slower than its fewer passes). bf16 and int8
 // weights: one row (6 accumulators and the 6 converted weight vectors; with two rows they spill). 0: no wide tile.
 constexpr int WIDE_ROWS = TILE_VECTORS < PANEL_VECTORS && VL == 8 ? 2 : 0;
@@ -195,40 +195,44 @@ inline const void* next_panel(const void* packed, int64_t p, int64_t panels, int
 }
 
 // linear_kernel for M <= wide_up_to<WT>() rows: a task per panel, its whole width in each sweep. More rows than
-// one pass takes (fp32 weights) go in sweeps over the panel WIDE_CHUNK inputs at a time: pairs of rows over the whole
-// panel (2 x 6 accumulators, the weights read straight into the fmas) and, where M is odd, its last three rows over
-// each half of it (3 x 3 accumulators a half: before, an odd M's last pair took the row before it again, so a verify
-// of 3 rows cost what one of 4 did, and 5 what 6 did). Each chunk comes from memory in the first sweep and from L1 in
-// the others, and every sweep requests its share of the next chunk (the weights are one stream: a panel's inputs in
-// order, the next panel after it), so the memory stream runs on through every sweep. The accumulators wait in L1
-// between chunks (stored and reloaded exactly: each element's sum still runs over k in order, in whatever tile).
+// one pass takes (fp32 weights) go in sweeps over the panel WIDE_CHUNK inputs at a time: four rows over each half of
+// it (4 x 3 accumulators and the 3 weight vectors), a pair over the whole panel (2 x 6, the weights read straight into
+// the fmas) and three rows over each half (3 x 3): a verify of M rows takes its rows in quads, then a pair where two
+// are left, and three where M is odd, so every row is computed once (before, an odd M's last pair took the row before
+// it again: a verify of 3 rows cost what one of 4 did, and 5 what 6 did; quads load fewer vectors a product than
+// pairs). Each chunk comes from memory in the first sweep and from L1 in the others, and every sweep requests its
+// share of the next chunk (the weights are one stream: a panel's inputs in order, the next panel after it), so the
+// memory stream runs on through every sweep. The accumulators wait in L1 between chunks (stored and reloaded exactly:
+// each element's sum still runs over k in order, in whatever tile).
 constexpr int64_t WIDE_CHUNK = 64;  // 64 inputs x 192 bytes of fp32 panel: 12 KB, well inside L1
-constexpr int WIDE_PAIRS = WIDE_ROWS > 0 ? WIDE_UP_TO / WIDE_ROWS : 1;
 constexpr int WIDE_TILE_ROWS = WIDE_ROWS > 0 ? WIDE_ROWS : 1;
-constexpr int TRIPLE_ROWS = 3;
+constexpr int QUAD_ROWS = 4, TRIPLE_ROWS = 3;
+constexpr int WIDE_QUADS = WIDE_UP_TO / QUAD_ROWS;
 constexpr int HALF_VECTORS = PANEL_VECTORS / 2 > 0 ? PANEL_VECTORS / 2 : 1;
 
-// The sweeps of M (> WIDE_TILE_ROWS) rows: `pairs` pairs from row 0, and three rows over each half panel after them
-// where M is odd.
+// The sweeps of M (> WIDE_TILE_ROWS) rows, in this order: `quads` quads from row 0, a pair, three rows.
 struct WidePlan {
-  int64_t pairs;
-  bool triple;
-  int64_t sweeps() const { return pairs + (triple ? 2 : 0); }
-  int64_t triple_row() const { return pairs * WIDE_TILE_ROWS; }
+  int64_t quads;
+  bool pair, triple;
+  int64_t pair_row() const { return quads * QUAD_ROWS; }
+  int64_t triple_row() const { return pair_row() + (pair ? WIDE_TILE_ROWS : 0); }
+  int64_t sweeps() const { return 2 * quads + (pair ? 1 : 0) + (triple ? 2 : 0); }
 };
 
 inline WidePlan wide_plan(int64_t M) {
-  const bool triple = M % WIDE_TILE_ROWS != 0;
-  return {(M - (triple ? TRIPLE_ROWS : 0)) / WIDE_TILE_ROWS, triple};
+  const bool triple = M % 2 != 0;
+  const int64_t even = M - (triple ? TRIPLE_ROWS : 0);
+  return {even / QUAD_ROWS, even % QUAD_ROWS != 0, triple};
 }
 
 struct WideAccumulators {
-  V pairs[WIDE_PAIRS][WIDE_TILE_ROWS][PANEL_VECTORS];
+  V quads[WIDE_QUADS][QUAD_ROWS][PANEL_VECTORS];
+  V pair[WIDE_TILE_ROWS][PANEL_VECTORS];
   V triple[TRIPLE_ROWS][PANEL_VECTORS];
 };
 
-// Inputs k0 .. k1 - 1 of `rows` x `vectors` accumulators from column vector `v0` of `acc` (rows of PANEL_VECTORS),
-// through a register tile.
+// Inputs k0 .. k1 - 1 of MB rows x NV vectors of accumulators from column vector `v0` of `acc` (rows of
+// PANEL_VECTORS), through a register tile.
 template <int MB, int NV, typename XT, typename WT>
 inline void wide_sweep(const XT* x, int64_t K, const WT* panel, int64_t k0, int64_t k1, int v0,
                        V acc[][PANEL_VECTORS], const Ahead& ahead) {
@@ -247,26 +251,34 @@ inline void wide_passes(const XT* x, int64_t M, int64_t K, const WT* panel, Wide
   for (int64_t k0 = 0; k0 < K; k0 += WIDE_CHUNK) {
     const int64_t k1 = std::min<int64_t>(K, k0 + WIDE_CHUNK);
     const char* next = reinterpret_cast<const char*>(panel + k1 * PANEL);  // the chunk after this one
-    auto ahead = [&](int64_t sweep) { return Ahead{next + (sweep * (k1 - k0) - k0) * stride, stride}; };  // its share
-    for (int64_t pair = 0; pair < plan.pairs; ++pair)
-      wide_sweep<WIDE_TILE_ROWS, PANEL_VECTORS>(x + pair * WIDE_TILE_ROWS * K, K, panel, k0, k1, 0, acc.pairs[pair],
-                                                ahead(pair));
+    int64_t sweep = 0;  // each sweep requests its share of the next chunk
+    auto ahead = [&]() { return Ahead{next + (sweep++ * (k1 - k0) - k0) * stride, stride}; };
+    for (int64_t quad = 0; quad < plan.quads; ++quad)
+      for (int half = 0; half < 2; ++half)
+        wide_sweep<QUAD_ROWS, HALF_VECTORS>(x + quad * QUAD_ROWS * K, K, panel, k0, k1, half * HALF_VECTORS,
+                                            acc.quads[quad], ahead());
+    if (plan.pair)
+      wide_sweep<WIDE_TILE_ROWS, PANEL_VECTORS>(x + plan.pair_row() * K, K, panel, k0, k1, 0, acc.pair, ahead());
     if (plan.triple)
       for (int half = 0; half < 2; ++half)
         wide_sweep<TRIPLE_ROWS, HALF_VECTORS>(x + plan.triple_row() * K, K, panel, k0, k1, half * HALF_VECTORS,
-                                              acc.triple, ahead(plan.pairs + half));
+                                              acc.triple, ahead());
   }
+}
+
+template <int ROWS, typename OT>
+inline void store_rows(const V acc[][PANEL_VECTORS], OT* out, int64_t column, int64_t N, const float* scale,
+                       const float* bias) {
+  for (int r = 0; r < ROWS; ++r) store_row<PANEL_VECTORS>(out + r * N, acc[r], column, N, scale, bias);
 }
 
 template <typename OT>
 inline void store_wide(const WidePlan& plan, const WideAccumulators& acc, OT* out, int64_t column, int64_t N,
                        const float* scale, const float* bias) {
-  for (int64_t pair = 0; pair < plan.pairs; ++pair)
-    for (int r = 0; r < WIDE_TILE_ROWS; ++r)
-      store_row<PANEL_VECTORS>(out + (pair * WIDE_TILE_ROWS + r) * N, acc.pairs[pair][r], column, N, scale, bias);
-  if (plan.triple)
-    for (int r = 0; r < TRIPLE_ROWS; ++r)
-      store_row<PANEL_VECTORS>(out + (plan.triple_row() + r) * N, acc.triple[r], column, N, scale, bias);
+  for (int64_t quad = 0; quad < plan.quads; ++quad)
+    store_rows<QUAD_ROWS>(acc.quads[quad], out + quad * QUAD_ROWS * N, column, N, scale, bias);
+  if (plan.pair) store_rows<WIDE_TILE_ROWS>(acc.pair, out + plan.pair_row() * N, column, N, scale, bias);
+  if (plan.triple) store_rows<TRIPLE_ROWS>(acc.triple, out + plan.triple_row() * N, column, N, scale, bias);
 }
 
 template <typename XT, typename WT, typename OT>
@@ -277,12 +289,7 @@ void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int
     const WT* panel = packed + p * panel_size;
     if constexpr (std::is_same_v<WT, float>) {
       if (M > WIDE_TILE_ROWS) {  // more than one pass (one pass: the whole panel at once, below)
-        WideAccumulators acc;
-        for (auto& pair : acc.pairs)
-          for (auto& row : pair)
-            for (auto& vector : row) vector = vzero();
-        for (auto& row : acc.triple)
-          for (auto& vector : row) vector = vzero();
+        WideAccumulators acc{};  // every accumulator +0.0f
         wide_passes(x, M, K, panel, acc);
         store_wide(wide_plan(M), acc, out, p * PANEL, N, scale, bias);
         continue;
