@@ -27,7 +27,7 @@ constexpr int TILE_ROWS = VL == 16 ? 9 : VL == 8 ? 4 : 2;
 // (9-12 rows as whole-panel passes, before they went in chunks, were slower than its fewer passes). bf16 and int8
 // weights: one row (6 accumulators and the 6 converted weight vectors; with two rows they spill). 0: no wide tile.
 constexpr int WIDE_ROWS = TILE_VECTORS < PANEL_VECTORS && VL == 8 ? 2 : 0;
-constexpr int WIDE_UP_TO = 32;
+constexpr int WIDE_UP_TO = 64;
 
 template <typename WT>
 constexpr int64_t wide_up_to() { return WIDE_ROWS == 0 ? 0 : std::is_same_v<WT, float> ? WIDE_UP_TO : 1; }
