@@ -27,10 +27,7 @@ constexpr int TILE_ROWS = VL == 16 ? 9 : VL == 8 ? 4 : 2;
 // of rows and the narrow tile (eval.kernel_ab on the AVX2 EPYC). bf16 and int8 weights: one row wide (6
 // accumulators and the 6 converted weight vectors; with two rows they spill), more in the narrow tile. 0: none.
 constexpr int WIDE_ROWS = TILE_VECTORS < PANEL_VECTORS && VL == 8 ? 2 : 0;
-constexpr int WIDE_UP_TO = 64;  // the compiled engine's largest bucket
-
-template <typename WT>
-constexpr int64_t wide_up_to() { return WIDE_ROWS == 0 ? 0 : std::is_same_v<WT, float> ? WIDE_UP_TO : 1; }
+constexpr int WIDE_UP_TO = 64;  // the compiled engine's largest default bucket (its prompt chunks)
 
 inline float x_value(const float* x, int64_t i) { return x[i]; }
 inline float x_value(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]); }
@@ -194,16 +191,16 @@ inline const void* next_panel(const void* packed, int64_t p, int64_t panels, int
   return static_cast<const char*>(packed) + (p + 1) * panel_bytes;
 }
 
-// linear_kernel for M <= wide_up_to<WT>() rows: a task per panel, its whole width in each sweep. More rows than
-// one pass takes (fp32 weights) go in sweeps over the panel WIDE_CHUNK inputs at a time: four rows over each half of
-// it (4 x 3 accumulators and the 3 weight vectors), a pair over the whole panel (2 x 6, the weights read straight into
-// the fmas) and three rows over each half (3 x 3): a verify of M rows takes its rows in quads, then a pair where two
-// are left, and three where M is odd, so every row is computed once (before, an odd M's last pair took the row before
-// it again: a verify of 3 rows cost what one of 4 did, and 5 what 6 did; quads load fewer vectors a product than
-// pairs). Each chunk comes from memory in the first sweep and from L1 in the others, and every sweep requests its
-// share of the next chunk (the weights are one stream: a panel's inputs in order, the next panel after it), so the
-// memory stream runs on through every sweep. The accumulators wait in L1 between chunks (stored and reloaded exactly:
-// each element's sum still runs over k in order, in whatever tile).
+// linear_kernel for up to WIDE_UP_TO rows (fp32 weights; bf16 and int8: one row): a task per panel, its whole width in
+// each sweep. More rows than one pass takes (fp32 weights) go in sweeps over the panel WIDE_CHUNK inputs at a time:
+// four rows over each half of it (4 x 3 accumulators and the 3 weight vectors), a pair over the whole panel (2 x 6, the
+// weights read straight into the fmas) and three rows over each half (3 x 3): a verify of M rows takes its rows in
+// quads, then a pair where two are left, and three where M is odd, so every row is computed once (before, an odd M's
+// last pair took the row before it again: a verify of 3 rows cost what one of 4 did, and 5 what 6 did; quads load fewer
+// vectors a product than pairs). Each chunk comes from memory in the first sweep and from L1 in the others, and every
+// sweep requests its share of the next chunk (the weights are one stream: a panel's inputs in order, the next panel
+// after it), so the memory stream runs on through every sweep. The accumulators wait in L1 between chunks (stored and
+// reloaded exactly: each element's sum still runs over k in order, in whatever tile).
 constexpr int64_t WIDE_CHUNK = 64;  // 64 inputs x 192 bytes of fp32 panel: 12 KB, well inside L1
 constexpr int WIDE_TILE_ROWS = WIDE_ROWS > 0 ? WIDE_ROWS : 1;
 constexpr int QUAD_ROWS = 4, TRIPLE_ROWS = 3;
@@ -245,8 +242,7 @@ inline void wide_sweep(const XT* x, int64_t K, const WT* panel, int64_t k0, int6
 }
 
 template <typename XT, typename WT>
-inline void wide_passes(const XT* x, int64_t M, int64_t K, const WT* panel, WideAccumulators& acc) {
-  const WidePlan plan = wide_plan(M);
+inline void wide_passes(const XT* x, const WidePlan& plan, int64_t K, const WT* panel, WideAccumulators& acc) {
   const int64_t stride = PANEL * int64_t(sizeof(WT)) / plan.sweeps();
   for (int64_t k0 = 0; k0 < K; k0 += WIDE_CHUNK) {
     const int64_t k1 = std::min<int64_t>(K, k0 + WIDE_CHUNK);
@@ -289,9 +285,10 @@ void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int
     const WT* panel = packed + p * panel_size;
     if constexpr (std::is_same_v<WT, float>) {
       if (M > WIDE_TILE_ROWS) {  // more than one pass (one pass: the whole panel at once, below)
+        const WidePlan plan = wide_plan(M);
         WideAccumulators acc{};  // every accumulator +0.0f
-        wide_passes(x, M, K, panel, acc);
-        store_wide(wide_plan(M), acc, out, p * PANEL, N, scale, bias);
+        wide_passes(x, plan, K, panel, acc);
+        store_wide(plan, acc, out, p * PANEL, N, scale, bias);
         continue;
       }
     }
@@ -309,8 +306,7 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
   const int64_t panels = (N + PANEL - 1) / PANEL;
   const int64_t panel_size = std::is_same_v<WT, uint16_t> ? ((K + 1) / 2) * PANEL * 2 : K * PANEL;
   if constexpr (WIDE_ROWS > 0) {
-    if (M <= wide_up_to<WT>()) return wide_linear_kernel(x, M, K, packed, N, scale, bias, out, panels, panel_size);
-    if constexpr (std::is_same_v<WT, float>) {  // more rows (an eager prompt): groups of near-equal row counts
+    if constexpr (std::is_same_v<WT, float>) {  // every row count: groups of near-equal counts up to WIDE_UP_TO
       const int64_t groups = (M + WIDE_UP_TO - 1) / WIDE_UP_TO;
       for (int64_t group = 0, m = 0; group < groups; ++group) {
         const int64_t rows = (M - m) / (groups - group);
@@ -319,6 +315,7 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
       }
       return;
     }
+    if (M == 1) return wide_linear_kernel(x, M, K, packed, N, scale, bias, out, panels, panel_size);
   }
   const int64_t subs = PANEL_VECTORS / TILE_VECTORS;
   const int64_t tasks = panels * subs;
