@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from draftsmith.errors import UserError
 from draftsmith.eval import kernel_ab
@@ -35,6 +36,30 @@ def test_both_sources_time_every_precision(tmp_path):
                                                                ("w8a8", "baseline"), ("w8a8", "candidate")]
     assert all(c["ms"]["3"] > 0 and c["isa"] == kernels.kernel_isa() for c in cells)
     assert "| candidate |" in out.with_suffix(".md").read_text() and document["target"] == str(tmp_path / "model")
+
+
+def test_the_attention_step_is_a_chain_over_the_context(tmp_path, monkeypatch):
+    spec = {"model": str(tiny_model(tmp_path)), "precision": "float32", "widths": [1, 3], "context_tokens": 5,
+            "capacity": 12}
+    calls = []
+    kernels.load_kernels()
+    monkeypatch.setattr(torch.ops.draftsmith, "attention",
+                        lambda q, k, v, mask, scaling: calls.append((q.shape, k.shape, mask)))
+    kernel_ab.attention_step(spec)(3)
+    assert len(calls) == TINY["num_hidden_layers"]
+    q_shape, k_shape, mask = calls[0]
+    assert tuple(q_shape) == (1, 4, 3, 16) and tuple(k_shape) == (1, 2, 12, 16)
+    assert [int((row == 0).sum()) for row in mask[0, 0]] == [6, 7, 8]
+
+
+def test_attention_is_timed_on_both_sources(tmp_path):
+    tiny_model(tmp_path)
+    document = kernel_ab.main([f"target={tmp_path / 'model'}", "parts=[attention]", "widths=[1, 2]", "repeats=1",
+                               "rounds=1", "context_tokens=8", "capacity=16"])
+    assert [(c["part"], c["sources"]) for c in document["cells"]] == [("attention", "baseline"),
+                                                                      ("attention", "candidate")]
+    with pytest.raises(UserError, match="exceed capacity=16"):
+        kernel_ab.KernelABConfig(widths=[9], context_tokens=8, capacity=16)
 
 
 def test_an_unknown_baseline_is_one_line(tmp_path):
