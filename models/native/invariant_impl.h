@@ -515,114 +515,12 @@ inline float exps_in_place(float* sc, int64_t n, float largest) {
   return vreduce_add(total);
 }
 
-// Vector registers of the instruction set. A pass over the keys holds its accumulators in them: where the heads of a
-// kv head and all their vectors do not fit (AVX2's 16 registers: 3 heads of head_dim 64 take 24 accumulators), every
-// accumulator spills at every key, and a score's eight products form one chain. So there the scores go a few keys at
-// a time (each key vector loaded once for the heads, the query's from memory), and the values a slice of vectors at a
-// time (its accumulators, the slice of a value row and a broadcast exp all in registers): the same products summed in
-// the same order, only the loops nested otherwise.
-constexpr int VECTOR_REGISTERS = VL == 16 ? 32 : 16;
-constexpr bool scores_together(int heads, int chunks) { return (heads + 1) * chunks + heads <= VECTOR_REGISTERS; }
-constexpr int value_chunks(int heads, int chunks) {  // the largest divisor d of chunks whose pass fits the registers
-  int d = chunks;
-  while (d > 1 && ((heads + 1) * d + 1 > VECTOR_REGISTERS || chunks % d != 0)) --d;
-  return d;
-}
-
-// The unscaled scores of keys t0 .. t0 + KEYS - 1 of a VL-key block (at `visible`) for HEADS heads, into lanes[h][t]:
-// each score the fma chain of its query's CHUNKS vectors (from memory) with the key's, in order. Each key vector is
-// loaded once for every head, and the KEYS x HEADS chains run side by side.
-template <int HEADS, int CHUNKS, int KEYS, typename T>
-inline void key_scores(const V (*query)[CHUNKS], const T* keys, int64_t key_stride, const int64_t* visible, int t0,
-                       V (*lanes)[VL]) {
-  const T* key[KEYS];
-  V acc[HEADS][KEYS];
-#pragma GCC unroll 8
-  for (int t = 0; t < KEYS; ++t) {
-    key[t] = keys + visible[t0 + t] * key_stride;
-#pragma GCC unroll 8
-    for (int h = 0; h < HEADS; ++h) acc[h][t] = vzero();
-  }
-#pragma GCC unroll 16
-  for (int c = 0; c < CHUNKS; ++c) {
-    V loaded[KEYS];
-#pragma GCC unroll 8
-    for (int t = 0; t < KEYS; ++t) loaded[t] = load_row(key[t], c * VL, VL);
-#pragma GCC unroll 8
-    for (int h = 0; h < HEADS; ++h)
-#pragma GCC unroll 8
-      for (int t = 0; t < KEYS; ++t) acc[h][t] = vfma(query[h][c], loaded[t], acc[h][t]);
-  }
-#pragma GCC unroll 8
-  for (int h = 0; h < HEADS; ++h)
-#pragma GCC unroll 8
-    for (int t = 0; t < KEYS; ++t) lanes[h][t0 + t] = acc[h][t];
-}
-
-// Keys per group of key_scores: as many as keep its chains, key vectors and a query vector in the registers.
-constexpr int score_keys(int heads) { return std::max(1, (VECTOR_REGISTERS - 1) / (heads + 1)); }
-
-// The unscaled scores of the first `count` (<= VL) keys of a block for HEADS heads, in key groups (lanes past count
-// are 0).
-template <int HEADS, int CHUNKS, typename T>
-inline void grouped_scores(const V (*query)[CHUNKS], const T* keys, int64_t key_stride, const int64_t* visible,
-                           int count, V (*lanes)[VL]) {
-  constexpr int KEYS = std::min(score_keys(HEADS), VL);
-  int t = 0;
-  for (; t + KEYS <= count; t += KEYS) key_scores<HEADS, CHUNKS, KEYS>(query, keys, key_stride, visible, t, lanes);
-  for (; t < count; ++t) key_scores<HEADS, CHUNKS, 1>(query, keys, key_stride, visible, t, lanes);
-  for (; t < VL; ++t)
-    for (int h = 0; h < HEADS; ++h) lanes[h][t] = vzero();
-}
-
-// The value pass of attend_block for HEADS heads (their exps at scores + h * stride), over vectors `c0` .. c0 +
-// SLICE - 1 of each value row: sum[h][c] = fma(exp of key i, value i's vector c, sum[h][c]) for the keys i in order;
-// then the output (divided by the sum of exps) or the partial ([largest, total], then the sums).
-template <int HEADS, int SLICE, typename T>
-inline void weigh_values(const float* scores, int64_t stride, const T* values, int64_t value_stride,
-                         const int64_t* visible, int64_t n, const float* total, const float* largest,
-                         const BlockTarget<T>& target, int chunks, int c0) {
-  const int64_t D = int64_t(chunks) * VL;
-  V sum[HEADS][SLICE];  // (unrolled so GCC keeps the accumulators in registers, not stored every key)
-#pragma GCC unroll 32
-  for (int h = 0; h < HEADS; ++h)
-#pragma GCC unroll 32
-    for (int c = 0; c < SLICE; ++c) sum[h][c] = vzero();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* value = values + visible[i] * value_stride + c0 * VL;
-#pragma GCC unroll 32
-    for (int h = 0; h < HEADS; ++h) {
-      V p = vset1(scores[h * stride + i]);
-#pragma GCC unroll 32
-      for (int c = 0; c < SLICE; ++c) sum[h][c] = vfma(p, load_row(value, c * VL, VL), sum[h][c]);
-    }
-  }
-#pragma GCC unroll 32
-  for (int h = 0; h < HEADS; ++h) {
-    if (target.out) {
-      const V inverse = vset1(n ? 1.0f / total[h] : 0.0f);
-#pragma GCC unroll 32
-      for (int c = 0; c < SLICE; ++c) vstore_out(target.out + h * D + (c0 + c) * VL, vmul(sum[h][c], inverse), VL);
-      continue;
-    }
-    float* partial = target.partial + h * target.partial_stride;
-    partial[0] = largest[h];
-    partial[1] = total[h];
-#pragma GCC unroll 32
-    for (int c = 0; c < SLICE; ++c) vstore(partial + 2 + (c0 + c) * VL, sum[h][c]);
-  }
-}
-
 // One block of one query row for HEADS query heads sharing one kv head, head_dim = CHUNKS * VL: each key and value
-// is loaded once for the heads; VL keys' scores are reduced together, each by the same tree as alone. `shared`: the
-// call's other rows read the same keys and values (a verify of 3 rows or more), so they come from the caches and the
-// multiply-adds decide: the passes that fit the registers, where the heads' do not (AVX2). A row alone (a decode
-// step) streams them from memory once, all its heads at a time, which costs it less than the passes.
+// is loaded once for the heads; VL keys' scores are reduced together, each by the same tree as alone.
 template <int HEADS, int CHUNKS, typename T>
 void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T* values, int64_t key_stride,
                   int64_t value_stride, const float* mask_row, const int64_t* visible, int64_t n, float scaling,
-                  AttentionScratch& s, const BlockTarget<T>& target, bool shared) {
-  const bool fitted = shared && !scores_together(HEADS, CHUNKS);
+                  AttentionScratch& s, const BlockTarget<T>& target) {
   const int64_t stride = n + VL;
   s.scores.resize(size_t(HEADS) * stride);
   V query[HEADS][CHUNKS];
@@ -630,22 +528,14 @@ void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T*
     for (int c = 0; c < CHUNKS; ++c) query[h][c] = load_row(q_row + h * q_head_stride, c * VL, VL);
   for (int64_t first = 0; first < n; first += VL) {
     const int count = int(std::min<int64_t>(VL, n - first));
-    alignas(64) float mask_values[VL] = {};
-    for (int t = 0; t < count; ++t) mask_values[t] = mask_row[visible[first + t]];
-    const V mask_vector = vload(mask_values);
-    if (fitted) {
-      V lanes[HEADS][VL];
-      grouped_scores<HEADS, CHUNKS>(query, keys, key_stride, visible + first, count, lanes);
-      for (int h = 0; h < HEADS; ++h)  // scores has VL slots of slack past n
-        vstore(s.scores.data() + h * stride + first, vfma(vreduce_each(lanes[h]), vset1(scaling), mask_vector));
-      continue;
-    }
     V lanes[HEADS][VL];
+    alignas(64) float mask_values[VL] = {};
     for (int t = 0; t < VL; ++t) {
       V acc[HEADS];
       for (int h = 0; h < HEADS; ++h) acc[h] = vzero();
       if (t < count) {
         const T* key = keys + visible[first + t] * key_stride;
+        mask_values[t] = mask_row[visible[first + t]];
         V loaded[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(key, c * VL, VL);
         for (int c = 0; c < CHUNKS; ++c)
@@ -653,7 +543,8 @@ void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T*
       }
       for (int h = 0; h < HEADS; ++h) lanes[h][t] = acc[h];
     }
-    for (int h = 0; h < HEADS; ++h)
+    const V mask_vector = vload(mask_values);
+    for (int h = 0; h < HEADS; ++h)  // scores has VL slots of slack past n
       vstore(s.scores.data() + h * stride + first, vfma(vreduce_each(lanes[h]), vset1(scaling), mask_vector));
   }
   float largest[HEADS], total[HEADS];
@@ -661,15 +552,38 @@ void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T*
     largest[h] = max_of(s.scores.data() + h * stride, n);
     total[h] = exps_in_place(s.scores.data() + h * stride, n, largest[h]);
   }
-  if (!fitted) {
-    weigh_values<HEADS, CHUNKS>(s.scores.data(), stride, values, value_stride, visible, n, total, largest, target,
-                                CHUNKS, 0);
-    return;
+  V sum[HEADS][CHUNKS];  // (unrolled so GCC keeps the accumulators in registers, not stored every key)
+#pragma GCC unroll 32
+  for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 32
+    for (int c = 0; c < CHUNKS; ++c) sum[h][c] = vzero();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* value = values + visible[i] * value_stride;
+    V loaded[CHUNKS];
+#pragma GCC unroll 32
+    for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(value, c * VL, VL);
+#pragma GCC unroll 32
+    for (int h = 0; h < HEADS; ++h) {
+      V p = vset1(s.scores[h * stride + i]);
+#pragma GCC unroll 32
+      for (int c = 0; c < CHUNKS; ++c) sum[h][c] = vfma(p, loaded[c], sum[h][c]);
+    }
   }
-  constexpr int SLICE = value_chunks(HEADS, CHUNKS);
-  for (int c0 = 0; c0 < CHUNKS; c0 += SLICE)
-    weigh_values<HEADS, SLICE>(s.scores.data(), stride, values, value_stride, visible, n, total, largest, target,
-                               CHUNKS, c0);
+#pragma GCC unroll 32
+  for (int h = 0; h < HEADS; ++h) {
+    if (target.out) {
+      const V inverse = vset1(n ? 1.0f / total[h] : 0.0f);
+#pragma GCC unroll 32
+      for (int c = 0; c < CHUNKS; ++c)
+        vstore_out(target.out + h * (CHUNKS * VL) + c * VL, vmul(sum[h][c], inverse), VL);
+      continue;
+    }
+    float* partial = target.partial + h * target.partial_stride;
+    partial[0] = largest[h];
+    partial[1] = total[h];
+#pragma GCC unroll 32
+    for (int c = 0; c < CHUNKS; ++c) vstore(partial + 2 + c * VL, sum[h][c]);
+  }
 }
 
 // Any other shape (a head_dim that is not 64 or 128, more heads per kv head than the fixed paths take): one head,
@@ -730,10 +644,10 @@ void combine_blocks(const float* partial, int64_t blocks, int64_t stride, int64_
 template <int HEADS, int CHUNKS, typename T>
 bool attend_fixed(int64_t heads, int64_t D, const T* q_row, int64_t q_head_stride, const T* keys, const T* values,
                   int64_t key_stride, int64_t value_stride, const float* mask_row, const int64_t* visible, int64_t n,
-                  float scaling, AttentionScratch& s, const BlockTarget<T>& target, bool shared) {
+                  float scaling, AttentionScratch& s, const BlockTarget<T>& target) {
   if (heads != HEADS || D != CHUNKS * VL) return false;
   attend_block<HEADS, CHUNKS>(q_row, q_head_stride, keys, values, key_stride, value_stride, mask_row, visible, n,
-                              scaling, s, target, shared);
+                              scaling, s, target);
   return true;
 }
 
@@ -743,15 +657,14 @@ inline bool has_fixed_path(int64_t heads, int64_t D) {
   return VL > 1 && ((D == 64 && heads <= 4) || (D == 128 && heads <= 2));
 }
 
-// One block of one row for `heads` query heads of one kv head: a fixed path where the shape has one, else per head
-// (`shared`: as attend_block).
+// One block of one row for `heads` query heads of one kv head: a fixed path where the shape has one, else per head.
 template <typename T>
 void attend_any_shape(int64_t heads, int64_t D, const T* q_row, int64_t q_head_stride, const T* keys,
                       const T* values, int64_t ks, int64_t vs, const float* mask_row, const int64_t* visible,
-                      int64_t n, float scaling, AttentionScratch& s, const BlockTarget<T>& target, bool shared) {
+                      int64_t n, float scaling, AttentionScratch& s, const BlockTarget<T>& target) {
   if constexpr (VL > 1) {
     const auto args = std::forward_as_tuple(heads, D, q_row, q_head_stride, keys, values, ks, vs, mask_row, visible,
-                                            n, scaling, s, target, shared);
+                                            n, scaling, s, target);
     if (std::apply(attend_fixed<1, 64 / VL, T>, args) || std::apply(attend_fixed<2, 64 / VL, T>, args) ||
         std::apply(attend_fixed<3, 64 / VL, T>, args) || std::apply(attend_fixed<4, 64 / VL, T>, args) ||
         std::apply(attend_fixed<1, 128 / VL, T>, args) || std::apply(attend_fixed<2, 128 / VL, T>, args))
@@ -818,7 +731,7 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
                        q_strides[1], k + t.b * kv_strides[0] + t.g * kv_strides[1],
                        v + t.b * kv_strides[4] + t.g * kv_strides[5], kv_strides[2], kv_strides[6],
                        mask + t.b * mask_strides[0] + t.row * mask_strides[2], visible.get() + r * C + first,
-                       length, scaling, scratch, target, W > 2);
+                       length, scaling, scratch, target);
     }
   }
   if (most_blocks == 1) return;
