@@ -9,10 +9,10 @@ config with random weights, then models.kernels.invariant_model: q/k/v and gate/
 linears eval.roofline times as its "linear" and "LM head" parts), called in order for w rows: the part of T(w) that
 the kernels decide, with no attention, norms or graph around it. `parts=[attention]` times instead the step's
 attention calls: one per decoder layer, w query rows (a chain: each sees the context and the rows before it) over
-`context_tokens` cached keys, each layer with its own cache of the engine's capacity. Each (sources, instruction set, precision) runs in a
-fresh process, the two sources alternating `rounds` times, because these VMs' memory bandwidth moves by minutes:
-compare a baseline cell with the candidate cell of the same round. Medians of `repeats` steps per width, the widths
-interleaved.
+`context_tokens` cached keys, each layer with its own cache of the engine's capacity. Each (sources, instruction
+set, part, precision) runs in a fresh process, the two sources alternating `rounds` times, because these VMs' memory
+bandwidth moves by minutes: compare a baseline cell with the candidate cell of the same round. Medians of `repeats`
+steps per width, the widths interleaved.
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def attention_step(spec: dict) -> Callable[[int], None]:
 
 
 STEPS = {StepPart.LINEARS: linears_step, StepPart.ATTENTION: attention_step}
+PART_WORDS = {StepPart.LINEARS: "linear layers", StepPart.ATTENTION: "attention calls"}
 
 
 def time_step(spec: dict) -> dict:
@@ -208,7 +209,8 @@ def run_child(spec: dict, isa: KernelIsa | None) -> dict:
 
 def format_ab(document: dict) -> str:
     widths = document["config"]["widths"]
-    lines = [f"Kernel A/B on {document['cpu']}: a {document['target']}-shaped step of linear layers, median ms "
+    parts = " / ".join(PART_WORDS[StepPart(part)] for part in document["config"].get("parts", [StepPart.LINEARS]))
+    lines = [f"Kernel A/B on {document['cpu']}: a {document['target']}-shaped step of {parts}, median ms "
              f"(T(w)/T(1)); baseline = models/native/ at {document['config']['baseline']}, candidate = the working "
              "tree; one fresh process per cell, the two alternating each round.", "",
              "| isa | part | precision | round | sources | " + " | ".join(f"T({w})" for w in widths) + " |",

@@ -357,6 +357,22 @@ def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
     assert build_line(None) == ""
 
 
+def test_report_shows_each_speedup_without_the_shared_prefill(tmp_path, capsys):
+    from draftsmith.eval.bench import report
+
+    summary = {"plain-compiled": {"seconds": 100.0, "prefill_s": 10.0},
+               "dgf": {"seconds": 55.0, "prefill_s": 10.0}, "plain": {"seconds": 300.0, "prefill_s": 0.0}}
+    results = {"config": {"temperature": 0.0}, "summary": summary}
+    lines = report.prefill_lines(results)
+    assert lines[-2] == "| plain-compiled | 10.0 | 10% | 1.00x |" and lines[-1] == "| dgf | 10.0 | 18% | 2.00x |"
+    assert report.prefill_lines(results | {"config": {"temperature": 1.0}}) == []
+    assert report.prefill_lines({"config": {}, "summary": {"plain": summary["plain"]}}) == []
+    bad = tmp_path / "bench.json"
+    bad.write_text("{}")
+    with pytest.raises(UserError, match="not an eval.bench result"):
+        report.main([str(bad)])
+
+
 def test_reduced_precision_bench_says_its_lossless_check_can_flag_near_ties():
     """Only where the kernels are not batch-invariant (the eager backend, compile.kernels=inductor) can a reduced
     precision flip a near-tie; the invariant kernels make bf16 lossless, and the note says nothing there."""

@@ -1,4 +1,6 @@
-"""Reports of eval.bench runs: PNG plots (matplotlib, Agg backend) and W&B logging.
+"""Reports of eval.bench runs: the markdown tables, PNG plots (matplotlib, Agg backend) and W&B logging.
+
+    python -m draftsmith.eval.bench.report <run>/bench.json   # print a finished run's tables (this version's)
 
 Plots, written beside the run's JSON (`x.json` -> `x_<name>.png`):
   acceptance     per-depth acceptance a_k of every method with a drafter (one line per method)
@@ -16,7 +18,11 @@ import os
 from pathlib import Path
 
 from draftsmith.config import flatten_dict
+from draftsmith.errors import UserError, exit_with
+from draftsmith.eval.bench.methods import parse_method
 from draftsmith.tracking import prepare_wandb_env
+
+PLAIN_COMPILED_LABEL = str(parse_method("plain-compiled"))  # the summary's key of plain decoding, compiled
 
 
 def _pyplot():
@@ -159,7 +165,24 @@ def format_table(results: dict) -> str:
     engines, and the run's settings and machine."""
     summary = results["summary"]
     return "\n".join(summary_lines(results) + breakdown_lines(summary) + verify_width_lines(summary)
-                     + policy_lines(results) + compile_lines(results) + ["", run_line(results)])
+                     + prefill_lines(results) + policy_lines(results) + compile_lines(results)
+                     + ["", run_line(results)])
+
+
+def prefill_lines(results: dict) -> list[str]:
+    """Greedy runs with plain-compiled: each method's prompt prefill (the target's forward over the prompt: the same
+    work for every method, which no drafter shortens) and its speedup over plain-compiled without it."""
+    summary = results["summary"]
+    base = summary.get(PLAIN_COMPILED_LABEL)
+    if results["config"].get("temperature", 0.0) > 0 or not base or not base.get("prefill_s"):
+        return []
+    base_decode = base["seconds"] - base["prefill_s"]
+    rows = [f"| {method} | {entry['prefill_s']:.1f} | {entry['prefill_s'] / entry['seconds']:.0%} | "
+            f"{base_decode / (entry['seconds'] - entry['prefill_s']):.2f}x |"
+            for method, entry in summary.items() if entry.get("prefill_s")]
+    return ["", "The prompts' prefill (the target's forward over each prompt, the same for every method; the "
+            "speedups above include it) and the speedup over plain-compiled without it:", "",
+            "| method | prefill s | share of its time | decode-only speedup |", "|---|---|---|---|"] + rows
 
 
 def verify_width_lines(summary: dict, share: float = 0.05) -> list[str]:
@@ -306,3 +329,20 @@ def compile_lines(results: dict) -> list[str]:
                          if d["eager_logit_margin"] is not None else f"{d['id']} t{d['turn']}: length"
                          for d in differences)))
     return lines
+
+
+def main(argv: list[str]) -> str:
+    if len(argv) != 1:
+        raise UserError("usage: python -m draftsmith.eval.bench.report <bench.json>")
+    path = Path(argv[0])
+    try:
+        results = json.loads(path.read_text())
+        table = format_table(results)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"{path}: not an eval.bench result ({type(error).__name__}: {error})") from None
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    exit_with(main)
