@@ -19,6 +19,11 @@ Steps (everything measured on the machine and placement it runs on):
  3. Best tree per budget: `eval.policies.arca.arca_paths` (expected-acceptance maximisation), then refined
     by trying neighbours (swap a removable leaf for a free slot at any level) scored by the real
     acceptance of the recorded rank paths.
+ 3b. With `loop_prompts` > 0 (the default): each measured budget's tree decodes that many calibration prompts in
+    the decoder's loop, and the prediction takes a round's cost from there (its draft, and its verify with what
+    the loop adds to step 1's: the head's rows on the accepted path, caches the drafter evicted, the loop's own
+    work; T(0): a plain step in the same loop). Without it a random tree's verify understated a real round's by
+    up to a fifth on the AVX2 EPYC, and the pick's predicted speedup missed the measured one by 0.09x.
  4. Pick the budget (and split ratio) maximising predicted tokens/s = tau(b) / (T_draft + T(b)).
     The Dovetail cost model is printed beside it: eq. (1) T_avg = (T_draft + T_V(b)) / Omega, and
     eq. (6) T_avg / T_T = (T_draft / T_T + T_V(b) / T_T) / Omega, whose inverse is the predicted
@@ -52,7 +57,7 @@ from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, Generatio
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.eval.policies.hcmp import HcmpConfig, hcmp_mode
 from draftsmith.eval.bench.methods import (BuildContext, LMChainOptions, MedusaOptions, MethodSpec, NgramOptions,
-                                          build_method, inner_drafter, parse_method)
+                                          arca_drafter, build_method, inner_drafter, parse_method)
 from draftsmith.eval.policies.placement import PlacedDrafter
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.bundled import DEFAULT_TARGET
@@ -91,6 +96,8 @@ class ProfileConfig:
     acceptance: Literal["auto", "saved", "measured"] = option("auto", "acceptance table: saved (Medusa's head "
                                                                       "accuracies) or measured; auto picks")
     refine_iterations: int = option(8, "neighbour-search iterations per tree", ge=0)
+    loop_prompts: int = option(2, "calibration prompts each measured budget's tree decodes in the loop, whose "
+                                  "round costs the prediction takes (0: step 1's random-tree T(b) alone)", ge=0)
     threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
     seed: int = option(0, "seed of the random trees and prompt sample")
     bench_prompts: int = option(0, "> 0: benchmark the pick against compare_budgets right after", ge=0)
@@ -289,6 +296,40 @@ def acceptance_table(config: ProfileConfig, calibration: dict) -> tuple[str, lis
     return source, calibration["measured"]
 
 
+def round_costs(decoder: SpeculativeDecoder, prompts: list[dict]) -> dict[str, float]:
+    """Seconds per round of `decoder` over `prompts`: its draft, and its verify with the loop's own work."""
+    decoder.generate(prompts[0]["input_ids"][:, :8])  # warm-up: every package and graph width loaded
+    draft_s = verify_s = 0.0
+    rounds = 0
+    for prompt in prompts:
+        stats = decoder.generate(prompt["input_ids"]).stats
+        draft_s, verify_s = draft_s + stats.draft_s, verify_s + stats.verify_s + stats.other_s
+        rounds += stats.verify_forwards
+    return {"draft_s": draft_s / max(rounds, 1), "verify_s": verify_s / max(rounds, 1), "rounds": rounds}
+
+
+def loop_costs(config: ProfileConfig, models: dict, trees: dict, prompts: list[dict], say) -> dict[str, dict]:
+    """{setting label: {budget: round costs}}: each measured budget's tree (0: plain decoding) in the decode loop
+    on `prompts`, per unsplit setting."""
+    costs = {}
+    for setting in settings_of(config):
+        if setting.hcmp_ratio is not None:
+            continue
+        target, draft = models[setting.dtype]
+        context = BuildContext(target, draft, setting.backend, config.compile)
+        engine = context.engine(target)
+        curve = {}
+        for budget in measured_budgets(config, setting):
+            drafter = None if budget == 0 else arca_drafter(config.drafter, trees[budget][0], budget, context,
+                                                             f"budget {budget}")
+            decode = DecodeConfig(max_new_tokens=config.calibration_new_tokens, budget_limit=max(budget, 1))
+            curve[budget] = round_costs(SpeculativeDecoder(engine, drafter, decode), prompts)
+        costs[setting.label] = curve
+        say(f"  in the loop [{setting.label}], ms a round (draft + verify): " + "  ".join(
+            f"b={b}: {1000 * c['draft_s']:.1f} + {1000 * c['verify_s']:.1f}" for b, c in curve.items()))
+    return costs
+
+
 # --------------------------------------------------------------------------------------------
 # 3-4. trees per budget, predictions, the pick
 # --------------------------------------------------------------------------------------------
@@ -315,15 +356,21 @@ def all_trees(config: ProfileConfig, accuracy, calibration: dict, largest: int) 
     return {budget: budget_tree(config, accuracy, calibration, budget) for budget in range(largest + 1)}
 
 
-def predict_row(config: ProfileConfig, tree: tuple, curve: dict, step: bool, draft_per_round: float,
+def predict_row(config: ProfileConfig, tree: tuple, curve: dict, step: bool, draft_per_round: float | dict,
                 base_tt: float, recorded: bool, budget: int) -> dict:
-    """The cost model's prediction for one budget on one setting (Dovetail eq. (1) and (6))."""
+    """The cost model's prediction for one budget on one setting (Dovetail eq. (1) and (6)). `draft_per_round`:
+    the calibration's (one value) or the loop's per budget (a curve like `curve`)."""
     paths, tau_est, tau_replay = tree
     tau = tau_replay if recorded and budget else tau_est
     nodes = len(paths) if budget else 0  # a tree can have fewer nodes than b (the table ran out)
     chain = isinstance(config.drafter.options, LMChainOptions)
-    per_token = draft_per_round / max(min(config.calibration_budget, 16), 1)
-    t_draft = 0.0 if budget == 0 else (per_token * max(nodes, 1) if chain else draft_per_round)
+    if budget == 0:
+        t_draft = 0.0
+    elif isinstance(draft_per_round, dict):
+        t_draft = interpolate_latency(draft_per_round, nodes, step)
+    else:
+        per_token = draft_per_round / max(min(config.calibration_budget, 16), 1)
+        t_draft = per_token * max(nodes, 1) if chain else draft_per_round
     t_verify = interpolate_latency(curve, nodes, step)
     step_s = t_draft + t_verify
     return {"tau_estimate": tau_est, "tau_replay": tau_replay, "tau": tau, "t_draft_s": t_draft,
@@ -333,18 +380,23 @@ def predict_row(config: ProfileConfig, tree: tuple, curve: dict, step: bool, dra
             "tree_depth": max((len(p) for p in paths), default=0), "measured": budget in curve}
 
 
-def predict(config: ProfileConfig, latency: dict, calibrations: dict, trees: dict) -> dict:
+def predict(config: ProfileConfig, latency: dict, calibrations: dict, trees: dict, loop: dict | None = None) -> dict:
     """{setting label: {budget: prediction}} for every budget up to the largest measured on that setting.
-    Speedups are against the fastest plain step measured (T_T: the smallest T(0) of any setting)."""
-    base_tt = min(curve[0] for curve in latency.values())
+    Speedups are against the fastest plain step measured (T_T: the smallest T(0) of any setting); with `loop`
+    (loop_costs), a setting it measured takes its round costs and T_T is the loop's plain step."""
+    loop = loop or {}
+    verify_curves = {label: {b: c["verify_s"] for b, c in curve.items()} for label, curve in loop.items()}
+    base_tt = min(curve[0] for curve in (verify_curves or latency).values())
     predicted = {}
     for setting in settings_of(config):
-        curve = latency[setting.label]
+        curve = verify_curves.get(setting.label, latency[setting.label])
         calibration = calibration_of(calibrations, setting)
+        draft = ({b: c["draft_s"] for b, c in loop[setting.label].items()} if setting.label in loop
+                 else calibration["draft_per_round"])
         recorded = bool(calibration["recorder"].rank_paths)
         predicted[setting.label] = {
-            budget: predict_row(config, trees[budget], curve, setting.step, calibration["draft_per_round"], base_tt,
-                                recorded, budget) for budget in range(max(curve) + 1)}
+            budget: predict_row(config, trees[budget], curve, setting.step, draft, base_tt, recorded, budget)
+            for budget in range(max(curve) + 1)}
     return predicted
 
 
@@ -395,12 +447,14 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
     reference = next(iter(calibrations.values()))
     source, accuracy = acceptance_table(config, reference)
     trees = all_trees(config, accuracy, reference, max(max(curve) for curve in latency.values()))
-    predicted = predict(config, latency, calibrations, trees)
+    loop = (loop_costs(config, models, trees, calibration_prompts[:config.loop_prompts], say)
+            if config.loop_prompts else {})
+    predicted = predict(config, latency, calibrations, trees, loop)
     profile = {
         "version": PROFILE_VERSION, "config": config_to_dict(config), "drafter": str(config.drafter),
         "machine": machine_info(first), "context_tokens": int(input_ids.shape[1]), "budgets": config.budgets,
         "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "verify_latency_s": latency, "verify_latency_all_s": curves,
+        "verify_latency_s": latency, "verify_latency_all_s": curves, "loop_round_s": loop,
         "draft_s_per_round": {label: c["draft_per_round"] for label, c in calibrations.items()},
         "calibration": {"spec": reference["spec"], "prompts": reference["prompts"],
                         "rounds": len(reference["recorder"].rank_paths), "tau": reference["tau"],
@@ -418,7 +472,10 @@ def run_profile(config: ProfileConfig, target: TargetModel | None = None, draft:
 
 
 def base_step(profile: dict) -> float:
-    """T_T: the fastest plain step (T(0)) of any measured setting."""
+    """T_T: the fastest plain step (T(0)) of any measured setting: in the decode loop where the profile timed it."""
+    loop = profile.get("loop_round_s") or {}
+    if loop:
+        return min((curve["0"] if "0" in curve else curve[0])["verify_s"] for curve in loop.values())
     return min(curve["0"] if "0" in curve else curve[0] for curve in profile["verify_latency_s"].values())
 
 
@@ -440,10 +497,16 @@ def format_profile(profile: dict) -> str:
     for label, curve in profile["verify_latency_s"].items():
         lines.append(f"Measured T(b) [{label}], median of {profile['config']['repeats']}, ms: " + ", ".join(
             f"b={b}: {1000 * t:.1f}" for b, t in sorted(curve.items(), key=lambda item: int(item[0]))))
+    for label, curve in (profile.get("loop_round_s") or {}).items():
+        lines.append(f"In the decode loop [{label}], {profile['config']['loop_prompts']} prompts, ms a round "
+                     "(draft + verify; the table's T and T_draft): " + ", ".join(
+                         f"b={b}: {1000 * c['draft_s']:.1f} + {1000 * c['verify_s']:.1f}"
+                         for b, c in sorted(curve.items(), key=lambda item: int(item[0]))))
     lines.append("")
     lines.append(f"ARCA pick: budget {best['budget']} on {best['setting']}, predicted tau {best['tau']:.2f}, "
                  f"{best['tokens_per_s']:.1f} tok/s, speedup {best['predicted_speedup']:.2f}x over the fastest plain "
-                 f"step measured (T_T = {1000 * base_tt:.1f} ms); every budget up to the largest measured was "
+                 f"step measured (T_T = {1000 * base_tt:.1f} ms"
+                 f"{', in the loop' if profile.get('loop_round_s') else ''}); every budget up to the largest measured was "
                  f"considered (T between measured budgets: interpolated, compiled: its bucket's). Drafter "
                  f"{profile['drafter']}, acceptance from {profile['acceptance_source']}, context "
                  f"{profile['context_tokens']} tokens.")

@@ -11,8 +11,8 @@ from draftsmith.eval.decode.decoder import DecodeConfig
 from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.eval.policies.hcmp import HcmpPolicy
 from draftsmith.eval.bench.methods import BuildContext, build_method, parse_method
-from draftsmith.eval.arca_profile import (ProfileConfig, measure_verify_latency, measured_budgets, random_tree, run_profile,
-                                    settings_of)
+from draftsmith.eval.arca_profile import (ProfileConfig, measure_verify_latency, measured_budgets, pick_best, predict,
+                                          random_tree, run_profile, settings_of)
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.engine import Backend
 from draftsmith.models.compiled import CompileSettings
@@ -84,6 +84,11 @@ def test_profile_round_trip_and_decoding(tmp_path, smol_tokenizer, placement):
     assert list(profile["verify_latency_s"]) == labels
     assert sorted(profile["verify_latency_s"]["compiled/float32"]) == [0, 1, 2, 4]  # shared width: every budget
     assert sorted(profile["predicted"]["eager/float32"]) == [0, 1, 2, 3, 4]  # every budget, not only measured ones
+    loop = profile["loop_round_s"]  # each unsplit setting's measured budgets, timed in the decode loop
+    assert list(loop) == labels[:2] and sorted(loop["compiled/float32"]) == [0, 1, 2, 4]
+    assert all(c["rounds"] > 0 and c["verify_s"] > 0 for c in loop["eager/float32"].values())
+    assert profile["predicted"]["eager/float32"][2]["t_verify_s"] == loop["eager/float32"][2]["verify_s"]
+    assert profile["predicted"]["eager/float32"][2]["t_draft_s"] == loop["eager/float32"][2]["draft_s"]
     best = profile["best"]
     assert best["setting"] in labels and best["budget"] in profile["predicted"][best["setting"]]
     assert (best["backend"], best["dtype"]) == tuple(best["setting"].removeprefix("hcmp:0.5/").split("/"))
@@ -105,6 +110,24 @@ def test_profile_round_trip_and_decoding(tmp_path, smol_tokenizer, placement):
     assert decoder.generate(prompt).tokens == reference
     with pytest.raises(ValueError, match="no tree for budget"):
         build_spec(f"arca:{path},budget=9", target, None)
+
+
+def test_the_loop_round_costs_decide_the_pick():
+    """Where the loop times a budget's rounds, the prediction takes them (and T_T is the loop's plain step):
+    a tree whose random-tree verify looked cheap but whose rounds cost more in the loop loses the pick."""
+    config = ProfileConfig(drafter=parse_method("lm-tree:depth=3,topk=2"), budgets=[1, 4], backends=[Backend.EAGER],
+                           calibration_budget=7)
+    recorder = type("Recorder", (), {"rank_paths": [[0, 0, 0]]})()
+    calibrations = {"eager/float32": {"recorder": recorder, "draft_per_round": 0.001}}
+    trees = {0: ([], 1.0, 1.0), 1: ([[0]], 1.8, 1.8), 2: ([[0], [0, 0]], 2.0, 2.0), 3: ([[0], [0, 0], [1]], 2.1, 2.1),
+             4: ([[0], [0, 0], [1], [0, 0, 0]], 2.6, 2.6)}
+    latency = {"eager/float32": {0: 0.010, 1: 0.010, 4: 0.011}}
+    assert pick_best(config, predict(config, latency, calibrations, trees), trees)["budget"] == 4
+    loop = {"eager/float32": {0: {"draft_s": 0.0, "verify_s": 0.012}, 1: {"draft_s": 0.001, "verify_s": 0.013},
+                              4: {"draft_s": 0.002, "verify_s": 0.025}}}
+    predicted = predict(config, latency, calibrations, trees, loop)
+    assert pick_best(config, predicted, trees)["budget"] == 1
+    assert predicted["eager/float32"][1]["predicted_speedup"] == pytest.approx(1.8 * 0.012 / 0.014)
 
 
 def test_load_profile_refuses_other_files(tmp_path):

@@ -522,6 +522,17 @@ def build_hcmp(spec: MethodSpec, ctx: BuildContext) -> Method:
     return HcmpPolicy(drafter, config, name=spec.label)  # HCMP splits the eager module: backend eager
 
 
+def arca_drafter(drafter_spec: MethodSpec, paths: list[list[int]], budget: int, ctx: BuildContext,
+                 label: str) -> Drafter:
+    """A profiled drafter at `budget` on ctx's engine: Medusa heads with ARCA's static tree `paths`, any other
+    drafter with its own tree of that budget."""
+    if isinstance(drafter_spec.options, MedusaOptions):
+        o = drafter_spec.options
+        return load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=label,
+                                   backend=ctx.backend, settings=ctx.settings, keep_above=o.keep_above)
+    return inner_drafter(build_method(drafter_spec.replace(budget=max(budget, 1)), ctx), label)
+
+
 def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
     """The profile's drafter at the ARCA pick (or the given budget), with its placement."""
     profile = load_profile(spec.options.path)
@@ -532,12 +543,7 @@ def build_arca(spec: MethodSpec, ctx: BuildContext) -> Method:
     drafter_spec = parse_method(profile["drafter"], f"{spec.options.path}: drafter")
     backend = Backend(profile["best"]["backend"])
     ctx = replace(ctx, backend=backend)  # an LM drafter runs on the engine the profile picked (models shared)
-    if isinstance(drafter_spec.options, MedusaOptions):
-        o = drafter_spec.options
-        drafter = load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=spec.label,
-                                      backend=backend, settings=ctx.settings, keep_above=o.keep_above)
-    else:
-        drafter = inner_drafter(build_method(drafter_spec.replace(budget=max(budget, 1)), ctx), spec.label)
+    drafter = arca_drafter(drafter_spec, paths, budget, ctx, spec.label)
     ratio = profile["best"].get("hcmp_ratio")
     if ratio is not None:
         config = HcmpConfig.uniform(ratio, threads=bool(profile["config"].get("hcmp_threads")))
