@@ -20,10 +20,10 @@ Steps (everything measured on the machine and placement it runs on):
     by trying neighbours (swap a removable leaf for a free slot at any level) scored by the real
     acceptance of the recorded rank paths.
  3b. With `loop_prompts` > 0 (the default): each measured budget's tree decodes that many calibration prompts in
-    the decoder's loop, and the prediction takes a round's cost from there (its draft, and its verify with what
+    the decoder's loop (the budgets in turn on each prompt), and the prediction takes a round's cost from there (its draft, and its verify with what
     the loop adds to step 1's: the head's rows on the accepted path, caches the drafter evicted, the loop's own
-    work; T(0): a plain step in the same loop). Without it a random tree's verify understated a real round's by
-    up to a fifth on the AVX2 EPYC, and the pick's predicted speedup missed the measured one by 0.09x.
+    work; T(0): a plain step in the same loop). A random tree's verify alone understated a real round's: on the AVX2
+    EPYC a verify of 9 tokens cost 1.14 steps there and 1.27-1.40 in the loop.
  4. Pick the budget (and split ratio) maximising predicted tokens/s = tau(b) / (T_draft + T(b)).
     The Dovetail cost model is printed beside it: eq. (1) T_avg = (T_draft + T_V(b)) / Omega, and
     eq. (6) T_avg / T_T = (T_draft / T_T + T_V(b) / T_T) / Omega, whose inverse is the predicted
@@ -96,8 +96,9 @@ class ProfileConfig:
     acceptance: Literal["auto", "saved", "measured"] = option("auto", "acceptance table: saved (Medusa's head "
                                                                       "accuracies) or measured; auto picks")
     refine_iterations: int = option(8, "neighbour-search iterations per tree", ge=0)
-    loop_prompts: int = option(2, "calibration prompts each measured budget's tree decodes in the loop, whose "
-                                  "round costs the prediction takes (0: step 1's random-tree T(b) alone)", ge=0)
+    loop_prompts: int = option(4, "calibration prompts each measured budget's tree decodes in the loop (the budgets "
+                                  "interleaved per prompt), whose round costs the prediction takes (0: step 1's "
+                                  "random-tree T(b) alone)", ge=0)
     threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
     seed: int = option(0, "seed of the random trees and prompt sample")
     bench_prompts: int = option(0, "> 0: benchmark the pick against compare_budgets right after", ge=0)
@@ -296,16 +297,21 @@ def acceptance_table(config: ProfileConfig, calibration: dict) -> tuple[str, lis
     return source, calibration["measured"]
 
 
-def round_costs(decoder: SpeculativeDecoder, prompts: list[dict]) -> dict[str, float]:
-    """Seconds per round of `decoder` over `prompts`: its draft, and its verify with the loop's own work."""
-    decoder.generate(prompts[0]["input_ids"][:, :8])  # warm-up: every package and graph width loaded
-    draft_s = verify_s = 0.0
-    rounds = 0
-    for prompt in prompts:
-        stats = decoder.generate(prompt["input_ids"]).stats
-        draft_s, verify_s = draft_s + stats.draft_s, verify_s + stats.verify_s + stats.other_s
-        rounds += stats.verify_forwards
-    return {"draft_s": draft_s / max(rounds, 1), "verify_s": verify_s / max(rounds, 1), "rounds": rounds}
+def round_costs(decoders: dict[int, SpeculativeDecoder], prompts: list[dict]) -> dict[int, dict[str, float]]:
+    """{budget: seconds per round} of each decoder over `prompts`: its draft, and its verify with the loop's own
+    work. Per prompt every decoder in turn (the order reversed every other prompt), so a slower minute of the
+    machine falls on every budget alike."""
+    for decoder in decoders.values():
+        decoder.generate(prompts[0]["input_ids"][:, :8])  # warm-up: every package and graph width loaded
+    totals = {budget: [0.0, 0.0, 0] for budget in decoders}  # draft s, verify s, rounds
+    for index, prompt in enumerate(prompts):
+        for budget in list(decoders) if index % 2 == 0 else list(decoders)[::-1]:
+            stats = decoders[budget].generate(prompt["input_ids"]).stats
+            total = totals[budget]
+            total[0], total[1] = total[0] + stats.draft_s, total[1] + stats.verify_s + stats.other_s
+            total[2] += stats.verify_forwards
+    return {budget: {"draft_s": draft_s / max(rounds, 1), "verify_s": verify_s / max(rounds, 1), "rounds": rounds}
+            for budget, (draft_s, verify_s, rounds) in totals.items()}
 
 
 def loop_costs(config: ProfileConfig, models: dict, trees: dict, prompts: list[dict], say) -> dict[str, dict]:
@@ -318,13 +324,13 @@ def loop_costs(config: ProfileConfig, models: dict, trees: dict, prompts: list[d
         target, draft = models[setting.dtype]
         context = BuildContext(target, draft, setting.backend, config.compile)
         engine = context.engine(target)
-        curve = {}
+        decoders = {}
         for budget in measured_budgets(config, setting):
             drafter = None if budget == 0 else arca_drafter(config.drafter, trees[budget][0], budget, context,
                                                              f"budget {budget}")
             decode = DecodeConfig(max_new_tokens=config.calibration_new_tokens, budget_limit=max(budget, 1))
-            curve[budget] = round_costs(SpeculativeDecoder(engine, drafter, decode), prompts)
-        costs[setting.label] = curve
+            decoders[budget] = SpeculativeDecoder(engine, drafter, decode)
+        curve = costs[setting.label] = round_costs(decoders, prompts)
         say(f"  in the loop [{setting.label}], ms a round (draft + verify): " + "  ".join(
             f"b={b}: {1000 * c['draft_s']:.1f} + {1000 * c['verify_s']:.1f}" for b, c in curve.items()))
     return costs
