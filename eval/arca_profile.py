@@ -20,10 +20,10 @@ Steps (everything measured on the machine and placement it runs on):
     by trying neighbours (swap a removable leaf for a free slot at any level) scored by the real
     acceptance of the recorded rank paths.
  3b. With `loop_prompts` > 0 (the default): each measured budget's tree decodes that many calibration prompts in
-    the decoder's loop (the budgets in turn on each prompt), and the prediction takes a round's cost from there (its draft, and its verify with what
-    the loop adds to step 1's: the head's rows on the accepted path, caches the drafter evicted, the loop's own
-    work; T(0): a plain step in the same loop). A random tree's verify alone understated a real round's: on the AVX2
-    EPYC a verify of 9 tokens cost 1.14 steps there and 1.27-1.40 in the loop.
+    the decoder's loop (the budgets in turn on each prompt), and the prediction takes a round's cost from there
+    (its draft, and its verify with what the loop adds to step 1's: the head's rows on the accepted path, caches
+    the drafter evicted, the loop's own work; T(0): a plain step in the same loop). A random tree's verify alone
+    understated a real round's: on the AVX2 EPYC a verify of 9 tokens cost 1.14 steps there, 1.18-1.40 in the loop.
  4. Pick the budget (and split ratio) maximising predicted tokens/s = tau(b) / (T_draft + T(b)).
     The Dovetail cost model is printed beside it: eq. (1) T_avg = (T_draft + T_V(b)) / Omega, and
     eq. (6) T_avg / T_T = (T_draft / T_T + T_V(b) / T_T) / Omega, whose inverse is the predicted
@@ -53,7 +53,7 @@ from draftsmith.eval.policies.arca import (RankRecorder, arca_paths, expected_ac
 from draftsmith.eval.bench.run import BenchConfig, format_table, machine_info, run_benchmark
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.latency import context_ids
-from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, Generation, SpeculativeDecoder
+from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, DecodeStats, Generation, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.eval.policies.hcmp import HcmpConfig, hcmp_mode
 from draftsmith.eval.bench.methods import (BuildContext, LMChainOptions, MedusaOptions, MethodSpec, NgramOptions,
@@ -303,15 +303,13 @@ def round_costs(decoders: dict[int, SpeculativeDecoder], prompts: list[dict]) ->
     machine falls on every budget alike."""
     for decoder in decoders.values():
         decoder.generate(prompts[0]["input_ids"][:, :8])  # warm-up: every package and graph width loaded
-    totals = {budget: [0.0, 0.0, 0] for budget in decoders}  # draft s, verify s, rounds
+    totals = {budget: DecodeStats() for budget in decoders}
     for index, prompt in enumerate(prompts):
         for budget in list(decoders) if index % 2 == 0 else list(decoders)[::-1]:
-            stats = decoders[budget].generate(prompt["input_ids"]).stats
-            total = totals[budget]
-            total[0], total[1] = total[0] + stats.draft_s, total[1] + stats.verify_s + stats.other_s
-            total[2] += stats.verify_forwards
-    return {budget: {"draft_s": draft_s / max(rounds, 1), "verify_s": verify_s / max(rounds, 1), "rounds": rounds}
-            for budget, (draft_s, verify_s, rounds) in totals.items()}
+            totals[budget].merge(decoders[budget].generate(prompt["input_ids"]).stats)
+    return {budget: {"draft_s": t.draft_s / max(t.verify_forwards, 1),
+                     "verify_s": (t.verify_s + t.other_s) / max(t.verify_forwards, 1), "rounds": t.verify_forwards}
+            for budget, t in totals.items()}
 
 
 def loop_costs(config: ProfileConfig, models: dict, trees: dict, prompts: list[dict], say) -> dict[str, dict]:

@@ -357,7 +357,7 @@ def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
     assert build_line(None) == ""
 
 
-def test_report_shows_each_speedup_without_the_shared_prefill(tmp_path, capsys):
+def test_report_shows_each_speedup_without_the_shared_prefill(tmp_path):
     from draftsmith.eval.bench import report
 
     summary = {"plain-compiled": {"seconds": 100.0, "prefill_s": 10.0},

@@ -607,3 +607,7 @@ def methods_help() -> str:
                             for f in dataclasses.fields(entry.options))
         lines.append(f"  {name:<12} {entry.help}" + (f"\n  {'':<12} options: {options}" if options else ""))
     return "\n".join(lines)
+
+
+# The plain baselines of every bench: HF `generate`, and the decode loop without a drafter on the compiled engine
+PLAIN, PLAIN_COMPILED = parse_method("plain"), parse_method("plain-compiled")

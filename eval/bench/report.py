@@ -19,10 +19,8 @@ from pathlib import Path
 
 from draftsmith.config import flatten_dict
 from draftsmith.errors import UserError, exit_with
-from draftsmith.eval.bench.methods import parse_method
+from draftsmith.eval.bench.methods import PLAIN_COMPILED
 from draftsmith.tracking import prepare_wandb_env
-
-PLAIN_COMPILED_LABEL = str(parse_method("plain-compiled"))  # the summary's key of plain decoding, compiled
 
 
 def _pyplot():
@@ -173,7 +171,7 @@ def prefill_lines(results: dict) -> list[str]:
     """Greedy runs with plain-compiled: each method's prompt prefill (the target's forward over the prompt: the same
     work for every method, which no drafter shortens) and its speedup over plain-compiled without it."""
     summary = results["summary"]
-    base = summary.get(PLAIN_COMPILED_LABEL)
+    base = summary.get(str(PLAIN_COMPILED))
     if results["config"].get("temperature", 0.0) > 0 or not base or not base.get("prefill_s"):
         return []
     base_decode = base["seconds"] - base["prefill_s"]

@@ -53,7 +53,8 @@ from draftsmith.eval.bench.progress import Progress
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
 from draftsmith.eval.documents import cpu_isa, cpu_model, memory_stall_seconds
-from draftsmith.eval.bench.methods import BuildContext, MethodSpec, build_method, lookup, methods_help, parse_method
+from draftsmith.eval.bench.methods import (PLAIN, PLAIN_COMPILED, BuildContext, MethodSpec, build_method, lookup,
+                                          methods_help, parse_method)
 from draftsmith.eval.prompts import (PromptSettings, category_of, check_suites, num_turns, select_conversations,
                                     turn_input_ids)
 from draftsmith.eval.bench.report import format_table, log_wandb, write_plots
@@ -66,7 +67,6 @@ from draftsmith.models.precision import weight_count
 from draftsmith.models.target import TargetModel, dtype_name
 
 # The plain baseline each backend's methods must reproduce token for token at temperature 0.
-PLAIN, PLAIN_COMPILED = parse_method("plain"), parse_method("plain-compiled")
 REFERENCE = {Backend.EAGER: PLAIN, Backend.COMPILED: PLAIN_COMPILED}
 WARMUP_MESSAGES = [{"role": "user", "content": "Write two sentences about the sea."}]
 RESULTS_FILE = "bench.json"
