@@ -484,6 +484,10 @@ class StaticKVBook:
     def cache_length(self, cache: StaticKV) -> int:
         return cache.length
 
+    def fits(self, cache: StaticKV, max_length: int) -> bool:
+        """Whether `cache` (one of this engine's) can take a request of up to `max_length` tokens."""
+        return max_length + self.buckets[-1] <= self.capacity
+
     def truncate(self, cache: StaticKV, length: int) -> None:
         cache.length = min(cache.length, length)
 

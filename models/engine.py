@@ -130,6 +130,10 @@ class EagerBuild:
     def truncate(self, cache: DynamicCache, length: int) -> None:
         crop_cache(cache, length)
 
+    def fits(self, cache: DynamicCache, max_length: int) -> bool:
+        """Whether `cache` can take a request of up to `max_length` tokens (a DynamicCache grows: always)."""
+        return True
+
 
 class EagerEngine(EagerBuild):
     """Eager PyTorch forwards over a DynamicCache that grows by each forward's tokens."""

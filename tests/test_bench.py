@@ -360,11 +360,14 @@ def test_report_says_how_busy_the_machine_was_while_packages_were_autotuned():
 def test_report_shows_each_speedup_without_the_shared_prefill(tmp_path):
     from draftsmith.eval.bench import report
 
-    summary = {"plain-compiled": {"seconds": 100.0, "prefill_s": 10.0},
-               "dgf": {"seconds": 55.0, "prefill_s": 10.0}, "plain": {"seconds": 300.0, "prefill_s": 0.0}}
-    results = {"config": {"temperature": 0.0}, "summary": summary}
+    summary = {"plain-compiled": {"seconds": 100.0, "prefill_s": 10.0, "reused_tokens": 1200},
+               "dgf": {"seconds": 55.0, "prefill_s": 10.0, "reused_tokens": 1200},
+               "plain": {"seconds": 300.0, "prefill_s": 0.0}}
+    results = {"config": {"temperature": 0.0}, "summary": summary, "per_prompt": [{"prompt_tokens": 3000}]}
     lines = report.prefill_lines(results)
-    assert lines[-2] == "| plain-compiled | 10.0 | 10% | 1.00x |" and lines[-1] == "| dgf | 10.0 | 18% | 2.00x |"
+    assert "3,000 in all" in lines[1]
+    assert lines[-2] == "| plain-compiled | 10.0 | 1,200 | 10% | 1.00x |"
+    assert lines[-1] == "| dgf | 10.0 | 1,200 | 18% | 2.00x |"
     assert report.prefill_lines(results | {"config": {"temperature": 1.0}}) == []
     assert report.prefill_lines({"config": {}, "summary": {"plain": summary["plain"]}}) == []
     bad = tmp_path / "bench.json"

@@ -238,3 +238,51 @@ def test_compiled_dgf_drafter_matches_eager_and_is_lossless(compiled_pair):
     plain = SpeculativeDecoder(compiled, None, config).generate(prompt).tokens
     drafter = DGFDrafter(dgf, depth=3, topk=3, budget=7, engine=engine)
     assert SpeculativeDecoder(compiled, drafter, config).generate(prompt).tokens == plain
+
+
+def _conversation(first: torch.Tensor, answer: list[int], followup: list[int]) -> torch.Tensor:
+    return torch.cat([first[0], torch.tensor(answer + followup)])[None]
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_prefix_cache_reuses_the_last_request_and_changes_no_output(compiled_pair, engine):
+    """A conversation's second turn starts from the first turn's cache (prompt + answer), with the drafter's hidden
+    states; the outputs are those of a fresh prefill. On the invariant kernels the cache's slots are bit for bit a
+    fresh prefill's too."""
+    eager, compiled, _ = compiled_pair
+    target = compiled if engine == "compiled" else eager
+    torch.manual_seed(11)
+    dgf = DGFModel(DGFConfig.for_target(eager.model.config, num_blocks=2)).attach_target(eager.model).eval()
+    config = DecodeConfig(max_new_tokens=12, budget_limit=7)
+    first = repetitive_prompt(2, period=5)
+    cached = SpeculativeDecoder(target, DGFDrafter(dgf, depth=3, topk=3, budget=7), config)
+    answer = cached.generate(first)
+    assert answer.stats.reused_tokens == 0
+    second = _conversation(first, answer.tokens, [7, 8, 9])
+    turn = cached.generate(second)
+    assert first.shape[1] <= turn.stats.reused_tokens <= first.shape[1] + len(answer.tokens) - 1
+    fresh = SpeculativeDecoder(target, DGFDrafter(dgf, depth=3, topk=3, budget=7), config)
+    alone = fresh.generate(second)
+    assert alone.stats.reused_tokens == 0 and turn.tokens == alone.tokens
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=12, prefix_cache=False)).generate(second)
+    assert plain.tokens == turn.tokens and plain.stats.reused_tokens == 0
+    if engine == "compiled":
+        held = compiled.cache_length(cached.prompt_cache.cache)
+        assert held == compiled.cache_length(fresh.prompt_cache.cache)
+        for reused, prefilled in zip(cached.prompt_cache.cache.tensors, fresh.prompt_cache.cache.tensors):
+            assert torch.equal(reused[:, :, :held], prefilled[:, :, :held])
+        for layer, states in cached.prompt_cache.hidden.items():
+            assert torch.equal(states, fresh.prompt_cache.hidden[layer])
+
+
+def test_prefix_cache_starts_fresh_where_nothing_is_shared_or_the_cache_is_too_small(compiled_pair):
+    _, compiled, _ = compiled_pair
+    decoder = SpeculativeDecoder(compiled, None, DecodeConfig(max_new_tokens=8))
+    first = repetitive_prompt(0, period=5)
+    decoder.generate(first)
+    other = (first + 1) % 96
+    assert decoder.generate(other).stats.reused_tokens == 0  # no common first token
+    assert decoder.generate(other).stats.reused_tokens == other.shape[1] - 1  # the same prompt: all but its last
+    cache = decoder.prompt_cache.cache
+    assert compiled.fits(cache, 16) and not compiled.fits(cache, 128 - 8 + 1)  # FAST: capacity 128, buckets to 8
+    assert decoder.prompt_cache.take(compiled, other[0], (), 128)[1] == 0

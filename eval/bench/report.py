@@ -175,12 +175,16 @@ def prefill_lines(results: dict) -> list[str]:
     if results["config"].get("temperature", 0.0) > 0 or not base or not base.get("prefill_s"):
         return []
     base_decode = base["seconds"] - base["prefill_s"]
-    rows = [f"| {method} | {entry['prefill_s']:.1f} | {entry['prefill_s'] / entry['seconds']:.0%} | "
+    rows = [f"| {method} | {entry['prefill_s']:.1f} | {entry.get('reused_tokens', 0):,} | "
+            f"{entry['prefill_s'] / entry['seconds']:.0%} | "
             f"{base_decode / (entry['seconds'] - entry['prefill_s']):.2f}x |"
             for method, entry in summary.items() if entry.get("prefill_s")]
-    return ["", "The prompts' prefill (the target's forward over each prompt, the same for every method; the "
-            "speedups above include it) and the speedup over plain-compiled without it:", "",
-            "| method | prefill s | share of its time | decode-only speedup |", "|---|---|---|---|"] + rows
+    prompt_tokens = sum(row["prompt_tokens"] for row in results.get("per_prompt") or [])
+    return ["", f"The prompts' prefill (the target's forward over each prompt's tokens, {prompt_tokens:,} in all, but "
+            "those a method's prefix cache held from its last prompt; the speedups above include it) and the speedup "
+            "over plain-compiled without it:", "",
+            "| method | prefill s | prompt tokens reused | share of its time | decode-only speedup |",
+            "|---|---|---|---|---|"] + rows
 
 
 def verify_width_lines(summary: dict, share: float = 0.05) -> list[str]:

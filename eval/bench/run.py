@@ -50,7 +50,7 @@ from draftsmith.config import (ConfigError, check_config, command_parser, config
 from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench.progress import Progress
-from draftsmith.eval.decode.decoder import BUDGET_LIMIT, DecodeConfig, DecodeStats, Method
+from draftsmith.eval.decode.decoder import BUDGET_LIMIT, PREFIX_CACHE, DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
 from draftsmith.eval.documents import cpu_isa, cpu_model, memory_stall_seconds
 from draftsmith.eval.bench.methods import (PLAIN, PLAIN_COMPILED, BuildContext, MethodSpec, build_method, lookup,
@@ -96,6 +96,8 @@ class BenchConfig(PromptSettings):
     threads: int = option(0, "torch CPU threads (0: torch's default)", ge=0)
     budget_limit: int = option(BUDGET_LIMIT, "the largest tree a drafter may propose (+ the root: the largest "
                                              "bucket)", ge=0)
+    prefix_cache: bool = option(PREFIX_CACHE, "our methods start each prompt from their KV cache of the last one "
+                                              "where the tokens agree (MT-Bench's second turn, the system prompt)")
     backend: Backend = option(Backend.COMPILED, "engine of our methods: compiled (static shapes, AOT-compiled "
                                                 "graphs, cached on disk) or eager")
     compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
@@ -231,7 +233,8 @@ def run_prompt_turn(state: BenchState, suite: str, conv, answers: list[str], inp
         check_lossless(state, spec, tokens, references, f"{conv.id} turn {turn}")
         row[str(spec)] = {"seconds": seconds, "new_tokens": len(tokens), "tokens": tokens,
                           "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
-                          "tau": stats.tau if stats else 1.0, "prefill_s": stats.prefill_s if stats else None}
+                          "tau": stats.tau if stats else 1.0, "prefill_s": stats.prefill_s if stats else None,
+                          "reused_tokens": stats.reused_tokens if stats else None}
     eager, compiled = references.get(Backend.EAGER), references.get(Backend.COMPILED)
     if state.config.temperature == 0 and len(references) == 2 and eager != compiled:
         row["compiled_vs_hf"] = first_difference(state.context.target, input_ids, eager, compiled)
@@ -318,7 +321,7 @@ def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool,
              "new_tokens": total_tokens, "prompts": len(runs), "tau": stats.tau if forwards else None,
              "depth_acceptance": {str(k): v for k, v in stats.depth_acceptance.items()},
              "tree_tokens_per_round": stats.tree_tokens / forwards if forwards else None,
-             "prefill_s": stats.prefill_s, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
+             "prefill_s": stats.prefill_s, "reused_tokens": stats.reused_tokens, "draft_s": stats.draft_s, "verify_s": stats.verify_s,
              "other_s": stats.other_s, "draft_ms_per_round": stats.draft_ms_per_round if forwards else None,
              "verify_ms_by_width": {str(w): ms for w, ms in stats.verify_ms_by_width.items()},
              "verify_rounds_by_width": {str(w): n for w, n in sorted(stats.verify_width_rounds.items())}}
@@ -488,7 +491,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
         context.target_for(method)  # every engine exists before compiling
     compile_report = prepare_engines(context, progress)
     decode = DecodeConfig(max_new_tokens=config.max_new_tokens, budget_limit=config.budget_limit,
-                          temperature=config.temperature, seed=config.seed)
+                          temperature=config.temperature, seed=config.seed, prefix_cache=config.prefix_cache)
     machine = machine_info(target)
     state = BenchState(config, context, methods, decode, {spec: {"runs": [], "mismatches": []} for spec in methods},
                        [])

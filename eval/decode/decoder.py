@@ -42,6 +42,7 @@ from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 
 BUDGET_LIMIT = 63  # the largest draft tree by default: with its root, the compiled engine's largest bucket (64)
+PREFIX_CACHE = True  # requests start from the slots they share with the decoder's last one (DecodeConfig)
 
 
 @dataclass
@@ -54,6 +55,9 @@ class DecodeConfig:
                                              "engine's largest bucket; verification cost grows with it)", ge=0)
     stop_on_eos: bool = option(True, "stop after an end-of-sequence token")
     seed: int = option(0, "sampling seed")
+    prefix_cache: bool = option(PREFIX_CACHE, "start each request from the KV cache of the decoder's last one where their "
+                                      "tokens agree (a conversation's next turn, a shared system prompt), as "
+                                      "llama.cpp's cache_prompt and vLLM's prefix caching do")
 
     def __post_init__(self):
         check_config(self)
@@ -73,6 +77,7 @@ class DecodeStats:
     depth_accepts: Counter = field(default_factory=Counter)  # depth k -> rounds accepting depth k
     tree_tokens: int = 0  # draft nodes sent to verification, summed
     prefill_s: float = 0.0
+    reused_tokens: int = 0  # prompt tokens whose KV came from the decoder's last request (DecodeConfig.prefix_cache)
     draft_s: float = 0.0  # everything the drafter does: begin and observe (its own context), propose
     verify_s: float = 0.0
     total_s: float = 0.0
@@ -193,12 +198,43 @@ def check_parts(target, drafter, config) -> None:
                      ("config", config, (DecodeConfig, type(None)), "DecodeConfig(max_new_tokens=...)")])
 
 
+class PromptCache:
+    """The target's KV cache after a decoder's last request, the tokens it holds and their hidden states (the
+    layers that decoder's drafter reads). The next request takes the slots of their longest common prefix and
+    prefills only the rest. With batch-invariant forwards (the compiled engine's kernels) a slot holds the same
+    bits whether a prefill, a step or a verify wrote it, so outputs are the same with or without the cache."""
+
+    def __init__(self):
+        self.target: TargetModel | None = None
+        self.cache = None
+        self.tokens = torch.empty(0, dtype=torch.long)
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    def take(self, target: TargetModel, prompt: torch.Tensor, layers: tuple[int, ...], max_length: int):
+        """(cache, reused slots, {layer: their hidden states}) for a request of `prompt` (at least its last token
+        is left to prefill, for the first token's logits); (None, 0, {}) where nothing can be reused."""
+        cache, self.cache = self.cache, None  # the request owns it now
+        usable = (cache is not None and self.target is target and set(layers) <= set(self.hidden)
+                  and target.fits(cache, max_length))
+        n = min(self.tokens.numel(), prompt.numel() - 1) if usable else 0
+        same = (self.tokens[:n] == prompt[:n].to(self.tokens.device)).long().cumprod(0)
+        reused = int(same.sum())
+        if reused == 0:
+            return None, 0, {}
+        target.truncate(cache, reused)
+        return cache, reused, {k: self.hidden[k][:reused] for k in layers}
+
+    def keep(self, target: TargetModel, cache, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        self.target, self.cache, self.tokens, self.hidden = target, cache, tokens, hidden
+
+
 class Generation:
     """One request: prefill, then verification rounds, token emission with the EOS / max-token stop,
-    stats. The loops of SpeculativeDecoder, the pipeline and Self-Draft are built from it."""
+    stats. The loops of SpeculativeDecoder, the pipeline and Self-Draft are built from it. With a `prompt_cache`
+    the request starts from the slots it shares with the last one and leaves its own cache there when done."""
 
     def __init__(self, target: TargetModel, config: DecodeConfig, input_ids: torch.Tensor,
-                 hidden_layers: tuple[int, ...] = ()):
+                 hidden_layers: tuple[int, ...] = (), prompt_cache: PromptCache | None = None):
         check_input_ids(input_ids, target.config.vocab_size, target.max_positions, config.max_new_tokens)
         self.target, self.config = target, config
         self.sampling = config.sampling
@@ -208,10 +244,16 @@ class Generation:
         self.stats = DecodeStats()
         self.start = time.perf_counter()
         self.prompt = input_ids.to(device)[0]
-        self.cache = target.new_cache(self.prompt.numel() + config.max_new_tokens + config.budget_limit + 1)
-        out = target.forward(self.prompt[None], self.cache, hidden_layers=tuple(hidden_layers), last_only=True,
+        self.prompt_cache, self.layers = prompt_cache, tuple(hidden_layers)
+        max_length = self.prompt.numel() + config.max_new_tokens + config.budget_limit + 1
+        self.cache, reused, earlier = (prompt_cache.take(target, self.prompt, self.layers, max_length)
+                                       if prompt_cache is not None else (None, 0, {}))
+        self.cache = self.cache if self.cache is not None else target.new_cache(max_length)
+        out = target.forward(self.prompt[None, reused:], self.cache, hidden_layers=self.layers, last_only=True,
                              argmax_only=self.sampling is None)
-        self.prefill_hidden = {k: v[0] for k, v in out.hidden.items()}
+        self.prefill_hidden = {k: torch.cat([earlier[k], v[0]]) if reused else v[0] for k, v in out.hidden.items()}
+        self.kept_hidden = {k: [v] for k, v in self.prefill_hidden.items()}  # every cache slot's, for prompt_cache
+        self.stats.reused_tokens = reused
         self.root = self.pick(out.logits[0, -1])
         self.generated = [self.root]
         self.context = torch.cat([self.prompt, torch.tensor([self.root], device=device)])
@@ -279,6 +321,9 @@ class Generation:
         else:
             target.commit(self.cache, torch.cat([torch.arange(past, device=device), past + slots]))
         hidden = {k: v[0, slots] for k, v in out.hidden.items()}  # (m, H) per layer
+        if self.prompt_cache is not None:
+            for k in self.layers:
+                self.kept_hidden[k].append(hidden[k])
         seconds = time.perf_counter() - tick
         self.stats.verify_s += seconds
         self.stats.verify_width_s[len(ids)] += seconds
@@ -302,6 +347,10 @@ class Generation:
         return emitted
 
     def result(self) -> DecodeResult:
+        if self.prompt_cache is not None:  # the cache holds the context but its last token (the next root)
+            held = self.target.cache_length(self.cache)
+            self.prompt_cache.keep(self.target, self.cache, self.context[:held].cpu(),
+                                   {k: torch.cat(v)[:held] for k, v in self.kept_hidden.items()})
         self.stats.total_s = time.perf_counter() - self.start
         self.stats.new_tokens = len(self.generated)
         return DecodeResult(tokens=list(self.generated), stats=self.stats)
@@ -310,11 +359,13 @@ class Generation:
 class SpeculativeDecoder:
     """Speculative decoding of one target with one drafter (NoDrafter: plain decoding in our loop)."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter | None = None, config: DecodeConfig | None = None):
+    def __init__(self, target: TargetModel, drafter: Drafter | None = None, config: DecodeConfig | None = None,
+                 prompt_cache: PromptCache | None = None):
         check_parts(target, drafter, config)
         self.target = target
         self.drafter = drafter or NoDrafter()
         self.config = config or DecodeConfig()
+        self.prompt_cache = (prompt_cache or PromptCache()) if self.config.prefix_cache else None
         if self.drafter.tokenizer is not None:
             check_same_tokenizer(target.tokenizer, self.drafter.tokenizer, what=f"{self.drafter.name} drafter")
 
@@ -322,7 +373,7 @@ class SpeculativeDecoder:
     def generate(self, input_ids: torch.Tensor) -> DecodeResult:
         """input_ids (1, T) -> up to max_new_tokens new tokens (stops after an EOS)."""
         drafter, layers = self.drafter, tuple(self.drafter.hidden_layers)
-        gen = Generation(self.target, self.config, input_ids, layers)
+        gen = Generation(self.target, self.config, input_ids, layers, self.prompt_cache)
         with gen.drafting():  # the drafter's work on the prompt (a feature drafter's context) is drafting too
             drafter.begin(gen.prompt)
             drafter.observe(gen.prompt, gen.prefill_hidden)
@@ -360,6 +411,7 @@ class DrafterMethod(Method):
 
     def __init__(self, drafter: Drafter | None, name: str, backend: Backend | None = None):
         self.drafter, self.name, self.backend = drafter, name, backend
+        self.prompt_cache = PromptCache()  # kept from request to request (DecodeConfig.prefix_cache)
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig) -> SpeculativeDecoder:
-        return SpeculativeDecoder(target, self.drafter, config)
+        return SpeculativeDecoder(target, self.drafter, config, self.prompt_cache)
