@@ -136,7 +136,8 @@ class ToolkitPlain:
         self.target.release()
 
     def complete(self, ids: list[int], max_new_tokens: int) -> dict:
-        decoder = SpeculativeDecoder(self.target, config=DecodeConfig(max_new_tokens=max_new_tokens))
+        config = DecodeConfig(max_new_tokens=max_new_tokens, prefix_cache=False)  # as the servers' cache_prompt
+        decoder = SpeculativeDecoder(self.target, config=config)
         result = decoder.generate(torch.tensor([ids]))
         stats = result.stats
         return {"tokens": result.tokens, "timings": {"prompt_ms": 1000 * stats.prefill_s,
