@@ -67,6 +67,7 @@ STEPS=(
   "goal_float32|$ENGINE/goal_bench/bench.json|0|quiet $BENCH --config eval/configs/goal_bench_smollm2.yaml output_dir=$ENGINE/goal_bench"
   "goal_w8a8|$ENGINE/goal_bench_w8a8/bench.json|0|quiet $BENCH --config eval/configs/goal_bench_w8a8_smollm2.yaml output_dir=$ENGINE/goal_bench_w8a8"
   "goal_bfloat16|$ENGINE/goal_bench_bfloat16/bench.json|1|quiet $BENCH --config eval/configs/goal_bench_smollm2.yaml dtype=bfloat16 output_dir=$ENGINE/goal_bench_bfloat16"
+  "tree_sizes_int8|$ENGINE/tree_sizes_int8/bench.json|0|quiet $BENCH --config eval/configs/tree_sizes_int8_smollm2.yaml output_dir=$ENGINE/tree_sizes_int8"
   "draft_sizes_int8|$ENGINE/draft_sizes_int8/bench.json|0|quiet $BENCH --config eval/configs/draft_sizes_int8_smollm2.yaml output_dir=$ENGINE/draft_sizes_int8"
   "engines|-|0|engines"
   "llamacpp_f32_plain|$ENGINE/engines/llamacpp_f32_plain_interleaved.json|0|quiet python -m draftsmith.eval.engines.llamacpp_bench methods=plain max_new_tokens=128 num_prompts=10 output=$ENGINE/engines/llamacpp_f32_plain_interleaved.json"
