@@ -113,6 +113,20 @@ def test_eos_stops_like_generate(family):
         assert result.tokens == expected, kind
 
 
+@pytest.mark.parametrize("kind", ["self-draft", "pipeline-chain"])
+def test_policies_with_their_own_loop_start_from_their_last_request(kind):
+    """A conversation's next turn: the policy's loop prefills only what follows its last request's cache."""
+    model = tiny_model("llama", seed=0, num_layers=3)
+    target = TargetModel(model, tokenizer=None)
+    policy, first = make_policy(kind, model, 0), repetitive_prompt(0)
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS)
+    answer = policy.make_decoder(target, config).generate(first)
+    second = torch.cat([first[0], torch.tensor(answer.tokens + [5, 6])])[None]
+    result = policy.make_decoder(target, config).generate(second)
+    assert result.stats.reused_tokens >= first.shape[1]
+    assert result.tokens == reference_greedy(model, second)
+
+
 @pytest.mark.parametrize("kind", ["minions-tree", "pipeline", "union", "union-first", pytest.param("llmcad", marks=pytest.mark.slow),
                                   pytest.param("self-draft", marks=pytest.mark.slow)])
 def test_sampling_matches_target_distribution(kind):

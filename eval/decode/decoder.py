@@ -55,9 +55,9 @@ class DecodeConfig:
                                              "engine's largest bucket; verification cost grows with it)", ge=0)
     stop_on_eos: bool = option(True, "stop after an end-of-sequence token")
     seed: int = option(0, "sampling seed")
-    prefix_cache: bool = option(PREFIX_CACHE, "start each request from the KV cache of the decoder's last one where their "
-                                      "tokens agree (a conversation's next turn, a shared system prompt), as "
-                                      "llama.cpp's cache_prompt and vLLM's prefix caching do")
+    prefix_cache: bool = option(PREFIX_CACHE, "start each request from the KV cache of the method's last one where "
+                                              "their tokens agree (a conversation's next turn, a shared system "
+                                              "prompt), as llama.cpp's cache_prompt and vLLM's prefix caching do")
 
     def __post_init__(self):
         check_config(self)
@@ -402,6 +402,14 @@ class Method:
     def make_decoder(self, target: TargetModel, config: DecodeConfig):
         raise NotImplementedError
 
+    def kept_prompt(self, config: DecodeConfig) -> PromptCache | None:
+        """This method's PromptCache, kept from request to request (None where config.prefix_cache is off)."""
+        if not config.prefix_cache:
+            return None
+        if "_prompt_cache" not in vars(self):
+            self._prompt_cache = PromptCache()
+        return self._prompt_cache
+
     def summary(self) -> dict | None:
         return self.drafter.summary() if self.drafter is not None else None
 
@@ -411,7 +419,6 @@ class DrafterMethod(Method):
 
     def __init__(self, drafter: Drafter | None, name: str, backend: Backend | None = None):
         self.drafter, self.name, self.backend = drafter, name, backend
-        self.prompt_cache = PromptCache()  # kept from request to request (DecodeConfig.prefix_cache)
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig) -> SpeculativeDecoder:
-        return SpeculativeDecoder(target, self.drafter, config, self.prompt_cache)
+        return SpeculativeDecoder(target, self.drafter, config, self.kept_prompt(config))

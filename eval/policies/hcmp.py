@@ -336,4 +336,5 @@ class HcmpPolicy(Method):
         self.drafter, self.config, self.name = drafter, config, name
 
     def make_decoder(self, target, config) -> HcmpDecoder:
-        return HcmpDecoder(SpeculativeDecoder(target, self.drafter, config), HcmpPlan(target.model, self.config))
+        return HcmpDecoder(SpeculativeDecoder(target, self.drafter, config, self.kept_prompt(config)),
+                           HcmpPlan(target.model, self.config))

@@ -108,7 +108,7 @@ class PipelineDecoder:
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor) -> DecodeResult:
-        gen = Generation(self.target, self.config, input_ids)
+        gen = Generation(self.target, self.config, input_ids, prompt_cache=self.policy.kept_prompt(self.config))
         draft_generator = (torch.Generator(device=self.target.device).manual_seed(self.config.seed + 1)
                            if gen.sampling else None)
         with gen.drafting():

@@ -96,7 +96,7 @@ class DovetailPolicy(Method):
     def make_decoder(self, target, config) -> "DovetailDecoder":
         if self.drafter is None or self.drafter.target_device != target.device:
             self.drafter = PlacedDrafter(self.inner, self.device, target.device)
-        return DovetailDecoder(SpeculativeDecoder(target, self.drafter, config), self.drafter)
+        return DovetailDecoder(SpeculativeDecoder(target, self.drafter, config, self.kept_prompt(config)), self.drafter)
 
 
 class DovetailDecoder:

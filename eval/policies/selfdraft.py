@@ -201,7 +201,7 @@ class SelfDraftDecoder:
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor) -> DecodeResult:
-        gen = Generation(self.target, self.config, input_ids)
+        gen = Generation(self.target, self.config, input_ids, prompt_cache=self.policy.kept_prompt(self.config))
         branches = self._initial_branches(gen.prompt.tolist(), torch.Generator().manual_seed(self.sd.seed))
         context_cache = NgramCache(self.sd.cache_size)
         context = gen.context.tolist()
