@@ -127,6 +127,23 @@ def test_policies_with_their_own_loop_start_from_their_last_request(kind):
     assert result.tokens == reference_greedy(model, second)
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_draft_lm_keeps_its_cache_for_the_next_request_unless_the_prefix_cache_is_off(prefix_cache):
+    model = tiny_model("llama", seed=0, num_layers=3)
+    target = TargetModel(model, tokenizer=None)
+    drafter = LMDrafter(layer_subset_student(model, [0]), mode="chain", budget=3)
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, prefix_cache=prefix_cache)
+    decoder, first = SpeculativeDecoder(target, drafter, config), repetitive_prompt(0)
+    answer = decoder.generate(first)
+    second = torch.cat([first[0], torch.tensor(answer.tokens + [5, 6])])[None]
+    widths, forward = [], drafter.lm.forward
+    drafter.lm.forward = lambda input_ids, *args, **kwargs: widths.append(input_ids.shape[1]) or forward(
+        input_ids, *args, **kwargs)
+    assert decoder.generate(second).tokens == reference_greedy(model, second)
+    reused = first.shape[1] + len(answer.tokens) - 1  # all but the answer's last token, which the drafter never fed
+    assert widths[0] == (second.shape[1] + 1 - reused if prefix_cache else second.shape[1] + 1)
+
+
 @pytest.mark.parametrize("kind", ["minions-tree", "pipeline", "union", "union-first", pytest.param("llmcad", marks=pytest.mark.slow),
                                   pytest.param("self-draft", marks=pytest.mark.slow)])
 def test_sampling_matches_target_distribution(kind):

@@ -375,6 +375,8 @@ class SpeculativeDecoder:
         drafter, layers = self.drafter, tuple(self.drafter.hidden_layers)
         gen = Generation(self.target, self.config, input_ids, layers, self.prompt_cache)
         with gen.drafting():  # the drafter's work on the prompt (a feature drafter's context) is drafting too
+            if self.prompt_cache is None:
+                drafter.forget()
             drafter.begin(gen.prompt)
             drafter.observe(gen.prompt, gen.prefill_hidden)
         while not gen.done:

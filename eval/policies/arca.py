@@ -54,6 +54,9 @@ class RankRecorder(Drafter):
         self._pending = None
         self.inner.begin(prompt_ids)
 
+    def forget(self) -> None:
+        self.inner.forget()
+
     def observe(self, tokens, hidden):
         self.inner.observe(tokens, hidden)
 

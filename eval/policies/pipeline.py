@@ -112,6 +112,8 @@ class PipelineDecoder:
         draft_generator = (torch.Generator(device=self.target.device).manual_seed(self.config.seed + 1)
                            if gen.sampling else None)
         with gen.drafting():
+            if not self.config.prefix_cache:
+                self.drafter.forget()
             self.drafter.begin(gen.prompt)
             self.drafter.observe(gen.prompt, {})
         ready: DraftTree | None = None  # a pre-drafted tree for the current root

@@ -61,6 +61,9 @@ class PlacedDrafter(Drafter):
         self.transfer_bytes += tensor_bytes(prompt_ids)
         self.inner.begin(self._context)
 
+    def forget(self) -> None:
+        self.inner.forget()
+
     def observe(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         self.transfer_bytes += tensor_bytes(tokens) + sum(tensor_bytes(h) for h in hidden.values())
         self.inner.observe(tokens.to(self.device), {k: v.to(self.device) for k, v in hidden.items()})

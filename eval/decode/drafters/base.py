@@ -106,6 +106,10 @@ class Drafter:
     def begin(self, prompt_ids: torch.Tensor) -> None:
         pass
 
+    def forget(self) -> None:
+        """Drop what the drafter keeps from earlier requests for the next one's prompt (a draft LM's KV cache: the
+        decoders call it before `begin` where DecodeConfig.prefix_cache is off)."""
+
     def observe(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         pass
 
@@ -135,6 +139,10 @@ class CompositeDrafter(Drafter):
     def begin(self, prompt_ids):
         for drafter in self.drafters:
             drafter.begin(prompt_ids)
+
+    def forget(self) -> None:
+        for drafter in self.drafters:
+            drafter.forget()
 
     def observe(self, tokens, hidden):
         for drafter in self.drafters:

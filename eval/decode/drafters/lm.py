@@ -72,9 +72,15 @@ class LMDrafter(Drafter):
         return self.model.device
 
     def begin(self, prompt_ids):
+        """A new request: the cache of the last one stays (`_sync` keeps what the new context shares with it, as
+        the target's PromptCache does) unless `forget` dropped it."""
         if self.lm is None or self.lm.model is not self.model:  # the eager engine of (a moved copy of) the model
-            self.lm = TargetModel(self.model, self.tokenizer)
-        self.cache, self.cached = self.lm.new_cache(), []
+            self.lm, self.cache = TargetModel(self.model, self.tokenizer), None
+        if self.cache is None:
+            self.cache, self.cached = self.lm.new_cache(), []
+
+    def forget(self) -> None:
+        self.cache, self.cached = None, []
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                  allowed: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
