@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import transformers
 
-from draftsmith.config import check_config, config_to_dict, option
+from draftsmith.config import ConfigError, check_config, config_to_dict, option
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.documents import cpu_model, parse_document_command, write_document
 from draftsmith.eval.roofline import head_dim, model_linears
@@ -101,7 +101,7 @@ class KernelABConfig:
     def __post_init__(self):
         check_config(self)
         if self.context_tokens + max(self.widths) > self.capacity:
-            raise UserError(f"context_tokens={self.context_tokens} + the widest step ({max(self.widths)}) exceed "
+            raise ConfigError(f"context_tokens={self.context_tokens} + the widest step ({max(self.widths)}) exceed "
                             f"capacity={self.capacity}")
 
 

@@ -476,7 +476,7 @@ class StaticKVBook:
     def new_cache(self, max_length: int | None = None) -> StaticKV:
         """A fresh preallocated cache (its own tensors: two requests, e.g. a drafter and its target, never
         share one)."""
-        if max_length is not None and max_length + self.buckets[-1] > self.capacity:
+        if max_length is not None and not self.fits(max_length):
             raise UserError(f"this request needs up to {max_length} KV slots (+ one padded bucket); the compiled "
                             f"engine holds {self.capacity}: raise its capacity or shorten the request")
         return StaticKV(zeroed_cache(self.kv), 0)
@@ -484,8 +484,8 @@ class StaticKVBook:
     def cache_length(self, cache: StaticKV) -> int:
         return cache.length
 
-    def fits(self, cache: StaticKV, max_length: int) -> bool:
-        """Whether `cache` (one of this engine's) can take a request of up to `max_length` tokens."""
+    def fits(self, max_length: int) -> bool:
+        """Whether this engine's caches take a request of up to `max_length` tokens (+ one padded bucket)."""
         return max_length + self.buckets[-1] <= self.capacity
 
     def truncate(self, cache: StaticKV, length: int) -> None:

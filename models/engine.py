@@ -130,8 +130,8 @@ class EagerBuild:
     def truncate(self, cache: DynamicCache, length: int) -> None:
         crop_cache(cache, length)
 
-    def fits(self, cache: DynamicCache, max_length: int) -> bool:
-        """Whether `cache` can take a request of up to `max_length` tokens (a DynamicCache grows: always)."""
+    def fits(self, max_length: int) -> bool:
+        """Whether this engine's caches take a request of up to `max_length` tokens (a DynamicCache grows: always)."""
         return True
 
 

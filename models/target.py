@@ -239,9 +239,9 @@ class TargetModel:
         """Committed slots in the cache."""
         return self.engine.cache_length(cache)
 
-    def fits(self, cache, max_length: int) -> bool:
-        """Whether `cache` (from `new_cache`) can take a request of up to `max_length` tokens."""
-        return self.engine.fits(cache, max_length)
+    def fits(self, max_length: int) -> bool:
+        """Whether the caches `new_cache` gives take a request of up to `max_length` tokens."""
+        return self.engine.fits(max_length)
 
     def commit(self, cache, keep: torch.Tensor) -> None:
         """Keep only the cache slots `keep` (1D, increasing): the prefix plus the accepted path."""

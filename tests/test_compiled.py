@@ -283,6 +283,5 @@ def test_prefix_cache_starts_fresh_where_nothing_is_shared_or_the_cache_is_too_s
     other = (first + 1) % 96
     assert decoder.generate(other).stats.reused_tokens == 0  # no common first token
     assert decoder.generate(other).stats.reused_tokens == other.shape[1] - 1  # the same prompt: all but its last
-    cache = decoder.prompt_cache.cache
-    assert compiled.fits(cache, 16) and not compiled.fits(cache, 128 - 8 + 1)  # FAST: capacity 128, buckets to 8
+    assert compiled.fits(16) and not compiled.fits(128 - 8 + 1)  # FAST: capacity 128, buckets to 8
     assert decoder.prompt_cache.take(compiled, other[0], (), 128)[1] == 0

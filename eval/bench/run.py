@@ -322,8 +322,8 @@ def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool,
              "depth_acceptance": {str(k): v for k, v in stats.depth_acceptance.items()},
              "tree_tokens_per_round": stats.tree_tokens / forwards if forwards else None,
              "prefill_s": stats.prefill_s, "reused_tokens": stats.reused_tokens, "draft_s": stats.draft_s,
-             "verify_s": stats.verify_s,
-             "other_s": stats.other_s, "draft_ms_per_round": stats.draft_ms_per_round if forwards else None,
+             "verify_s": stats.verify_s, "other_s": stats.other_s,
+             "draft_ms_per_round": stats.draft_ms_per_round if forwards else None,
              "verify_ms_by_width": {str(w): ms for w, ms in stats.verify_ms_by_width.items()},
              "verify_rounds_by_width": {str(w): n for w, n in sorted(stats.verify_width_rounds.items())}}
     if plain_runs:

@@ -215,7 +215,7 @@ class PromptCache:
         is left to prefill, for the first token's logits); (None, 0, {}) where nothing can be reused."""
         cache, self.cache = self.cache, None  # the request owns it now
         usable = (cache is not None and self.target is target and set(layers) <= set(self.hidden)
-                  and target.fits(cache, max_length))
+                  and target.fits(max_length))
         n = min(self.tokens.numel(), prompt.numel() - 1) if usable else 0
         same = (self.tokens[:n] == prompt[:n].to(self.tokens.device)).long().cumprod(0)
         reused = int(same.sum())
