@@ -219,6 +219,8 @@ def interpolate_latency(curve: dict[int, float], nodes: int, step: bool = False)
         return values[next((b for b in budgets if b >= nodes), budgets[-1])]
     if nodes <= budgets[0]:
         return values[budgets[0]]
+    if nodes in values:  # a measured budget: its own time (interpolating to it can round off its last bit)
+        return values[nodes]
     for low, high in zip(budgets, budgets[1:]):
         if nodes <= high:
             return values[low] + (values[high] - values[low]) * (nodes - low) / (high - low)
