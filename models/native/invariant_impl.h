@@ -515,6 +515,53 @@ inline float exps_in_place(float* sc, int64_t n, float largest) {
   return vreduce_add(total);
 }
 
+// The value sums' tile: an accumulator per head for each of G chunks of the head_dim, the G chunks of a value, and the
+// broadcast weight, all in registers (AVX2 has 16: 3 heads x 8 chunks of a 64-wide head took 24 and were stored and
+// reloaded every key). weigh_run sweeps a run of VALUE_RUN keys (their values in L1 after the first sweep) once per G
+// chunks, the accumulators kept in memory between runs. Each accumulator still sums its keys in order: the tile
+// changes no bit of a result.
+// A value row requested while its key is scored: weigh_run's sweeps then find every value in cache.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, 0, 3);
+}
+
+constexpr int VECTOR_REGISTERS = VL == 16 ? 32 : 16;
+constexpr int64_t VALUE_RUN = 32;
+
+constexpr int value_chunks(int heads, int chunks) {
+  int g = chunks;
+  while (g > 1 && ((heads + 1) * g + 1 > VECTOR_REGISTERS || chunks % g)) --g;
+  return g;
+}
+
+// sum[h][c] += the weights of keys first .. last - 1 (per head, at scores + h * stride) times their values' chunks
+// c0 .. c0 + G - 1, key by key in order.
+template <int HEADS, int CHUNKS, int G, typename T>
+void weigh_run(V (&sum)[HEADS][CHUNKS], const T* values, int64_t value_stride, const int64_t* visible, int64_t first,
+               int64_t last, const float* scores, int64_t stride, int c0) {
+  V acc[HEADS][G];  // (unrolled so GCC keeps the accumulators in registers, not stored every key)
+#pragma GCC unroll 32
+  for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 32
+    for (int c = 0; c < G; ++c) acc[h][c] = sum[h][c0 + c];
+  for (int64_t i = first; i < last; ++i) {
+    const T* value = values + visible[i] * value_stride + c0 * VL;
+    V loaded[G];
+#pragma GCC unroll 32
+    for (int c = 0; c < G; ++c) loaded[c] = load_row(value, c * VL, VL);
+#pragma GCC unroll 32
+    for (int h = 0; h < HEADS; ++h) {
+      const V p = vset1(scores[h * stride + i]);
+#pragma GCC unroll 32
+      for (int c = 0; c < G; ++c) acc[h][c] = vfma(p, loaded[c], acc[h][c]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 32
+    for (int c = 0; c < G; ++c) sum[h][c0 + c] = acc[h][c];
+}
+
 // One block of one query row for HEADS query heads sharing one kv head, head_dim = CHUNKS * VL: each key and value
 // is loaded once for the heads; VL keys' scores are reduced together, each by the same tree as alone.
 template <int HEADS, int CHUNKS, typename T>
@@ -536,6 +583,7 @@ void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T*
       if (t < count) {
         const T* key = keys + visible[first + t] * key_stride;
         mask_values[t] = mask_row[visible[first + t]];
+        prefetch_row(values + visible[first + t] * value_stride, CHUNKS * VL * int64_t(sizeof(T)));
         V loaded[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(key, c * VL, VL);
         for (int c = 0; c < CHUNKS; ++c)
@@ -552,28 +600,17 @@ void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T*
     largest[h] = max_of(s.scores.data() + h * stride, n);
     total[h] = exps_in_place(s.scores.data() + h * stride, n, largest[h]);
   }
-  V sum[HEADS][CHUNKS];  // (unrolled so GCC keeps the accumulators in registers, not stored every key)
-#pragma GCC unroll 32
+  constexpr int G = value_chunks(HEADS, CHUNKS);
+  V sum[HEADS][CHUNKS];
   for (int h = 0; h < HEADS; ++h)
-#pragma GCC unroll 32
     for (int c = 0; c < CHUNKS; ++c) sum[h][c] = vzero();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* value = values + visible[i] * value_stride;
-    V loaded[CHUNKS];
-#pragma GCC unroll 32
-    for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(value, c * VL, VL);
-#pragma GCC unroll 32
-    for (int h = 0; h < HEADS; ++h) {
-      V p = vset1(s.scores[h * stride + i]);
-#pragma GCC unroll 32
-      for (int c = 0; c < CHUNKS; ++c) sum[h][c] = vfma(p, loaded[c], sum[h][c]);
-    }
-  }
-#pragma GCC unroll 32
+  for (int64_t first = 0; first < n; first += VALUE_RUN)
+    for (int c0 = 0; c0 < CHUNKS; c0 += G)
+      weigh_run<HEADS, CHUNKS, G>(sum, values, value_stride, visible, first, std::min(n, first + VALUE_RUN),
+                                  s.scores.data(), stride, c0);
   for (int h = 0; h < HEADS; ++h) {
     if (target.out) {
       const V inverse = vset1(n ? 1.0f / total[h] : 0.0f);
-#pragma GCC unroll 32
       for (int c = 0; c < CHUNKS; ++c)
         vstore_out(target.out + h * (CHUNKS * VL) + c * VL, vmul(sum[h][c], inverse), VL);
       continue;
@@ -581,7 +618,6 @@ void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T*
     float* partial = target.partial + h * target.partial_stride;
     partial[0] = largest[h];
     partial[1] = total[h];
-#pragma GCC unroll 32
     for (int c = 0; c < CHUNKS; ++c) vstore(partial + 2 + c * VL, sum[h][c]);
   }
 }
