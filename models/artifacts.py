@@ -30,8 +30,8 @@ from draftsmith.config import option, parse_script
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write_json
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
-from draftsmith.models.dgf import DGFConfig, DGFModel
-from draftsmith.models.vocab import DraftVocab
+from draftsmith.models.dgf import DGFConfig, DGFModel, Fusion
+from draftsmith.models.vocab import DraftHead, DraftVocab
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
 from draftsmith.models.target import dtype_name, resolve_device, vocab_fingerprint
 
@@ -181,7 +181,7 @@ def load_medusa_heads(path: str | Path, device: str | torch.device | None = None
         raise ArtifactMissing(f"Medusa checkpoint {path} is incomplete: {config_file.name} is missing")
     heads = MedusaHeads(MedusaConfig(**read_json(config_file, "Medusa config")))
     load_state(heads, load_weights(heads_file), heads_file, config_file)
-    if heads.config.head == "slice" and target is not None:  # the frozen slice: the target's own rows
+    if heads.config.head is DraftHead.SLICE and target is not None:  # the frozen slice: the target's own rows
         heads.init_lm_heads(target.model.get_output_embeddings().weight)
     return heads.to(resolve_device(device)).eval(), manifest
 
@@ -200,10 +200,10 @@ def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, dtype: torch.dt
     save_file(float_state(model, dtype), str(out / DGF_WEIGHTS), metadata={"format": DGF_FORMAT})
     atomic_write_json(out / CONFIG_FILE, model.config.to_dict())
     drafter = {"file": DGF_WEIGHTS, "config": CONFIG_FILE, "dtype": dtype_name(dtype),
-               "fusion": model.config.fusion,
+               "fusion": model.config.fusion.value,
                "num_blocks": model.config.num_blocks, "parameters": model.num_parameters()}
-    drafter.update(feature_layers=model.config.layers_read, head=model.config.head)
-    method = "dgf" if model.config.fusion == "dgf" else "eagle"
+    drafter.update(feature_layers=model.config.layers_read, head=model.config.head.value)
+    method = "dgf" if model.config.fusion is Fusion.DGF else "eagle"
     return write_manifest(out, DGF_FORMAT, method, target, drafter=drafter, **vocab_section(model.draft_vocab, out),
                           **sections)
 

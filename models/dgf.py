@@ -59,9 +59,9 @@ EAGLE-1/2 and EAGLE-3 layouts: models.eagle_layouts (via models.exports.export_d
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 from dataclasses import asdict, dataclass
-from typing import Literal
 
 import torch
 from torch import nn
@@ -70,11 +70,38 @@ from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from draftsmith.models.engine import EagerBuild, additive_mask, with_cache
 from draftsmith.models.kernels import WeightPrecision, gather_weights, invariant_model, invariant_rows
-from draftsmith.models.vocab import DraftVocab
+from draftsmith.models.vocab import DraftHead, DraftVocab
 
-FUSIONS = ("linear", "dgf", "eagle3")
-LAYER_FUSIONS = ("linear", "gated")
-HEADS = ("target", "slice", "own")
+
+
+class Fusion(str, enum.Enum):
+    """How the drafter joins a target feature and the next token's embedding (the module docstring's table)."""
+
+    LINEAR = "linear"  # EAGLE-1/2's fc over [e; f]
+    DGF = "dgf"  # Dovetail's Dynamic Gated Fusion
+    EAGLE3 = "eagle3"  # no fusion layer: block 0 reads [norm_e(e); norm_h(f)]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LayerFusion(str, enum.Enum):
+    """How several target layers become one feature."""
+
+    LINEAR = "linear"  # EAGLE-3's fc, kH -> H
+    GATED = "gated"  # a softmax gate over the projected layers
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def member(kind: type[enum.Enum], value, field: str):
+    """`value` as a member of `kind` (its text value accepted: configs read from JSON), or one ValueError line."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{field} must be one of {[m.value for m in kind]}, got {value!r}") from None
+
 ACTIVATIONS = {"silu": nn.SiLU, "gelu": nn.GELU, "tanh": nn.Tanh, "relu": nn.ReLU, "identity": nn.Identity}
 # Keys of the target's HF config that describe that checkpoint, not a decoder block.
 DROP_CONFIG_KEYS = ("architectures", "_name_or_path", "auto_map", "transformers_version", "torch_dtype", "dtype",
@@ -87,27 +114,24 @@ class DGFConfig:
     vocab_size: int
     target_config: dict  # the target's HF config as a dict (model_type, heads, rope, norms, ...)
     num_blocks: int = 1  # M decoder blocks (Dovetail: 4; EAGLE: 1)
-    fusion: Literal["linear", "dgf", "eagle3"] = "dgf"
+    fusion: Fusion = Fusion.DGF
     fusion_act: str = "silu"  # DGF token-branch activation (identity = the paper text literally)
     fusion_bias: bool = True
     first_block_norm: bool = False  # EAGLE drops block 0's input norm
     feature_layer: int = -1  # output_hidden_states index of the target feature the drafter reads
     feature_layers: list[int] | None = None  # several layers (EAGLE-3); None: [feature_layer]
-    layer_fusion: Literal["linear", "gated"] = "linear"  # how several layers become one feature
+    layer_fusion: LayerFusion = LayerFusion.LINEAR  # how several layers become one feature
     draft_vocab_size: int | None = None  # None: the target's full vocabulary
-    head: Literal["target", "slice", "own"] = "target"
+    head: DraftHead = DraftHead.TARGET
 
     def __post_init__(self):
-        if self.layer_fusion not in LAYER_FUSIONS:
-            raise ValueError(f"layer_fusion must be one of {LAYER_FUSIONS}, got {self.layer_fusion!r}")
-        if self.head not in HEADS:
-            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
-        if (self.head == "target") != (self.draft_vocab_size is None):
+        self.fusion = member(Fusion, self.fusion, "fusion")
+        self.layer_fusion = member(LayerFusion, self.layer_fusion, "layer_fusion")
+        self.head = member(DraftHead, self.head, "head")
+        if (self.head is DraftHead.TARGET) != (self.draft_vocab_size is None):
             raise ValueError("a draft vocabulary needs head 'slice' or 'own'; head 'target' scores the full vocabulary")
         if self.feature_layers is not None and not self.feature_layers:
             raise ValueError("feature_layers: give at least one layer (or null for [feature_layer])")
-        if self.fusion not in FUSIONS:
-            raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         if self.fusion_act not in ACTIVATIONS:
             raise ValueError(f"fusion_act must be one of {sorted(ACTIVATIONS)}, got {self.fusion_act!r}")
         if self.num_blocks < 1:
@@ -123,7 +147,8 @@ class DGFConfig:
                    target_config=config, **kwargs)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain JSON values (the enums as their text)."""
+        return {key: value.value if isinstance(value, enum.Enum) else value for key, value in asdict(self).items()}
 
     @property
     def layers_read(self) -> list[int]:
@@ -137,7 +162,7 @@ class DGFConfig:
     def block_config(self):
         """The target's HF config trimmed to `num_blocks` layers (what the blocks and cache are built from);
         for EAGLE-3 a Llama config of the target's sizes."""
-        data = eagle3_layer_config(self.target_config) if self.fusion == "eagle3" else dict(self.target_config)
+        data = eagle3_layer_config(self.target_config) if self.fusion is Fusion.EAGLE3 else dict(self.target_config)
         model_type = data.pop("model_type")
         data["num_hidden_layers"] = self.num_blocks
         layer_types = data.get("layer_types")
@@ -277,7 +302,8 @@ class GatedLayerFusion(nn.Module):
         return (gates * projected).sum(-2)
 
 
-FUSION_CLASSES = {"linear": LinearFusion, "dgf": GatedFusion, "eagle3": ConcatFusion}
+FUSION_CLASSES = {Fusion.LINEAR: LinearFusion, Fusion.DGF: GatedFusion, Fusion.EAGLE3: ConcatFusion}
+LAYER_FUSION_CLASSES = {LayerFusion.LINEAR: LinearLayerFusion, LayerFusion.GATED: GatedLayerFusion}
 
 
 class DGFModel(nn.Module):
@@ -290,11 +316,11 @@ class DGFModel(nn.Module):
         self.block_config = config.block_config()
         layer_cls, rotary_cls = family_classes(self.block_config)
         self.layer_fusion = (None if not config.multi_layer else
-                             LinearLayerFusion(config) if config.layer_fusion == "linear" else GatedLayerFusion(config))
+                             LAYER_FUSION_CLASSES[config.layer_fusion](config))
         self.fusion = FUSION_CLASSES[config.fusion](config)
         self.layers = nn.ModuleList(layer_cls(self.block_config, layer_idx=i) for i in range(config.num_blocks))
         self.norm = None  # EAGLE-3's final norm before the head
-        if config.fusion == "eagle3":
+        if config.fusion is Fusion.EAGLE3:
             self.layers[0] = Eagle3FirstBlock(self.layers[0], self.block_config)
             self.norm = type(self.layers[0].post_attention_layernorm)(config.hidden_size,
                                                                        eps=self.block_config.rms_norm_eps)
@@ -306,9 +332,10 @@ class DGFModel(nn.Module):
         size = config.draft_vocab_size
         if size is not None:
             self.register_buffer("draft_to_target", torch.arange(size), persistent=True)  # set by set_vocab / loading
-            self.register_buffer("sliced_head", torch.zeros(size if config.head == "slice" else 0, config.hidden_size),
+            sliced = size if config.head is DraftHead.SLICE else 0
+            self.register_buffer("sliced_head", torch.zeros(sliced, config.hidden_size),
                                  persistent=False)  # the target's rows, filled by attach_target
-        self.draft_head = nn.Linear(config.hidden_size, size, bias=False) if config.head == "own" else None
+        self.draft_head = nn.Linear(config.hidden_size, size, bias=False) if config.head is DraftHead.OWN else None
 
     # -- the target's frozen modules -----------------------------------------------------------
 
@@ -342,7 +369,7 @@ class DGFModel(nn.Module):
 
     @torch.no_grad()
     def _fill_slice(self) -> None:
-        if self.config.head == "slice" and self._lm_head is not None:
+        if self.config.head is DraftHead.SLICE and self._lm_head is not None:
             weight = self._lm_head.weight
             self.sliced_head = weight[self.draft_to_target.to(weight.device)].to(self.sliced_head.dtype).to(
                 self.sliced_head.device)
@@ -377,9 +404,9 @@ class DGFModel(nn.Module):
         self._need_target()
         if self.norm is not None:
             hidden = self.norm(hidden)
-        if self.config.head == "own":
+        if self.config.head is DraftHead.OWN:
             return self.draft_head(hidden.to(self.dtype))
-        if self.config.head == "slice":
+        if self.config.head is DraftHead.SLICE:
             return nn.functional.linear(hidden.to(self.sliced_head.dtype), self.sliced_head)
         return self._lm_head(hidden.to(self._lm_head.weight.dtype))
 
@@ -458,8 +485,8 @@ def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:
     """A feature drafter on the batch-invariant kernels (kernels.invariant_model); a frozen slice of the target's
     LM head becomes the copy's own head (an InvariantLinear over the same rows), so it streams like the rest."""
     runs = invariant_model(model, precision, gather=False)
-    if runs.config.head == "slice":
+    if runs.config.head is DraftHead.SLICE:
         runs.draft_head = invariant_rows(runs.sliced_head, precision)
-        runs.config = dataclasses.replace(runs.config, head="own")
+        runs.config = dataclasses.replace(runs.config, head=DraftHead.OWN)
     gather_weights(runs)
     return runs

@@ -30,7 +30,8 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import UserError
 from draftsmith.models.artifacts import CONFIG_FILE, float_state, load_weights
-from draftsmith.models.dgf import DROP_CONFIG_KEYS, DGFConfig, DGFModel, eagle3_layer_config
+from draftsmith.models.dgf import DROP_CONFIG_KEYS, DGFConfig, DGFModel, Fusion, LayerFusion, eagle3_layer_config
+from draftsmith.models.vocab import DraftHead
 
 EAGLE_WEIGHTS = "model.safetensors"
 EAGLE1_ARCHITECTURES = {"llama": ["LlamaForCausalLMEagle", "LlamaForCausalLM"],  # SGLang name first; vLLM
@@ -79,9 +80,10 @@ def export_eagle(model, out_dir: str | Path, metadata: dict | None = None) -> Pa
     drafter without one), so EAGLE (bias on by default) and SGLang (always a bias) compute the same as
     vLLM (no fc bias: it skips the tensor) exactly when the drafter has no fc bias."""
     model = getattr(model, "model", model)  # a DGFDrafter works too
-    if model.config.fusion != "linear":
-        raise UserError(f"EAGLE-1/2's layout holds fusion 'linear' only, this drafter has {model.config.fusion!r}: "
-                         "use layout dgf (draftsmith) or, for fusion eagle3, speculators / sglang")
+    if model.config.fusion is not Fusion.LINEAR:
+        raise UserError(f"EAGLE-1/2's layout holds fusion 'linear' only, this drafter has "
+                        f"{model.config.fusion.value!r}: use layout dgf (draftsmith) or, for fusion eagle3, "
+                        "speculators / sglang")
     if model.config.first_block_norm or model.config.multi_layer or model.config.draft_vocab_size is not None:
         raise UserError("EAGLE-1/2's layout has no block-0 input norm, one feature layer and the target's full "
                          "LM head; this drafter has first_block_norm, several feature layers or a draft vocabulary")
@@ -105,7 +107,7 @@ def load_eagle(path: str | Path, target_model=None) -> DGFModel:
     hf.pop("qkv_bias", None)
     target_config = {k: v for k, v in hf.items() if k not in DROP_CONFIG_KEYS}
     config = DGFConfig(hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"], target_config=target_config,
-                       num_blocks=int(hf["num_hidden_layers"]), fusion="linear", fusion_bias=bias)
+                       num_blocks=int(hf["num_hidden_layers"]), fusion=Fusion.LINEAR, fusion_bias=bias)
     model = DGFModel(config)
     state = load_weights(path / EAGLE_WEIGHTS)
     state.pop("embed_tokens.weight", None)  # EAGLE's own files may carry the base model's embedding
@@ -133,12 +135,12 @@ def _load_strict(model: torch.nn.Module, state: dict, file: Path) -> None:
 def check_eagle3(model: DGFModel, target_layers: int, layout: str) -> None:
     """Refuse, in one line, a drafter the EAGLE-3 layouts cannot carry."""
     config = model.config
-    if config.fusion != "eagle3":
+    if config.fusion is not Fusion.EAGLE3:
         raise UserError(f"the {layout} layout holds EAGLE-3 drafters (drafter.fusion=eagle3); this one has fusion "
-                         f"{config.fusion!r}: use layout eagle (fusion linear) or dgf")
-    if not config.multi_layer or config.layer_fusion != "linear":
+                         f"{config.fusion.value!r}: use layout eagle (fusion linear) or dgf")
+    if not config.multi_layer or config.layer_fusion is not LayerFusion.LINEAR:
         raise UserError(f"the {layout} layout fuses several target layers with one linear fc; this drafter reads "
-                         f"{config.layers_read} with layer_fusion {config.layer_fusion!r}")
+                         f"{config.layers_read} with layer_fusion {config.layer_fusion.value!r}")
     if min(config.layers_read) < 1 or max(config.layers_read) >= target_layers:
         raise UserError(f"feature layers {config.layers_read}: EAGLE-3 loaders capture decoder-layer inputs 1.."
                          f"{target_layers - 1} (not the embedding or the final normed state)")
@@ -152,7 +154,7 @@ def eagle3_state(model: DGFModel) -> dict[str, torch.Tensor]:
     state = {name.replace("layer_fusion.fc.", "fc."): t for name, t in float_state(model).items()
              if not name.startswith(("draft_head.", "draft_to_target"))}
     head = model.config.head
-    weight = (model.draft_head.weight if head == "own" else model.sliced_head if head == "slice"
+    weight = (model.draft_head.weight if head is DraftHead.OWN else model.sliced_head if head is DraftHead.SLICE
               else model._lm_head.weight)
     state["lm_head.weight"] = weight.detach().float().cpu().contiguous()
     if model.draft_vocab is not None:
@@ -226,8 +228,8 @@ def load_eagle3(path: str | Path, target_model=None) -> DGFModel:
     reduced = size != vocab_size
     config = DGFConfig(hidden_size=layer["hidden_size"], vocab_size=vocab_size,
                        target_config=eagle3_layer_config(layer), num_blocks=int(layer["num_hidden_layers"]),
-                       fusion="eagle3", feature_layers=list(layers), layer_fusion="linear",
-                       draft_vocab_size=size if reduced else None, head="own" if reduced else "target")
+                       fusion=Fusion.EAGLE3, feature_layers=list(layers), layer_fusion=LayerFusion.LINEAR,
+                       draft_vocab_size=size if reduced else None, head=DraftHead.OWN if reduced else DraftHead.TARGET)
     model = DGFModel(config)
     d2t = state.pop("d2t", None)
     state.pop("t2d", None)

@@ -26,6 +26,7 @@ from draftsmith.models.exports import (CONSUMERS, PARITY_SEED, PARITY_TOKENS, Ex
 from draftsmith.models.medusa import (DEFAULT_MEDUSA_PATHS, MedusaConfig, MedusaHeads, arca_paths,
                                       full_vocabulary_heads, load_rank_accuracy)
 from draftsmith.models.target import TargetModel, resolve_model_path
+from draftsmith.models.vocab import DraftHead
 
 MEDUSA_FD_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_FD_CONFIG = "config.json"
@@ -104,7 +105,7 @@ def export_medusa(source: str | Path, out_dir: str | Path, base_model: str | Non
     exported, vocab = heads, heads.draft_vocab
     if vocab is not None:
         lm_head = (target_model or TargetModel.from_pretrained(target["name"])).model.get_output_embeddings().weight
-        if heads.config.head == "slice":
+        if heads.config.head is DraftHead.SLICE:
             heads.init_lm_heads(lm_head)
         exported = full_vocabulary_heads(heads, lm_head)
     config = exported.config

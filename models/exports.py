@@ -33,7 +33,7 @@ from draftsmith.models.artifacts import (ADAPTER_CONFIG, EXPORT_FORMAT, EXPORT_M
                                          read_adapter_sidecar, read_export_manifest, read_json, read_student_manifest,
                                          save_dgf)
 from draftsmith.models import eagle_layouts
-from draftsmith.models.dgf import DGFModel
+from draftsmith.models.dgf import DGFModel, Fusion
 from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
 from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC
 from draftsmith.models.registry import REGISTRY
@@ -408,9 +408,9 @@ def _pick_layout(config, layout: str) -> str:
         raise UserError(f"layout {layout!r} is not one of {', '.join(DGF_LAYOUTS)}")
     if layout != "auto":
         return layout
-    if config.fusion == "eagle3":
+    if config.fusion is Fusion.EAGLE3:
         return "speculators"
-    eagle_ok = (config.fusion == "linear" and not config.first_block_norm and not config.multi_layer
+    eagle_ok = (config.fusion is Fusion.LINEAR and not config.first_block_norm and not config.multi_layer
                 and config.draft_vocab_size is None)
     return "eagle" if eagle_ok else "dgf"
 
@@ -500,8 +500,9 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
                                             "vocab_fingerprint")}
     block["hidden_layers"] = manifest_layers(want) or config.layers_read
     block["hub_id"] = hub_id(want.get("name"))
-    manifest = base_manifest({"dgf": "dgf"}.get(config.fusion, "eagle"), LAYOUT_NAMES[layout], source, block,
-                              config.fusion, tree or source_manifest.get("tree") or DGF_TREE.to_manifest(), command)
+    method = "dgf" if config.fusion is Fusion.DGF else "eagle"
+    manifest = base_manifest(method, LAYOUT_NAMES[layout], source, block, config.fusion.value,
+                             tree or source_manifest.get("tree") or DGF_TREE.to_manifest(), command)
     manifest["drafter"] = {"num_blocks": config.num_blocks, "fusion_act": config.fusion_act,
                            "feature_layers": config.layers_read, "draft_vocab_size": config.draft_vocab_size,
                            "parameters": model.num_parameters()}

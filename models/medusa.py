@@ -49,7 +49,7 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.models.kernels import WeightPrecision, gather_weights, invariant_model, invariant_rows
-from draftsmith.models.vocab import DraftVocab
+from draftsmith.models.vocab import DraftHead, DraftVocab
 
 HIDDEN_LAYER = -1  # the final normed hidden state, as the target's LM head (and MedusaDrafter) read it
 
@@ -61,18 +61,19 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1  # ResBlocks per head
     draft_vocab_size: int | None = None  # None: the target's full vocabulary
-    head: str = "own"  # own: an output layer per head; slice: the target's rows, frozen and shared
+    head: DraftHead = DraftHead.OWN  # own: an output layer per head; slice: the target's rows, frozen and shared
 
     def __post_init__(self):
-        if self.head not in ("own", "slice"):
+        if self.head not in (DraftHead.OWN, DraftHead.SLICE):  # (a DraftHead equals its text value)
             raise ValueError(f"head must be 'own' or 'slice', got {self.head!r}")
+        self.head = DraftHead(self.head)
 
     @property
     def output_size(self) -> int:
         return self.draft_vocab_size or self.vocab_size
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "head": self.head.value}
 
 
 class ResBlock(nn.Module):
@@ -90,7 +91,7 @@ class MedusaHeads(nn.Module):
     def __init__(self, config: MedusaConfig):
         super().__init__()
         self.config = config
-        own = config.head == "own"
+        own = config.head is DraftHead.OWN
         self.medusa_head = nn.ModuleList(
             nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)],
                           *([nn.Linear(config.hidden_size, config.output_size, bias=False)] if own else []))
@@ -121,7 +122,7 @@ class MedusaHeads(nn.Module):
         rows = lm_head_weight
         if self.config.draft_vocab_size is not None:
             rows = lm_head_weight[self.draft_to_target.to(lm_head_weight.device)]
-        if self.config.head == "slice":
+        if self.config.head is DraftHead.SLICE:
             self.sliced_head = rows.to(self.sliced_head.device, self.sliced_head.dtype).clone()
             self.sliced_ready = True
             return
@@ -131,7 +132,7 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (…, H) target final hidden states -> logits (K, …, V or the draft vocabulary's size)."""
         out = torch.stack([head(hidden) for head in self.medusa_head])
-        if self.config.head == "own":
+        if self.config.head is DraftHead.OWN:
             return out
         if not self.sliced_ready:
             raise RuntimeError("sliced Medusa heads need the target's LM head: call init_lm_heads(weight) first")
@@ -143,7 +144,7 @@ def full_vocabulary_heads(heads: MedusaHeads, lm_head: torch.Tensor) -> MedusaHe
     each head's ResBlocks as trained, its output layer the target's LM head `lm_head` (V, H) with the draft tokens'
     rows as the heads score them (a slice head's rows are the target's own, unchanged). A draft token keeps its
     logit; the tokens outside the draft vocabulary now score too, from the target's rows."""
-    config = replace(heads.config, draft_vocab_size=None, head="own")
+    config = replace(heads.config, draft_vocab_size=None, head=DraftHead.OWN)
     full = MedusaHeads(config)
     index = heads.draft_to_target.to(lm_head.device)
     with torch.no_grad():
@@ -151,7 +152,7 @@ def full_vocabulary_heads(heads: MedusaHeads, lm_head: torch.Tensor) -> MedusaHe
             for layer in range(config.num_layers):
                 mine[layer].load_state_dict(theirs[layer].state_dict())
             rows = lm_head.detach().float().clone()
-            rows[index] = (heads.sliced_head if heads.config.head == "slice" else theirs[-1].weight).float()
+            rows[index] = (heads.sliced_head if heads.config.head is DraftHead.SLICE else theirs[-1].weight).float()
             mine[-1].weight.copy_(rows)
     return full.eval()
 
@@ -254,7 +255,7 @@ class InvariantMedusaHeads(nn.Module):
     def __init__(self, heads: MedusaHeads, precision: WeightPrecision = WeightPrecision.MODEL):
         super().__init__()
         self.blocks = invariant_model(heads.medusa_head, precision, gather=False)
-        self.slice = invariant_rows(heads.sliced_head, precision) if heads.config.head == "slice" else None
+        self.slice = invariant_rows(heads.sliced_head, precision) if heads.config.head is DraftHead.SLICE else None
         gather_weights(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ and `t2d` as a bool mask: `eagle3_maps` converts.
 from __future__ import annotations
 
 import copy
+import enum
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,17 @@ from safetensors.torch import load_file, save_file
 from draftsmith.errors import UserError
 from draftsmith.fileio import atomic_write
 from draftsmith.models.kernels import frozen_linear
+
+
+class DraftHead(str, enum.Enum):
+    """What scores a drafter's next tokens."""
+
+    TARGET = "target"  # the target's LM head, over the full vocabulary
+    SLICE = "slice"  # the target's rows of a draft vocabulary, frozen (and shared where several heads read them)
+    OWN = "own"  # the drafter's own output layer (over a draft vocabulary or the full one)
+
+    def __str__(self) -> str:
+        return self.value
 
 VOCAB_FILE = "draft_vocab.safetensors"
 

@@ -44,8 +44,8 @@ from draftsmith.data.features import FeatureDataset, cache_parts, load_index
 from draftsmith.data.records import load_records, split_heldout
 from draftsmith.eval.decode.drafters.dgf import DGFDrafter
 from draftsmith.models.artifacts import MANIFEST_FILE, load_dgf, save_dgf, target_block
-from draftsmith.models.dgf import DGFConfig, DGFModel, eagle3_layers
-from draftsmith.models.vocab import DraftVocab
+from draftsmith.models.dgf import DGFConfig, DGFModel, Fusion, LayerFusion, eagle3_layers
+from draftsmith.models.vocab import DraftHead, DraftVocab
 from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
@@ -57,8 +57,8 @@ from draftsmith.train.runtime import TrainingRun, recipe_cli
 
 @dataclass
 class DrafterConfig:
-    fusion: Literal["linear", "dgf", "eagle3"] = option("dgf", "linear = EAGLE's fc; dgf = Dovetail's Dynamic Gated "
-                                                               "Fusion; eagle3 = EAGLE-3's block 0 on [norm(e); norm(f)]")
+    fusion: Fusion = option(Fusion.DGF, "linear = EAGLE's fc; dgf = Dovetail's Dynamic Gated Fusion; eagle3 = "
+                                        "EAGLE-3's block 0 on [norm(e); norm(f)]")
     num_blocks: int = option(1, "M decoder blocks", ge=1, le=32)
     fusion_act: str = option("silu", "DGF token-branch activation (identity = the paper text literally)")
     first_block_norm: bool = option(False, "keep block 0's input norm (EAGLE drops it)")
@@ -66,13 +66,13 @@ class DrafterConfig:
     feature_layer: int = option(-1, "target hidden_states index the drafter reads (-1: final normed state)")
     feature_layers: list[int] | None = option(None, "several target layers, fused (EAGLE-3); null: [feature_layer]")
     multi_layer: bool = option(False, "with feature_layers null: EAGLE-3's low/mid/high layers")
-    layer_fusion: Literal["linear", "gated"] = option("linear", "several layers -> one feature: EAGLE-3's linear fc, "
-                                                                "or a per-dimension softmax gate over the layers")
+    layer_fusion: LayerFusion = option(LayerFusion.LINEAR, "several layers -> one feature: EAGLE-3's linear fc, "
+                                                           "or a per-dimension softmax gate over the layers")
     draft_vocab: str | None = option(None, "a data.draft_vocab directory: the drafter scores only that subset")
     init_from: str | None = option(None, "a train/dgf.py final/ directory whose weights this run starts from (same "
                                    "architecture and draft vocabulary; a longer run on top of a finished one)")
-    head: Literal["target", "slice", "own"] = option("target", "output layer: the target's LM head (full vocabulary), "
-                                                               "its frozen slice, or an own trainable head")
+    head: DraftHead = option(DraftHead.TARGET, "output layer: the target's LM head (full vocabulary), its frozen "
+                                               "slice, or an own trainable head")
 
     def fuses_several_layers(self) -> bool:
         """Whether the drafter reads more than one target layer (an explicit list, or EAGLE-3's three)."""
@@ -121,15 +121,15 @@ class DGFRecipeConfig(RunConfig):
     def __post_init__(self):
         d = self.drafter
         # EAGLE-3 drafts tokens, it regresses no target feature
-        several = d.fuses_several_layers() or d.fusion == "eagle3"
+        several = d.fuses_several_layers() or d.fusion is Fusion.EAGLE3
         checks = [
             (self.loss.feature_weight + self.loss.token_weight > 0,
              "loss.feature_weight + loss.token_weight must be > 0"),
             (not several or self.loss.feature_weight == 0, "loss.feature_weight: a multi-layer or eagle3 drafter "
              "predicts no target feature (EAGLE-3): set it to 0"),
             (self.loss.token_weight > 0 or not several, "loss.token_weight must be > 0 for a multi-layer drafter"),
-            ((d.draft_vocab is None) == (d.head == "target"), "drafter.head: with drafter.draft_vocab choose slice or "
-             "own; without one, target"),
+            ((d.draft_vocab is None) == (d.head is DraftHead.TARGET),
+             "drafter.head: with drafter.draft_vocab choose slice or own; without one, target"),
             (d.init_from is None or (Path(d.init_from) / MANIFEST_FILE).is_file(),
              f"drafter.init_from={d.init_from}: not a train/dgf.py final/ directory (no {MANIFEST_FILE})"),
             (self.data.mode == "online" or self.data.feature_cache, "data.mode=offline needs data.feature_cache"),

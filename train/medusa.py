@@ -25,7 +25,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -36,7 +35,7 @@ from draftsmith.data.records import collate, load_records, split_heldout
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
 from draftsmith.models.artifacts import save_medusa, target_block
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
-from draftsmith.models.vocab import DraftVocab
+from draftsmith.models.vocab import DraftHead, DraftVocab
 from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss,
@@ -55,10 +54,9 @@ class HeadsConfig:
     train_lm_head: bool = option(True, "train each head's LM head (false: frozen copies of the target's; large "
                                        "vocabularies then need no optimizer state there)")
     draft_vocab: str | None = option(None, "a data.draft_vocab directory: the heads score only that subset")
-    head: Literal["own", "slice"] = option("own", "own: an output layer per head (draft vocabulary rows of the "
-                                                  "target's, trained unless train_lm_head=false); slice: one frozen "
-                                                  "slice of the target's LM head shared by the heads (only indices "
-                                                  "saved)")
+    head: DraftHead = option(DraftHead.OWN, "own: an output layer per head (draft vocabulary rows of the "
+                                            "target's, trained unless train_lm_head=false); slice: one frozen "
+                                            "slice of the target's LM head shared by the heads (only indices saved)")
 
 
 @dataclass
@@ -106,6 +104,8 @@ class MedusaRecipeConfig(RunConfig):
              "loss.head_weights must have heads.num_heads entries"),
             (self.data.max_length > self.heads.num_heads + 1, "data.max_length must exceed heads.num_heads + 1"),
             (self.eval.max_rank >= self.eval.topk, "eval.max_rank must be >= eval.topk"),
+            (self.heads.head is not DraftHead.TARGET, "heads.head: own or slice (a Medusa head scores with its own "
+             "rows or a slice of the target's)"),
             (self.medusa2.enabled or self.medusa2.heads_only_steps == 0,
              "medusa2.heads_only_steps needs medusa2.enabled"),
         ]
@@ -167,7 +167,7 @@ def build_heads(cfg: MedusaRecipeConfig, model, device, vocab: DraftVocab | None
     if vocab is not None:
         heads.set_vocab(vocab)
     heads.init_lm_heads(model.get_output_embeddings().weight)
-    if not cfg.heads.train_lm_head and cfg.heads.head == "own":  # re-initialised identically on resume
+    if not cfg.heads.train_lm_head and cfg.heads.head is DraftHead.OWN:  # re-initialised identically on resume
         for head in heads.medusa_head:
             head[-1].weight.requires_grad_(False)
     return heads
