@@ -22,6 +22,7 @@ vocabulary, as EAGLE-3, speculators, vLLM and SGLang define them.
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 
@@ -32,6 +33,19 @@ from draftsmith.errors import UserError
 from draftsmith.models.artifacts import CONFIG_FILE, float_state, load_weights
 from draftsmith.models.dgf import DROP_CONFIG_KEYS, DGFConfig, DGFModel, Fusion, LayerFusion, eagle3_layer_config
 from draftsmith.models.vocab import DraftHead
+
+
+class DgfLayout(str, enum.Enum):
+    """The directory layout a feature drafter is exported in (scripts/export.py dgf ... layout=)."""
+
+    AUTO = "auto"  # picked by the drafter: EAGLE-1/2 for fusion linear, speculators for eagle3, else dgf
+    EAGLE = "eagle"  # EAGLE-1/2 (EAGLE's cnets, SGLang, vLLM)
+    SPECULATORS = "speculators"  # EAGLE-3 in speculators' format (vLLM)
+    SGLANG = "sglang"  # EAGLE-3 for SGLang's LlamaForCausalLMEagle3
+    DGF = "dgf"  # draftsmith's own (models.artifacts.load_dgf)
+
+    def __str__(self) -> str:
+        return self.value
 
 EAGLE_WEIGHTS = "model.safetensors"
 EAGLE1_ARCHITECTURES = {"llama": ["LlamaForCausalLMEagle", "LlamaForCausalLM"],  # SGLang name first; vLLM
@@ -132,8 +146,9 @@ def _load_strict(model: torch.nn.Module, state: dict, file: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_eagle3(model: DGFModel, target_layers: int, layout: str) -> None:
+def check_eagle3(model: DGFModel, target_layers: int, layout: DgfLayout) -> None:
     """Refuse, in one line, a drafter the EAGLE-3 layouts cannot carry."""
+    layout = DgfLayout(layout)
     config = model.config
     if config.fusion is not Fusion.EAGLE3:
         raise UserError(f"the {layout} layout holds EAGLE-3 drafters (drafter.fusion=eagle3); this one has fusion "
@@ -144,7 +159,7 @@ def check_eagle3(model: DGFModel, target_layers: int, layout: str) -> None:
     if min(config.layers_read) < 1 or max(config.layers_read) >= target_layers:
         raise UserError(f"feature layers {config.layers_read}: EAGLE-3 loaders capture decoder-layer inputs 1.."
                          f"{target_layers - 1} (not the embedding or the final normed state)")
-    if layout == "sglang" and (config.num_blocks != 1 or len(config.layers_read) != 3):
+    if layout is DgfLayout.SGLANG and (config.num_blocks != 1 or len(config.layers_read) != 3):
         raise UserError(f"SGLang's LlamaForCausalLMEagle3 has one decoder layer and a 3-layer fc; this drafter has "
                          f"{config.num_blocks} blocks and {len(config.layers_read)} layers: use layout speculators")
 
@@ -194,14 +209,15 @@ def sglang_eagle3_config(model: DGFModel) -> dict:
                              "use_aux_hidden_state": True}}
 
 
-def export_eagle3(model: DGFModel, out_dir: str | Path, layout: str, target_layers: int, verifier: str | None,
+def export_eagle3(model: DGFModel, out_dir: str | Path, layout: DgfLayout, target_layers: int, verifier: str | None,
                   verifier_architectures: list[str], speculative_tokens: int, metadata: dict | None = None) -> Path:
     """Write an eagle3 drafter in `layout` "speculators" or "sglang" (config.json + model.safetensors)."""
+    layout = DgfLayout(layout)
     check_eagle3(model, target_layers, layout)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = eagle3_state(model)
-    if layout == "sglang":
+    if layout is DgfLayout.SGLANG:
         state = {name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name: t
                  for name, t in state.items()}
         config = sglang_eagle3_config(model)

@@ -18,13 +18,14 @@ Both layouts hold the drafter's tensors under z-lab's names (`fc.weight`, `hidde
 
 from __future__ import annotations
 
+import enum
 import json
-from typing import Literal, get_args
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from draftsmith.errors import UserError
 from draftsmith.models import eagle_layouts
 from draftsmith.models.artifacts import float_state, load_dflash, load_state, load_weights, manifest_layers
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
@@ -32,8 +33,18 @@ from draftsmith.models.exports import (PARITY_SEED, ExportResult, base_manifest,
                                        removes_tmp_on_error, write_model_card)
 from draftsmith.models.target import TargetModel
 
-DFlashLayout = Literal["zlab", "speculators"]
-DFLASH_LAYOUTS = get_args(DFlashLayout)
+
+
+class DFlashLayout(str, enum.Enum):
+    """The directory layout a DFlash drafter is exported in (scripts/export.py dflash ... layout=)."""
+
+    ZLAB = "zlab"  # z-lab's config (llama.cpp's converter reads it)
+    SPECULATORS = "speculators"  # speculators' DFlash config (vLLM)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 WEIGHTS = "model.safetensors"
 CONSUMERS = {
     "zlab": {"loaded": ["llama.cpp (pinned): convert_hf_to_gguf.py DFlashModel + llama-server --spec-type "
@@ -110,13 +121,15 @@ def parity_logits(model: DFlashModel, target: TargetModel) -> torch.Tensor:
 
 
 @removes_tmp_on_error
-def export_dflash(source: str | Path, out_dir: str | Path, layout: str = "zlab", tolerance: float = 0.0,
-                  bench: dict | None = None, command: str | None = None,
+def export_dflash(source: str | Path, out_dir: str | Path, layout: DFlashLayout | str = DFlashLayout.ZLAB,
+                  tolerance: float = 0.0, bench: dict | None = None, command: str | None = None,
                   target_model: TargetModel | None = None) -> ExportResult:
     """train/dflash.py `final/` (or a snapshot) -> `layout` (zlab | speculators), reloaded and compared."""
     source, out_dir = Path(source), Path(out_dir)
-    if layout not in DFLASH_LAYOUTS:
-        raise ValueError(f"layout {layout!r}: one of {', '.join(DFLASH_LAYOUTS)}")
+    try:
+        layout = DFlashLayout(layout)
+    except ValueError:
+        raise UserError(f"layout {layout!r}: one of {', '.join(m.value for m in DFlashLayout)}") from None
     model, source_manifest = load_dflash(source)
     target = source_manifest["target"]
     target_model = target_model or TargetModel.from_pretrained(target["name"])
@@ -125,7 +138,7 @@ def export_dflash(source: str | Path, out_dir: str | Path, layout: str = "zlab",
     save_file(float_state(model), str(tmp / WEIGHTS), metadata=eagle_layouts.tensor_metadata(
         producer="draftsmith", layout=f"{layout}-dflash", target=hub_id(target.get("name")),
         target_vocab_fingerprint=target.get("vocab_fingerprint"), feature_layers=list(model.config.hidden_layers)))
-    config = (zlab_config(model.config) if layout == "zlab" else
+    config = (zlab_config(model.config) if layout is DFlashLayout.ZLAB else
               speculators_config(model.config, hub_id(target.get("name")),
                                   list(target_model.config.architectures or [type(target_model.model).__name__])))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -136,7 +149,7 @@ def export_dflash(source: str | Path, out_dir: str | Path, layout: str = "zlab",
     block.update(hidden_layers=manifest_layers(target), hub_id=hub_id(target.get("name")))
     manifest = base_manifest("dflash", f"{layout}-dflash", source, block, None, None, command)
     manifest["dflash"] = model.config.to_dict()
-    manifest["consumers"] = CONSUMERS[layout]
+    manifest["consumers"] = CONSUMERS[layout.value]
     write_model_card(tmp, manifest, source_manifest, bench)
     return finish_export(tmp, out_dir, manifest, parity_logits(model, target_model),
                          parity_logits(reloaded, target_model), tolerance, f"DFlash drafter {source}")

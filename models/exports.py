@@ -22,7 +22,6 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -33,6 +32,7 @@ from draftsmith.models.artifacts import (ADAPTER_CONFIG, EXPORT_FORMAT, EXPORT_M
                                          read_adapter_sidecar, read_export_manifest, read_json, read_student_manifest,
                                          save_dgf)
 from draftsmith.models import eagle_layouts
+from draftsmith.models.eagle_layouts import DgfLayout
 from draftsmith.models.dgf import DGFModel, Fusion
 from draftsmith.models.target import TargetModel, check_same_tokenizer, resolve_dtype, resolve_model_path, vocab_fingerprint
 from draftsmith.models.trees import DGF_TREE, LM_CHAIN_SPEC, LM_TREE_SPEC
@@ -40,8 +40,8 @@ from draftsmith.models.registry import REGISTRY
 
 MODEL_CARD = "README.md"
 ARCHITECTURE_OF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-LAYOUT_NAMES = {"eagle": "eagle", "speculators": "speculators-eagle3", "sglang": "sglang-eagle3",
-                "dgf": "draftsmith.dgf"}
+LAYOUT_NAMES = {DgfLayout.EAGLE: "eagle", DgfLayout.SPECULATORS: "speculators-eagle3",
+                DgfLayout.SGLANG: "sglang-eagle3", DgfLayout.DGF: "draftsmith.dgf"}
 # Which consumer's own code loads each layout in the tests (tests/test_consumers.py) and which is only
 # checked key by key against its loader's source (servers that cannot run on a CPU-only machine).
 CONSUMERS = {
@@ -398,21 +398,22 @@ def _merged_adapter(adapter: Path, base: str | None, dtype: torch.dtype):
 # DGF / EAGLE feature drafters
 # ---------------------------------------------------------------------------------------------
 
-DgfLayout = Literal["auto", "eagle", "speculators", "sglang", "dgf"]
-DGF_LAYOUTS = get_args(DgfLayout)
 EAGLE3_SPECULATIVE_TOKENS = 3  # speculators' greedy proposal length written into its config
 
 
-def _pick_layout(config, layout: str) -> str:
-    if layout not in DGF_LAYOUTS:
-        raise UserError(f"layout {layout!r} is not one of {', '.join(DGF_LAYOUTS)}")
-    if layout != "auto":
+def _pick_layout(config, layout: DgfLayout | str) -> DgfLayout:
+    """The layout asked for (its text accepted), or for `auto` the one the drafter's architecture fits."""
+    try:
+        layout = DgfLayout(layout)
+    except ValueError:
+        raise UserError(f"layout {layout!r} is not one of {', '.join(m.value for m in DgfLayout)}") from None
+    if layout is not DgfLayout.AUTO:
         return layout
     if config.fusion is Fusion.EAGLE3:
-        return "speculators"
+        return DgfLayout.SPECULATORS
     eagle_ok = (config.fusion is Fusion.LINEAR and not config.first_block_norm and not config.multi_layer
                 and config.draft_vocab_size is None)
-    return "eagle" if eagle_ok else "dgf"
+    return DgfLayout.EAGLE if eagle_ok else DgfLayout.DGF
 
 
 def _stand_in_target(config) -> nn.Module:
@@ -440,18 +441,18 @@ def round_state(model: nn.Module, dtype: torch.dtype) -> None:
                 tensor.copy_(tensor.to(dtype))
 
 
-def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: dict, target_model,
+def _write_dgf_layout(model: DGFModel, tmp: Path, layout: DgfLayout, source_manifest: dict, target_model,
                       dtype: torch.dtype = torch.float32) -> DGFModel:
     """Write `layout` into tmp and reload it with draftsmith's reader of that layout."""
     want = source_manifest["target"]
     vocab = model.draft_vocab
-    metadata = {"producer": "draftsmith", "layout": layout, "target": hub_id(want.get("name")),
+    metadata = {"producer": "draftsmith", "layout": layout.value, "target": hub_id(want.get("name")),
                 "target_vocab_fingerprint": want.get("vocab_fingerprint"), "feature_layers": model.config.layers_read,
                 "draft_vocab_size": model.config.draft_vocab_size, "draft_vocab_sha256": vocab.digest() if vocab else None}
-    if layout == "eagle":
+    if layout is DgfLayout.EAGLE:
         eagle_layouts.export_eagle(model, tmp, metadata)
         return eagle_layouts.load_eagle(tmp, target_model=target_model)
-    if layout in ("speculators", "sglang"):
+    if layout in (DgfLayout.SPECULATORS, DgfLayout.SGLANG):
         eagle_layouts.export_eagle3(model, tmp, layout, int(want.get("num_hidden_layers") or 0),
                                     hub_id(want.get("name")), [ARCHITECTURE_OF.get(want.get("model_type"), "")],
                                     EAGLE3_SPECULATIVE_TOKENS, metadata)
@@ -463,7 +464,7 @@ def _write_dgf_layout(model: DGFModel, tmp: Path, layout: str, source_manifest: 
 
 
 @removes_tmp_on_error
-def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str = "auto",
+def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: DgfLayout | str = DgfLayout.AUTO,
                tree: dict | None = None, tolerance: float = 0.0, bench: dict | None = None,
                dtype: str = "float32", command: str | None = None) -> ExportResult:
     """train/dgf.py `final/` -> EAGLE-1/2 (`eagle`, fusion linear), EAGLE-3 (`speculators` for vLLM,
@@ -479,7 +480,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
     layout = _pick_layout(config, layout)
     stored = resolve_dtype(dtype)
     if stored != torch.float32:
-        if layout != "dgf":
+        if layout is not DgfLayout.DGF:
             raise UserError(f"--dtype {dtype}: only the dgf layout stores reduced-precision weights (the {layout} "
                             f"layout is float32)")
         round_state(model, stored)
@@ -507,7 +508,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: str
                            "feature_layers": config.layers_read, "draft_vocab_size": config.draft_vocab_size,
                            "parameters": model.num_parameters()}
     manifest["weights_dtype"] = dtype
-    manifest["consumers"] = CONSUMERS[layout]
+    manifest["consumers"] = CONSUMERS[layout.value]
     manifest["parity"]["embedding_and_head"] = "target" if target is not None else f"seeded stand-in ({PARITY_SEED})"
     write_model_card(tmp, manifest, source_manifest, bench)
     return finish_export(tmp, out_dir, manifest, reference_logits, reloaded_logits, tolerance, f"DGF drafter {source}")

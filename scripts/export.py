@@ -98,14 +98,15 @@ class MedusaExport(ExportSettings):
 @dataclass
 class DgfExport(ExportSettings):
     target: str | None = option(None, "registry name or dir (parity through its embedding and LM head)")
-    layout: export.DgfLayout = option("auto", "auto: EAGLE-1/2 (fusion linear), EAGLE-3 in speculators' format "
-                                              "(fusion eagle3), else the DGF layout")
+    layout: export.DgfLayout = option(export.DgfLayout.AUTO, "auto: EAGLE-1/2 (fusion linear), EAGLE-3 in "
+                                                              "speculators' format (fusion eagle3), else dgf")
     dtype: StoredDtype = option("float32", "stored weights (layout dgf; bfloat16 halves a bundled drafter)")
 
 
 @dataclass
 class DFlashExport(ExportSettings):
-    layout: export_dflash.DFlashLayout = option("zlab", "zlab (llama.cpp's converter) or speculators (vLLM)")
+    layout: export_dflash.DFlashLayout = option(export_dflash.DFlashLayout.ZLAB,
+                                                "zlab (llama.cpp's converter) or speculators (vLLM)")
 
 
 @dataclass
