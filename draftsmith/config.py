@@ -35,6 +35,7 @@ import yaml
 from draftsmith.errors import UserError
 
 T = TypeVar("T")
+E = TypeVar("E", bound=enum.Enum)
 MISSING = dataclasses.MISSING
 
 
@@ -92,6 +93,15 @@ def type_name(tp: Any) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " | ".join(str(member.value) for member in tp)
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def enum_member(kind: type[E], value: Any, what: str) -> E:
+    """`value` as a member of `kind`, an Enum of text values (its text accepted: a model config read from JSON, a
+    library call), or one ConfigError line naming `what` and the choices; for typed fields outside a checked config."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{what} must be one of {[member.value for member in kind]}, got {value!r}") from None
 
 
 def _coerce_enum(value: Any, tp: type[enum.Enum], path: str) -> enum.Enum:

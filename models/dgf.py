@@ -70,8 +70,8 @@ from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from draftsmith.models.engine import EagerBuild, additive_mask, with_cache
 from draftsmith.models.kernels import WeightPrecision, gather_weights, invariant_model, invariant_rows
+from draftsmith.config import enum_member
 from draftsmith.models.vocab import DraftHead, DraftVocab
-
 
 
 class Fusion(str, enum.Enum):
@@ -93,14 +93,6 @@ class LayerFusion(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-def member(kind: type[enum.Enum], value, field: str):
-    """`value` as a member of `kind` (its text value accepted: configs read from JSON), or one ValueError line."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"{field} must be one of {[m.value for m in kind]}, got {value!r}") from None
 
 ACTIVATIONS = {"silu": nn.SiLU, "gelu": nn.GELU, "tanh": nn.Tanh, "relu": nn.ReLU, "identity": nn.Identity}
 # Keys of the target's HF config that describe that checkpoint, not a decoder block.
@@ -125,9 +117,9 @@ class DGFConfig:
     head: DraftHead = DraftHead.TARGET
 
     def __post_init__(self):
-        self.fusion = member(Fusion, self.fusion, "fusion")
-        self.layer_fusion = member(LayerFusion, self.layer_fusion, "layer_fusion")
-        self.head = member(DraftHead, self.head, "head")
+        self.fusion = enum_member(Fusion, self.fusion, "fusion")
+        self.layer_fusion = enum_member(LayerFusion, self.layer_fusion, "layer_fusion")
+        self.head = enum_member(DraftHead, self.head, "head")
         if (self.head is DraftHead.TARGET) != (self.draft_vocab_size is None):
             raise ValueError("a draft vocabulary needs head 'slice' or 'own'; head 'target' scores the full vocabulary")
         if self.feature_layers is not None and not self.feature_layers:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from draftsmith.config import enum_member
 from draftsmith.errors import UserError
 from draftsmith.models.artifacts import CONFIG_FILE, float_state, load_weights
 from draftsmith.models.dgf import DROP_CONFIG_KEYS, DGFConfig, DGFModel, Fusion, LayerFusion, eagle3_layer_config
@@ -46,6 +47,7 @@ class DgfLayout(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
 
 EAGLE_WEIGHTS = "model.safetensors"
 EAGLE1_ARCHITECTURES = {"llama": ["LlamaForCausalLMEagle", "LlamaForCausalLM"],  # SGLang name first; vLLM
@@ -148,7 +150,6 @@ def _load_strict(model: torch.nn.Module, state: dict, file: Path) -> None:
 
 def check_eagle3(model: DGFModel, target_layers: int, layout: DgfLayout) -> None:
     """Refuse, in one line, a drafter the EAGLE-3 layouts cannot carry."""
-    layout = DgfLayout(layout)
     config = model.config
     if config.fusion is not Fusion.EAGLE3:
         raise UserError(f"the {layout} layout holds EAGLE-3 drafters (drafter.fusion=eagle3); this one has fusion "
@@ -212,7 +213,7 @@ def sglang_eagle3_config(model: DGFModel) -> dict:
 def export_eagle3(model: DGFModel, out_dir: str | Path, layout: DgfLayout, target_layers: int, verifier: str | None,
                   verifier_architectures: list[str], speculative_tokens: int, metadata: dict | None = None) -> Path:
     """Write an eagle3 drafter in `layout` "speculators" or "sglang" (config.json + model.safetensors)."""
-    layout = DgfLayout(layout)
+    layout = enum_member(DgfLayout, layout, "layout")
     check_eagle3(model, target_layers, layout)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

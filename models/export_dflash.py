@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.errors import UserError
+from draftsmith.config import enum_member
 from draftsmith.models import eagle_layouts
 from draftsmith.models.artifacts import float_state, load_dflash, load_state, load_weights, manifest_layers
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.exports import (PARITY_SEED, ExportResult, base_manifest, finish_export, fresh_tmp, hub_id,
                                        removes_tmp_on_error, write_model_card)
 from draftsmith.models.target import TargetModel
-
 
 
 class DFlashLayout(str, enum.Enum):
@@ -126,10 +125,7 @@ def export_dflash(source: str | Path, out_dir: str | Path, layout: DFlashLayout 
                   target_model: TargetModel | None = None) -> ExportResult:
     """train/dflash.py `final/` (or a snapshot) -> `layout` (zlab | speculators), reloaded and compared."""
     source, out_dir = Path(source), Path(out_dir)
-    try:
-        layout = DFlashLayout(layout)
-    except ValueError:
-        raise UserError(f"layout {layout!r}: one of {', '.join(m.value for m in DFlashLayout)}") from None
+    layout = enum_member(DFlashLayout, layout, "layout")
     model, source_manifest = load_dflash(source)
     target = source_manifest["target"]
     target_model = target_model or TargetModel.from_pretrained(target["name"])

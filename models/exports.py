@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.config import enum_member
 from draftsmith.errors import UserError, first_detail
 from draftsmith.models.artifacts import (ADAPTER_CONFIG, EXPORT_FORMAT, EXPORT_MANIFEST, load_dgf, manifest_layers,
                                          read_adapter_sidecar, read_export_manifest, read_json, read_student_manifest,
@@ -403,10 +404,7 @@ EAGLE3_SPECULATIVE_TOKENS = 3  # speculators' greedy proposal length written int
 
 def _pick_layout(config, layout: DgfLayout | str) -> DgfLayout:
     """The layout asked for (its text accepted), or for `auto` the one the drafter's architecture fits."""
-    try:
-        layout = DgfLayout(layout)
-    except ValueError:
-        raise UserError(f"layout {layout!r} is not one of {', '.join(m.value for m in DgfLayout)}") from None
+    layout = enum_member(DgfLayout, layout, "layout")
     if layout is not DgfLayout.AUTO:
         return layout
     if config.fusion is Fusion.EAGLE3:

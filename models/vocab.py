@@ -41,6 +41,7 @@ class DraftHead(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+
 VOCAB_FILE = "draft_vocab.safetensors"
 
 

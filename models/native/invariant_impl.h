@@ -515,16 +515,16 @@ inline float exps_in_place(float* sc, int64_t n, float largest) {
   return vreduce_add(total);
 }
 
-// The value sums' tile: an accumulator per head for each of G chunks of the head_dim, the G chunks of a value, and the
-// broadcast weight, all in registers (AVX2 has 16: 3 heads x 8 chunks of a 64-wide head took 24 and were stored and
-// reloaded every key). weigh_run sweeps a run of VALUE_RUN keys (their values in L1 after the first sweep) once per G
-// chunks, the accumulators kept in memory between runs. Each accumulator still sums its keys in order: the tile
-// changes no bit of a result.
 // A value row requested while its key is scored: weigh_run's sweeps then find every value in cache.
 inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, 0, 3);
 }
 
+// The value sums' tile: an accumulator per head for each of G chunks of the head_dim, the G chunks of a value, and the
+// broadcast weight, all in registers (AVX2 has 16: 3 heads x 8 chunks of a 64-wide head took 24 and were stored and
+// reloaded every key). weigh_run sweeps a run of VALUE_RUN keys (their values in L1 after the first sweep) once per G
+// chunks, the accumulators kept in memory between runs. Each accumulator still sums its keys in order: the tile
+// changes no bit of a result.
 constexpr int VECTOR_REGISTERS = VL == 16 ? 32 : 16;
 constexpr int64_t VALUE_RUN = 32;
 
