@@ -53,6 +53,14 @@ class DraftTree:
         return cls(tokens=tokens.long(), parents=parents.long(), depths=node_depths(parents),
                    draft_probs=draft_probs)
 
+    @classmethod
+    def from_lists(cls, tokens: list[int], parents: list[int], depths: list[int],
+                   draft_probs: torch.Tensor | None = None, device: torch.device | None = None) -> "DraftTree":
+        """A tree from Python lists (a drafter that grows its few nodes in lists: three tensors, no op per node)."""
+        return cls(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                   parents=torch.tensor(parents, dtype=torch.long, device=device),
+                   depths=torch.tensor(depths, dtype=torch.long, device=device), draft_probs=draft_probs)
+
     def validate(self) -> None:
         n = self.size
         if self.parents.shape != (n,) or self.depths.shape != (n,):
@@ -76,13 +84,12 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     """(n+1, n+1) bool over slots (0 = root): [a, b] True iff b is a or an ancestor of a."""
     n = parents.numel()
-    reach = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=parents.device)
-    reach[0, 0] = True
-    parent_slots = (parents + 1).tolist()  # parent slot of node slot i+1
-    for i, parent_slot in enumerate(parent_slots):
-        reach[i + 1] = reach[parent_slot]  # inherit the parent's ancestors (parent row is final)
-        reach[i + 1, i + 1] = True
-    return reach
+    rows = [[True] + [False] * n]
+    for i, parent in enumerate(parents.tolist()):
+        row = list(rows[parent + 1])  # inherit the parent's ancestors (its row is final: parents come first)
+        row[i + 1] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool, device=parents.device)  # one tensor, not two ops a node
 
 
 def tree_attention_mask(parents: torch.Tensor, past_len: int) -> torch.Tensor:
@@ -153,19 +160,22 @@ def chain_paths(length: int) -> list[list[int]]:
 
 
 def select_top_nodes(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> torch.Tensor:
-    """Keep the `budget` best-scoring nodes, closed under ancestors, in topological order.
+    """Keep the `budget` best-scoring nodes, closed under ancestors, in topological order: top_nodes over tensors,
+    the kept indices as a tensor."""
+    return torch.tensor(top_nodes(scores.tolist(), parents.tolist(), budget), dtype=torch.long, device=scores.device)
 
-    `scores` (n,) are cumulative log-probabilities (a child never scores above its parent, so the
-    top set is ancestor-closed up to ties; ancestors are added explicitly to be safe). Returns
-    the sorted indices of the kept nodes (EAGLE-2's final re-ranking step).
-    """
-    n = scores.numel()
+
+def top_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]:
+    """The `budget` best-scoring nodes, closed under ancestors, sorted (EAGLE-2's final re-ranking step).
+
+    `scores` are cumulative log-probabilities (a child never scores above its parent, so the top set is
+    ancestor-closed up to ties; ancestors are added explicitly to be safe)."""
+    n = len(scores)
     if n <= budget:
-        return torch.arange(n, device=scores.device)
+        return list(range(n))
     # Stable sort by score then index so that, on ties, parents (smaller index) come first.
-    order = sorted(range(n), key=lambda i: (-float(scores[i]), i))
+    order = sorted(range(n), key=lambda i: (-scores[i], i))
     keep: set[int] = set()
-    parent_list = parents.tolist()
     for i in order:
         if len(keep) >= budget:
             break
@@ -173,10 +183,10 @@ def select_top_nodes(scores: torch.Tensor, parents: torch.Tensor, budget: int) -
         node = i
         while node >= 0 and node not in keep:
             chain.append(node)
-            node = parent_list[node]
+            node = parents[node]
         if len(keep) + len(chain) <= budget:
             keep.update(chain)
-    return torch.tensor(sorted(keep), dtype=torch.long, device=scores.device)
+    return sorted(keep)
 
 
 def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:

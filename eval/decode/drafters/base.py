@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
+from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, subtree, top_nodes
 from draftsmith.eval.decode.verify import logits_to_probs
 from draftsmith.models.target import check_same_tokenizer
 from draftsmith.models.trees import CHAIN_BUDGET, TREE_BUDGET  # noqa: F401  (re-exported: drafters import them here)
@@ -53,13 +53,21 @@ def refuse_sampled_trim(name: str, keep_above: float | None, sampling: Sampling 
 
 
 def keep_confident(tree: DraftTree, path_scores: torch.Tensor, keep_above: float | None, budget: int) -> DraftTree:
-    """A greedy tree cut to its `budget` best nodes by path log-probability (`path_scores`: EAGLE-2's re-ranking),
-    and with `keep_above` to those whose path probability is above it, the most probable always kept. A path's
-    probability falls along it, so the kept nodes stay closed under ancestors: a confident round verifies its whole
-    budget, a doubtful one its best guesses only."""
+    """A greedy tree cut by confident_nodes (`path_scores` (n,): each node's path log-probability)."""
+    keep = confident_nodes(path_scores.tolist(), tree.parents.tolist(), keep_above, budget, path_scores.dtype)
+    return subtree(tree, torch.tensor(keep, dtype=torch.long, device=tree.tokens.device))
+
+
+def confident_nodes(path_scores: list[float], parents: list[int], keep_above: float | None, budget: int,
+                    dtype: torch.dtype) -> list[int]:
+    """The nodes of a greedy tree cut to its `budget` best by path log-probability (EAGLE-2's re-ranking), and with
+    `keep_above` to those whose path probability is above it, the most probable always kept (the scores are values
+    of `dtype`: the threshold is compared in it). A path's probability falls along it, so the kept nodes stay closed
+    under ancestors: a confident round verifies its whole budget, a doubtful one its best guesses only."""
     if keep_above is not None:
-        budget = min(budget, max(1, int((path_scores > math.log(keep_above)).sum())))
-    return subtree(tree, select_top_nodes(path_scores, tree.parents, budget))
+        threshold = torch.tensor(math.log(keep_above), dtype=dtype).item()
+        budget = min(budget, max(1, sum(score > threshold for score in path_scores)))
+    return top_nodes(path_scores, parents, budget)
 
 
 def confident_subtree(tree: DraftTree, node_probs: torch.Tensor, keep_above: float | None) -> DraftTree:

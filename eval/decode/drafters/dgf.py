@@ -28,12 +28,13 @@ The decoder verifies every proposal, so the output is the target's whatever the 
 from __future__ import annotations
 
 import math
+from array import array
 from pathlib import Path
 
 import torch
 
 from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
-                                                  draw_children, keep_confident, refuse_sampled_trim)
+                                                  confident_nodes, draw_children, refuse_sampled_trim)
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
 from draftsmith.models.compiled import CompileSettings
@@ -132,16 +133,16 @@ class DGFDrafter(Drafter):
         refuse_sampled_trim(self.name, self.keep_above, sampling)
         growth = Growth(self.device, root_feature, self.budget, self.vocab)
         if sampling is None:
-            growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], torch.zeros(1, device=self.device), k)
+            growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], [0.0], k)
         else:
-            growth.sampled_children([-1], root_logits[None], torch.zeros(1, device=self.device), k, sampling, generator)
+            growth.sampled_children([-1], root_logits[None], [0.0], k, sampling, generator)
         for level in range(1, depth):
             if sampling is not None and growth.budget_left <= 0:
                 break
-            if self.stop_below is not None and float(growth.level_scores.max()) < math.log(self.stop_below):
+            if self.stop_below is not None and growth.best_of_level() < math.log(self.stop_below):
                 break  # the drafter's own odds of reaching this level are low: skip the forward
             best, logits = self._expand(growth, level, k, length - 1)
-            base = growth.all_scores()[best]  # (n_new,)
+            base = [growth.scores[node] for node in best]
             if sampling is None:
                 growth.greedy_children(best, torch.log_softmax(logits, -1), base, k)
             else:
@@ -171,103 +172,106 @@ class DGFDrafter(Drafter):
     def _expand(self, growth: "Growth", level: int, k: int, committed: int) -> tuple[list[int], torch.Tensor]:
         """One drafter forward over the best k nodes of the newest level (tree mask over the cache and
         their expanded ancestors); returns (their node ids, their next-token logits (n_new, V))."""
-        device = self.device
-        best_local = torch.topk(growth.level_scores, min(k, growth.level_scores.numel())).indices.sort().values
-        best = (best_local + growth.level_start).tolist()
-        level_parents = growth.parents[-1][best_local].tolist()
-        reach = growth.reach_rows(level_parents)  # (n_new, fed + n_new)
-        allowed = torch.cat([torch.ones(len(best), committed, dtype=torch.bool, device=device), reach], 1)
-        in_features = torch.stack([growth.fed_features[p] for p in level_parents])  # (n_new, H)
-        positions = torch.full((1, len(best)), committed - 1 + level, dtype=torch.long, device=device)
-        out, logits = self.engine.forward(in_features[None], growth.tokens[-1][best_local][None], self.cache,
-                                          positions, allowed[None, None])  # (1, n_new, H), (1, n_new, V)
-        growth.add_fed(best, reach, out[0])
+        best = sorted(sorted(growth.level, key=lambda node: -growth.scores[node])[:k])
+        parents = [growth.parents[node] for node in best]
+        in_features = torch.stack([growth.fed_features[parent] for parent in parents])  # (n_new, H)
+        tokens = torch.tensor([[growth.tokens[node] for node in best]], device=growth.device)
+        positions = torch.full((1, len(best)), committed - 1 + level, dtype=torch.long, device=growth.device)
+        out, logits = self.engine.forward(in_features[None], tokens, self.cache, positions,
+                                          growth.allowed(parents, committed)[None, None])  # (1, n_new, H), (1, n_new, V)
+        growth.add_fed(best, parents, out[0])
         return best, logits[0]
 
 
 class Growth:
-    """A dynamic draft tree under construction: its levels of nodes and the expanded nodes' cache entries."""
+    """A dynamic draft tree under construction: its nodes in Python lists (a round's few nodes cost no tensor op each:
+    on a CPU a small op costs more than the arithmetic), and the expanded nodes' cache entries. Scores are float32
+    values, summed as the drafter's float32 log-probabilities would be (a float32 sum computed in float64 and rounded
+    is the float32 sum)."""
 
     def __init__(self, device: torch.device, root_feature: torch.Tensor, budget: int, vocab: DraftVocab | None = None):
         self.device, self.vocab = device, vocab  # vocab: logits score a draft vocabulary (ids mapped here)
-        self.tokens: list[torch.Tensor] = []  # per level: (n_level,) tokens
-        self.parents: list[torch.Tensor] = []  # per level: (n_level,) global parent ids (-1 = root)
-        self.scores: list[torch.Tensor] = []  # per level: (n_level,) cumulative log-probs
+        self.tokens: list[int] = []  # every node's token (target ids), level after level
+        self.parents: list[int] = []  # every node's parent node (-1 = root)
+        self.depths: list[int] = []
+        self.scores: list[float] = []  # cumulative log-probs
         self.rows: list[torch.Tensor] = []  # sampling: q rows
-        self.level_start, self.total = 0, 0
+        self.level_start = 0
         self.budget, self.budget_left = budget, budget
-        self.fed_ids: list[int] = []  # global ids of tree nodes in the cache, in order
-        self.fed_reach = torch.zeros(0, 0, dtype=torch.bool, device=device)  # (fed, fed) ancestor-or-self
+        self.fed = 0  # tree entries in the drafter's cache
+        self.fed_slots: dict[int, list[int]] = {-1: []}  # node -> the cache entries of its expanded path (fed order)
         self.fed_features: dict[int, torch.Tensor] = {-1: root_feature}  # node -> its predicted feature
 
     @property
-    def level_scores(self) -> torch.Tensor:
-        return self.scores[-1]
+    def level(self) -> range:
+        """The newest level's nodes."""
+        return range(self.level_start, len(self.tokens))
 
-    def all_scores(self) -> torch.Tensor:
-        return torch.cat(self.scores)
+    def best_of_level(self) -> float:
+        return max(self.scores[self.level_start:])
 
-    def add_level(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> None:
-        self.tokens.append(tokens)
-        self.parents.append(parents)
-        self.scores.append(scores)
-        self.level_start, self.total = self.total, self.total + tokens.numel()
+    def add_level(self, tokens: list[int], parents: list[int], scores: list[float]) -> None:
+        self.level_start = len(self.tokens)
+        self.tokens += tokens
+        self.parents += parents
+        self.scores += array("f", scores).tolist()  # float32 values
+        self.depths += [1 if parent < 0 else self.depths[parent] + 1 for parent in parents]
 
-    def greedy_children(self, nodes: list[int], logp: torch.Tensor, base: torch.Tensor, k: int) -> None:
-        """The top-k children of each node (logp (n, V) its next-token log-probs, base (n,) its score)."""
+    def greedy_children(self, nodes: list[int], logp: torch.Tensor, base: list[float], k: int) -> None:
+        """The top-k children of each node (logp (n, V) its next-token log-probs, base its score)."""
         top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # (n, k)
-        parents = torch.tensor(nodes, device=self.device).repeat_interleave(top.indices.shape[1])
-        self.add_level(target_ids(self.vocab, top.indices.reshape(-1)), parents,
-                       (base[:, None] + top.values).reshape(-1))
+        width, values = top.indices.shape[1], top.values.tolist()
+        self.add_level(target_ids(self.vocab, top.indices.reshape(-1)).tolist(),
+                       [node for node in nodes for _ in range(width)],
+                       [score + value for score, row in zip(base, values) for value in row])
 
-    def sampled_children(self, nodes: list[int], logits: torch.Tensor, base: torch.Tensor, k: int,
+    def sampled_children(self, nodes: list[int], logits: torch.Tensor, base: list[float], k: int,
                          sampling: Sampling, generator) -> None:
         """Children drawn without replacement; the budget is handed out in score order and every drawn
         node is kept (the q rows stay honest for verify_sampling)."""
         tokens, scores, parents = [], [], []
-        for i in torch.argsort(base, descending=True).tolist():
+        for i in sorted(range(len(nodes)), key=lambda i: -base[i]):
             if self.budget_left <= 0:
                 break
             probs = sampling.probs(logits[i])
             children, q = draw_children(probs, min(k, self.budget_left), sampling, generator)
             self.budget_left -= children.numel()
-            tokens.append(target_ids(self.vocab, children))
-            scores.append(base[i] + torch.log(probs[children].clamp(min=1e-30)))
-            parents.append(torch.full_like(children, nodes[i]))
+            tokens += target_ids(self.vocab, children).tolist()
+            scores += [base[i] + value for value in torch.log(probs[children].clamp(min=1e-30)).tolist()]
+            parents += [nodes[i]] * children.numel()
             self.rows.append(q if self.vocab is None else self.vocab.scatter(q))
-        self.add_level(torch.cat(tokens), torch.cat(parents), torch.cat(scores))
+        self.add_level(tokens, parents, scores)
 
-    def reach_rows(self, level_parents: list[int]) -> torch.Tensor:
-        """Ancestor rows of new entries over the fed tree entries, then themselves: (n_new, fed + n_new)."""
-        n_new, fed = len(level_parents), len(self.fed_ids)
-        index = {node: i for i, node in enumerate(self.fed_ids)}
-        reach = torch.zeros(n_new, fed + n_new, dtype=torch.bool, device=self.device)
-        for i, parent in enumerate(level_parents):
-            if parent >= 0:
-                reach[i, :fed] = self.fed_reach[index[parent]]
-            reach[i, fed + i] = True
-        return reach
+    def allowed(self, parents: list[int], committed: int) -> torch.Tensor:
+        """What new entries (children of `parents`) see: the committed cache, their parents' expanded paths, then
+        themselves: (n_new, committed + fed + n_new) bool."""
+        n_new = len(parents)
+        allowed = torch.zeros(n_new, committed + self.fed + n_new, dtype=torch.bool, device=self.device)
+        allowed[:, :committed] = True
+        rows = [i for i, parent in enumerate(parents) for _ in self.fed_slots[parent]] + list(range(n_new))
+        columns = ([committed + slot for parent in parents for slot in self.fed_slots[parent]]
+                   + [committed + self.fed + i for i in range(n_new)])
+        allowed[rows, columns] = True
+        return allowed
 
-    def add_fed(self, nodes: list[int], reach: torch.Tensor, features: torch.Tensor) -> None:
-        fed = len(self.fed_ids)
-        grown = torch.zeros(fed + len(nodes), fed + len(nodes), dtype=torch.bool, device=self.device)
-        grown[:fed, :fed] = self.fed_reach
-        grown[fed:] = reach
-        self.fed_reach = grown
-        self.fed_ids.extend(nodes)
-        for i, node in enumerate(nodes):
-            self.fed_features[node] = features[i]
+    def add_fed(self, nodes: list[int], parents: list[int], features: torch.Tensor) -> None:
+        for i, (node, parent, feature) in enumerate(zip(nodes, parents, features.unbind(0))):
+            self.fed_slots[node] = self.fed_slots[parent] + [self.fed + i]
+            self.fed_features[node] = feature
+        self.fed += len(nodes)
 
     def tree(self, greedy: bool, keep_above: float | None = None) -> DraftTree:
         """The grown tree; greedy trees keep the `budget` best nodes (EAGLE-2's re-ranking), and with `keep_above`
         only those whose path probability is above it (a path's probability falls along it, so they stay closed
         under ancestors): a confident round verifies a wide tree, a doubtful one a narrow one."""
-        tree = DraftTree.from_parents(torch.cat(self.tokens), torch.cat(self.parents).long().cpu(),
-                                      torch.cat(self.rows) if self.rows else None)
-        tree = DraftTree(tree.tokens, tree.parents.to(self.device), tree.depths.to(self.device), tree.draft_probs)
-        if greedy:
-            tree = keep_confident(tree, self.all_scores(), keep_above, self.budget)
-        return tree
+        rows = torch.cat(self.rows) if self.rows else None
+        if not greedy:
+            return DraftTree.from_lists(self.tokens, self.parents, self.depths, rows, self.device)
+        keep = confident_nodes(self.scores, self.parents, keep_above, self.budget, torch.float32)
+        index = {node: i for i, node in enumerate(keep)}
+        return DraftTree.from_lists([self.tokens[node] for node in keep],
+                                    [index[self.parents[node]] if self.parents[node] >= 0 else -1 for node in keep],
+                                    [self.depths[node] for node in keep], None, self.device)
 
 
 def same_weights(drafter: DGFDrafter, depth: int, topk: int, budget: int, name: str | None = None,
