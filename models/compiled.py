@@ -225,6 +225,19 @@ class StaticKV:
     tensors: list[torch.Tensor]
     length: int = 0
 
+    @functools.cached_property
+    def stacked(self) -> torch.Tensor | None:
+        """Every tensor as one (tensors, heads, capacity, head_dim) view where they lie back to back in one storage
+        (zeroed_cache's arena), else None: a commit moves every layer's slots in two ops instead of two a tensor."""
+        first = self.tensors[0]
+        step = first.numel() * first.element_size()
+        if first.dim() != 4 or first.shape[0] != 1 or not first.is_contiguous() or any(
+                tensor.shape != first.shape or tensor.dtype != first.dtype or not tensor.is_contiguous()
+                or tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or tensor.data_ptr() != first.data_ptr() + i * step for i, tensor in enumerate(self.tensors)):
+            return None
+        return first.as_strided((len(self.tensors), *first.shape[1:]), (first.numel(), *first.stride()[1:]))
+
 
 def model_fingerprint(model: nn.Module, config: dict) -> str:
     """sha256 of a config and, per weight, its name, shape, dtype, sum and a strided sample."""
@@ -498,7 +511,7 @@ class StaticKVBook:
         past = int((keep == torch.arange(kept, device=keep.device)).long().cumprod(0).sum())  # untouched prefix
         if past < kept:
             moved = keep[past:].to(self.device)
-            for tensor in cache.tensors:
+            for tensor in [cache.stacked] if cache.stacked is not None else cache.tensors:
                 tensor[:, :, past:kept] = tensor.index_select(2, moved)
         cache.length = kept
 

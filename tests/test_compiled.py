@@ -119,6 +119,7 @@ def test_compiled_forward_and_commit_match_eager(compiled_pair):
     outs = [lm.forward(ids, cache, positions, allowed) for lm, cache in zip((eager, compiled), caches)]
     torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)  # a tree of 6, shared graph
     keep = torch.cat([torch.arange(past), past + torch.tensor([0, 1, 3, 5])])  # root, node 0, node 2, node 4
+    assert caches[1].stacked is not None  # the commit moves every layer's slots through one view
     for lm, cache in zip((eager, compiled), caches):
         lm.commit(cache, keep)
         assert lm.cache_length(cache) == past + 4
@@ -285,3 +286,17 @@ def test_prefix_cache_starts_fresh_where_nothing_is_shared_or_the_cache_is_too_s
     assert decoder.generate(other).stats.reused_tokens == other.shape[1] - 1  # the same prompt: all but its last
     assert compiled.fits(16) and not compiled.fits(128 - 8 + 1)  # FAST: capacity 128, buckets to 8
     assert decoder.prompt_cache.take(compiled, other[0], (), 128)[1] == 0
+
+
+def test_static_kv_stacks_only_tensors_back_to_back():
+    """StaticKV.stacked views every tensor at once only where they lie back to back in one storage (an arena):
+    writing through it writes them; tensors of their own storages keep the per-tensor commit."""
+    from draftsmith.models.compiled import StaticKV
+    from draftsmith.models.kernels import arena_zeros
+
+    like = [torch.zeros(1, 2, 8, 4) for _ in range(3)]
+    cache = StaticKV(arena_zeros(like))
+    cache.stacked[1, 0, 5] = 7.0
+    assert cache.stacked.shape == (3, 2, 8, 4) and float(cache.tensors[1][0, 0, 5].sum()) == 28.0
+    assert StaticKV([torch.zeros(1, 2, 8, 4) for _ in range(3)]).stacked is None
+    assert StaticKV(arena_zeros([torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 3)])).stacked is None
