@@ -51,12 +51,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.config import check_config, option
+from draftsmith.config import TextEnum, check_config, option
 from draftsmith.data.chat import end_of_turn_candidates, prompt_ids, render_text
 from draftsmith.data.shards import (ShardLedger, chunk, fingerprint, parse_job_command, rank_items,
                                     resolve_rank_device, resolve_rank_world)
@@ -76,6 +76,13 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------
 
 
+class RegenerationEngine(TextEnum):
+    """Who generates the target's answers."""
+
+    PYTORCH = "pytorch"  # HF generate, left-padded batches
+    LLAMACPP = "llamacpp"  # the built llama.cpp's server on loopback
+
+
 @dataclass
 class RegenerateConfig:
     """What `regenerate` does; every default is declared here once."""
@@ -87,8 +94,8 @@ class RegenerateConfig:
     temperature: float = option(0.0, "0 = greedy; > 0 samples at this temperature", ge=0)
     top_p: float = option(1.0, "nucleus sampling mass (ignored when greedy)", gt=0, le=1)
     top_k: int = option(0, "top-k sampling (0: off; ignored when greedy)", ge=0)
-    engine: Literal["pytorch", "llamacpp"] = option(
-        "pytorch", "who generates: pytorch (HF generate, left-padded batches) or llamacpp (the built llama.cpp's "
+    engine: RegenerationEngine = option(
+        RegenerationEngine.PYTORCH, "who generates: pytorch (HF generate, left-padded batches) or llamacpp (the built llama.cpp's "
                    "server on loopback, `batch_size` parallel slots, the target converted once to GGUF in `dtype`; "
                    "build it with `python -m draftsmith.models.engines.llamacpp build`)")
     batch_size: int = option(8, "conversations generated together (pytorch: left-padded; llamacpp: server slots)",
@@ -114,7 +121,7 @@ class RegenerateConfig:
 
     def __post_init__(self) -> None:
         check_config(self)
-        if self.engine == "llamacpp":
+        if self.engine is RegenerationEngine.LLAMACPP:
             if self.dtype not in CONVERTER_TYPES:
                 raise UserError(f"dtype={self.dtype}: engine=llamacpp converts the target to one of "
                                 f"{', '.join(CONVERTER_TYPES)}")
@@ -319,8 +326,9 @@ def _shard_name(rank: int, index: int, suffix: str) -> str:
 LLAMACPP_DEFAULT_MAX_PROMPT = 1024  # every server slot holds this many prompt tokens plus max_new_tokens
 
 
-def _default_max_prompt(model: Any, max_new_tokens: int, engine: str = "pytorch") -> int | None:
-    if engine == "llamacpp":
+def _default_max_prompt(model: Any, max_new_tokens: int,
+                        engine: RegenerationEngine = RegenerationEngine.PYTORCH) -> int | None:
+    if engine is RegenerationEngine.LLAMACPP:
         return LLAMACPP_DEFAULT_MAX_PROMPT
     ctx = getattr(model.config, "max_position_embeddings", None)
     return None if ctx is None else max(1, int(ctx) - max_new_tokens)
@@ -349,7 +357,7 @@ def regen_plan(cfg: RegenerateConfig, convs: Sequence[Conversation], given: bool
         plan["max_turns"] = cfg.max_turns
     if cfg.skip:  # absent from plans that start at the source's first record (as before the option)
         plan["skip"] = cfg.skip
-    if cfg.engine != "pytorch":  # absent from plans generated with HF generate (as before the option)
+    if cfg.engine is not RegenerationEngine.PYTORCH:  # absent from plans generated with HF generate (as before the option)
         plan["engine"] = cfg.engine
     return plan
 
@@ -430,7 +438,8 @@ def regenerate(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if target is None:
-        dtype = "float32" if cfg.engine == "llamacpp" else cfg.dtype  # llamacpp: only the tokenizer is used
+        llamacpp = cfg.engine is RegenerationEngine.LLAMACPP
+        dtype = "float32" if llamacpp else cfg.dtype  # llamacpp: only the tokenizer is used
         target = TargetModel.from_pretrained(cfg.target, dtype=resolve_dtype(dtype),
                                              device=resolve_rank_device(cfg.device))
     backend = make_backend(target.model, target.tokenizer)
@@ -440,7 +449,7 @@ def regenerate(
     with contextlib.ExitStack() as stack, tqdm(total=len(mine), initial=done_items, unit="conv",
                                                desc=f"regenerate rank {rank}/{world}", disable=not cfg.progress,
                                                file=sys.stderr) as bar:
-        if cfg.engine == "llamacpp":
+        if cfg.engine is RegenerationEngine.LLAMACPP:
             backend.server = stack.enter_context(start_server(cfg, max_prompt))
         for k in todo:
             if cfg.max_shards is not None and result.shards_written >= cfg.max_shards:

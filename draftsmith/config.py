@@ -39,6 +39,14 @@ E = TypeVar("E", bound=enum.Enum)
 MISSING = dataclasses.MISSING
 
 
+class TextEnum(str, enum.Enum):
+    """An option's choices: each member is its text (YAML, the command line and saved configs keep the text; the
+    config system coerces text to the member), and code dispatches on the members, never on the text."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class ConfigError(UserError):
     """A config value or key is invalid; the message names the key path."""
 

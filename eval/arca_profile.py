@@ -41,11 +41,11 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from draftsmith.config import ConfigError, check_config, command_parser, config_to_dict, option, parse_command, section
+from draftsmith.config import (ConfigError, TextEnum, check_config, command_parser, config_to_dict, option,
+                              parse_command, section)
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import refuse_overwrite
 from draftsmith.eval.policies.arca import (RankRecorder, arca_paths, expected_accepted, interpolate_latency,
@@ -68,6 +68,19 @@ from draftsmith.models.target import TargetModel, dtype_name
 DEFAULT_BUDGETS = [0, 1, 2, 4, 8, 16, 32, 64]
 
 
+class Placement(TextEnum):
+    PLAIN = "plain"
+    HCMP = "hcmp"  # also HCMP's split ratios (eager)
+
+
+class AcceptanceSource(TextEnum):
+    """Where the acceptance table comes from."""
+
+    AUTO = "auto"  # saved for Medusa heads, else measured
+    SAVED = "saved"  # Medusa's held-out head accuracies
+    MEASURED = "measured"  # the drafter's ranks accepted in calibration decoding
+
+
 @dataclass
 class ProfileConfig:
     target: str = option(DEFAULT_TARGET, "the target: registry name, model directory, hub id or tiny:<family>")
@@ -80,7 +93,7 @@ class ProfileConfig:
     compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
     device: str = option("cpu", "cpu | cuda | auto")
     drafter_device: str | None = option(None, "Dovetail placement: put the drafter on this device")
-    placement: Literal["plain", "hcmp"] = option("plain", "hcmp: also measure HCMP split ratios (eager)")
+    placement: Placement = option(Placement.PLAIN, "hcmp: also measure HCMP split ratios (eager)")
     hcmp_ratios: list[float] = option(factory=lambda: [0.5], help="HCMP ratios measured", ge=0, le=1)
     hcmp_threads: bool = option(False, "HCMP: two threads")
     budgets: list[int] = option(factory=lambda: list(DEFAULT_BUDGETS), help="budgets where T(b) is measured "
@@ -93,7 +106,7 @@ class ProfileConfig:
     calibration_prompts: int = option(8, "calibration prompts", ge=1)
     calibration_budget: int = option(BUDGET_LIMIT, "tree size while calibrating", ge=1)
     calibration_new_tokens: int = option(64, "new tokens per calibration prompt", ge=1)
-    acceptance: Literal["auto", "saved", "measured"] = option("auto", "acceptance table: saved (Medusa's head "
+    acceptance: AcceptanceSource = option(AcceptanceSource.AUTO, "acceptance table: saved (Medusa's head "
                                                                       "accuracies) or measured; auto picks")
     refine_iterations: int = option(8, "neighbour-search iterations per tree", ge=0)
     loop_prompts: int = option(4, "calibration prompts each measured budget's tree decodes in the loop (the budgets "
@@ -139,7 +152,7 @@ class Setting:
 def settings_of(config: ProfileConfig) -> list[Setting]:
     padded = not config.compile.shared_width
     settings = [Setting(backend, dtype, padded=padded) for dtype in config.dtypes for backend in config.backends]
-    if config.placement == "hcmp":
+    if config.placement is Placement.HCMP:
         settings += [Setting(Backend.EAGER, config.dtypes[0], ratio) for ratio in config.hcmp_ratios]
     return settings
 
@@ -288,9 +301,10 @@ def calibration_of(calibrations: dict[str, dict], setting: Setting) -> dict:
 
 def acceptance_table(config: ProfileConfig, calibration: dict) -> tuple[str, list[list[float]]]:
     source = config.acceptance
-    if source == "auto":
-        source = "saved" if isinstance(config.drafter.options, MedusaOptions) else "measured"
-    if source == "saved":
+    if source is AcceptanceSource.AUTO:
+        medusa = isinstance(config.drafter.options, MedusaOptions)
+        source = AcceptanceSource.SAVED if medusa else AcceptanceSource.MEASURED
+    if source is AcceptanceSource.SAVED:
         if not isinstance(config.drafter.options, MedusaOptions):
             raise UserError("acceptance=saved needs a Medusa drafter (its head_accuracy.json)")
         return source, load_rank_accuracy(config.drafter.options.path)

@@ -46,6 +46,20 @@ def test_config_rejects_unknown_and_inconsistent_keys(tmp_path):
         tiny_cfg(tmp_path, "loss.temperature=2.0", "data.feature_cache=/x")
 
 
+def test_choices_are_members_and_saved_as_text(tmp_path):
+    """A choice option holds its enum member (code dispatches on it) and is written back as its text."""
+    from draftsmith.config import config_to_dict
+    from draftsmith.train.distill import DistillLoss, StudentInit
+    from draftsmith.train.losses import TopkTail
+
+    cfg = tiny_cfg(tmp_path, "loss.kind=jsd")
+    assert cfg.loss.kind is DistillLoss.JSD and cfg.loss.topk_tail is TopkTail.BUCKET
+    assert isinstance(cfg.student.init, StudentInit)
+    saved = config_to_dict(cfg)
+    assert saved["loss"]["kind"] == "jsd" and type(saved["loss"]["kind"]) is str
+    assert saved["loss"]["topk_tail"] == "bucket" and saved["student"]["init"] == str(cfg.student.init)
+
+
 @pytest.mark.parametrize("kind", ["ce", "fkl", "rkl", "jsd", "tvd"])
 def test_each_loss_trains(tmp_path, kind):
     summary = main(tiny_cfg(tmp_path, f"loss.kind={kind}", "train.max_steps=4", "eval.every_steps=0",

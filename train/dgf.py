@@ -33,13 +33,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
+from draftsmith.config import ConfigError, TextEnum, Unread, config_to_dict, option, refuse_unread, section
 from draftsmith.data.features import FeatureDataset, cache_parts, load_index
 from draftsmith.data.records import load_records, split_heldout
 from draftsmith.eval.decode.drafters.dgf import DGFDrafter
@@ -85,11 +85,21 @@ class DrafterConfig:
         return eagle3_layers(num_hidden_layers) if self.multi_layer else [self.feature_layer]
 
 
+class TokenLoss(TextEnum):
+    SOFT = "soft"  # cross-entropy to the target's distribution
+    HARD = "hard"  # to the data's next token
+
+
+class DataMode(TextEnum):
+    ONLINE = "online"  # the target runs in the loop
+    OFFLINE = "offline"  # the target's features come from a cache
+
+
 @dataclass
 class LossConfig:
     feature_weight: float = option(1.0, "weight of the SmoothL1 feature regression (EAGLE: 1.0)", ge=0)
     token_weight: float = option(0.1, "weight of the token loss (EAGLE: 0.1)", ge=0)
-    token_loss: Literal["soft", "hard"] = option("soft", "soft: CE to the target's distribution; hard: to the data")
+    token_loss: TokenLoss = option(TokenLoss.SOFT, "soft: CE to the target's distribution; hard: to the data")
     input_noise: float = option(0.0, "a: uniform U(-a, a) noise on the teacher-forced input features", ge=0)
     unroll_steps: int = option(1, "1 = plain EAGLE; n > 1 = training-time test over n steps", ge=1)
     unroll_decay: float = option(0.8, "weight of step j = decay^j", gt=0)
@@ -97,7 +107,7 @@ class LossConfig:
 
 @dataclass
 class DGFDataConfig(DataConfig):
-    mode: Literal["online", "offline"] = option("online", "online: the target runs in the loop; offline: "
+    mode: DataMode = option(DataMode.ONLINE, "online: the target runs in the loop; offline: "
                                                           "data.feature_cache")
     feature_cache: str | None = option(None, "offline: data.features cache directory, or `dir_a + dir_b`")
 
@@ -132,7 +142,8 @@ class DGFRecipeConfig(RunConfig):
              "drafter.head: with drafter.draft_vocab choose slice or own; without one, target"),
             (d.init_from is None or (Path(d.init_from) / MANIFEST_FILE).is_file(),
              f"drafter.init_from={d.init_from}: not a train/dgf.py final/ directory (no {MANIFEST_FILE})"),
-            (self.data.mode == "online" or self.data.feature_cache, "data.mode=offline needs data.feature_cache"),
+            (self.data.mode is DataMode.ONLINE or self.data.feature_cache,
+             "data.mode=offline needs data.feature_cache"),
             (self.data.max_length >= 4, "data.max_length must be >= 4"),
         ]
         for ok, message in checks:
@@ -142,8 +153,8 @@ class DGFRecipeConfig(RunConfig):
 
 
 DGF_UNREAD = [
-    Unread("data.feature_cache", lambda c: c.data.mode == "online", "read by data.mode=offline"),
-    Unread("data.limit", lambda c: c.data.mode == "offline", "read by data.mode=online"),
+    Unread("data.feature_cache", lambda c: c.data.mode is DataMode.ONLINE, "read by data.mode=offline"),
+    Unread("data.limit", lambda c: c.data.mode is DataMode.OFFLINE, "read by data.mode=online"),
     Unread("loss.unroll_decay", lambda c: c.loss.unroll_steps == 1, "read when loss.unroll_steps > 1"),
     Unread("drafter.layer_fusion", lambda c: not c.drafter.fuses_several_layers(), "read when the drafter fuses "
            "several target layers (drafter.feature_layers with more than one, or drafter.multi_layer)"),
@@ -291,7 +302,7 @@ class DGFRecipe(RecipeBase):
 
     def _load_data(self) -> list[dict]:
         cfg = self.cfg
-        if cfg.data.mode == "online":
+        if cfg.data.mode is DataMode.ONLINE:
             records = load_records(cfg.data.source, tokenizer=self.target.tokenizer, max_length=cfg.data.max_length,
                                    limit=cfg.data.limit, model=self.target.model, seed=cfg.data.seed,
                                    stats=self.data_stats)
@@ -319,7 +330,7 @@ class DGFRecipe(RecipeBase):
         final_cached = index["num_layers"] in index["hidden_layers_abs"]  # hidden_states[-1], absolute index L
         layers = self.layers + ([-1] if final_cached and -1 not in self.layers else [])
         dataset = FeatureDataset(cache_dir, target=self.target, hidden_layers=layers, with_logits=True, shuffle=False)
-        if cfg.loss.token_loss == "soft" and not final_cached and not dataset.index["topk_logits"]:
+        if cfg.loss.token_loss is TokenLoss.SOFT and not final_cached and not dataset.index["topk_logits"]:
             raise ConfigError(f"loss.token_loss=soft offline needs the target's distribution: cache {cache_dir} "
                               "holds neither the final normed state (layer -1) nor top-k logits")
         final_at = layers.index(-1) if final_cached else None
@@ -396,7 +407,7 @@ class DGFRecipe(RecipeBase):
         preds = self.run.module(inputs, batch["input_ids"][:, 1:], steps)
         rows_all, cols_all = (labels != IGNORE_INDEX).nonzero(as_tuple=True)  # step 0's pairs, row-major
         target_logp = None
-        if final is not None and self.cfg.loss.token_loss != "hard":
+        if final is not None and self.cfg.loss.token_loss is not TokenLoss.HARD:
             with torch.no_grad():
                 target_logp = self._target_logprobs(final[rows_all, cols_all + 1])
         results = []
@@ -420,7 +431,7 @@ class DGFRecipe(RecipeBase):
         logits = drafter.logits(pred)  # (N, V) or (N, draft vocabulary)
         draft_label = label if self.vocab is None else self.vocab.to_draft(label).masked_fill(
             self.vocab.to_draft(label) < 0, IGNORE_INDEX)  # a token outside the subset: no CE target
-        if cfg.loss.token_loss == "hard":
+        if cfg.loss.token_loss is TokenLoss.HARD:
             token_loss = hard_cross_entropy(logits, draft_label, norm)
         elif features.target_logp is not None:
             token_loss = soft_cross_entropy(logits, features.target_logp, ones, norm)
@@ -511,7 +522,7 @@ class DGFRecipe(RecipeBase):
 
     def write_final(self, directory: Path) -> None:
         cfg, run = self.cfg, self.run
-        data = cfg.data.feature_cache if cfg.data.mode == "offline" else cfg.data.source
+        data = cfg.data.feature_cache if cfg.data.mode is DataMode.OFFLINE else cfg.data.source
         save_dgf(run.unwrapped().drafter, directory,
                  target_block(self.target, cfg.target, self.dgf_config.layers_read, cfg.dtype),
                  training={"command": run.command, "steps": run.step, "samples_seen": run.samples_seen,

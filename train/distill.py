@@ -46,13 +46,12 @@ import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
+from draftsmith.config import ConfigError, TextEnum, Unread, config_to_dict, option, refuse_unread, section
 from draftsmith.data.features import FeatureCacheMismatch, FeatureDataset, cache_parts
 from draftsmith.data.records import collate, load_records, spec_needs_model, split_heldout
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -62,7 +61,7 @@ from draftsmith.models.student import every_nth_layer, layer_subset_student, sav
 from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_model_config, load_tokenizer,
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
-from draftsmith.train.losses import KD_KINDS, kd_loss, kd_mask
+from draftsmith.train.losses import Divergence, TopkTail, kd_loss, kd_mask
 from draftsmith.train.parallel_draft import parallel_inputs, parallel_pair_count, parallel_positions
 from draftsmith.train.recipe import (RUN_UNREAD, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase, RunConfig,
                                     TrainConfig, measure_tau, pad_id_of, record_prompt)
@@ -73,11 +72,31 @@ from draftsmith.train.student_parts import (DistillTrainModule, LoraConfig, add_
 TOPK_FIELDS = ("topk_values", "topk_indices", "logsumexp")
 
 
+class StudentInit(TextEnum):
+    PRETRAINED = "pretrained"  # student.model as it is
+    LAYERS = "layers"  # a layer subset of the target
+    PRUNED = "pruned"  # a layer subset of student.model
+    SHALLOW = "shallow"  # new shallow layers between the target's embeddings and head
+
+
+class DistillLoss(TextEnum):
+    CE = "ce"  # sequence-level KD: cross-entropy on the target's regenerated tokens
+    FKL = "fkl"
+    RKL = "rkl"
+    JSD = "jsd"
+    TVD = "tvd"
+
+
+# The divergence to the target's distribution each loss kind minimises (ce: none).
+DIVERGENCE_OF = {DistillLoss.FKL: Divergence.FKL, DistillLoss.RKL: Divergence.RKL, DistillLoss.JSD: Divergence.JSD,
+                 DistillLoss.TVD: Divergence.TVD}
+
+
 @dataclass
 class StudentConfig:
-    init: Literal["pretrained", "layers", "pruned", "shallow"] = option(
-        "pretrained", "pretrained model, a layer subset of the target, a layer subset of the pretrained model, or "
-                      "new shallow layers")
+    init: StudentInit = option(
+        StudentInit.PRETRAINED, "pretrained model, a layer subset of the target, a layer subset of the pretrained "
+                                "model, or new shallow layers")
     model: str | None = option("qwen2.5-coder-0.5b-instruct",
                                "pretrained, pruned: registry name, dir, hub id or tiny:<family>")
     layer_stride: int = option(2, "layers, pruned: keep layers 0, n, 2n, ... and the last", ge=1)
@@ -92,11 +111,11 @@ class StudentConfig:
 
 @dataclass
 class LossConfig:
-    kind: Literal["ce", "fkl", "rkl", "jsd", "tvd"] = option("fkl", "ce: sequence-level KD; else a divergence "
+    kind: DistillLoss = option(DistillLoss.FKL, "ce: sequence-level KD; else a divergence "
                                                                     "to the target's distribution")
     beta: float = option(0.5, "generalized JSD(beta)", gt=0, lt=1)
     temperature: float = option(1.0, "softmax temperature of both distributions", gt=0)
-    topk_tail: Literal["bucket", "renormalize"] = option("bucket", "top-k teachers (data.feature_cache): tail mass")
+    topk_tail: TopkTail = option(TopkTail.BUCKET, "top-k teachers (data.feature_cache): tail mass")
     ce_weight: float = option(0.0, "+ ce_weight x hard-label CE on the data tokens (with a divergence)", ge=0)
 
 
@@ -147,17 +166,17 @@ class DistillRecipeConfig(RunConfig):
     logging: LoggingConfig = section(LoggingConfig)
 
     def __post_init__(self):
-        divergence = self.loss.kind in KD_KINDS
+        divergence = self.loss.kind in DIVERGENCE_OF
         checks = [
             (self.student.init not in PRETRAINED_INITS or bool(self.student.model),
              f"student.model is required with student.init: {self.student.init}"),
-            (not (self.data.feature_cache and self.loss.topk_tail == "bucket" and self.loss.temperature != 1.0),
+            (not (self.data.feature_cache and self.loss.topk_tail is TopkTail.BUCKET and self.loss.temperature != 1.0),
              "loss.topk_tail: bucket needs loss.temperature 1 (use renormalize for another temperature)"),
             (not (self.data.feature_cache and not divergence),
              "data.feature_cache holds the target's logits: use it with a divergence loss.kind, not ce"),
             (self.on_policy.fraction == 0 or divergence,
              "on_policy needs a divergence loss.kind (the target scores the student's own samples)"),
-            (not self.export.lean or (self.student.init == "layers" and self.student.freeze_embeddings
+            (not self.export.lean or (self.student.init is StudentInit.LAYERS and self.student.freeze_embeddings
                                       and not self.lora.enabled and self.parallel.copies == 1),
              "export.lean needs student.init=layers with frozen embeddings, no LoRA and no parallel copies (the "
              "only students whose untrained part is the target's)"),
@@ -170,21 +189,21 @@ class DistillRecipeConfig(RunConfig):
     @property
     def online_teacher(self) -> bool:
         """The target model runs inside the training loop."""
-        return (self.loss.kind in KD_KINDS and not self.data.feature_cache) or self.on_policy.fraction > 0
+        return (self.loss.kind in DIVERGENCE_OF and not self.data.feature_cache) or self.on_policy.fraction > 0
 
 
-PRETRAINED_INITS = ("pretrained", "pruned")  # student.init kinds that start from student.model
-SUBSET_INITS = ("layers", "pruned")  # student.init kinds that keep a subset of decoder layers
+PRETRAINED_INITS = (StudentInit.PRETRAINED, StudentInit.PRUNED)  # student.init kinds that start from student.model
+SUBSET_INITS = (StudentInit.LAYERS, StudentInit.PRUNED)  # student.init kinds that keep a subset of decoder layers
 
 DISTILL_UNREAD = [
     *[Unread(f"student.{key}", lambda c: c.student.init not in SUBSET_INITS, "read by student.init=layers|pruned")
       for key in ("layer_stride", "layer_ids")],
-    *[Unread(f"student.{key}", lambda c: c.student.init != "shallow", "read by student.init=shallow")
+    *[Unread(f"student.{key}", lambda c: c.student.init is not StudentInit.SHALLOW, "read by student.init=shallow")
       for key in ("num_layers", "intermediate_size", "seed")],
     *[Unread(f"lora.{key}", lambda c: not c.lora.enabled, "read by lora.enabled=true")
       for key in ("r", "alpha", "dropout", "target_modules", "adapter")],
     Unread("lora.adapter_samples_seen", lambda c: not c.lora.adapter, "read with lora.adapter"),
-    Unread("loss.beta", lambda c: c.loss.kind != "jsd", "read by loss.kind=jsd"),
+    Unread("loss.beta", lambda c: c.loss.kind is not DistillLoss.JSD, "read by loss.kind=jsd"),
     Unread("loss.topk_tail", lambda c: not c.data.feature_cache, "read with data.feature_cache (top-k teachers)"),
     *[Unread(f"on_policy.{key}", lambda c: c.on_policy.fraction == 0, "read when on_policy.fraction > 0")
       for key in ("max_new_tokens", "temperature")],
@@ -206,14 +225,14 @@ def build_student(cfg: DistillRecipeConfig, target: TargetModel | None, tokenize
         student, student_tokenizer = load_pretrained_student(cfg.student.model, dtype)
         check_same_tokenizer(tokenizer, student_tokenizer, what="student")
     if init in SUBSET_INITS:
-        source = student if init == "pruned" else target.model
+        source = student if init is StudentInit.PRUNED else target.model
         ids = list(cfg.student.layer_ids or every_nth_layer(source.config.num_hidden_layers, cfg.student.layer_stride))
         student = layer_subset_student(source, ids).to(dtype).requires_grad_(True)
         info["layer_ids"] = ids
-    elif init == "shallow":
+    elif init is StudentInit.SHALLOW:
         student = shallow_student(target.model, cfg.student.num_layers, cfg.student.intermediate_size,
                                   cfg.student.seed).to(dtype)
-    if init != "pretrained" and cfg.student.freeze_embeddings and not cfg.lora.enabled:
+    if init is not StudentInit.PRETRAINED and cfg.student.freeze_embeddings and not cfg.lora.enabled:
         student.get_input_embeddings().weight.requires_grad_(False)
         student.get_output_embeddings().weight.requires_grad_(False)
     if cfg.lora.enabled:
@@ -318,7 +337,8 @@ class DistillRecipe(RecipeBase):
         cfg = self.cfg
         self.target = None
         needs_model = spec_needs_model(cfg.data.source) and not cfg.data.feature_cache
-        if cfg.online_teacher or cfg.student.init != "pretrained" or cfg.eval.tau_prompts > 0 or needs_model:
+        if (cfg.online_teacher or cfg.student.init is not StudentInit.PRETRAINED or cfg.eval.tau_prompts > 0
+                or needs_model):
             self.target = TargetModel.from_pretrained(cfg.target, dtype=cfg.dtype, device=self.run.device,
                                                       attn_implementation=cfg.attn_implementation)
             self.target.model.requires_grad_(False).eval()
@@ -409,22 +429,22 @@ class DistillRecipe(RecipeBase):
         labels = pick(labels)
         ce = F.cross_entropy(logits, labels, reduction="sum")
         teacher_top1 = labels
-        if cfg.loss.kind == "ce":
+        if cfg.loss.kind is DistillLoss.CE:
             loss, divergence = ce / normalizer, ce.detach()
         else:
             if online:
                 teacher = teacher_logits_at(self.target.model, batch["input_ids"], batch["attention_mask"], rows,
                                             cols)
                 teacher = pick(teacher)
-                out = kd_loss(logits, cfg.loss.kind, teacher_logits=teacher, beta=cfg.loss.beta,
+                out = kd_loss(logits, DIVERGENCE_OF[cfg.loss.kind], teacher_logits=teacher, beta=cfg.loss.beta,
                               temperature=cfg.loss.temperature, normalizer=normalizer)
                 teacher_top1 = teacher.argmax(-1)
             else:
                 if "topk_values" not in batch:
                     raise ConfigError("offline top-k teacher asked for a batch without cached logits")
                 top = {name: pick(batch[name][rows, cols]) for name in TOPK_FIELDS}
-                out = kd_loss(logits, cfg.loss.kind, **top, beta=cfg.loss.beta, temperature=cfg.loss.temperature,
-                              tail=cfg.loss.topk_tail, normalizer=normalizer)
+                out = kd_loss(logits, DIVERGENCE_OF[cfg.loss.kind], **top, beta=cfg.loss.beta,
+                              temperature=cfg.loss.temperature, tail=cfg.loss.topk_tail, normalizer=normalizer)
                 teacher_top1 = top["topk_indices"][:, 0]
             loss, divergence = out.loss, out.total
             if cfg.loss.ce_weight > 0:
@@ -484,7 +504,7 @@ class DistillRecipe(RecipeBase):
         sums = torch.zeros(4, dtype=torch.float64, device=run.device)  # divergence, ce, agree, tokens
         copies = cfg.parallel.copies
         by_copy = torch.zeros(2, copies, dtype=torch.float64, device=run.device)  # agree, tokens per copy
-        online = cfg.loss.kind in KD_KINDS and not cfg.data.feature_cache
+        online = cfg.loss.kind in DIVERGENCE_OF and not cfg.data.feature_cache
         size = cfg.eval.batch_size
         starts = list(range(0, len(self.heldout_records), size))
         for start, real in even_shard(starts, run.accelerator.process_index, run.world):
@@ -533,7 +553,7 @@ class DistillRecipe(RecipeBase):
         else:
             self.export_model().save_pretrained(str(directory))
         if cfg.lora.enabled:
-            base = cfg.student.model if cfg.student.init == "pretrained" else None
+            base = cfg.student.model if cfg.student.init is StudentInit.PRETRAINED else None
             write_adapter(self._student(), directory / "adapter", resolve_dtype(cfg.export.dtype), base)
         saved_tokenizer = hasattr(self.tokenizer, "save_pretrained") and not cfg.export.lean
         if saved_tokenizer:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftsmith.config import TextEnum, enum_member
+
 IGNORE_INDEX = -100
 
 
@@ -239,8 +241,18 @@ def unrolled_step_weights(steps: int, decay: float) -> torch.Tensor:
 #                         (softmax over the k teacher logits / T, softmax over the student's logits
 #                         of those ids / T); works at any temperature, ignores the tail entirely.
 
-KD_KINDS = ("fkl", "rkl", "jsd", "tvd")
-TOPK_TAILS = ("bucket", "renormalize")
+class Divergence(TextEnum):
+    FKL = "fkl"  # KL(teacher || student)
+    RKL = "rkl"  # KL(student || teacher)
+    JSD = "jsd"  # generalized Jensen-Shannon, beta
+    TVD = "tvd"  # total variation
+
+
+class TopkTail(TextEnum):
+    BUCKET = "bucket"
+    RENORMALIZE = "renormalize"
+
+
 TAIL_FLOOR = 1e-8  # smallest tail-bucket probability (see topk_logprobs)
 
 
@@ -255,29 +267,34 @@ def _kl_from_logprobs(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1)
 
 
-def divergence_from_logprobs(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, beta: float = 0.5) -> torch.Tensor:
+def divergence_from_logprobs(log_p: torch.Tensor, log_q: torch.Tensor, kind: Divergence | str,
+                             beta: float = 0.5) -> torch.Tensor:
     """Per-position divergence between teacher log-probs `log_p` and student log-probs `log_q`.
 
     log_p, log_q (..., C) normalised along the last axis (C = vocab, or k + 1 for top-k buckets).
     Returns (...,) float32 (float64 for float64 inputs).
     """
-    log_p, log_q = _at_least_float32(log_p), _at_least_float32(log_q)
-    if kind == "fkl":
-        return _kl_from_logprobs(log_p, log_q)
-    if kind == "rkl":
-        return _kl_from_logprobs(log_q, log_p)
-    if kind == "jsd":
-        if not 0.0 < beta < 1.0:
-            raise ValueError(f"generalized JSD needs 0 < beta < 1, got {beta} (use fkl / rkl for the limits)")
-        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1.0 - beta))  # (..., C)
-        return beta * _kl_from_logprobs(log_p, log_m) + (1.0 - beta) * _kl_from_logprobs(log_q, log_m)
-    if kind == "tvd":
-        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
-    raise ValueError(f"unknown distillation divergence {kind!r}; choose one of {list(KD_KINDS)}")
+    kind = enum_member(Divergence, kind, "distillation divergence")
+    if kind is Divergence.JSD and not 0.0 < beta < 1.0:
+        raise ValueError(f"generalized JSD needs 0 < beta < 1, got {beta} (use fkl / rkl for the limits)")
+    return DIVERGENCES[kind](_at_least_float32(log_p), _at_least_float32(log_q), beta)
 
 
-def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str, beta: float = 0.5,
-                  temperature: float = 1.0) -> torch.Tensor:
+def _jensen_shannon(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1.0 - beta))  # (..., C)
+    return beta * _kl_from_logprobs(log_p, log_m) + (1.0 - beta) * _kl_from_logprobs(log_q, log_m)
+
+
+DIVERGENCES = {
+    Divergence.FKL: lambda log_p, log_q, beta: _kl_from_logprobs(log_p, log_q),
+    Divergence.RKL: lambda log_p, log_q, beta: _kl_from_logprobs(log_q, log_p),
+    Divergence.JSD: _jensen_shannon,
+    Divergence.TVD: lambda log_p, log_q, beta: 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1),
+}
+
+
+def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: Divergence | str,
+                  beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
     """Full-vocabulary divergence per position: logits (..., V) -> (...,), times T^2."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -291,15 +308,14 @@ def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, ki
 
 def topk_logprobs(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor,
                   logsumexp: torch.Tensor | None, temperature: float = 1.0,
-                  tail: str = "bucket") -> tuple[torch.Tensor, torch.Tensor]:
+                  tail: TopkTail | str = TopkTail.BUCKET) -> tuple[torch.Tensor, torch.Tensor]:
     """(teacher, student) log-probs over the stored top-k ids (+ the tail bucket), see above.
 
     student_logits (..., V); topk_values (..., k) teacher logits; topk_indices (..., k) their ids;
     logsumexp (...,) of the teacher's full logits (needed for tail="bucket").
     Returns two (..., k + 1) tensors for "bucket", (..., k) for "renormalize".
     """
-    if tail not in TOPK_TAILS:
-        raise ValueError(f"unknown top-k tail handling {tail!r}; choose one of {list(TOPK_TAILS)}")
+    tail = enum_member(TopkTail, tail, "top-k tail handling")
     if topk_values.shape != topk_indices.shape or topk_values.shape[:-1] != student_logits.shape[:-1]:
         raise ValueError(f"top-k values {tuple(topk_values.shape)} / indices {tuple(topk_indices.shape)} do not match "
                          f"student logits {tuple(student_logits.shape)}")
@@ -307,7 +323,7 @@ def topk_logprobs(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_
     indices = topk_indices.long()
     values = topk_values.to(student.dtype)
     picked = student.gather(-1, indices)  # (..., k) student logits of the teacher's top-k ids
-    if tail == "renormalize":
+    if tail is TopkTail.RENORMALIZE:
         return F.log_softmax(values / temperature, dim=-1), F.log_softmax(picked / temperature, dim=-1)
     if temperature != 1.0:
         raise ValueError("tail='bucket' needs temperature 1 (the stored logsumexp is of the untempered logits); "
@@ -330,8 +346,8 @@ def topk_logprobs(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_
 
 
 def kd_divergence_topk(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor,
-                       logsumexp: torch.Tensor | None, kind: str, beta: float = 0.5, temperature: float = 1.0,
-                       tail: str = "bucket") -> torch.Tensor:
+                       logsumexp: torch.Tensor | None, kind: Divergence | str, beta: float = 0.5,
+                       temperature: float = 1.0, tail: TopkTail | str = TopkTail.BUCKET) -> torch.Tensor:
     """Divergence per position against a stored top-k teacher: (...,), times T^2."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -359,10 +375,10 @@ class KDLoss:
     tokens: torch.Tensor  # number of distilled positions
 
 
-def kd_loss(student_logits: torch.Tensor, kind: str, *, teacher_logits: torch.Tensor | None = None,
+def kd_loss(student_logits: torch.Tensor, kind: Divergence | str, *, teacher_logits: torch.Tensor | None = None,
             topk_values: torch.Tensor | None = None, topk_indices: torch.Tensor | None = None,
             logsumexp: torch.Tensor | None = None, mask: torch.Tensor | None = None, beta: float = 0.5,
-            temperature: float = 1.0, tail: str = "bucket",
+            temperature: float = 1.0, tail: TopkTail | str = TopkTail.BUCKET,
             normalizer: torch.Tensor | float | None = None) -> KDLoss:
     """Token-level distillation loss, summed over masked positions and divided by `normalizer`.
 

@@ -8,11 +8,11 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
-from draftsmith.config import Unread, option
+from draftsmith.config import TextEnum, Unread, option
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.models.bundled import DEFAULT_TARGET
@@ -42,13 +42,26 @@ class DataConfig:
                                      "(0: off): less padding, the same data", ge=0)
 
 
+class Schedule(TextEnum):
+    """The learning rate after warm-up."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"  # down to min_lr_ratio
+    COSINE = "cosine"  # down to min_lr_ratio
+
+
+class Tracker(TextEnum):
+    WANDB = "wandb"
+    NONE = "none"
+
+
 @dataclass
 class OptimConfig:
     lr: float = option(1e-3, "peak learning rate", gt=0)
     weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
     betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas", ge=0, lt=1)
     eps: float = option(1e-8, "AdamW epsilon", gt=0)
-    schedule: Literal["constant", "linear", "cosine"] = option("cosine", "learning-rate schedule after warm-up")
+    schedule: Schedule = option(Schedule.COSINE, "learning-rate schedule after warm-up")
     warmup_steps: int = option(0, "linear warm-up steps", ge=0)
     min_lr_ratio: float = option(0.0, "final learning rate / peak (linear, cosine)", ge=0, le=1)
     max_grad_norm: float | None = option(1.0, "gradient clipping norm (null: no clipping)", gt=0)
@@ -81,17 +94,18 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    tracker: Literal["wandb", "none"] = option("wandb", "experiment tracker (W&B runs offline without network)")
+    tracker: Tracker = option(Tracker.WANDB, "experiment tracker (W&B runs offline without network)")
     project: str = option("draftsmith", "W&B project")
     run_name: str | None = option(None, "W&B run name")
 
 
 # Options of the shared sections that some settings do not read (each recipe adds its own: refuse_unread).
 RUN_UNREAD = [
-    Unread("optim.min_lr_ratio", lambda c: c.optim.schedule == "constant", "read by optim.schedule=linear|cosine"),
+    Unread("optim.min_lr_ratio", lambda c: c.optim.schedule is Schedule.CONSTANT,
+           "read by optim.schedule=linear|cosine"),
     Unread("eval.tau_new_tokens", lambda c: c.eval.tau_prompts == 0, "read when eval.tau_prompts > 0"),
-    Unread("logging.project", lambda c: c.logging.tracker == "none", "read by logging.tracker=wandb"),
-    Unread("logging.run_name", lambda c: c.logging.tracker == "none", "read by logging.tracker=wandb"),
+    Unread("logging.project", lambda c: c.logging.tracker is Tracker.NONE, "read by logging.tracker=wandb"),
+    Unread("logging.run_name", lambda c: c.logging.tracker is Tracker.NONE, "read by logging.tracker=wandb"),
 ]
 
 
@@ -136,10 +150,10 @@ def lr_factor(optim: OptimConfig, max_steps: int, hold_steps: int = 0) -> Callab
             return 0.0
         if optim.warmup_steps and step < optim.warmup_steps:
             return (step + 1) / optim.warmup_steps
-        if optim.schedule == "constant":
+        if optim.schedule is Schedule.CONSTANT:
             return 1.0
         progress = min(1.0, (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps))
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule is Schedule.COSINE else 1.0 - progress
         return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
 
     return factor

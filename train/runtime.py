@@ -52,7 +52,7 @@ from draftsmith.tracking import prepare_wandb_env
 from draftsmith.train.checkpoints import (CheckpointError, latest_verified_checkpoint, load_checkpoint,
                                           load_latest_checkpoint, save_checkpoint)
 from draftsmith.train.distributed import gather_trainable_state, local_rank_zero
-from draftsmith.train.recipe import Recipe, lr_factor
+from draftsmith.train.recipe import Recipe, Tracker, lr_factor
 from draftsmith.train.rng import rng_state, seed_everything, set_rng_state
 from draftsmith.train.run_guards import (METRICS_FILE, DirectoryLock, Interrupted, MetricsFile, RunDirectoryError,
                                          StopRequest, check_finite, launch_command, print_summary,
@@ -90,7 +90,7 @@ class TrainingRun:
         device = resolve_device(cfg.device)
         self.lock = DirectoryLock(self.output_dir)
         log_with = None
-        if cfg.logging.tracker == "wandb":
+        if cfg.logging.tracker is Tracker.WANDB:
             prepare_wandb_env(self.output_dir)
             log_with = "wandb"
         self.accelerator = Accelerator(cpu=device.type == "cpu", log_with=log_with, project_dir=str(self.output_dir))
@@ -338,7 +338,7 @@ class TrainingRun:
     def log_metrics(self, metrics: dict) -> None:
         scalars = {name: value for name, value in metrics.items() if not isinstance(value, (list, dict))}
         self.metrics.write({"step": self.step, **scalars})
-        if self.cfg.logging.tracker != "none":
+        if self.cfg.logging.tracker is not Tracker.NONE:
             self.accelerator.log(scalars, step=self.step)
 
     def _start(self, recipe: Recipe) -> None:
@@ -349,7 +349,7 @@ class TrainingRun:
             seed_everything(self.cfg.train.seed + self.accelerator.process_index)
         if self.is_main:
             save_config(self.cfg, self.output_dir / "train_config.yaml")
-        if self.cfg.logging.tracker == "wandb":
+        if self.cfg.logging.tracker is Tracker.WANDB:
             self.accelerator.init_trackers(
                 self.cfg.logging.project, config=flatten_dict(config_to_dict(self.cfg)),
                 init_kwargs={"wandb": {"name": self.cfg.logging.run_name, "id": self.run_id, "resume": "allow",
@@ -466,7 +466,7 @@ class TrainingRun:
     def finish(self, summary: dict) -> dict:
         summary = {"step": self.step, "output_dir": str(self.output_dir), "processes": self.world,
                    "final": str(self.final_dir) if self.step == self.cfg.train.max_steps else None, **summary}
-        if self.cfg.logging.tracker != "none":
+        if self.cfg.logging.tracker is not Tracker.NONE:
             self.accelerator.end_training()
         self.accelerator.free_memory()
         self.lock.release()

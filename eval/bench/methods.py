@@ -35,7 +35,7 @@ from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tre
 from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.decode.drafters.dflash import load_dflash_drafter
-from draftsmith.eval.decode.drafters.medusa import load_medusa_drafter
+from draftsmith.eval.decode.drafters.medusa import TargetAdapter, load_medusa_drafter
 from draftsmith.eval.decode.drafters.minions import MinionsConfig, MinionsDrafter
 from draftsmith.eval.decode.drafters.ngram import NGRAM_BUDGET, NgramDrafter
 from draftsmith.eval.decode.drafters.union import UnionDrafter
@@ -269,8 +269,8 @@ class MedusaOptions:
     path: str = option(help="a train/medusa.py final/ directory")
     budget: int | None = option(None, f"ARCA tree size from the saved head accuracies (null: {MEDUSA_BUDGET} nodes, "
                                       "the best measured on a 2-core CPU)", ge=1)
-    adapter: Literal["refuse", "merge", "ignore"] = option("refuse", "Medusa-2 heads: merge the LoRA adapter "
-                                                                     "into the target, or ignore it")
+    adapter: TargetAdapter = option(TargetAdapter.REFUSE, "Medusa-2 heads: merge the LoRA adapter into the target, "
+                                                          "or ignore it")
     keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
 
 

@@ -37,15 +37,21 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from draftsmith.config import ConfigError, check_config, option
+from draftsmith.config import ConfigError, TextEnum, check_config, option
 from draftsmith.data.sources import load_source
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeResult, Generation, Method
 from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, trie
 from draftsmith.models.target import TargetModel
+
+
+class PadSource(TextEnum):
+    """Where a branch's random padding tokens come from."""
+
+    PROMPT = "prompt"
+    VOCAB = "vocab"
 
 
 @dataclass
@@ -59,7 +65,7 @@ class SelfDraftConfig:
     cache_size: int = option(8, "LRU entries per key token", ge=1)
     candidates: int = option(2, "candidates verified per forward", ge=0)
     init_length: int = option(1, "random padding tokens per branch at the start", ge=1)
-    pad: Literal["prompt", "vocab"] = option("prompt", "where random padding tokens come from")
+    pad: PadSource = option(PadSource.PROMPT, "where random padding tokens come from")
     corpus: str | None = option(None, "data.sources spec for the corpus cache, e.g. gsm8k:train (optional)")
     corpus_limit: int = option(1000, "conversations read for the corpus cache", ge=1)
     corpus_top: int = option(4, "continuations kept per corpus prefix", ge=1)
@@ -168,7 +174,7 @@ class SelfDraftDecoder:
 
     def _initial_branches(self, prompt: list[int], generator: torch.Generator) -> list[list[int]]:
         sd = self.sd
-        if sd.pad == "prompt":
+        if sd.pad is PadSource.PROMPT:
             pool = torch.tensor(prompt)
             picks = torch.randint(0, pool.numel(), (sd.branches, sd.init_length), generator=generator)
             return pool[picks].tolist()

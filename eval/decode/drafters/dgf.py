@@ -177,8 +177,8 @@ class DGFDrafter(Drafter):
         in_features = torch.stack([growth.fed_features[parent] for parent in parents])  # (n_new, H)
         tokens = torch.tensor([[growth.tokens[node] for node in best]], device=growth.device)
         positions = torch.full((1, len(best)), committed - 1 + level, dtype=torch.long, device=growth.device)
-        out, logits = self.engine.forward(in_features[None], tokens, self.cache, positions,
-                                          growth.allowed(parents, committed)[None, None])  # (1, n_new, H), (1, n_new, V)
+        allowed = growth.allowed(parents, committed)[None, None]
+        out, logits = self.engine.forward(in_features[None], tokens, self.cache, positions, allowed)  # (1, n, H), (1, n, V)
         growth.add_fed(best, parents, out[0])
         return best, logits[0]
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from draftsmith.config import TextEnum, enum_member
 from draftsmith.eval.decode.drafters.base import (CHAIN_BUDGET, Drafter, InputError, Sampling, check_open_unit,
                                                   check_sizes, draw_children)
 from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, select_top_nodes, subtree
@@ -39,17 +40,23 @@ from draftsmith.models.trees import LM_TREE
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
 
 
+class LMDraftMode(TextEnum):
+    CHAIN = "chain"  # one token a step
+    TREE = "tree"  # EAGLE-2-style growth, a forward a level
+    PARALLEL = "parallel"  # PARD: a block of mask tokens in one forward
+
+
 class LMDrafter(Drafter):
-    def __init__(self, model: PreTrainedModel | TargetModel, tokenizer=None, mode: str = "chain",
+    def __init__(self, model: PreTrainedModel | TargetModel, tokenizer=None,
+                 mode: LMDraftMode | str = LMDraftMode.CHAIN,
                  budget: int = CHAIN_BUDGET, depth: int = LM_TREE.depth, topk: int = LM_TREE.topk,
                  beam: int | None = None,
                  name: str | None = None, vocab: DraftVocab | None = None, stop_below: float | None = None):
-        if mode not in ("chain", "tree", "parallel"):
-            raise InputError(f"mode must be 'chain', 'tree' or 'parallel', got {mode!r}")
+        mode = enum_member(LMDraftMode, mode, "LMDrafter mode")
         check_sizes(name or f"lm-{mode}", budget=budget, depth=depth, topk=topk, beam=beam)
         check_open_unit(name or f"lm-{mode}", "stop_below", stop_below)
-        if stop_below is not None and mode != "chain":
-            raise InputError(f"{name or f'lm-{mode}'}: stop_below is read by mode 'chain' only, not {mode!r}")
+        if stop_below is not None and mode is not LMDraftMode.CHAIN:
+            raise InputError(f"{name or f'lm-{mode}'}: stop_below is read by mode 'chain' only, not '{mode}'")
         self.stop_below = stop_below
         self.lm = model if isinstance(model, TargetModel) else None  # a given engine (e.g. compiled) is kept
         self.model = (model.model if self.lm is not None else model).eval()
@@ -63,7 +70,7 @@ class LMDrafter(Drafter):
         self.mode, self.budget = mode, budget
         self.depth, self.topk, self.beam = depth, topk, beam or topk
         self.name = name or f"lm-{mode}"
-        self.mask_token = parallel_mask_token(self.model, self.name) if mode == "parallel" else None
+        self.mask_token = parallel_mask_token(self.model, self.name) if mode is LMDraftMode.PARALLEL else None
         self.cache = None
         self.cached: list[int] = []  # tokens whose KV sits in self.cache, in order
 
@@ -100,10 +107,10 @@ class LMDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
         context_list = context.tolist()
-        if self.mode == "parallel":
+        if self.mode is LMDraftMode.PARALLEL:
             return self._parallel(context_list, sampling, generator)
         logits = self._sync(context_list)
-        if self.mode == "chain":
+        if self.mode is LMDraftMode.CHAIN:
             return self._chain(logits, sampling, generator)
         tree = self._tree(logits, len(context_list), sampling, generator)
         self.lm.truncate(self.cache, len(context_list))  # drop the tree slots; keep the committed context

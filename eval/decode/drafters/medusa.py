@@ -9,13 +9,13 @@ warped distribution; siblings are a prefix of those draws, so q rows are exact.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from peft import PeftModel
 from torch import nn
 
+from draftsmith.config import TextEnum, enum_member
 from draftsmith.eval.decode.drafters.base import (Drafter, Sampling, check_open_unit, confident_subtree,
                                                   refuse_sampled_trim, static_tree_tokens)
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
@@ -72,8 +72,16 @@ class MedusaDrafter(Drafter):
         return confident_subtree(tree, node_probs.to(device), self.keep_above)
 
 
+class TargetAdapter(TextEnum):
+    """What decoding does with the LoRA adapter Medusa-2 heads were trained with on the target."""
+
+    REFUSE = "refuse"
+    MERGE = "merge"  # merged into the target's weights
+    IGNORE = "ignore"  # the base target (lower acceptance)
+
+
 def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None = None, budget: int | None = None,
-                        target_adapter: Literal["refuse", "merge", "ignore"] = "refuse", name: str | None = None,
+                        target_adapter: TargetAdapter | str = TargetAdapter.REFUSE, name: str | None = None,
                         backend: Backend = Backend.EAGER, settings: CompileSettings | None = None,
                         keep_above: float | None = None):
     """A MedusaDrafter for `target` from a recipe's final/ directory.
@@ -86,15 +94,15 @@ def load_medusa_drafter(path: str | Path, target, paths: list[list[int]] | None 
     `backend` with the batch-invariant kernels (`settings`), the heads run on those kernels too. `keep_above`
     (greedy): of the tree's nodes verify only those whose path probability under the heads is above it.
     """
-    path = Path(path)
+    path, target_adapter = Path(path), enum_member(TargetAdapter, target_adapter, "target_adapter")
     heads, manifest = load_medusa_heads(path, device=target.device, target=target)
     adapter = manifest.get("target_adapter")
     if adapter:
-        if target_adapter == "refuse":
+        if target_adapter is TargetAdapter.REFUSE:
             raise ArtifactError(f"Medusa checkpoint {path} was trained jointly with a LoRA adapter on the target "
                              f"({path / adapter}); pass target_adapter='merge' to decode with the adapted target, "
                              "or 'ignore' to use the base target (lower acceptance)")
-        if target_adapter == "merge":
+        if target_adapter is TargetAdapter.MERGE:
             target.model = PeftModel.from_pretrained(target.model, str(path / adapter)).merge_and_unload().eval()
     if paths is None:
         accuracy_file = path / ACCURACY_FILE

@@ -47,13 +47,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from draftsmith.config import ConfigError, check_config, option
+from draftsmith.config import ConfigError, TextEnum, check_config, option
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, CompositeDrafter, Drafter, Sampling
 from draftsmith.eval.decode.tree import DraftTree
+
+
+class VoteCost(TextEnum):
+    VERIFY = "verify"  # t_verify / vl (the paper, pipelined)
+    ROUND = "round"  # (t_draft + t_verify) / vl
+
+
+class Feedback(TextEnum):
+    ALL = "all"  # every drafter credited each round
+    VOTED = "voted"  # only the drafters that voted for the verified path
+
+
+class VoteVerify(TextEnum):
+    PATH = "path"  # the majority path (the paper)
+    TREE = "tree"  # the merged tree
 
 
 @dataclass
@@ -66,7 +80,7 @@ class MinionsConfig:
     window: int = option(24, "records used by the linear fit (spans the previous and the current s)", ge=2)
     s_reward: int = option(1, "s += s_reward when longer speculation is cheaper per token", ge=0)
     s_punish: int = option(1, "s -= s_punish when it is dearer", ge=0)
-    cost: Literal["verify", "round"] = option("verify", "verify: t_verify / vl (the paper, pipelined); "
+    cost: VoteCost = option(VoteCost.VERIFY, "verify: t_verify / vl (the paper, pipelined); "
                                                         "round: (t_draft + t_verify) / vl")
     reward_threshold: float = option(0.6, "ACR above it multiplies a drafter's weight by reward_factor", ge=0, le=1)
     punish_threshold: float = option(0.3, "ACR below it multiplies a drafter's weight by punish_factor", ge=0, le=1)
@@ -75,8 +89,8 @@ class MinionsConfig:
     min_weight: float = option(1e-3, "weights are clamped to [min_weight, max_weight]", gt=0)
     max_weight: float = option(1e3, "weights are clamped to [min_weight, max_weight]", gt=0)
     update_interval: int = option(1, "rounds between weight updates (the paper: one verified batch)", ge=1)
-    feedback: Literal["all", "voted"] = option("all", "credit every drafter each round, or only the voted ones")
-    verify: Literal["path", "tree"] = option("path", "verify the majority path (the paper) or the merged tree")
+    feedback: Feedback = option(Feedback.ALL, "credit every drafter each round, or only the voted ones")
+    verify: VoteVerify = option(VoteVerify.PATH, "verify the majority path (the paper) or the merged tree")
 
     def __post_init__(self):
         check_config(self)
@@ -269,7 +283,7 @@ class MinionsDrafter(CompositeDrafter):
         """Score the previous round now that its bonus token (this round's root) is known."""
         pending, config = self._pending, self.config
         committed = pending["accepted"] + [bonus]
-        credited = range(len(self.drafters)) if config.feedback == "all" else pending["voted"]
+        credited = range(len(self.drafters)) if config.feedback is Feedback.ALL else pending["voted"]
         for i in credited:
             if pending["proposals"][i]:
                 self.rates[i].append(acceptance_rate(pending["proposals"][i], committed))
@@ -278,7 +292,7 @@ class MinionsDrafter(CompositeDrafter):
             self.weights = update_weights(self.weights, self.rates, config)
             self.rates = [[] for _ in self.drafters]
         verify_s = pending["verify_end"] - pending["propose_end"]
-        cost = verify_s if config.cost == "verify" else verify_s + pending["draft_s"]
+        cost = verify_s if config.cost is VoteCost.VERIFY else verify_s + pending["draft_s"]
         self.selector.record(cost, len(committed))
 
     @torch.inference_mode()
@@ -298,7 +312,7 @@ class MinionsDrafter(CompositeDrafter):
         for i in voted:
             self.voted_counts[i] += 1
         device = context.device
-        if self.config.verify == "path" or not merged.tokens:
+        if self.config.verify is VoteVerify.PATH or not merged.tokens:
             tree = DraftTree.chain(torch.tensor([merged.tokens[n] for n in path], dtype=torch.long, device=device))
         else:
             tree = DraftTree.from_parents(torch.tensor(merged.tokens, device=device),

@@ -26,14 +26,12 @@ distribution its nodes were drawn from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
+from draftsmith.config import TextEnum, enum_member
 from draftsmith.eval.decode.drafters.base import TREE_BUDGET, CompositeDrafter, Drafter, Sampling
 from draftsmith.eval.decode.tree import DraftTree
 
-UNION_MODES = ("union", "first")
 
 
 @dataclass
@@ -77,13 +75,17 @@ def credit_accepted(merged: MergedProposal, accepted: list[int]) -> list[int]:
     return owners
 
 
+class UnionMode(TextEnum):
+    UNION = "union"  # every drafter's tree, merged
+    FIRST = "first"  # the first drafter that proposes (a cascade)
+
+
 class UnionDrafter(CompositeDrafter):
     """Merged trees of several drafters, or the first that proposes (see the module docstring)."""
 
-    def __init__(self, drafters: list[Drafter], mode: Literal["union", "first"] = "union",
+    def __init__(self, drafters: list[Drafter], mode: UnionMode | str = UnionMode.UNION,
                  budget: int = TREE_BUDGET, name: str = "union"):
-        if mode not in UNION_MODES:
-            raise ValueError(f"union: mode {mode!r} is not one of {', '.join(UNION_MODES)}")
+        mode = enum_member(UnionMode, mode, "union: mode")
         super().__init__(drafters, what=name)
         self.mode, self.budget, self.name = mode, budget, name
         self.proposed = [0] * len(drafters)  # rounds in which each sub-drafter's tree was used
@@ -103,7 +105,7 @@ class UnionDrafter(CompositeDrafter):
 
     @torch.inference_mode()
     def propose(self, root: int, context: torch.Tensor, sampling: Sampling | None, generator) -> DraftTree:
-        if self.mode == "first":
+        if self.mode is UnionMode.FIRST:
             return self._first(root, context, sampling, generator)
         trees = [drafter.propose(root, context, None, None) for drafter in self.drafters]
         merged = merge_trees(trees, self.budget)
