@@ -17,7 +17,6 @@ steps per width, the widths interleaved.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import json
 import os
@@ -33,7 +32,7 @@ from typing import Callable
 import torch
 import transformers
 
-from draftsmith.config import ConfigError, check_config, config_to_dict, option
+from draftsmith.config import ConfigError, TextEnum, check_config, config_to_dict, option
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.documents import cpu_model, parse_document_command, write_document
 from draftsmith.eval.roofline import head_dim, model_linears
@@ -44,34 +43,25 @@ from draftsmith.models.registry import resolve_model_path
 REPOSITORY = Path(__file__).resolve().parents[1]
 
 
-class StepPrecision(str, enum.Enum):
+class StepPrecision(TextEnum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     INT8 = "int8"  # weight-only, float32 activations
     W8A8 = "w8a8"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class StepPart(str, enum.Enum):
+class StepPart(TextEnum):
     LINEARS = "linears"  # every Linear of the decoder and the LM head
     ATTENTION = "attention"  # every layer's attention over the cache
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class KernelIsa(str, enum.Enum):
+class KernelIsa(TextEnum):
     """The kernels' instruction sets (batch_invariant.cpp's ISA_NAMES), forced through DRAFTSMITH_KERNEL_ISA."""
 
     AVX512_BF16 = "avx512_bf16"
     AVX512 = "avx512"
     AVX2 = "avx2"
     SCALAR = "scalar"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # activations' dtype and the InvariantLinear's stored weights, per precision

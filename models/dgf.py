@@ -70,29 +70,23 @@ from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from draftsmith.models.engine import EagerBuild, additive_mask, with_cache
 from draftsmith.models.kernels import WeightPrecision, gather_weights, invariant_model, invariant_rows
-from draftsmith.config import enum_member
+from draftsmith.config import TextEnum, enum_member
 from draftsmith.models.vocab import DraftHead, DraftVocab
 
 
-class Fusion(str, enum.Enum):
+class Fusion(TextEnum):
     """How the drafter joins a target feature and the next token's embedding (the module docstring's table)."""
 
     LINEAR = "linear"  # EAGLE-1/2's fc over [e; f]
     DGF = "dgf"  # Dovetail's Dynamic Gated Fusion
     EAGLE3 = "eagle3"  # no fusion layer: block 0 reads [norm_e(e); norm_h(f)]
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class LayerFusion(str, enum.Enum):
+class LayerFusion(TextEnum):
     """How several target layers become one feature."""
 
     LINEAR = "linear"  # EAGLE-3's fc, kH -> H
     GATED = "gated"  # a softmax gate over the projected layers
-
-    def __str__(self) -> str:
-        return self.value
 
 ACTIVATIONS = {"silu": nn.SiLU, "gelu": nn.GELU, "tanh": nn.Tanh, "relu": nn.ReLU, "identity": nn.Identity}
 # Keys of the target's HF config that describe that checkpoint, not a decoder block.

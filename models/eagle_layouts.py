@@ -22,21 +22,20 @@ vocabulary, as EAGLE-3, speculators, vLLM and SGLang define them.
 
 from __future__ import annotations
 
-import enum
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.config import enum_member
+from draftsmith.config import TextEnum, enum_member
 from draftsmith.errors import UserError
 from draftsmith.models.artifacts import CONFIG_FILE, float_state, load_weights
 from draftsmith.models.dgf import DROP_CONFIG_KEYS, DGFConfig, DGFModel, Fusion, LayerFusion, eagle3_layer_config
 from draftsmith.models.vocab import DraftHead
 
 
-class DgfLayout(str, enum.Enum):
+class DgfLayout(TextEnum):
     """The directory layout a feature drafter is exported in (scripts/export.py dgf ... layout=)."""
 
     AUTO = "auto"  # picked by the drafter: EAGLE-1/2 for fusion linear, speculators for eagle3, else dgf
@@ -44,9 +43,6 @@ class DgfLayout(str, enum.Enum):
     SPECULATORS = "speculators"  # EAGLE-3 in speculators' format (vLLM)
     SGLANG = "sglang"  # EAGLE-3 for SGLang's LlamaForCausalLMEagle3
     DGF = "dgf"  # draftsmith's own (models.artifacts.load_dgf)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 EAGLE_WEIGHTS = "model.safetensors"

@@ -10,7 +10,6 @@ shape, compiled engine with the same interface.
 
 from __future__ import annotations
 
-import enum
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,6 +17,8 @@ from typing import Callable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from draftsmith.config import TextEnum
 
 
 def _cache_keyword() -> str:
@@ -34,15 +35,12 @@ def with_cache(cache) -> dict:
     return {CACHE_KEYWORD: cache}
 
 
-class Backend(str, enum.Enum):
+class Backend(TextEnum):
     """How a model's forwards run; resolved once at the entry point (a command's `backend=`), keyed in the one
     table of engines (`models.target.ENGINES`) and in every result."""
 
     EAGER = "eager"  # HF forward with a growing DynamicCache
     COMPILED = "compiled"  # models.compiled: static shapes, AOT-compiled graphs
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class GreedyRows:

@@ -18,14 +18,13 @@ Both layouts hold the drafter's tensors under z-lab's names (`fc.weight`, `hidde
 
 from __future__ import annotations
 
-import enum
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.config import enum_member
+from draftsmith.config import TextEnum, enum_member
 from draftsmith.models import eagle_layouts
 from draftsmith.models.artifacts import float_state, load_dflash, load_state, load_weights, manifest_layers
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
@@ -34,14 +33,11 @@ from draftsmith.models.exports import (PARITY_SEED, ExportResult, base_manifest,
 from draftsmith.models.target import TargetModel
 
 
-class DFlashLayout(str, enum.Enum):
+class DFlashLayout(TextEnum):
     """The directory layout a DFlash drafter is exported in (scripts/export.py dflash ... layout=)."""
 
     ZLAB = "zlab"  # z-lab's config (llama.cpp's converter reads it)
     SPECULATORS = "speculators"  # speculators' DFlash config (vLLM)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 WEIGHTS = "model.safetensors"

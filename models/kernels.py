@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import enum
 import hashlib
 import io
 import itertools
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftsmith.config import TextEnum
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import dir_lock
 from draftsmith.models.registry import draftsmith_cache
@@ -50,17 +50,14 @@ class KernelsUnavailable(UserError):
     """The batch-invariant kernels could not be built or loaded here; compile.kernels=inductor runs without them."""
 
 
-class Kernels(str, enum.Enum):
+class Kernels(TextEnum):
     """Which kernels a compiled graph calls; part of its package key."""
 
     INVARIANT = "invariant"  # draftsmith::linear and draftsmith::attention: batch-invariant, weight-streaming
     INDUCTOR = "inductor"  # the stock graph: inductor's GEMM templates, SDPA (not batch-invariant)
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class WeightPrecision(str, enum.Enum):
+class WeightPrecision(TextEnum):
     """How an InvariantLinear stores its weights; activations stay in the model's dtype."""
 
     MODEL = "model"  # the model's own dtype (float32 or bfloat16)
@@ -70,23 +67,17 @@ class WeightPrecision(str, enum.Enum):
     # float32 activations between the layers
     W8A8 = "w8a8"
 
-    def __str__(self) -> str:
-        return self.value
-
     @property
     def label(self) -> str:
         """How a results table names it ("" for the model's own dtype)."""
         return WEIGHT_LABELS[self]
 
 
-class HeadLogits(str, enum.Enum):
+class HeadLogits(TextEnum):
     """What a compiled target's LM head computes."""
 
     MODEL = "model"  # every logit, from the model's own weights (sampling needs them)
     GREEDY = "greedy"  # GreedyHead: int8 / bf16 logits, those that could be the largest recomputed exactly (greedy)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 WEIGHT_LABELS = {WeightPrecision.MODEL: "", WeightPrecision.INT8: "int8 weights",

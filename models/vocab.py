@@ -16,7 +16,6 @@ and `t2d` as a bool mask: `eagle3_maps` converts.
 from __future__ import annotations
 
 import copy
-import enum
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,20 +25,18 @@ from torch import nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftsmith.config import TextEnum
 from draftsmith.errors import UserError
 from draftsmith.fileio import atomic_write
 from draftsmith.models.kernels import frozen_linear
 
 
-class DraftHead(str, enum.Enum):
+class DraftHead(TextEnum):
     """What scores a drafter's next tokens."""
 
     TARGET = "target"  # the target's LM head, over the full vocabulary
     SLICE = "slice"  # the target's rows of a draft vocabulary, frozen (and shared where several heads read them)
     OWN = "own"  # the drafter's own output layer (over a draft vocabulary or the full one)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 VOCAB_FILE = "draft_vocab.safetensors"
