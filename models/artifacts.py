@@ -30,7 +30,7 @@ from draftsmith.config import option, parse_script
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write_json
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
-from draftsmith.models.dgf import DGFConfig, DGFModel, Fusion
+from draftsmith.models.dgf import DGFConfig, DGFModel
 from draftsmith.models.vocab import DraftHead, DraftVocab
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
 from draftsmith.models.target import dtype_name, resolve_device, vocab_fingerprint
@@ -203,8 +203,7 @@ def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, dtype: torch.dt
                "fusion": model.config.fusion.value,
                "num_blocks": model.config.num_blocks, "parameters": model.num_parameters()}
     drafter.update(feature_layers=model.config.layers_read, head=model.config.head.value)
-    method = "dgf" if model.config.fusion is Fusion.DGF else "eagle"
-    return write_manifest(out, DGF_FORMAT, method, target, drafter=drafter, **vocab_section(model.draft_vocab, out),
+    return write_manifest(out, DGF_FORMAT, model.config.method, target, drafter=drafter, **vocab_section(model.draft_vocab, out),
                           **sections)
 
 

@@ -137,6 +137,11 @@ class DGFConfig:
         return {key: value.value if isinstance(value, enum.Enum) else value for key, value in asdict(self).items()}
 
     @property
+    def method(self) -> str:
+        """The method a manifest names: `dgf` for Dovetail's fusion, `eagle` for the EAGLE-1/2/3 ones."""
+        return "dgf" if self.fusion is Fusion.DGF else "eagle"
+
+    @property
     def layers_read(self) -> list[int]:
         """The target hidden-state layers the drafter reads (output_hidden_states indices)."""
         return list(self.feature_layers) if self.feature_layers is not None else [self.feature_layer]

@@ -499,8 +499,7 @@ def export_dgf(source: str | Path, out_dir: str | Path, target=None, layout: Dgf
                                             "vocab_fingerprint")}
     block["hidden_layers"] = manifest_layers(want) or config.layers_read
     block["hub_id"] = hub_id(want.get("name"))
-    method = "dgf" if config.fusion is Fusion.DGF else "eagle"
-    manifest = base_manifest(method, LAYOUT_NAMES[layout], source, block, config.fusion.value,
+    manifest = base_manifest(config.method, LAYOUT_NAMES[layout], source, block, config.fusion.value,
                              tree or source_manifest.get("tree") or DGF_TREE.to_manifest(), command)
     manifest["drafter"] = {"num_blocks": config.num_blocks, "fusion_act": config.fusion_act,
                            "feature_layers": config.layers_read, "draft_vocab_size": config.draft_vocab_size,
