@@ -228,6 +228,52 @@ def test_long_rows_in_key_blocks_are_batch_invariant(context, groups, head_dim, 
     assert (full.double() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def tree_inputs(context: int, parents: list[int], kv_heads: int, groups: int, head_dim: int, seed: int = 0):
+    """A tree verify after `context` cached tokens: node i (slot context + i) sees the context, its ancestors and
+    itself (parents[i] < i, -1 for a root)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, capacity = len(parents), context + len(parents) + 8
+    q = torch.randn(1, kv_heads * groups, rows, head_dim, generator=generator)
+    k = torch.randn(1, kv_heads, capacity, head_dim, generator=generator)
+    v = torch.randn(1, kv_heads, capacity, head_dim, generator=generator)
+    mask = torch.full((1, 1, rows, capacity), torch.finfo(torch.float32).min)
+    mask[..., :context] = 0
+    for row in range(rows):
+        node = row
+        while node >= 0:
+            mask[0, 0, row, context + node] = 0
+            node = parents[node]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context,groups,head_dim", [(250, 3, 64), (600, 3, 64), (40, 2, 128), (300, 4, 64)])
+def test_tree_rows_taken_together_are_batch_invariant(context, groups, head_dim, dtype):
+    """A verify's rows share the context's keys and then part their ways (a tree's branches), and a task may take
+    several rows together over the keys they share: each row alone, at one thread or two, still computes exactly
+    its row of the verify, at any width, and matches softmax."""
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 6, 7, 9, 4, 13, 14]
+    q, k, v, mask = tree_inputs(context, parents, 3, groups, head_dim)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = torch.ops.draftsmith.attention(q, k, v, mask, 0.125)
+        for width in (2, 3, 9):
+            assert torch.equal(torch.ops.draftsmith.attention(q[:, :, :width], k, v, mask[:, :, :width], 0.125),
+                               full[:, :width]), width
+        for row in range(len(parents)):
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                alone = torch.ops.draftsmith.attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], 0.125)
+                assert torch.equal(alone, full[:, row:row + 1]), (row, count)
+    finally:
+        torch.set_num_threads(threads)
+    scores = q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2) * 0.125 + mask.double()
+    expected = (scores.softmax(-1) @ v.double().repeat_interleave(groups, 1)).transpose(1, 2)
+    assert (full.double() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS)
 def test_every_instruction_set_is_batch_invariant(isa):
     """Each instruction set this CPU runs (forced through DRAFTSMITH_KERNEL_ISA in a fresh process)."""

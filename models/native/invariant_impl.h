@@ -520,110 +520,158 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, 0, 3);
 }
 
-// The value sums' tile: an accumulator per head for each of G chunks of the head_dim, the G chunks of a value, and the
-// broadcast weight, all in registers (AVX2 has 16: 3 heads x 8 chunks of a 64-wide head took 24 and were stored and
-// reloaded every key). weigh_run sweeps a run of VALUE_RUN keys (their values in L1 after the first sweep) once per G
-// chunks, the accumulators kept in memory between runs. Each accumulator still sums its keys in order: the tile
-// changes no bit of a result.
+// The value sums' tile: an accumulator per (row, head) for each of G chunks of the head_dim, the G chunks of a value,
+// and the broadcast weight, all in registers (AVX2 has 16: 3 heads x 8 chunks of a 64-wide head took 24 and were
+// stored and reloaded every key). weigh_run sweeps a run of VALUE_RUN keys (their values in L1 after the first sweep)
+// once per G chunks, the accumulators kept in memory between runs. Each accumulator still sums its keys in order: the
+// tile changes no bit of a result.
 constexpr int VECTOR_REGISTERS = VL == 16 ? 32 : 16;
 constexpr int64_t VALUE_RUN = 32;
 
-constexpr int value_chunks(int heads, int chunks) {
+constexpr int value_chunks(int sums, int chunks) {
   int g = chunks;
-  while (g > 1 && ((heads + 1) * g + 1 > VECTOR_REGISTERS || chunks % g)) --g;
+  while (g > 1 && ((sums + 1) * g + 1 > VECTOR_REGISTERS || chunks % g)) --g;
   return g;
 }
 
-// sum[h][c] += the weights of keys first .. last - 1 (per head, at scores + h * stride) times their values' chunks
-// c0 .. c0 + G - 1, key by key in order.
-template <int HEADS, int CHUNKS, int G, typename T>
-void weigh_run(V (&sum)[HEADS][CHUNKS], const T* values, int64_t value_stride, const int64_t* visible, int64_t first,
-               int64_t last, const float* scores, int64_t stride, int c0) {
-  V acc[HEADS][G];  // (unrolled so GCC keeps the accumulators in registers, not stored every key)
+// sum[j][c] += weights[j][i] times the chunk c of key i's value, for c = c0 .. c0 + G - 1 and the keys i = first ..
+// last - 1 in order; j runs over SUMS (row, head) pairs.
+template <int SUMS, int CHUNKS, int G, typename T>
+void weigh_run(V (*sum)[CHUNKS], const T* values, int64_t value_stride, const int64_t* visible, int64_t first,
+               int64_t last, const float* const* weights, int c0) {
+  V acc[SUMS][G];  // (unrolled so GCC keeps the accumulators in registers, not stored every key)
 #pragma GCC unroll 32
-  for (int h = 0; h < HEADS; ++h)
+  for (int j = 0; j < SUMS; ++j)
 #pragma GCC unroll 32
-    for (int c = 0; c < G; ++c) acc[h][c] = sum[h][c0 + c];
+    for (int c = 0; c < G; ++c) acc[j][c] = sum[j][c0 + c];
   for (int64_t i = first; i < last; ++i) {
     const T* value = values + visible[i] * value_stride + c0 * VL;
     V loaded[G];
 #pragma GCC unroll 32
     for (int c = 0; c < G; ++c) loaded[c] = load_row(value, c * VL, VL);
 #pragma GCC unroll 32
-    for (int h = 0; h < HEADS; ++h) {
-      const V p = vset1(scores[h * stride + i]);
+    for (int j = 0; j < SUMS; ++j) {
+      const V p = vset1(weights[j][i]);
 #pragma GCC unroll 32
-      for (int c = 0; c < G; ++c) acc[h][c] = vfma(p, loaded[c], acc[h][c]);
+      for (int c = 0; c < G; ++c) acc[j][c] = vfma(p, loaded[c], acc[j][c]);
     }
   }
 #pragma GCC unroll 32
-  for (int h = 0; h < HEADS; ++h)
+  for (int j = 0; j < SUMS; ++j)
 #pragma GCC unroll 32
-    for (int c = 0; c < G; ++c) sum[h][c0 + c] = acc[h][c];
+    for (int c = 0; c < G; ++c) sum[j][c0 + c] = acc[j][c];
 }
 
-// One block of one query row for HEADS query heads sharing one kv head, head_dim = CHUNKS * VL: each key and value
-// is loaded once for the heads; VL keys' scores are reduced together, each by the same tree as alone.
-template <int HEADS, int CHUNKS, typename T>
-void attend_block(const T* q_row, int64_t q_head_stride, const T* keys, const T* values, int64_t key_stride,
-                  int64_t value_stride, const float* mask_row, const int64_t* visible, int64_t n, float scaling,
-                  AttentionScratch& s, const BlockTarget<T>& target) {
-  const int64_t stride = n + VL;
-  s.scores.resize(size_t(HEADS) * stride);
-  V query[HEADS][CHUNKS];
-  for (int h = 0; h < HEADS; ++h)
-    for (int c = 0; c < CHUNKS; ++c) query[h][c] = load_row(q_row + h * q_head_stride, c * VL, VL);
-  for (int64_t first = 0; first < n; first += VL) {
-    const int count = int(std::min<int64_t>(VL, n - first));
-    V lanes[HEADS][VL];
-    alignas(64) float mask_values[VL] = {};
+// sum[j] += the values of keys first .. last - 1 weighted by weights[j], for SUMS (row, head) pairs.
+template <int SUMS, int CHUNKS, typename T>
+void weigh_values(V (*sum)[CHUNKS], const T* values, int64_t value_stride, const int64_t* visible, int64_t first,
+                  int64_t last, const float* const* weights) {
+  constexpr int G = value_chunks(SUMS, CHUNKS);
+  for (int64_t run = first; run < last; run += VALUE_RUN)
+    for (int c0 = 0; c0 < CHUNKS; c0 += G)
+      weigh_run<SUMS, CHUNKS, G>(sum, values, value_stride, visible, run, std::min(last, run + VALUE_RUN), weights,
+                                 c0);
+}
+
+// One row of a task: its first query head's row, its mask row, the block's visible keys (n of them), and where the
+// block's result goes.
+template <typename T>
+struct BlockRow {
+  const T* q;
+  const float* mask_row;
+  const int64_t* visible;
+  int64_t n;
+  BlockTarget<T> target;
+};
+
+// The scores of visible keys first_key .. last - 1 (the same keys for each of the ROWS rows) for HEADS query heads of
+// each row, into scores[r * HEADS + h][i]: each key is loaded once for every row and head; VL keys' scores are reduced
+// together, each by the same tree as alone, so a score is what its row computes alone.
+template <int ROWS, int HEADS, int CHUNKS, typename T>
+void score_keys(const V (*query)[HEADS][CHUNKS], const BlockRow<T>* rows, const T* keys, int64_t key_stride,
+                const T* values, int64_t value_stride, int64_t first_key, int64_t last, float scaling,
+                float* const* scores) {
+  const int64_t* visible = rows[0].visible;
+  for (int64_t first = first_key; first < last; first += VL) {
+    const int count = int(std::min<int64_t>(VL, last - first));
+    V lanes[ROWS][HEADS][VL];
     for (int t = 0; t < VL; ++t) {
-      V acc[HEADS];
-      for (int h = 0; h < HEADS; ++h) acc[h] = vzero();
+      V acc[ROWS][HEADS];
+      for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < HEADS; ++h) acc[r][h] = vzero();
       if (t < count) {
         const T* key = keys + visible[first + t] * key_stride;
-        mask_values[t] = mask_row[visible[first + t]];
         prefetch_row(values + visible[first + t] * value_stride, CHUNKS * VL * int64_t(sizeof(T)));
         V loaded[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(key, c * VL, VL);
         for (int c = 0; c < CHUNKS; ++c)
-          for (int h = 0; h < HEADS; ++h) acc[h] = vfma(query[h][c], loaded[c], acc[h]);
+          for (int r = 0; r < ROWS; ++r)
+            for (int h = 0; h < HEADS; ++h) acc[r][h] = vfma(query[r][h][c], loaded[c], acc[r][h]);
       }
-      for (int h = 0; h < HEADS; ++h) lanes[h][t] = acc[h];
+      for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < HEADS; ++h) lanes[r][h][t] = acc[r][h];
     }
-    const V mask_vector = vload(mask_values);
-    for (int h = 0; h < HEADS; ++h)  // scores has VL slots of slack past n
-      vstore(s.scores.data() + h * stride + first, vfma(vreduce_each(lanes[h]), vset1(scaling), mask_vector));
+    for (int r = 0; r < ROWS; ++r) {
+      alignas(64) float mask_values[VL] = {};
+      for (int t = 0; t < count; ++t) mask_values[t] = rows[r].mask_row[visible[first + t]];
+      const V mask_vector = vload(mask_values);
+      for (int h = 0; h < HEADS; ++h)  // scores have VL slots of slack past each row's n
+        vstore(scores[r * HEADS + h] + first, vfma(vreduce_each(lanes[r][h]), vset1(scaling), mask_vector));
+    }
   }
-  float largest[HEADS], total[HEADS];
-  for (int h = 0; h < HEADS; ++h) {
-    largest[h] = max_of(s.scores.data() + h * stride, n);
-    total[h] = exps_in_place(s.scores.data() + h * stride, n, largest[h]);
+}
+
+// One block of ROWS rows whose first `shared` visible keys are the same (a verify's rows over the cached context), for
+// HEADS query heads sharing one kv head, head_dim = CHUNKS * VL. The shared keys are scored and weighed for every row
+// at once, each key and value loaded once for all of them; then each row's own keys. A row's scores, largest score,
+// sum of exps and value sums (each over its keys in order) are what the row computes alone.
+template <int ROWS, int HEADS, int CHUNKS, typename T>
+void attend_rows(const BlockRow<T>* rows, int64_t shared, int64_t q_head_stride, const T* keys, const T* values,
+                 int64_t key_stride, int64_t value_stride, float scaling, AttentionScratch& s) {
+  constexpr int SUMS = ROWS * HEADS;
+  int64_t stride = 0;
+  for (int r = 0; r < ROWS; ++r) stride = std::max(stride, rows[r].n + VL);
+  s.scores.resize(size_t(SUMS * stride));
+  float* scores[SUMS];
+  for (int j = 0; j < SUMS; ++j) scores[j] = s.scores.data() + j * stride;
+  V query[ROWS][HEADS][CHUNKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int h = 0; h < HEADS; ++h)
+      for (int c = 0; c < CHUNKS; ++c) query[r][h][c] = load_row(rows[r].q + h * q_head_stride, c * VL, VL);
+  score_keys<ROWS, HEADS, CHUNKS>(query, rows, keys, key_stride, values, value_stride, 0, shared, scaling, scores);
+  for (int r = 0; r < ROWS; ++r)
+    score_keys<1, HEADS, CHUNKS>(query + r, rows + r, keys, key_stride, values, value_stride, shared, rows[r].n,
+                                 scaling, scores + r * HEADS);
+  float largest[SUMS], total[SUMS];
+  for (int j = 0; j < SUMS; ++j) {
+    largest[j] = max_of(scores[j], rows[j / HEADS].n);
+    total[j] = exps_in_place(scores[j], rows[j / HEADS].n, largest[j]);
   }
-  constexpr int G = value_chunks(HEADS, CHUNKS);
-  V sum[HEADS][CHUNKS];
-  for (int h = 0; h < HEADS; ++h)
-    for (int c = 0; c < CHUNKS; ++c) sum[h][c] = vzero();
-  for (int64_t first = 0; first < n; first += VALUE_RUN)
-    for (int c0 = 0; c0 < CHUNKS; c0 += G)
-      weigh_run<HEADS, CHUNKS, G>(sum, values, value_stride, visible, first, std::min(n, first + VALUE_RUN),
-                                  s.scores.data(), stride, c0);
-  for (int h = 0; h < HEADS; ++h) {
+  V sum[SUMS][CHUNKS];
+  for (int j = 0; j < SUMS; ++j)
+    for (int c = 0; c < CHUNKS; ++c) sum[j][c] = vzero();
+  weigh_values<SUMS, CHUNKS>(sum, values, value_stride, rows[0].visible, 0, shared, scores);
+  for (int r = 0; r < ROWS; ++r)
+    weigh_values<HEADS, CHUNKS>(sum + r * HEADS, values, value_stride, rows[r].visible, shared, rows[r].n,
+                                scores + r * HEADS);
+  for (int j = 0; j < SUMS; ++j) {
+    const BlockTarget<T>& target = rows[j / HEADS].target;
+    const int h = j % HEADS;
     if (target.out) {
-      const V inverse = vset1(n ? 1.0f / total[h] : 0.0f);
+      const V inverse = vset1(rows[j / HEADS].n ? 1.0f / total[j] : 0.0f);
       for (int c = 0; c < CHUNKS; ++c)
-        vstore_out(target.out + h * (CHUNKS * VL) + c * VL, vmul(sum[h][c], inverse), VL);
+        vstore_out(target.out + h * (CHUNKS * VL) + c * VL, vmul(sum[j][c], inverse), VL);
       continue;
     }
     float* partial = target.partial + h * target.partial_stride;
-    partial[0] = largest[h];
-    partial[1] = total[h];
-    for (int c = 0; c < CHUNKS; ++c) vstore(partial + 2 + c * VL, sum[h][c]);
+    partial[0] = largest[j];
+    partial[1] = total[j];
+    for (int c = 0; c < CHUNKS; ++c) vstore(partial + 2 + c * VL, sum[j][c]);
   }
 }
 
 // Any other shape (a head_dim that is not 64 or 128, more heads per kv head than the fixed paths take): one head,
-// VL-wide chunks with a masked tail. Same blocks and order as attend_block, so just as invariant.
+// VL-wide chunks with a masked tail. Same blocks and order as attend_rows, so just as invariant.
 template <typename T>
 void attend_block_any(const T* q, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
                       const float* mask_row, const int64_t* visible, int64_t n, int64_t D, float scaling,
@@ -677,51 +725,106 @@ void combine_blocks(const float* partial, int64_t blocks, int64_t stride, int64_
   }
 }
 
+// The rows a task takes together on a fixed path: as many as fit the score tile's registers (a row's HEADS
+// accumulators, the key's CHUNKS vectors), at most ATTENTION_ROWS. AVX2: two rows of 3 heads of 64 (6 + 8 of 16
+// registers). AVX-512 keeps one row a task until measured there (eval.kernel_ab "parts=[attention]").
+constexpr int ATTENTION_ROWS = VL == 8 ? 2 : 1;
+
+constexpr int rows_per_task(int heads, int chunks) {
+  int rows = ATTENTION_ROWS;
+  while (rows > 1 && rows * heads + chunks > VECTOR_REGISTERS - 1) --rows;
+  return rows;
+}
+
+// `count` (<= ROWS) rows together (attend_rows), their first `shared` keys the same.
+template <int ROWS, int HEADS, int CHUNKS, typename T>
+void attend_group(const BlockRow<T>* rows, int count, int64_t shared, int64_t q_head_stride, const T* keys,
+                  const T* values, int64_t key_stride, int64_t value_stride, float scaling, AttentionScratch& s) {
+  if constexpr (ROWS > 1) {
+    if (count < ROWS)
+      return attend_group<ROWS - 1, HEADS, CHUNKS>(rows, count, shared, q_head_stride, keys, values, key_stride,
+                                                   value_stride, scaling, s);
+  }
+  attend_rows<ROWS, HEADS, CHUNKS>(rows, shared, q_head_stride, keys, values, key_stride, value_stride, scaling, s);
+}
+
 template <int HEADS, int CHUNKS, typename T>
-bool attend_fixed(int64_t heads, int64_t D, const T* q_row, int64_t q_head_stride, const T* keys, const T* values,
-                  int64_t key_stride, int64_t value_stride, const float* mask_row, const int64_t* visible, int64_t n,
-                  float scaling, AttentionScratch& s, const BlockTarget<T>& target) {
+bool attend_fixed(int64_t heads, int64_t D, const BlockRow<T>* rows, int count, int64_t shared,
+                  int64_t q_head_stride, const T* keys, const T* values, int64_t key_stride, int64_t value_stride,
+                  float scaling, AttentionScratch& s) {
   if (heads != HEADS || D != CHUNKS * VL) return false;
-  attend_block<HEADS, CHUNKS>(q_row, q_head_stride, keys, values, key_stride, value_stride, mask_row, visible, n,
-                              scaling, s, target);
+  attend_group<rows_per_task(HEADS, CHUNKS), HEADS, CHUNKS>(rows, count, shared, q_head_stride, keys, values,
+                                                            key_stride, value_stride, scaling, s);
   return true;
 }
 
 // Whether attend_any_shape takes `heads` heads of head_dim D together (else head by head, with attend_block_any's
-// different order: so a task takes every head of its kv head only where this holds, whatever the rows).
+// different order: so a task takes every head of its kv head only where this holds, whatever the rows), and how many
+// rows a task takes together there.
 inline bool has_fixed_path(int64_t heads, int64_t D) {
   return VL > 1 && ((D == 64 && heads <= 4) || (D == 128 && heads <= 2));
 }
 
-// One block of one row for `heads` query heads of one kv head: a fixed path where the shape has one, else per head.
+inline int fixed_path_rows(int64_t heads, int64_t D) {
+  if (!has_fixed_path(heads, D)) return 1;
+  constexpr int wide = 64 / std::max(VL, 1), wider = 128 / std::max(VL, 1);
+  const int by_heads[2][4] = {{rows_per_task(1, wide), rows_per_task(2, wide), rows_per_task(3, wide),
+                               rows_per_task(4, wide)},
+                              {rows_per_task(1, wider), rows_per_task(2, wider), 1, 1}};
+  return by_heads[D == 128][heads - 1];
+}
+
+// One block of `count` rows (their first `shared` keys the same) for `heads` query heads of one kv head: a fixed path
+// where the shape has one, else row by row and head by head.
 template <typename T>
-void attend_any_shape(int64_t heads, int64_t D, const T* q_row, int64_t q_head_stride, const T* keys,
-                      const T* values, int64_t ks, int64_t vs, const float* mask_row, const int64_t* visible,
-                      int64_t n, float scaling, AttentionScratch& s, const BlockTarget<T>& target) {
+void attend_any_shape(int64_t heads, int64_t D, const BlockRow<T>* rows, int count, int64_t shared,
+                      int64_t q_head_stride, const T* keys, const T* values, int64_t ks, int64_t vs, float scaling,
+                      AttentionScratch& s) {
   if constexpr (VL > 1) {
-    const auto args = std::forward_as_tuple(heads, D, q_row, q_head_stride, keys, values, ks, vs, mask_row, visible,
-                                            n, scaling, s, target);
+    const auto args = std::forward_as_tuple(heads, D, rows, count, shared, q_head_stride, keys, values, ks, vs,
+                                            scaling, s);
     if (std::apply(attend_fixed<1, 64 / VL, T>, args) || std::apply(attend_fixed<2, 64 / VL, T>, args) ||
         std::apply(attend_fixed<3, 64 / VL, T>, args) || std::apply(attend_fixed<4, 64 / VL, T>, args) ||
         std::apply(attend_fixed<1, 128 / VL, T>, args) || std::apply(attend_fixed<2, 128 / VL, T>, args))
       return;
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    const BlockTarget<T> one{target.out ? target.out + h * D : nullptr,
-                             target.partial ? target.partial + h * target.partial_stride : nullptr, 0};
-    attend_block_any(q_row + h * q_head_stride, keys, values, ks, vs, mask_row, visible, n, D, scaling, s, one);
+  for (int r = 0; r < count; ++r) {
+    const BlockRow<T>& row = rows[r];
+    for (int64_t h = 0; h < heads; ++h) {
+      const BlockTarget<T> one{row.target.out ? row.target.out + h * D : nullptr,
+                               row.target.partial ? row.target.partial + h * row.target.partial_stride : nullptr, 0};
+      attend_block_any(row.q + h * q_head_stride, keys, values, ks, vs, row.mask_row, row.visible, row.n, D, scaling,
+                       s, one);
+    }
   }
 }
 
+// How many of the first keys of rows[0 .. count - 1] are the same.
+template <typename T>
+int64_t shared_keys(const BlockRow<T>* rows, int count) {
+  int64_t shared = rows[0].n;
+  for (int r = 1; r < count; ++r) {
+    int64_t i = 0;
+    const int64_t most = std::min(shared, rows[r].n);
+    while (i < most && rows[r].visible[i] == rows[0].visible[i]) ++i;
+    shared = i;
+  }
+  return shared;
+}
+
 struct AttentionTask {
-  int64_t b, g, row, head_block, block;
+  int64_t b, g, row, rows, head_block, block;
 };
 
+constexpr int MOST_TASK_ROWS = 4;  // >= every fixed path's rows_per_task
+static_assert(ATTENTION_ROWS <= MOST_TASK_ROWS);
+
 // q (B, Hq, W, D), keys/values (B, Hkv, C, D) (last axis contiguous), mask (B or 1, 1, W, >= C) float32;
-// out (B, W, Hq, D) contiguous. First each row's visible keys; then tasks (batch, kv head, row, head block, key
+// out (B, W, Hq, D) contiguous. First each row's visible keys; then tasks (batch, kv head, rows, head block, key
 // block), a head block being every query head of the kv head (one head where that leaves fewer tasks than the
-// threads, or where the shape has no fixed path for them together); then the rows of more than one key block
-// combine their partials.
+// threads, or where the shape has no fixed path for them together), and the rows a group of consecutive rows on a
+// fixed path (fixed_path_rows; one row where groups would leave fewer than two tasks a thread); then the rows of
+// more than one key block combine their partials.
 template <typename T>
 void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T* v, const int64_t* kv_strides,
                       const float* mask, const int64_t* mask_strides, int64_t B, int64_t Hq, int64_t Hkv, int64_t W,
@@ -739,14 +842,19 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
   }
   const int64_t head_blocks = grouped_tasks >= threads && has_fixed_path(groups, D) ? 1 : groups;
   const int64_t heads = groups / head_blocks;
+  int64_t task_rows = head_blocks == 1 ? fixed_path_rows(groups, D) : 1;
+  if (task_rows > 1 && B * Hkv * ((W + task_rows - 1) / task_rows) < 2 * threads) task_rows = 1;
   std::vector<AttentionTask> tasks;
   tasks.reserve(size_t(grouped_tasks * head_blocks));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t g = 0; g < Hkv; ++g)
-      for (int64_t row = 0; row < W; ++row)
-        for (int64_t hb = 0; hb < head_blocks; ++hb)
-          for (int64_t block = 0; block < blocks_of(counts[b * W + row]); ++block)
-            tasks.push_back({b, g, row, hb, block});
+      for (int64_t row = 0; row < W; row += task_rows)
+        for (int64_t hb = 0; hb < head_blocks; ++hb) {
+          const int64_t last_row = std::min(W, row + task_rows);
+          int64_t blocks = 1;
+          for (int64_t r = row; r < last_row; ++r) blocks = std::max(blocks, blocks_of(counts[b * W + r]));
+          for (int64_t block = 0; block < blocks; ++block) tasks.push_back({b, g, row, last_row - row, hb, block});
+        }
   const int64_t partial_stride = D + 2;  // per (row, head, block)
   std::vector<float> partials(most_blocks > 1 ? size_t(rows * Hq * most_blocks * partial_stride) : 0);
   auto partial_of = [&](int64_t r, int64_t head, int64_t block) {
@@ -755,19 +863,25 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
 #pragma omp parallel if (tasks.size() > 1)
   {
     AttentionScratch scratch;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
     for (int64_t i = 0; i < int64_t(tasks.size()); ++i) {
       const AttentionTask& t = tasks[size_t(i)];
-      const int64_t r = t.b * W + t.row, first_head = t.g * groups + t.head_block * heads;
-      const int64_t n = counts[r], first = t.block * KEY_BLOCK, length = std::min(KEY_BLOCK, n - first);  // >= 0
-      const bool whole = blocks_of(n) == 1;
-      const BlockTarget<T> target{whole ? out + (r * Hq + first_head) * D : nullptr,
-                                  whole ? nullptr : partial_of(r, first_head, t.block), most_blocks * partial_stride};
-      attend_any_shape(heads, D, q + t.b * q_strides[0] + first_head * q_strides[1] + t.row * q_strides[2],
-                       q_strides[1], k + t.b * kv_strides[0] + t.g * kv_strides[1],
-                       v + t.b * kv_strides[4] + t.g * kv_strides[5], kv_strides[2], kv_strides[6],
-                       mask + t.b * mask_strides[0] + t.row * mask_strides[2], visible.get() + r * C + first,
-                       length, scaling, scratch, target);
+      const int64_t first_head = t.g * groups + t.head_block * heads, first = t.block * KEY_BLOCK;
+      BlockRow<T> block_rows[MOST_TASK_ROWS];
+      int count = 0;
+      for (int64_t row = t.row; row < t.row + t.rows; ++row) {
+        const int64_t r = t.b * W + row, n = counts[r];
+        if (t.block >= blocks_of(n)) continue;  // a shorter row of the group
+        const bool whole = blocks_of(n) == 1;
+        block_rows[count++] = {q + t.b * q_strides[0] + first_head * q_strides[1] + row * q_strides[2],
+                               mask + t.b * mask_strides[0] + row * mask_strides[2], visible.get() + r * C + first,
+                               std::min(KEY_BLOCK, n - first),  // >= 0
+                               {whole ? out + (r * Hq + first_head) * D : nullptr,
+                                whole ? nullptr : partial_of(r, first_head, t.block), most_blocks * partial_stride}};
+      }
+      attend_any_shape(heads, D, block_rows, count, shared_keys(block_rows, count), q_strides[1],
+                       k + t.b * kv_strides[0] + t.g * kv_strides[1], v + t.b * kv_strides[4] + t.g * kv_strides[5],
+                       kv_strides[2], kv_strides[6], scaling, scratch);
     }
   }
   if (most_blocks == 1) return;
