@@ -122,9 +122,8 @@ inline uint32_t input_pair(const uint16_t* xr) {
 }
 
 template <int MB, int NV, bool WHOLE>
-inline void pair_fma(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p, V acc[MB][NV], const Ahead& ahead) {
+inline void pair_fma(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p, V acc[MB][NV]) {
   prefetch_ahead<MB>(w, 2 * NV * VL * sizeof(uint16_t));
-  ahead.request(2 * p, 2);
   for (int m = 0; m < MB; ++m) {
     const uint32_t pair = input_pair<WHOLE>(x + m * ldx + 2 * p);
 #if DPBF16
@@ -144,8 +143,15 @@ template <int MB, int NV>
 inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, int c0, V acc[MB][NV],
                       const Ahead& ahead) {
   const int64_t whole = K / 2;
-  for (int64_t p = 0; p < whole; ++p) pair_fma<MB, NV, true>(x, ldx, panel + (p * PANEL + c0) * 2, p, acc, ahead);
-  if (K % 2) pair_fma<MB, NV, false>(x, ldx, panel + (whole * PANEL + c0) * 2, whole, acc, ahead);
+  for (int64_t group = 0; group < whole; group += AHEAD_GROUP / 2) {  // requests once per AHEAD_GROUP inputs
+    const int64_t last = std::min(whole, group + AHEAD_GROUP / 2);
+    ahead.request(2 * group, 2 * (last - group));
+    for (int64_t p = group; p < last; ++p) pair_fma<MB, NV, true>(x, ldx, panel + (p * PANEL + c0) * 2, p, acc);
+  }
+  if (K % 2) {
+    ahead.request(2 * whole, 2);
+    pair_fma<MB, NV, false>(x, ldx, panel + (whole * PANEL + c0) * 2, whole, acc);
+  }
 }
 
 template <int NV, typename OT>
@@ -417,10 +423,10 @@ inline void tile_i8(const QuantizedRows& x, int64_t m0, const int8_t* panel, int
     for (int m = 0; m < MB; ++m)
       for (int v = 0; v < NV; ++v) acc[m][v] = vizero();
     const int64_t end = std::min<int64_t>(x.quads, (b + 1) * BLOCK_QUADS);
+    ahead.request(b * BLOCK_QUADS * QUAD, (end - b * BLOCK_QUADS) * QUAD);  // once a block (AHEAD_GROUP)
     for (int64_t p = b * BLOCK_QUADS; p < end; ++p) {
       const int8_t* w = panel + (p * PANEL + c0) * QUAD;
       prefetch_ahead<MB>(w, NV * VL * QUAD);
-      ahead.request(p * QUAD, QUAD);
       VI wv[NV];
       for (int v = 0; v < NV; ++v) wv[v] = viload(w + v * VL * QUAD);
       for (int m = 0; m < MB; ++m) {
