@@ -78,18 +78,17 @@ inline Ahead sweep_ahead(const void* next, int64_t panel_bytes, int64_t sweep, i
   return {static_cast<const char*>(next) + sweep * panel_bytes / sweeps, panel_bytes / (sweeps * K)};
 }
 
-// A sweep requests its share of the next chunk once per AHEAD_GROUP inputs, and the rows' pointers are set once: a
-// request at every input (its arithmetic and branch, and the row pointers it pushed out of registers onto the stack)
-// cost the wide sweeps a fifth of their rate (eval.kernel_ab on the AVX2 EPYC: the linear layers of a step at 8-9 rows
-// 14-15% less time without it, at 16 rows 26%). Each accumulator still sums its inputs in order.
+// A sweep requests its share of the next chunk once per AHEAD_GROUP inputs: a request at every input (its arithmetic
+// and branch, and the rows' pointers it pushed out of registers onto the stack) cost the wide sweeps a fifth of their
+// rate (eval.kernel_ab on the AVX2 EPYC: the fp32 linear layers of a step at 8-9 rows 11-14% less time without it, at
+// 16-32 rows 25-27%). Setting the rows' pointers once before the loop instead spilled the int8 tiles of 2-3 rows (a
+// third slower). Each accumulator still sums its inputs in order.
 constexpr int64_t AHEAD_GROUP = 8;
 
 // Inputs k0 .. k1 - 1 of the tile (tile_fma: all K of them).
 template <int MB, int NV, typename XT, typename WT>
 inline void tile_fma_range(const XT* x, int64_t ldx, const WT* panel, int64_t k0, int64_t k1, int c0, V acc[MB][NV],
                            const Ahead& ahead) {
-  const XT* rows[MB];
-  for (int m = 0; m < MB; ++m) rows[m] = x + m * ldx;
   for (int64_t group = k0; group < k1; group += AHEAD_GROUP) {
     const int64_t last = std::min(k1, group + AHEAD_GROUP);
     ahead.request(group, last - group);
@@ -99,7 +98,7 @@ inline void tile_fma_range(const XT* x, int64_t ldx, const WT* panel, int64_t k0
       V wv[NV];
       for (int v = 0; v < NV; ++v) wv[v] = load_weight(w + v * VL);
       for (int m = 0; m < MB; ++m) {
-        V xb = vset1(x_value(rows[m], k));
+        V xb = vset1(x_value(x, m * ldx + k));
         for (int v = 0; v < NV; ++v) acc[m][v] = vfma(xb, wv[v], acc[m][v]);
       }
     }
