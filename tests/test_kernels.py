@@ -211,12 +211,20 @@ def test_long_rows_in_key_blocks_are_batch_invariant(context, groups, head_dim, 
     """Rows over more than one block of visible keys (some rows crossing a block boundary), on the fixed paths and
     off them: each row alone, at one thread or two, computes exactly its row of the verify, and matches softmax."""
     q, k, v, mask = chain_inputs(8, context, 2, groups, head_dim)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    assert_rows_alone_and_softmax(q.to(dtype), k.to(dtype), v.to(dtype), mask, groups)
+
+
+def assert_rows_alone_and_softmax(q, k, v, mask, groups: int, widths: tuple[int, ...] = ()) -> None:
+    """The verify of every row at two threads: its first `widths` rows computed alone as a narrower verify, each row
+    alone at one thread and two, are bit-identical to its rows; and it matches softmax in float64."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         full = torch.ops.draftsmith.attention(q, k, v, mask, 0.125)
-        for row in range(8):
+        for width in widths:
+            assert torch.equal(torch.ops.draftsmith.attention(q[:, :, :width], k, v, mask[:, :, :width], 0.125),
+                               full[:, :width]), width
+        for row in range(q.shape[2]):
             for count in (1, 2):
                 torch.set_num_threads(count)
                 alone = torch.ops.draftsmith.attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], 0.125)
@@ -225,7 +233,7 @@ def test_long_rows_in_key_blocks_are_batch_invariant(context, groups, head_dim, 
         torch.set_num_threads(threads)
     scores = q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2) * 0.125 + mask.double()
     expected = (scores.softmax(-1) @ v.double().repeat_interleave(groups, 1)).transpose(1, 2)
-    assert (full.double() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert (full.double() - expected).abs().max() < (1e-5 if q.dtype == torch.float32 else 2e-2)
 
 
 def tree_inputs(context: int, parents: list[int], kv_heads: int, groups: int, head_dim: int, seed: int = 0):
@@ -254,24 +262,7 @@ def test_tree_rows_taken_together_are_batch_invariant(context, groups, head_dim,
     its row of the verify, at any width, and matches softmax."""
     parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 6, 7, 9, 4, 13, 14]
     q, k, v, mask = tree_inputs(context, parents, 3, groups, head_dim)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        full = torch.ops.draftsmith.attention(q, k, v, mask, 0.125)
-        for width in (2, 3, 9):
-            assert torch.equal(torch.ops.draftsmith.attention(q[:, :, :width], k, v, mask[:, :, :width], 0.125),
-                               full[:, :width]), width
-        for row in range(len(parents)):
-            for count in (1, 2):
-                torch.set_num_threads(count)
-                alone = torch.ops.draftsmith.attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], 0.125)
-                assert torch.equal(alone, full[:, row:row + 1]), (row, count)
-    finally:
-        torch.set_num_threads(threads)
-    scores = q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2) * 0.125 + mask.double()
-    expected = (scores.softmax(-1) @ v.double().repeat_interleave(groups, 1)).transpose(1, 2)
-    assert (full.double() - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert_rows_alone_and_softmax(q.to(dtype), k.to(dtype), v.to(dtype), mask, groups, widths=(2, 3, 9))
 
 
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS)
