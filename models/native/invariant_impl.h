@@ -422,7 +422,7 @@ inline void tile_i8(const QuantizedRows& x, int64_t m0, const int8_t* panel, int
     for (int m = 0; m < MB; ++m)
       for (int v = 0; v < NV; ++v) acc[m][v] = vizero();
     const int64_t end = std::min<int64_t>(x.quads, (b + 1) * BLOCK_QUADS);
-    ahead.request(b * BLOCK_QUADS * QUAD, (end - b * BLOCK_QUADS) * QUAD);  // once a block (AHEAD_GROUP)
+    ahead.request(b * BLOCK_QUADS * QUAD, (end - b * BLOCK_QUADS) * QUAD);  // once a block of inputs
     for (int64_t p = b * BLOCK_QUADS; p < end; ++p) {
       const int8_t* w = panel + (p * PANEL + c0) * QUAD;
       prefetch_ahead<MB>(w, NV * VL * QUAD);
@@ -782,12 +782,7 @@ inline bool has_fixed_path(int64_t heads, int64_t D) {
 }
 
 inline int fixed_path_rows(int64_t heads, int64_t D) {
-  if (!has_fixed_path(heads, D)) return 1;
-  constexpr int wide = 64 / std::max(VL, 1), wider = 128 / std::max(VL, 1);
-  const int by_heads[2][4] = {{rows_per_task(1, wide), rows_per_task(2, wide), rows_per_task(3, wide),
-                               rows_per_task(4, wide)},
-                              {rows_per_task(1, wider), rows_per_task(2, wider), 1, 1}};
-  return by_heads[D == 128][heads - 1];
+  return has_fixed_path(heads, D) ? rows_per_task(int(heads), int(D / VL)) : 1;
 }
 
 // One block of `count` rows (their first `shared` keys the same) for `heads` query heads of one kv head: a fixed path
@@ -832,8 +827,6 @@ struct AttentionTask {
   int64_t b, g, row, rows, head_block, block;
 };
 
-constexpr int MOST_TASK_ROWS = 4;  // >= every fixed path's rows_per_task
-static_assert(ATTENTION_ROWS <= MOST_TASK_ROWS);
 
 // q (B, Hq, W, D), keys/values (B, Hkv, C, D) (last axis contiguous), mask (B or 1, 1, W, >= C) float32;
 // out (B, W, Hq, D) contiguous. First each row's visible keys; then tasks (batch, kv head, rows, head block, key
@@ -883,7 +876,7 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
     for (int64_t i = 0; i < int64_t(tasks.size()); ++i) {
       const AttentionTask& t = tasks[size_t(i)];
       const int64_t first_head = t.g * groups + t.head_block * heads, first = t.block * KEY_BLOCK;
-      BlockRow<T> block_rows[MOST_TASK_ROWS];
+      BlockRow<T> block_rows[ATTENTION_ROWS];  // (rows_per_task <= ATTENTION_ROWS)
       int count = 0;
       for (int64_t row = t.row; row < t.row + t.rows; ++row) {
         const int64_t r = t.b * W + row, n = counts[r];
