@@ -95,9 +95,10 @@ class RegenerateConfig:
     top_p: float = option(1.0, "nucleus sampling mass (ignored when greedy)", gt=0, le=1)
     top_k: int = option(0, "top-k sampling (0: off; ignored when greedy)", ge=0)
     engine: RegenerationEngine = option(
-        RegenerationEngine.PYTORCH, "who generates: pytorch (HF generate, left-padded batches) or llamacpp (the built llama.cpp's "
-                   "server on loopback, `batch_size` parallel slots, the target converted once to GGUF in `dtype`; "
-                   "build it with `python -m draftsmith.models.engines.llamacpp build`)")
+        RegenerationEngine.PYTORCH,
+        "who generates: pytorch (HF generate, left-padded batches) or llamacpp (the built llama.cpp's server on "
+        "loopback, `batch_size` parallel slots, the target converted once to GGUF in `dtype`; build it with "
+        "`python -m draftsmith.models.engines.llamacpp build`)")
     batch_size: int = option(8, "conversations generated together (pytorch: left-padded; llamacpp: server slots)",
                              ge=1)
     shard_size: int = option(256, "conversations per shard (the unit of resuming)", ge=1)
@@ -357,7 +358,7 @@ def regen_plan(cfg: RegenerateConfig, convs: Sequence[Conversation], given: bool
         plan["max_turns"] = cfg.max_turns
     if cfg.skip:  # absent from plans that start at the source's first record (as before the option)
         plan["skip"] = cfg.skip
-    if cfg.engine is not RegenerationEngine.PYTORCH:  # absent from plans generated with HF generate (as before the option)
+    if cfg.engine is not RegenerationEngine.PYTORCH:  # absent from plans generated with HF generate (as before)
         plan["engine"] = cfg.engine
     return plan
 

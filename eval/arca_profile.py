@@ -107,7 +107,7 @@ class ProfileConfig:
     calibration_budget: int = option(BUDGET_LIMIT, "tree size while calibrating", ge=1)
     calibration_new_tokens: int = option(64, "new tokens per calibration prompt", ge=1)
     acceptance: AcceptanceSource = option(AcceptanceSource.AUTO, "acceptance table: saved (Medusa's head "
-                                                                      "accuracies) or measured; auto picks")
+                                                                  "accuracies) or measured; auto picks")
     refine_iterations: int = option(8, "neighbour-search iterations per tree", ge=0)
     loop_prompts: int = option(4, "calibration prompts each measured budget's tree decodes in the loop (the budgets "
                                   "interleaved per prompt), whose round costs the prediction takes (0: step 1's "

@@ -203,8 +203,8 @@ def save_dgf(model: DGFModel, out_dir: str | Path, target: dict, dtype: torch.dt
                "fusion": model.config.fusion.value,
                "num_blocks": model.config.num_blocks, "parameters": model.num_parameters()}
     drafter.update(feature_layers=model.config.layers_read, head=model.config.head.value)
-    return write_manifest(out, DGF_FORMAT, model.config.method, target, drafter=drafter, **vocab_section(model.draft_vocab, out),
-                          **sections)
+    return write_manifest(out, DGF_FORMAT, model.config.method, target, drafter=drafter,
+                          **vocab_section(model.draft_vocab, out), **sections)
 
 
 def vocab_section(vocab: DraftVocab | None, out: Path) -> dict:

@@ -111,8 +111,8 @@ class StudentConfig:
 
 @dataclass
 class LossConfig:
-    kind: DistillLoss = option(DistillLoss.FKL, "ce: sequence-level KD; else a divergence "
-                                                                    "to the target's distribution")
+    kind: DistillLoss = option(DistillLoss.FKL, "ce: sequence-level KD; else a divergence to the target's "
+                                                "distribution")
     beta: float = option(0.5, "generalized JSD(beta)", gt=0, lt=1)
     temperature: float = option(1.0, "softmax temperature of both distributions", gt=0)
     topk_tail: TopkTail = option(TopkTail.BUCKET, "top-k teachers (data.feature_cache): tail mass")

@@ -178,7 +178,7 @@ class DGFDrafter(Drafter):
         tokens = torch.tensor([[growth.tokens[node] for node in best]], device=growth.device)
         positions = torch.full((1, len(best)), committed - 1 + level, dtype=torch.long, device=growth.device)
         allowed = growth.allowed(parents, committed)[None, None]
-        out, logits = self.engine.forward(in_features[None], tokens, self.cache, positions, allowed)  # (1, n, H), (1, n, V)
+        out, logits = self.engine.forward(in_features[None], tokens, self.cache, positions, allowed)  # (1,n,H), (1,n,V)
         growth.add_fed(best, parents, out[0])
         return best, logits[0]
 

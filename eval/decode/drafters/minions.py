@@ -81,7 +81,7 @@ class MinionsConfig:
     s_reward: int = option(1, "s += s_reward when longer speculation is cheaper per token", ge=0)
     s_punish: int = option(1, "s -= s_punish when it is dearer", ge=0)
     cost: VoteCost = option(VoteCost.VERIFY, "verify: t_verify / vl (the paper, pipelined); "
-                                                        "round: (t_draft + t_verify) / vl")
+                                             "round: (t_draft + t_verify) / vl")
     reward_threshold: float = option(0.6, "ACR above it multiplies a drafter's weight by reward_factor", ge=0, le=1)
     punish_threshold: float = option(0.3, "ACR below it multiplies a drafter's weight by punish_factor", ge=0, le=1)
     reward_factor: float = option(1.25, "weight reward", gt=0)

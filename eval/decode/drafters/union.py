@@ -26,12 +26,12 @@ distribution its nodes were drawn from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from draftsmith.config import TextEnum, enum_member
 from draftsmith.eval.decode.drafters.base import TREE_BUDGET, CompositeDrafter, Drafter, Sampling
 from draftsmith.eval.decode.tree import DraftTree
-
 
 
 @dataclass
