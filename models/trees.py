@@ -14,7 +14,9 @@ TREE_BUDGET = 16  # draft nodes per round of every tree drafter (Dovetail's g = 
 CHAIN_BUDGET = 4  # draft tokens per round of chain drafters
 # Medusa heads' default tree: 3 nodes, the ARCA tree from their held-out per-rank accuracy. On the Zen 4 goal bench
 # (10M-token heads) 3 nodes gave 1.33-1.34x in three runs, 5 nodes 1.30x, 11 nodes 1.02-1.03x: a wider tree's
-# extra acceptance (tau 1.45 -> 1.68) costs more per round than it returns.
+# extra acceptance (tau 1.45 -> 1.68) costs more per round than it returns. Where a verify's extra rows are cheaper
+# (the AVX2 EPYC with rows in quads and grouped requests) 5 nodes lead: 1.22x against 3 nodes' 1.16x, 8 nodes 1.16x
+# (results/drafter_families_epyc_avx2/medusa_trees_request_groups); the families table runs both.
 MEDUSA_BUDGET = 3
 
 
