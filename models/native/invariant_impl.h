@@ -44,15 +44,21 @@ inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 ->
 // than one-row ones (bf16 8%, w8a8 9-15%), without them the same (eval.kernel_ab on a Zen 4). Measured for float32
 // and bfloat16 weights and int8 x int8 quads; weight-only int8 takes them as the others do (on the AVX2 EPYC its
 // one-row step was faster with them in 4 of 6 alternations of eval.kernel_ab, 2% on the mean: within that VM's noise,
-// results/engine_kernels_epyc_avx2/kernel_ab/).
+// results/engine_kernels_epyc_avx2/kernel_ab/). Except float32 weights on AVX2: their one-row tile (6 weight vectors
+// an input, read straight into the fmas) streams faster on the hardware prefetcher alone: a step of linear layers at
+// one row 18.2-21.3 -> 16.6-20.4 ms, less in 12 of 13 alternations of eval.kernel_ab on the AVX2 EPYC (the two-row
+// tile, never prefetching, as fast as the new one-row one; weight-only int8's one row 13-16% slower without).
 constexpr int PREFETCH_ROWS = 1;
 constexpr int64_t PREFETCH_BYTES = 6144;
 
+template <typename WT>
+constexpr int prefetch_rows() { return std::is_same_v<WT, float> && VL == 8 ? 0 : PREFETCH_ROWS; }
+
 // The `bytes` of weights a tile reads at `w` for one input (a pair, a quad), requested PREFETCH_BYTES ahead.
-template <int MB>
-inline void prefetch_ahead(const void* w, int64_t bytes) {
-  if constexpr (MB <= PREFETCH_ROWS) {
-    const char* line = static_cast<const char*>(w) + PREFETCH_BYTES;
+template <int MB, typename WT>
+inline void prefetch_ahead(const WT* w, int64_t bytes) {
+  if constexpr (MB <= prefetch_rows<WT>()) {
+    const char* line = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(line + b, 0, 2);
   }
 }
