@@ -46,8 +46,9 @@ inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 ->
 // one-row step was faster with them in 4 of 6 alternations of eval.kernel_ab, 2% on the mean: within that VM's noise,
 // results/engine_kernels_epyc_avx2/kernel_ab/). Except float32 weights on AVX2: their one-row tile (6 weight vectors
 // an input, read straight into the fmas) streams faster on the hardware prefetcher alone: a step of linear layers at
-// one row 18.2-21.3 -> 16.6-20.4 ms, less in 12 of 13 alternations of eval.kernel_ab on the AVX2 EPYC (the two-row
-// tile, never prefetching, as fast as the new one-row one; weight-only int8's one row 13-16% slower without).
+// one row 20.2-20.7 -> 17.8-18.9 ms in eval.kernel_ab on the AVX2 EPYC, now as fast as the two-row tile, which never
+// requested (results/engine_kernels_epyc_avx2/kernel_ab/float32_one_row_no_prefetch; less in 12 of 13 alternations
+// of the trials before it, kernel_ab/verify_row_trials); weight-only int8's one row was 13-16% slower without.
 constexpr int PREFETCH_ROWS = 1;
 constexpr int64_t PREFETCH_BYTES = 6144;
 
