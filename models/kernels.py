@@ -124,6 +124,9 @@ def load_kernels(verbose: bool = False):
     log = io.StringIO()
     try:
         with dir_lock(build), contextlib.redirect_stdout(log):
+            # torch's own build baton: a build killed half-way leaves it behind and every later load would wait on it
+            # forever; under this process's flock no other build is running, so one found here is stale
+            (build / "lock").unlink(missing_ok=True)
             module = cpp_extension.load(
                 name="draftsmith_kernels", sources=[str(SOURCE_DIRECTORY / SOURCES[0])], build_directory=str(build),
                 extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],

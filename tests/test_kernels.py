@@ -265,6 +265,17 @@ def test_tree_rows_taken_together_are_batch_invariant(context, groups, head_dim,
     assert_rows_alone_and_softmax(q.to(dtype), k.to(dtype), v.to(dtype), mask, groups, widths=(2, 3, 9))
 
 
+def test_a_build_killed_half_way_does_not_hang_the_next_load():
+    """torch's build baton left in the kernels' build folder (a first build interrupted) is taken away under the
+    folder's flock, so a fresh process loads the kernels instead of waiting on it forever."""
+    from draftsmith.models import kernels
+    baton = kernels.draftsmith_cache() / "kernels" / kernels.source_digest() / "lock"
+    baton.touch()
+    subprocess.run([sys.executable, "-c", "from draftsmith.models.kernels import load_kernels; load_kernels()"],
+                   check=True, timeout=300)
+    assert not baton.exists()
+
+
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS)
 def test_every_instruction_set_is_batch_invariant(isa):
     """Each instruction set this CPU runs (forced through DRAFTSMITH_KERNEL_ISA in a fresh process)."""
