@@ -40,20 +40,28 @@ inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 ->
 
 // A tile of one row spends so little time on each input that the hardware prefetcher falls behind the weight stream
 // (a one-row forward streamed ~10% slower than a four-row one): it requests the weights PREFETCH_BYTES ahead, into
-// L2. Wider tiles stream as fast without, and the requests cost them time: two-row tiles with them took 3-15% longer
-// than one-row ones (bf16 8%, w8a8 9-15%), without them the same (eval.kernel_ab on a Zen 4). Measured for float32
+// L2. Wider tiles streamed as fast without when first measured, and the requests cost them time: two-row tiles with
+// them took 3-15% longer than one-row ones (bf16 8%, w8a8 9-15%; eval.kernel_ab on a Zen 4). Measured for float32
 // and bfloat16 weights and int8 x int8 quads; weight-only int8 takes them as the others do (on the AVX2 EPYC its
 // one-row step was faster with them in 4 of 6 alternations of eval.kernel_ab, 2% on the mean: within that VM's noise,
 // results/engine_kernels_epyc_avx2/kernel_ab/). Except float32 weights on AVX2: their one-row tile (6 weight vectors
 // an input, read straight into the fmas) streams faster on the hardware prefetcher alone: a step of linear layers at
 // one row 20.2-20.7 -> 17.8-18.9 ms in eval.kernel_ab on the AVX2 EPYC, now as fast as the two-row tile, which never
 // requested (results/engine_kernels_epyc_avx2/kernel_ab/float32_one_row_no_prefetch; less in 12 of 13 alternations
-// of the trials before it, kernel_ab/verify_row_trials); weight-only int8's one row was 13-16% slower without.
+// of the trials before it, kernel_ab/verify_row_trials); weight-only int8's one row was 13-16% slower without. On the
+// Zen 4 (AVX-512) the one-row tile without requests: fp32 and w8a8 no faster, weight-only int8 slower
+// (results/engine_kernels_zen4/kernel_ab/one_row_no_prefetch).
+// And on AVX-512, bf16, weight-only int8 and int8 x int8 tiles of two rows request theirs too: without, a two-row step
+// of linear layers cost 1.10-1.42 of a one-row one (more than three rows), with them 0.91-1.01, in every alternation of
+// eval.kernel_ab on the Zen 4 (results/engine_kernels_zen4/kernel_ab/two_row_prefetch_non_float; AVX2 unmeasured).
 constexpr int PREFETCH_ROWS = 1;
 constexpr int64_t PREFETCH_BYTES = 6144;
 
 template <typename WT>
-constexpr int prefetch_rows() { return std::is_same_v<WT, float> && VL == 8 ? 0 : PREFETCH_ROWS; }
+constexpr int prefetch_rows() {
+  if constexpr (std::is_same_v<WT, float>) return VL == 8 ? 0 : PREFETCH_ROWS;
+  else return VL == 16 ? 2 : PREFETCH_ROWS;
+}
 
 // The `bytes` of weights a tile reads at `w` for one input (a pair, a quad), requested PREFETCH_BYTES ahead.
 template <int MB, typename WT>
@@ -750,7 +758,8 @@ void combine_blocks(const float* partial, int64_t blocks, int64_t stride, int64_
 
 // The rows a task takes together on a fixed path: as many as fit the score tile's registers (a row's HEADS
 // accumulators, the key's CHUNKS vectors), at most ATTENTION_ROWS. AVX2: two rows of 3 heads of 64 (6 + 8 of 16
-// registers). AVX-512 keeps one row a task until measured there (eval.kernel_ab "parts=[attention]").
+// registers). AVX-512 keeps one row a task: four rows a task were slower in two of three alternations on the Zen 4
+// (eval.kernel_ab "parts=[attention]", results/engine_kernels_zen4/kernel_ab/attention_four_rows).
 constexpr int ATTENTION_ROWS = VL == 8 ? 2 : 1;
 
 constexpr int rows_per_task(int heads, int chunks) {
