@@ -268,12 +268,16 @@ def test_tree_rows_taken_together_are_batch_invariant(context, groups, head_dim,
 def test_a_build_killed_half_way_does_not_hang_the_next_load():
     """torch's build baton left in the kernels' build folder (a first build interrupted) is taken away under the
     folder's flock, so a fresh process loads the kernels instead of waiting on it forever."""
+    from draftsmith.fileio import dir_lock
     from draftsmith.models import kernels
-    baton = kernels.draftsmith_cache() / "kernels" / kernels.source_digest() / "lock"
-    baton.touch()
+    build = kernels.draftsmith_cache() / "kernels" / kernels.source_digest()
+    baton = build / "lock"
+    with dir_lock(build):  # as a killed build leaves it: not while another process is between its flock and baton
+        baton.touch()
     subprocess.run([sys.executable, "-c", "from draftsmith.models.kernels import load_kernels; load_kernels()"],
                    check=True, timeout=300)
-    assert not baton.exists()
+    with dir_lock(build):
+        assert not baton.exists()
 
 
 @pytest.mark.parametrize("isa", AVAILABLE_ISAS)
