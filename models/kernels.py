@@ -99,6 +99,11 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def build_directory() -> Path:
+    """Where this machine builds and caches the kernels of the current sources."""
+    return draftsmith_cache() / "kernels" / source_digest()
+
+
 _MODULE = None
 
 
@@ -119,7 +124,7 @@ def load_kernels(verbose: bool = False):
         return _MODULE
     from torch.utils import cpp_extension
 
-    build = draftsmith_cache() / "kernels" / source_digest()
+    build = build_directory()
     build.mkdir(parents=True, exist_ok=True)
     log = io.StringIO()
     try:
@@ -449,7 +454,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] != ["build"] or len(argv) > 1:
         raise UserError("usage: python -m draftsmith.models.kernels build")
     load_kernels(verbose=False)
-    print(f"batch-invariant kernels ready ({kernel_isa()}) in {draftsmith_cache() / 'kernels' / source_digest()}")
+    print(f"batch-invariant kernels ready ({kernel_isa()}) in {build_directory()}")
 
 
 if __name__ == "__main__":

@@ -270,7 +270,7 @@ def test_a_build_killed_half_way_does_not_hang_the_next_load():
     folder's flock, so a fresh process loads the kernels instead of waiting on it forever."""
     from draftsmith.fileio import dir_lock
     from draftsmith.models import kernels
-    build = kernels.draftsmith_cache() / "kernels" / kernels.source_digest()
+    build = kernels.build_directory()
     baton = build / "lock"
     with dir_lock(build):  # as a killed build leaves it: not while another process is between its flock and baton
         baton.touch()
