@@ -54,12 +54,15 @@ inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 ->
 // And on AVX-512, bf16, weight-only int8 and int8 x int8 tiles of two rows request theirs too: without, a two-row step
 // of linear layers cost 1.10-1.42 of a one-row one (more than three rows), with them 0.91-1.01, in every alternation of
 // eval.kernel_ab on the Zen 4 (results/engine_kernels_zen4/kernel_ab/two_row_prefetch_non_float; AVX2 unmeasured).
+// So do float32 tiles of every row count on AVX-512 (2-9 rows: one pass over a panel, no sweep requests): without, a
+// step of linear layers at 8-9 rows cost 1.16-1.33 of a one-row one, with them 0.94-1.04, in every alternation of
+// eval.kernel_ab on the Zen 4 (results/engine_kernels_zen4/kernel_ab/float32_tiles_request_ahead).
 constexpr int PREFETCH_ROWS = 1;
 constexpr int64_t PREFETCH_BYTES = 6144;
 
 template <typename WT>
 constexpr int prefetch_rows() {
-  if constexpr (std::is_same_v<WT, float>) return VL == 8 ? 0 : PREFETCH_ROWS;
+  if constexpr (std::is_same_v<WT, float>) return VL == 8 ? 0 : VL == 16 ? TILE_ROWS : PREFETCH_ROWS;
   else return VL == 16 ? 2 : PREFETCH_ROWS;
 }
 
