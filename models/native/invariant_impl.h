@@ -62,17 +62,9 @@ constexpr int64_t PREFETCH_BYTES = 6144;
 
 template <typename WT>
 constexpr int prefetch_rows() {
-  if constexpr (std::is_same_v<WT, float>) return VL == 8 ? 0 : VL == 16 ? TILE_ROWS : PREFETCH_ROWS;
-  else return VL == 16 ? 2 : PREFETCH_ROWS;
-}
-
-// The `bytes` of weights a tile reads at `w` for one input (a pair, a quad), requested PREFETCH_BYTES ahead.
-template <int MB, typename WT>
-inline void prefetch_ahead(const WT* w, int64_t bytes) {
-  if constexpr (MB <= prefetch_rows<WT>()) {
-    const char* line = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(line + b, 0, 2);
-  }
+  if constexpr (VL == 16) return TILE_ROWS;  // every tile: AVX-512
+  else if constexpr (std::is_same_v<WT, float>) return VL == 8 ? 0 : PREFETCH_ROWS;
+  else return PREFETCH_ROWS;
 }
 
 // Where a panel takes more than one sweep (several passes of the tile, or tasks of part of its width: AVX2), the
@@ -96,6 +88,20 @@ inline Ahead sweep_ahead(const void* next, int64_t panel_bytes, int64_t sweep, i
   return {static_cast<const char*>(next) + sweep * panel_bytes / sweeps, panel_bytes / (sweeps * K)};
 }
 
+// The `bytes` of weights a tile reads at `w` for one input (a pair, a quad), requested PREFETCH_BYTES ahead: by
+// tiles of up to prefetch_rows<WT>() rows; bf16 and int8 ones only where no sweep requests their panel (`ahead`
+// null: one pass over it). Where the sweeps of a panel request it too, both requests together made a step of linear
+// layers at 16 rows (bf16, weight-only int8) or 8-16 (int8 x int8, a tile of 4 rows) slower than the sweeps' alone
+// (eval.kernel_ab on the Zen 4, results/engine_kernels_zen4/kernel_ab/every_tile_request_ahead), float32 faster.
+template <int MB, typename WT>
+inline void prefetch_ahead(const WT* w, int64_t bytes, const Ahead& ahead) {
+  if constexpr (MB <= prefetch_rows<WT>()) {
+    if (!std::is_same_v<WT, float> && ahead.next) return;
+    const char* line = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(line + b, 0, 2);
+  }
+}
+
 // A sweep requests its share of the next chunk once per AHEAD_GROUP inputs: a request at every input (its arithmetic
 // and branch, and the rows' pointers it pushed out of registers onto the stack) cost the wide sweeps a fifth of their
 // rate (eval.kernel_ab on the AVX2 EPYC: the fp32 linear layers of a step at 8-9 rows 11-14% less time without it, at
@@ -112,7 +118,7 @@ inline void tile_fma_range(const XT* x, int64_t ldx, const WT* panel, int64_t k0
     ahead.request(group, last - group);
     for (int64_t k = group; k < last; ++k) {
       const WT* w = panel + k * PANEL + c0;
-      prefetch_ahead<MB>(w, NV * VL * sizeof(WT));
+      prefetch_ahead<MB>(w, NV * VL * sizeof(WT), ahead);
       V wv[NV];
       for (int v = 0; v < NV; ++v) wv[v] = load_weight(w + v * VL);
       for (int m = 0; m < MB; ++m) {
@@ -139,8 +145,9 @@ inline uint32_t input_pair(const uint16_t* xr) {
 }
 
 template <int MB, int NV, bool WHOLE>
-inline void pair_fma(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p, V acc[MB][NV]) {
-  prefetch_ahead<MB>(w, 2 * NV * VL * sizeof(uint16_t));
+inline void pair_fma(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p, V acc[MB][NV],
+                     const Ahead& ahead) {
+  prefetch_ahead<MB>(w, 2 * NV * VL * sizeof(uint16_t), ahead);
   for (int m = 0; m < MB; ++m) {
     const uint32_t pair = input_pair<WHOLE>(x + m * ldx + 2 * p);
 #if DPBF16
@@ -163,11 +170,12 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int
   for (int64_t group = 0; group < whole; group += AHEAD_GROUP / 2) {  // requests once per AHEAD_GROUP inputs
     const int64_t last = std::min(whole, group + AHEAD_GROUP / 2);
     ahead.request(2 * group, 2 * (last - group));
-    for (int64_t p = group; p < last; ++p) pair_fma<MB, NV, true>(x, ldx, panel + (p * PANEL + c0) * 2, p, acc);
+    for (int64_t p = group; p < last; ++p)
+      pair_fma<MB, NV, true>(x, ldx, panel + (p * PANEL + c0) * 2, p, acc, ahead);
   }
   if (K % 2) {
     ahead.request(2 * whole, 2);
-    pair_fma<MB, NV, false>(x, ldx, panel + (whole * PANEL + c0) * 2, whole, acc);
+    pair_fma<MB, NV, false>(x, ldx, panel + (whole * PANEL + c0) * 2, whole, acc, ahead);
   }
 }
 
@@ -443,7 +451,7 @@ inline void tile_i8(const QuantizedRows& x, int64_t m0, const int8_t* panel, int
     ahead.request(b * BLOCK_QUADS * QUAD, (end - b * BLOCK_QUADS) * QUAD);  // once a block of inputs
     for (int64_t p = b * BLOCK_QUADS; p < end; ++p) {
       const int8_t* w = panel + (p * PANEL + c0) * QUAD;
-      prefetch_ahead<MB>(w, NV * VL * QUAD);
+      prefetch_ahead<MB>(w, NV * VL * QUAD, ahead);
       VI wv[NV];
       for (int v = 0; v < NV; ++v) wv[v] = viload(w + v * VL * QUAD);
       for (int m = 0; m < MB; ++m) {
