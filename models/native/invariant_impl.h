@@ -51,12 +51,12 @@ inline V load_weight(const int8_t* p) { return vload_i8(p); }  // exact: int8 ->
 // of the trials before it, kernel_ab/verify_row_trials); weight-only int8's one row was 13-16% slower without. On the
 // Zen 4 (AVX-512) the one-row tile without requests: fp32 and w8a8 no faster, weight-only int8 slower
 // (results/engine_kernels_zen4/kernel_ab/one_row_no_prefetch).
-// And on AVX-512, bf16, weight-only int8 and int8 x int8 tiles of two rows request theirs too: without, a two-row step
-// of linear layers cost 1.10-1.42 of a one-row one (more than three rows), with them 0.91-1.01, in every alternation of
-// eval.kernel_ab on the Zen 4 (results/engine_kernels_zen4/kernel_ab/two_row_prefetch_non_float; AVX2 unmeasured).
-// So do float32 tiles of every row count on AVX-512 (2-9 rows: one pass over a panel, no sweep requests): without, a
-// step of linear layers at 8-9 rows cost 1.16-1.33 of a one-row one, with them 0.94-1.04, in every alternation of
-// eval.kernel_ab on the Zen 4 (results/engine_kernels_zen4/kernel_ab/float32_tiles_request_ahead).
+// On AVX-512 tiles of every row count request theirs (bf16 and int8 ones only where one pass takes the panel:
+// prefetch_ahead). In every alternation of eval.kernel_ab on the Zen 4, a step of linear layers against a one-row one:
+// bf16, weight-only int8 and int8 x int8 at two rows 1.10-1.42 -> 0.91-1.01 (two_row_prefetch_non_float); float32 at
+// 8-9 rows 1.16-1.33 -> 0.94-1.04 (float32_tiles_request_ahead); bf16 at 4-9 rows 1.08-1.57 -> 0.97-1.09,
+// weight-only int8 at 8-9 rows 2.30-2.79 -> 1.39-1.55 (nonfloat_one_pass_request_ahead; all under
+// results/engine_kernels_zen4/kernel_ab/).
 constexpr int PREFETCH_ROWS = 1;
 constexpr int64_t PREFETCH_BYTES = 6144;
 
@@ -93,6 +93,7 @@ inline Ahead sweep_ahead(const void* next, int64_t panel_bytes, int64_t sweep, i
 // null: one pass over it). Where the sweeps of a panel request it too, both requests together made a step of linear
 // layers at 16 rows (bf16, weight-only int8) or 8-16 (int8 x int8, a tile of 4 rows) slower than the sweeps' alone
 // (eval.kernel_ab on the Zen 4, results/engine_kernels_zen4/kernel_ab/every_tile_request_ahead), float32 faster.
+// On AVX2 the rule reaches one-row bf16 and int8 tiles left over from an odd row count above one (unmeasured there).
 template <int MB, typename WT>
 inline void prefetch_ahead(const WT* w, int64_t bytes, const Ahead& ahead) {
   if constexpr (MB <= prefetch_rows<WT>()) {
