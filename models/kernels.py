@@ -224,14 +224,15 @@ class InvariantLinear(nn.Module):
 
 # From how many rows the greedy head's approximate logits come from bfloat16 weights and inputs instead of int8
 # weights, per instruction set (absent: int8 at every width). With a bf16 dot product (Zen 4, 2 threads, SmolLM2's
-# head alone): int8 0.57 / 0.87 / 1.41 / 2.69 ms at 1 / 2 / 4 / 9 rows, bf16 0.86 / 0.69 / 0.89 / 1.58 (the
-# model's float32 head 1.44 / 1.67 / 1.61 / 2.58): one row streams, more rows compute.
-GREEDY_BF16_FROM_ROWS = {"avx512_bf16": 2}
+# head alone, cold, medians: results/engine_kernels_zen4/greedy_head_rows/): int8 0.63 / 0.67 / 0.89 / 1.17 / 1.28 /
+# 2.25 ms at 1 / 4 / 6 / 8 / 9 / 16 rows, bf16 1.20 / 1.22 / 1.30 / 1.34 / 1.35 / 1.75 (10th percentiles cross at 8):
+# the int8 copy streams half the bytes and its multiply-adds fit under its stream up to about 8 rows.
+GREEDY_BF16_FROM_ROWS = {"avx512_bf16": 8}
 
 
 class GreedyHead(nn.Module):
-    """An LM head for greedy decoding: logits whose argmax is the argmax of the exact logits, from a quarter (one row)
-    or half (more rows) of a float32 head's bytes (draftsmith::greedy_head).
+    """An LM head for greedy decoding: logits whose argmax is the argmax of the exact logits, from a quarter (few rows)
+    or half (more rows: GREEDY_BF16_FROM_ROWS) of a float32 head's bytes (draftsmith::greedy_head).
 
     Approximate logits a_j come from the head's rows rounded to int8 (a scale s_j = max|w_j| / 127 per row, round to
     nearest), or, where a bf16 dot product exists and the forward has several rows, from rows and inputs rounded to
@@ -263,8 +264,9 @@ class GreedyHead(nn.Module):
         together: where every width reads the int8 copy, one row streams it and each more row in a pass adds its
         multiply-adds at the float32 rate (the AVX2 EPYC, SmolLM2's head, cold: 1.34 / 1.90 / 3.19 / 6.16 ms at
         1 / 2 / 4 / 8 rows, scripts/jobs/greedy_head_rows_probe.py), and a greedy verify reads only its accepted
-        path's rows (tau of them: a chain of 3's head 3.5 -> 2.1 ms a round there). With the bf16 copy more rows
-        cost about what one does (GREEDY_BF16_FROM_ROWS): together."""
+        path's rows (tau of them: a chain of 3's head 3.5 -> 2.1 ms a round there). With a bf16 dot product (AVX-512
+        BF16) the int8 copy's rows fit under its stream up to GREEDY_BF16_FROM_ROWS and the bf16 copy's beyond: together
+        (the Zen 4: 4 rows 0.67 ms together, a chain of 3's tau ~2.1 rows apart ~1.3 ms)."""
         return self.bf16_from_rows is None
 
     def copy_for(self, rows: int) -> torch.Tensor:
