@@ -1,8 +1,8 @@
-"""The `compiled` backend: the stock HF model's decoder (and the DGF drafter with the target's frozen embedding and
-LM head), compiled ahead of time over a preallocated KV cache (gpt-fast's recipe, on the CPU). The target's LM head
-runs after its graph, on the rows that need logits (every row of a verify, a prompt's last); greedy decoding's
-forwards read the greedy head there (`compile.head`; models.kernels.GreedyHead: the exact argmax from int8 or bf16
-copies of the head).
+"""The `compiled` backend: the stock HF model's decoder (and the DGF drafter with the target's frozen embedding),
+compiled ahead of time over a preallocated KV cache (gpt-fast's recipe, on the CPU). An LM head runs after its
+graph, on the rows that need logits (every row of a verify, a prompt's last); greedy decoding's forwards, and a
+float32 feature drafter's greedy chain, read the greedy head there (`compile.head`; models.kernels.GreedyHead: the
+exact argmax from int8 or bf16 copies of the head).
 
 - Static cache: the KV cache is preallocated to `capacity` slots (transformers' `StaticCache`
   layers, re-pointed at tensors this engine owns).
@@ -93,8 +93,8 @@ class CompileSettings:
                                      "streamed, the logits that could be the largest recomputed exactly: the exact "
                                      "argmax from a quarter to half of a float32 head's bytes; invariant kernels, "
                                      "weights=model), model (every logit from the model's weights); null: greedy for "
-                                     "a float32 model where it applies, else model. Sampling and drafters always "
-                                     "read the model's head")
+                                     "a float32 model where it applies, else model (a feature drafter's greedy "
+                                     "chain too). Sampling and drafters' trees read the model's head")
 
     def __post_init__(self):
         check_config(self)
@@ -177,9 +177,9 @@ class DGFStepModule(nn.Module):
     """One forward of a DGF drafter (fusion, blocks, the target's LM head) over a StaticCache.
 
     forward(features (1, b, H), input_ids (1, b), position_ids (1, b), mask (1, 1, b, capacity), past,
-            *kv) -> (predicted features (1, b, H), logits (1, b, V or the draft vocabulary's size)). The
-    target's embedding and LM head are registered here (not in the DGFModel), so they are frozen into
-    the graph with the drafter.
+            *kv) -> (predicted features (1, b, H), the output layer's inputs (1, b, H)). The head runs after the
+    graph (CompiledDGFEngine), on the rows that need it, as the target's does. The target's embedding is
+    registered here (not in the DGFModel), so it is frozen into the graph with the drafter.
     """
 
     traced_sources = (sys.modules[DGFModel.__module__],)
@@ -188,7 +188,7 @@ class DGFStepModule(nn.Module):
         super().__init__()
         model._need_target()
         self.model, self.cache = model, cache
-        self.embedding, self.head = model._embed, model._lm_head
+        self.embedding = model._embed
 
     def forward(self, features, input_ids, position_ids, mask, past, *kv):
         point_cache(self.cache, past, kv)
@@ -199,7 +199,7 @@ class DGFStepModule(nn.Module):
                            use_cache=True, position_embeddings=position_embeddings)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
-        return hidden, self.model.head_logits(hidden)
+        return hidden, self.model.head_input(hidden)
 
 
 def point_cache(cache: StaticCache, past: torch.Tensor, kv: tuple) -> None:
@@ -584,7 +584,8 @@ class CompiledEngine(BucketGraphs):
                          model.dtype, device, model.config.model_type, cache_dir)
         self.runs = runs  # the model the graphs run (on the invariant kernels: its linears packed)
         self.head = runs.get_output_embeddings()  # on the invariant kernels: its rows are the same at any width
-        self.greedy_head = placed_greedy_head(model) if settings.greedy_head(model.dtype) else None
+        self.greedy_head = (placed_greedy_head(model.get_output_embeddings()) if settings.greedy_head(model.dtype)
+                            else None)
 
     def example(self, width: int) -> tuple:
         ids = torch.zeros(1, width, dtype=torch.long, device=self.device)
@@ -626,9 +627,10 @@ class CompiledEngine(BucketGraphs):
                             hidden={k: torch.cat([o.hidden[k] for o in outs], 1) for k in hidden_layers})
 
 
-def placed_greedy_head(model: nn.Module) -> GreedyHead:
-    """The greedy head of `model`'s LM head, its int8 and bf16 copies in a weight arena of their own (huge pages)."""
-    head = GreedyHead(model.get_output_embeddings())
+def placed_greedy_head(linear: nn.Linear) -> GreedyHead:
+    """The greedy head of an LM head (`linear`), its int8 and bf16 copies in a weight arena of their own (huge
+    pages)."""
+    head = GreedyHead(linear)
     names = [name for name in ("packed", "packed_bf16") if getattr(head, name) is not None]
     for name, placed in zip(names, arena_zeros([getattr(head, name) for name in names])):
         setattr(head, name, placed.copy_(getattr(head, name)))
@@ -673,7 +675,9 @@ class CompiledDGFEngine(BucketGraphs):
             torch.zeros(1, 1, hidden, dtype=dtype, device=device), torch.zeros(1, 1, dtype=torch.long, device=device),
             cache=c))
         step = DGFStepModule(model, cache)  # the invariant copy, when it runs on those kernels
-        self.runs = model  # the model the graphs run
+        self.runs = model  # the model the graphs and the head after them run
+        head = self.model.head_linear()  # a greedy chain's argmax: the exact one from int8 / bf16 copies of its rows
+        self.greedy_head = (placed_greedy_head(head) if settings.greedy_head(dtype) and head.bias is None else None)
         fingerprint = model_fingerprint(step, model.config.to_dict())  # the drafter and the target's parts
         super().__init__(step, kv, fingerprint, settings, dtype, device, f"dgf drafter ({model.config.fusion})",
                          cache_dir)
@@ -709,8 +713,26 @@ class CompiledDGFEngine(BucketGraphs):
         runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
         padded_features = pad_width(features.to(self.device, self.dtype), width)
         ids = pad_width(input_ids.to(self.device, torch.long), width)
-        hidden, logits = runner(padded_features, ids, positions, mask, torch.tensor(past, device=self.device),
-                                *cache.tensors)
+        hidden, head_inputs = runner(padded_features, ids, positions, mask, torch.tensor(past, device=self.device),
+                                     *cache.tensors)
         cache.length = past + n
-        logits = logits[:, n - 1:n] if last_only else logits[:, :n]
-        return hidden[:, :n], logits.float()
+        head_inputs = head_inputs[:, n - 1:n] if last_only else head_inputs[:, :n]
+        return hidden[:, :n], self.runs.head_output(head_inputs).float()
+
+    @torch.inference_mode()
+    def forward_argmax(self, features: torch.Tensor, input_ids: torch.Tensor, cache: StaticKV,
+                       last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted features (1, n, H), each row's most likely draft token (1, n or 1)), as EagerDGFEngine's: a
+        causal forward whose reader needs only the argmax (a greedy chain). With the greedy head (a float32 drafter
+        on the invariant kernels) the argmax of the exact logits from a quarter of the head's bytes a row."""
+        if self.greedy_head is None or input_ids.shape[1] > self.buckets[-1]:
+            hidden, logits = self.forward(features, input_ids, cache, last_only=last_only)
+            return hidden, logits.argmax(-1)
+        n, past = input_ids.shape[1], cache.length
+        runner, width, positions, mask = self.padded(cache, n, None, None)
+        hidden, head_inputs = runner(pad_width(features.to(self.device, self.dtype), width),
+                                     pad_width(input_ids.to(self.device, torch.long), width), positions, mask,
+                                     torch.tensor(past, device=self.device), *cache.tensors)
+        cache.length = past + n
+        head_inputs = head_inputs[:, n - 1:n] if last_only else head_inputs[:, :n]
+        return hidden[:, :n], self.greedy_head(head_inputs).argmax(-1)

@@ -392,14 +392,35 @@ class DGFModel(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer in its own dtype: the target's LM head, its frozen slice, or the own head
         (EAGLE-3: after the drafter's final norm)."""
+        return self.head_output(self.head_input(hidden))
+
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the output layer reads: `hidden` after the drafter's final norm (EAGLE-3), in the head's dtype."""
         self._need_target()
         if self.norm is not None:
             hidden = self.norm(hidden)
         if self.config.head is DraftHead.OWN:
-            return self.draft_head(hidden.to(self.dtype))
+            return hidden.to(self.dtype)
+        return hidden.to(self.sliced_head.dtype if self.config.head is DraftHead.SLICE else self._lm_head.weight.dtype)
+
+    def head_output(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The output layer on its inputs (head_input's): logits over the vocabulary the drafter scores."""
+        if self.config.head is DraftHead.OWN:
+            return self.draft_head(inputs)
         if self.config.head is DraftHead.SLICE:
-            return nn.functional.linear(hidden.to(self.sliced_head.dtype), self.sliced_head)
-        return self._lm_head(hidden.to(self._lm_head.weight.dtype))
+            return nn.functional.linear(inputs, self.sliced_head)
+        return self._lm_head(inputs)
+
+    def head_linear(self) -> nn.Linear:
+        """The output layer as a Linear over the model's own rows (a slice's rows wrapped, not copied)."""
+        self._need_target()
+        if self.config.head is DraftHead.OWN:
+            return self.draft_head
+        if self.config.head is DraftHead.SLICE:
+            linear = nn.Linear(self.config.hidden_size, self.sliced_head.shape[0], bias=False, device="meta")
+            linear.weight = nn.Parameter(self.sliced_head, requires_grad=False)
+            return linear
+        return self._lm_head
 
     @property
     def dtype(self) -> torch.dtype:
@@ -470,6 +491,13 @@ class EagerDGFEngine(EagerBuild):
         """(predicted features (1, n, H), float32 logits (1, n or 1, V)); `last_only`: the last row's logits."""
         hidden = self.model(features, input_ids, position_ids, cache, allowed)
         return hidden, self.model.logits(hidden[:, -1:] if last_only else hidden)
+
+    def forward_argmax(self, features: torch.Tensor, input_ids: torch.Tensor, cache,
+                       last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted features (1, n, H), each row's most likely draft token (1, n or 1)): a causal forward whose
+        reader needs only the argmax (a greedy chain)."""
+        hidden, logits = self.forward(features, input_ids, cache, last_only=last_only)
+        return hidden, logits.argmax(-1)
 
 
 def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:

@@ -10,6 +10,7 @@ import torch
 
 from conftest import repetitive_prompt, tiny_model
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.base import Sampling
 from draftsmith.eval.decode.drafters.dgf import DGFDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
@@ -17,8 +18,10 @@ from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
 from draftsmith.models.compiled import CompiledDGFEngine, CompiledEngine, CompileSettings, Graph, bucket_for
 from draftsmith.models.dgf import DGFConfig, DGFModel
-from draftsmith.models.medusa import MedusaConfig, MedusaHeads
+from draftsmith.models.kernels import WeightPrecision
+from draftsmith.models.medusa import InvariantMedusaHeads, MedusaConfig, MedusaHeads
 from draftsmith.models.target import TargetModel
+from draftsmith.models.vocab import DraftVocab
 
 ONE = CompileSettings(buckets=[1], capacity=64, autotune=False)
 FAST = CompileSettings(buckets=[1, 8], capacity=128, autotune=False)
@@ -134,9 +137,11 @@ def _drafters(compiled, draft):
     torch.manual_seed(7)
     heads = MedusaHeads(MedusaConfig(48, 96, num_heads=3))
     heads.init_lm_heads(compiled.model.lm_head.weight)
+    paths = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
     return {"lm-chain": LMDrafter(draft, mode="chain", budget=3),
             "lm-tree": LMDrafter(draft, mode="tree", depth=2, topk=2, budget=6),
-            "ngram": NgramDrafter(max_ngram=2, budget=4, num_branches=2), "medusa": MedusaDrafter(heads, paths=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])}
+            "ngram": NgramDrafter(max_ngram=2, budget=4, num_branches=2), "medusa": MedusaDrafter(heads, paths=paths),
+            "medusa-int8": MedusaDrafter(heads, paths=paths, runs=InvariantMedusaHeads(heads, WeightPrecision.INT8))}
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -239,6 +244,38 @@ def test_compiled_dgf_drafter_matches_eager_and_is_lossless(compiled_pair):
     plain = SpeculativeDecoder(compiled, None, config).generate(prompt).tokens
     drafter = DGFDrafter(dgf, depth=3, topk=3, budget=7, engine=engine)
     assert SpeculativeDecoder(compiled, drafter, config).generate(prompt).tokens == plain
+
+
+def test_a_float32_drafters_greedy_chain_reads_its_greedy_head(compiled_pair):
+    """A greedy chain without thresholds reads only each step's argmax: on the compiled engine a float32 drafter's
+    sliced head answers it from its greedy head's int8 rows (the exact argmax), drafting the chain the eager drafter's
+    logits give, every context; with stop_below (its scores read) the chain comes from the logits; lossless."""
+    eager, compiled, _ = compiled_pair
+    torch.manual_seed(12)
+    vocab = DraftVocab.from_ids(range(0, 96, 2), 96)
+    config = DGFConfig.for_target(eager.model.config, num_blocks=1, draft_vocab_size=vocab.size, head="slice")
+    dgf = DGFModel(config).attach_target(eager.model).set_vocab(vocab).eval()
+    engine = CompiledDGFEngine(dgf, FAST)
+    engine.prepare()
+    assert engine.greedy_head is not None
+    for seed in range(4):
+        context = torch.randint(0, 96, (10 + seed,), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            features = eager.model(context[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+        trees = []
+        for drafter in (DGFDrafter(dgf, depth=4, topk=1, budget=4), DGFDrafter(dgf, depth=4, topk=1, budget=4,
+                                                                              engine=engine)):
+            assert drafter.reads_argmax_only(None) and not drafter.reads_argmax_only(Sampling(1.0))
+            drafter.begin(context)
+            drafter.observe(context[:-1], {-1: features})
+            trees.append(drafter.propose(int(context[-1]), context, None, None))
+        assert torch.equal(trees[0].tokens, trees[1].tokens) and trees[1].size == 4
+    assert not DGFDrafter(dgf, depth=4, topk=1, budget=4, engine=engine, stop_below=0.1).reads_argmax_only(None)
+    prompt = context[None, :9]
+    decode = DecodeConfig(max_new_tokens=20, budget_limit=7)
+    plain = SpeculativeDecoder(compiled, None, decode).generate(prompt).tokens
+    drafter = DGFDrafter(dgf, depth=3, topk=1, budget=3, engine=engine)
+    assert SpeculativeDecoder(compiled, drafter, decode).generate(prompt).tokens == plain
 
 
 def _conversation(first: torch.Tensor, answer: list[int], followup: list[int]) -> torch.Tensor:

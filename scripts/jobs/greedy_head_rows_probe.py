@@ -1,10 +1,14 @@
 """What SmolLM2-135M-Instruct's greedy head (models.kernels.GreedyHead, as the compiled float32 engine places it)
-costs at 1-8 rows, cold as in the decode loop (a 256 MB read before each call evicts it, as the decoder layers'
-stream does), on final hidden states of a real prompt; widths interleaved, 60 calls each, median and 10th percentile.
-Says whether the rows cost less apart (GreedyHead.rows_apart, read by a greedy verify: models.engine.GreedyRows).
-    scripts/jobs/quiet.sh python scripts/jobs/greedy_head_rows_probe.py
+costs at 1-16 rows from each of its copies (int8 rows; bf16 rows where the CPU has a bf16 dot product), cold as in
+the decode loop (a 256 MB read before each call evicts it, as the decoder layers' stream does), on final hidden states
+of a real prompt; widths and copies interleaved, 60 calls each, median and 10th percentile. Says whether the rows cost
+less apart (GreedyHead.rows_apart, read by a greedy verify: models.engine.GreedyRows) and from how many rows the bf16
+copy costs less (GREEDY_BF16_FROM_ROWS). Prints a table; writes JSON where an output path is given.
+    scripts/jobs/quiet.sh python scripts/jobs/greedy_head_rows_probe.py [output.json]
 """
+import json
 import statistics
+import sys
 import time
 
 import torch
@@ -14,30 +18,36 @@ from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.compiled import placed_greedy_head
 from draftsmith.models.target import TargetModel
 
-WIDTHS, CALLS = (1, 2, 3, 4, 6, 8), 60
+WIDTHS, CALLS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16), 60
 
 
 @torch.inference_mode()
 def main() -> None:
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    head = placed_greedy_head(base.model)
+    head = placed_greedy_head(base.model.get_output_embeddings())
     ids = load_prompts("mt-bench", 1, 0, base.tokenizer)[0]["input_ids"]
     final = base.model(ids, output_hidden_states=True).hidden_states[-1][0]  # after the final norm: the head's input
     evict = torch.ones(64 * 1024 * 1024)
-    times = {width: [] for width in WIDTHS}
+    copies = {"int8": head.packed, "bf16": head.packed_bf16}
+    copies = {name: copy for name, copy in copies.items() if copy is not None}
+    times = {(name, width): [] for name in copies for width in WIDTHS}
     for call in range(CALLS):
-        for width in WIDTHS:
+        for name, width in times:
             evict.sum()
             rows = final[10 + call % 20:10 + call % 20 + width][None].contiguous()
             start = time.perf_counter()
-            head(rows)
-            times[width].append(time.perf_counter() - start)
-    print(f"{cpu_model()}: the greedy head, cold (rows_apart: {head.rows_apart})")
-    for width, seconds in times.items():
-        print(f"  {width} rows: median {1000 * statistics.median(seconds):.2f} ms, "
-              f"10th percentile {1000 * sorted(seconds)[CALLS // 10]:.2f} ms")
-
+            torch.ops.draftsmith.greedy_head(rows, copies[name], head.scale, head.weight)
+            times[name, width].append(time.perf_counter() - start)
+    print(f"{cpu_model()}: the greedy head, cold (rows_apart: {head.rows_apart}, bf16 from {head.bf16_from_rows} rows)")
+    table = {f"{name} {width}": {"median_ms": 1000 * statistics.median(seconds),
+                                  "p10_ms": 1000 * sorted(seconds)[CALLS // 10]} for (name, width), seconds in times.items()}
+    for key, row in table.items():
+        print(f"  {key} rows: median {row['median_ms']:.2f} ms, 10th percentile {row['p10_ms']:.2f} ms")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as file:
+            json.dump({"cpu": cpu_model(), "bf16_from_rows": head.bf16_from_rows, "rows_apart": head.rows_apart,
+                       "calls": CALLS, "cold_ms": table}, file, indent=1)
 
 if __name__ == "__main__":
     main()

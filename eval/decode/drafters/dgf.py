@@ -77,6 +77,7 @@ class DGFDrafter(Drafter):
         self.fed = 0  # pairs in the cache
         self.root_feature: torch.Tensor | None = None  # the drafter's output for the last pair
         self.root_logits: torch.Tensor | None = None  # and its next-token logits (V,)
+        self.root_token: torch.Tensor | None = None  # or, where a round reads only argmaxes, its best token (1,)
 
     @property
     def device(self) -> torch.device:
@@ -110,24 +111,43 @@ class DGFDrafter(Drafter):
                                f"{length - 1} committed tokens (observe() must see every committed token)")
         # Feed pairs (f_i, x_{i+1}) for i = fed .. length - 2; the last output predicts the root's feature.
         features = self._pending_features()
+        argmax = self.reads_argmax_only(sampling)
         if features.shape[0]:  # nothing pending only when proposing twice for the same context
             tokens = context[self.fed + 1:].to(device)
-            hidden, logits = self.engine.forward(features[None], tokens[None], self.cache, last_only=True)
-            self.root_feature, self.root_logits = hidden[0, -1], logits[0, -1]  # (H,), (V,)
+            if argmax:
+                hidden, best = self.engine.forward_argmax(features[None], tokens[None], self.cache, last_only=True)
+                self.root_logits, self.root_token = None, best[0]  # (1,)
+            else:
+                hidden, logits = self.engine.forward(features[None], tokens[None], self.cache, last_only=True)
+                self.root_logits, self.root_token = logits[0, -1], None  # (V,)
+            self.root_feature = hidden[0, -1]  # (H,)
             self.fed = length - 1
+        if (self.root_token if argmax else self.root_logits) is None:
+            raise RuntimeError(f"{self.name} proposed twice for one context, once greedy and once sampling")
         try:
             tree = self._tree(self.root_feature, self.root_logits, length, sampling, generator)
         finally:
             self.engine.truncate(self.cache, self.fed)  # drop the tree entries
         return tree
 
+    def greedy_shape(self) -> tuple[int, int]:
+        """(top-k, depth) of a greedy tree. Exact shortcut: the final g nodes are ancestor-closed and scores fall
+        along paths, so a kept node has depth <= g, lies in the top g of its level and among its parent's top g
+        children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper."""
+        if self.cap_at_budget:
+            return min(self.topk, self.budget), min(self.depth, self.budget)
+        return self.topk, self.depth
+
+    def reads_argmax_only(self, sampling: Sampling | None) -> bool:
+        """Whether a round reads only each drafter step's most likely token: a greedy chain without thresholds
+        (stop_below and keep_above read its probabilities)."""
+        return (sampling is None and self.chain_steps and self.greedy_shape()[0] == 1 and self.stop_below is None
+                and self.keep_above is None)
+
     def _tree(self, root_feature, root_logits, length, sampling, generator) -> DraftTree:
-        k, depth = self.topk, self.depth
-        if sampling is None and self.cap_at_budget:
-            # Exact shortcut: the final g nodes are ancestor-closed and scores fall along paths, so a
-            # kept node has depth <= g, lies in the top g of its level and among its parent's top g
-            # children. Capping depth and top-k at g gives the same tree (up to score ties), cheaper.
-            k, depth = min(k, self.budget), min(depth, self.budget)
+        k, depth = self.greedy_shape() if sampling is None else (self.topk, self.depth)
+        if self.reads_argmax_only(sampling):
+            return self._argmax_chain(root_feature, self.root_token, depth)
         if sampling is None and k == 1 and self.chain_steps:
             return self._chain(root_feature, root_logits, depth)
         refuse_sampled_trim(self.name, self.keep_above, sampling)
@@ -168,6 +188,16 @@ class DGFDrafter(Drafter):
         if self.keep_above is not None:
             kept = min(kept, max(1, int((torch.cat(scores) > math.log(self.keep_above)).sum())))
         return DraftTree.chain(torch.cat(tokens[:kept]))
+
+    def _argmax_chain(self, root_feature: torch.Tensor, root_token: torch.Tensor, depth: int) -> DraftTree:
+        """_chain's tokens where nothing reads their scores: each step's argmax (the engine's forward_argmax: a float32
+        drafter's greedy head streams a quarter of its head's bytes)."""
+        tokens, feature = [target_ids(self.vocab, root_token)], root_feature
+        for _ in range(1, min(depth, self.budget)):
+            out, best = self.engine.forward_argmax(feature[None, None], tokens[-1][None], self.cache)
+            feature = out[0, 0]
+            tokens.append(target_ids(self.vocab, best[0]))
+        return DraftTree.chain(torch.cat(tokens))
 
     def _expand(self, growth: "Growth", level: int, k: int, committed: int) -> tuple[list[int], torch.Tensor]:
         """One drafter forward over the best k nodes of the newest level (tree mask over the cache and
