@@ -272,6 +272,7 @@ class MedusaOptions:
     adapter: TargetAdapter = option(TargetAdapter.REFUSE, "Medusa-2 heads: merge the LoRA adapter into the target, "
                                                           "or ignore it")
     keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
+    weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
 
 
 @dataclass
@@ -426,12 +427,12 @@ def build_ngram(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_medusa(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_medusa_drafter(o.path, ctx.target, budget=o.budget, target_adapter=o.adapter, name=spec.label,
-                                  backend=ctx.backend, settings=ctx.settings, keep_above=o.keep_above)
+                                  backend=ctx.backend, settings=drafter_settings(spec, ctx), keep_above=o.keep_above)
     return DrafterMethod(drafter, spec.label)
 
 
 def drafter_settings(spec: MethodSpec, ctx: BuildContext) -> CompileSettings:
-    """The compile settings of a feature or block drafter: the run's, with the method's `weights` when given."""
+    """The compile settings of a feature, block or Medusa drafter: the run's, with the method's `weights` when given."""
     weights = spec.options.weights
     if weights is None:
         return ctx.settings
@@ -529,7 +530,8 @@ def arca_drafter(drafter_spec: MethodSpec, paths: list[list[int]], budget: int, 
     if isinstance(drafter_spec.options, MedusaOptions):
         o = drafter_spec.options
         return load_medusa_drafter(o.path, ctx.target, paths=paths, target_adapter=o.adapter, name=label,
-                                   backend=ctx.backend, settings=ctx.settings, keep_above=o.keep_above)
+                                   backend=ctx.backend, settings=drafter_settings(drafter_spec, ctx),
+                                   keep_above=o.keep_above)
     return inner_drafter(build_method(drafter_spec.replace(budget=max(budget, 1)), ctx), label)
 
 
