@@ -78,7 +78,7 @@ STEPS=(
   "long_context_256|$ENGINE/long_context/latency_ctx256.json|0|quiet python -m draftsmith.eval.latency backends=[compiled] widths=[1,4,8] context_tokens=256 compile.capacity=2176 output=$ENGINE/long_context/latency_ctx256.json"
   "long_context_2000|$ENGINE/long_context/latency_ctx2000.json|0|quiet python -m draftsmith.eval.latency backends=[compiled] widths=[1,4,8] context_tokens=2000 compile.capacity=2176 output=$ENGINE/long_context/latency_ctx2000.json"
   "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA acceptance=measured output=$FAMILIES/arca_profile_medusa1_10m.json"
-  "families_table_latest|$FAMILIES/families_table_latest/bench.json|0|with_kind_profile eval/configs/families_table_latest_smollm2.yaml $ZEN4_ARCA""_measured.json $FAMILIES/families_table_latest"
+  "families_table_latest|$FAMILIES/families_table_latest/bench.json|0|with_kind_profile eval/configs/families_table_latest_smollm2.yaml $ZEN4_ARCA""_greedy_int8_rows.json $FAMILIES/families_table_latest"
   "medusa_weights|$FAMILIES/medusa_weights/bench.json|0|with_kind_profile eval/configs/medusa_weights_smollm2.yaml $ZEN4_ARCA""_greedy_int8_rows.json $FAMILIES/medusa_weights"
   "dflash_budget|$FAMILIES/dflash_budget/bench.json|0|quiet $BENCH --config eval/configs/dflash_budget_smollm2.yaml output_dir=$FAMILIES/dflash_budget"
   "medusa_bench|$FAMILIES/medusa_bench/bench.json|0|quiet $BENCH --config eval/configs/medusa_bench_smollm2.yaml output_dir=$FAMILIES/medusa_bench"
