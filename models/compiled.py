@@ -709,15 +709,8 @@ class CompiledDGFEngine(BucketGraphs):
                                   last_only=last_only) for s in range(0, n, self.buckets[-1])]
             logits = parts[-1][1] if last_only else torch.cat([p[1] for p in parts], 1)
             return torch.cat([p[0] for p in parts], 1), logits
-        past = cache.length
-        runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
-        padded_features = pad_width(features.to(self.device, self.dtype), width)
-        ids = pad_width(input_ids.to(self.device, torch.long), width)
-        hidden, head_inputs = runner(padded_features, ids, positions, mask, torch.tensor(past, device=self.device),
-                                     *cache.tensors)
-        cache.length = past + n
-        head_inputs = head_inputs[:, n - 1:n] if last_only else head_inputs[:, :n]
-        return hidden[:, :n], self.runs.head_output(head_inputs).float()
+        hidden, head_inputs = self._graph(features, input_ids, cache, position_ids, allowed, last_only)
+        return hidden, self.runs.head_output(head_inputs).float()
 
     @torch.inference_mode()
     def forward_argmax(self, features: torch.Tensor, input_ids: torch.Tensor, cache: StaticKV,
@@ -728,11 +721,18 @@ class CompiledDGFEngine(BucketGraphs):
         if self.greedy_head is None or input_ids.shape[1] > self.buckets[-1]:
             hidden, logits = self.forward(features, input_ids, cache, last_only=last_only)
             return hidden, logits.argmax(-1)
+        hidden, head_inputs = self._graph(features, input_ids, cache, last_only=last_only)
+        return hidden, self.greedy_head(head_inputs).argmax(-1)
+
+    def _graph(self, features: torch.Tensor, input_ids: torch.Tensor, cache: StaticKV,
+               position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted features (1, n, H), the head's inputs (1, n or 1, H)): one graph call of at most the largest
+        bucket's width."""
         n, past = input_ids.shape[1], cache.length
-        runner, width, positions, mask = self.padded(cache, n, None, None)
+        runner, width, positions, mask = self.padded(cache, n, position_ids, allowed)
         hidden, head_inputs = runner(pad_width(features.to(self.device, self.dtype), width),
                                      pad_width(input_ids.to(self.device, torch.long), width), positions, mask,
                                      torch.tensor(past, device=self.device), *cache.tensors)
         cache.length = past + n
-        head_inputs = head_inputs[:, n - 1:n] if last_only else head_inputs[:, :n]
-        return hidden[:, :n], self.greedy_head(head_inputs).argmax(-1)
+        return hidden[:, :n], head_inputs[:, n - 1:n] if last_only else head_inputs[:, :n]
