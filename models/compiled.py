@@ -174,7 +174,7 @@ class StepModule(nn.Module):
 
 
 class DGFStepModule(nn.Module):
-    """One forward of a DGF drafter (fusion, blocks, the target's LM head) over a StaticCache.
+    """One forward of a DGF drafter (fusion, blocks, its final norm) over a StaticCache.
 
     forward(features (1, b, H), input_ids (1, b), position_ids (1, b), mask (1, 1, b, capacity), past,
             *kv) -> (predicted features (1, b, H), the output layer's inputs (1, b, H)). The head runs after the

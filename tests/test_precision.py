@@ -82,8 +82,8 @@ def test_a_draft_lm_on_the_int8_kernels_with_bf16_activations_keeps_decoding_los
 
 
 def test_a_feature_block_or_medusa_drafters_weights_option_sets_its_kernels_precision():
-    """dgf:/dflash:/medusa:...,weights=int8: the drafter's engine stores int8 weights on the batch-invariant kernels (the
-    run's settings otherwise); refused in one line where no such kernels run."""
+    """dgf:/dflash:/medusa:...,weights=int8: the drafter's engine stores int8 weights on the batch-invariant kernels
+    (the run's settings otherwise); refused in one line where no such kernels run."""
     target = TargetModel(tiny_model("llama", seed=0, num_layers=2), tokenizer=None)
     compiled = BuildContext(target, backend=Backend.COMPILED)
     for name in ("dgf", "dflash:some/dir", "medusa:some/dir"):

@@ -29,8 +29,7 @@ def main() -> None:
     ids = load_prompts("mt-bench", 1, 0, base.tokenizer)[0]["input_ids"]
     final = base.model(ids, output_hidden_states=True).hidden_states[-1][0]  # after the final norm: the head's input
     evict = torch.ones(64 * 1024 * 1024)
-    copies = {"int8": head.packed, "bf16": head.packed_bf16}
-    copies = {name: copy for name, copy in copies.items() if copy is not None}
+    copies = {name: copy for name, copy in (("int8", head.packed), ("bf16", head.packed_bf16)) if copy is not None}
     times = {(name, width): [] for name in copies for width in WIDTHS}
     for call in range(CALLS):
         for name, width in times:
@@ -41,13 +40,15 @@ def main() -> None:
             times[name, width].append(time.perf_counter() - start)
     print(f"{cpu_model()}: the greedy head, cold (rows_apart: {head.rows_apart}, bf16 from {head.bf16_from_rows} rows)")
     table = {f"{name} {width}": {"median_ms": 1000 * statistics.median(seconds),
-                                  "p10_ms": 1000 * sorted(seconds)[CALLS // 10]} for (name, width), seconds in times.items()}
+                                  "p10_ms": 1000 * sorted(seconds)[CALLS // 10]}
+             for (name, width), seconds in times.items()}
     for key, row in table.items():
         print(f"  {key} rows: median {row['median_ms']:.2f} ms, 10th percentile {row['p10_ms']:.2f} ms")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as file:
             json.dump({"cpu": cpu_model(), "bf16_from_rows": head.bf16_from_rows, "rows_apart": head.rows_apart,
                        "calls": CALLS, "cold_ms": table}, file, indent=1)
+
 
 if __name__ == "__main__":
     main()
