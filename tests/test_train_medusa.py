@@ -338,6 +338,32 @@ def test_accelerate_launch(tmp_path):
     assert (tmp_path / "final" / "manifest.json").is_file()
 
 
+def test_accelerate_launch_on_one_thread_says_how_to_use_the_cores(tmp_path, monkeypatch, caplog):
+    """accelerate's launcher starts a CPU process on one thread: the run says so once, with the flag that fixes it."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    with caplog.at_level("WARNING", logger="draftsmith"):
+        main(tiny_cfg(tmp_path, "train.max_steps=1", "eval.every_steps=0"))
+    said = [r.getMessage() for r in caplog.records if "num_cpu_threads_per_process" in r.getMessage()]
+    assert said == ["each of the 1 process(es) computes on 1 thread of 2 cores (accelerate launch sets "
+                    "OMP_NUM_THREADS=1): pass --num_cpu_threads_per_process 2 to use them"]
+
+
+def test_heads_start_from_a_finished_run(tmp_path):
+    """heads.init_from: a run starts from another's final heads (its first held-out loss is the other's last); heads
+    of another layout or a directory that is not a final/ are refused in one line."""
+    main(tiny_cfg(tmp_path / "first", "train.max_steps=3", "optim.lr=0.05"))
+    main(tiny_cfg(tmp_path / "second", "train.max_steps=1", f"heads.init_from={tmp_path / 'first' / 'final'}"))
+    first = [r for r in MetricsFile.read(tmp_path / "first" / "metrics.jsonl") if "eval/loss" in r]
+    second = [r for r in MetricsFile.read(tmp_path / "second" / "metrics.jsonl") if "eval/loss" in r]
+    assert second[0]["step"] == 0 and second[0]["eval/loss"] == pytest.approx(first[-1]["eval/loss"], rel=1e-6)
+    assert first[0]["eval/loss"] != pytest.approx(first[-1]["eval/loss"], rel=1e-3)
+    with pytest.raises(ConfigError, match=r"heads\.init_from=.*differ from this config's: num_heads=3 \(this config: 2\)"):
+        main(tiny_cfg(tmp_path / "third", "heads.num_heads=2", f"heads.init_from={tmp_path / 'first' / 'final'}"))
+    with pytest.raises(ConfigError, match=r"heads\.init_from=.*not a train/medusa\.py final/ directory"):
+        tiny_cfg(tmp_path / "fourth", f"heads.init_from={tmp_path}")
+
+
 def test_medusa2_names_bad_lora_modules(tmp_path):
     with pytest.raises(ConfigError, match=r"medusa2\.lora_target_modules \['nope'\]"):
         main(tiny_cfg(tmp_path, "medusa2.enabled=true", "medusa2.lora_target_modules=[nope]"))

@@ -33,7 +33,7 @@ from torch import nn
 from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
 from draftsmith.data.records import collate, load_records, split_heldout
 from draftsmith.eval.decode.drafters.medusa import MedusaDrafter
-from draftsmith.models.artifacts import save_medusa, target_block
+from draftsmith.models.artifacts import MANIFEST_FILE, load_medusa_heads, save_medusa, target_block
 from draftsmith.models.medusa import HIDDEN_LAYER, MedusaConfig, MedusaHeads
 from draftsmith.models.vocab import DraftHead, DraftVocab
 from draftsmith.models.target import TargetModel
@@ -57,6 +57,8 @@ class HeadsConfig:
     head: DraftHead = option(DraftHead.OWN, "own: an output layer per head (draft vocabulary rows of the "
                                             "target's, trained unless train_lm_head=false); slice: one frozen "
                                             "slice of the target's LM head shared by the heads (only indices saved)")
+    init_from: str | None = option(None, "a train/medusa.py final/ directory whose heads this run starts from (same "
+                                   "heads and draft vocabulary; a longer run, or other data, on top of a finished one)")
 
 
 @dataclass
@@ -108,6 +110,8 @@ class MedusaRecipeConfig(RunConfig):
              "rows or a slice of the target's)"),
             (self.medusa2.enabled or self.medusa2.heads_only_steps == 0,
              "medusa2.heads_only_steps needs medusa2.enabled"),
+            (self.heads.init_from is None or (Path(self.heads.init_from) / MANIFEST_FILE).is_file(),
+             f"heads.init_from={self.heads.init_from}: not a train/medusa.py final/ directory (no {MANIFEST_FILE})"),
         ]
         for ok, message in checks:
             if not ok:
@@ -157,9 +161,10 @@ class MedusaTrainModule(nn.Module):
         return head_logits, target_logits, teacher
 
 
-def build_heads(cfg: MedusaRecipeConfig, model, device, vocab: DraftVocab | None) -> MedusaHeads:
-    """Heads (float32) initialised from the target's LM head (its draft-vocabulary rows); frozen output
-    layers when not trained."""
+def build_heads(cfg: MedusaRecipeConfig, target: TargetModel, device, vocab: DraftVocab | None) -> MedusaHeads:
+    """Heads (float32) initialised from the target's LM head (its draft-vocabulary rows), or from a finished run's
+    heads (`heads.init_from`); frozen output layers when not trained."""
+    model = target.model
     config = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
                           num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers,
                           draft_vocab_size=vocab.size if vocab else None, head=cfg.heads.head)
@@ -167,10 +172,26 @@ def build_heads(cfg: MedusaRecipeConfig, model, device, vocab: DraftVocab | None
     if vocab is not None:
         heads.set_vocab(vocab)
     heads.init_lm_heads(model.get_output_embeddings().weight)
+    if cfg.heads.init_from:  # a resumed run then loads its checkpoint over these weights
+        start_from(heads, cfg.heads.init_from, target)
     if not cfg.heads.train_lm_head and cfg.heads.head is DraftHead.OWN:  # re-initialised identically on resume
         for head in heads.medusa_head:
             head[-1].weight.requires_grad_(False)
     return heads
+
+
+def start_from(heads: MedusaHeads, path: str, target: TargetModel) -> None:
+    """Copy the heads of a finished run (`heads.init_from`) into `heads`; their layout and draft vocabulary must be
+    this config's, and they must have been trained for this target."""
+    source, _ = load_medusa_heads(path, device=next(heads.parameters()).device, target=target)
+    theirs, ours = source.config.to_dict(), heads.config.to_dict()
+    differ = [f"{key}={theirs.get(key)!r} (this config: {ours.get(key)!r})" for key in sorted(set(theirs) | set(ours))
+              if theirs.get(key) != ours.get(key)]
+    if differ:
+        raise ConfigError(f"heads.init_from={path}: its heads differ from this config's: {', '.join(differ)}")
+    if heads.config.draft_vocab_size and not torch.equal(source.draft_to_target.cpu(), heads.draft_to_target.cpu()):
+        raise ConfigError(f"heads.init_from={path}: its draft vocabulary differs from heads.draft_vocab")
+    heads.load_state_dict(source.state_dict())
 
 
 def add_lora(cfg: Medusa2Config, model):
@@ -203,7 +224,7 @@ class MedusaRecipe(RecipeBase):
         run.log.info("data: %d train / %d held-out records from %s", len(self.train_records),
                      len(self.heldout_records), cfg.data.source)
         self.vocab = DraftVocab.load(cfg.heads.draft_vocab) if cfg.heads.draft_vocab else None
-        heads = build_heads(cfg, model, run.device, self.vocab)
+        heads = build_heads(cfg, self.target, run.device, self.vocab)
         model.requires_grad_(False)
         param_groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
         if cfg.medusa2.enabled:

@@ -104,12 +104,24 @@ class TrainingRun:
         if self.resume_state is not None:
             self.run_id = self.resume_state["run_id"]
         seed_everything(cfg.train.seed)
+        self._warn_single_thread(device)
         self.optimizer = self.scheduler = self.module = None
         self.base_lrs: list[float] = []
 
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
+
+    def _warn_single_thread(self, device: torch.device) -> None:
+        """On a CPU, accelerate's launcher starts each process with OMP_NUM_THREADS=1 unless given
+        --num_cpu_threads_per_process: one process then trains on one core of several. Said once, with the fix."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        spare = cores // self.world
+        launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # accelerate's launcher sets it in every process
+        if device.type == "cpu" and launched and torch.get_num_threads() == 1 and spare > 1 and self.is_main:
+            self.log.warning("each of the %d process(es) computes on 1 thread of %d cores (accelerate launch sets "
+                             "OMP_NUM_THREADS=1): pass --num_cpu_threads_per_process %d to use them", self.world,
+                             cores, spare)
 
     # -- the directory ------------------------------------------------------------------------
 
