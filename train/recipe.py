@@ -159,6 +159,13 @@ def lr_factor(optim: OptimConfig, max_steps: int, hold_steps: int = 0) -> Callab
     return factor
 
 
+def config_differences(theirs: Mapping, ours: Mapping) -> list[str]:
+    """`key=theirs (this config: ours)` for every key where a finished run's model config differs from this run's:
+    what an init_from refusal names."""
+    return [f"{key}={theirs.get(key)!r} (this config: {ours.get(key)!r})" for key in sorted(set(theirs) | set(ours))
+            if theirs.get(key) != ours.get(key)]
+
+
 def pad_id_of(tokenizer) -> int:
     """The tokenizer's pad id, else its EOS id, else 0 (padded positions are masked out anyway)."""
     for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
