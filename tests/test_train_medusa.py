@@ -346,7 +346,7 @@ def test_accelerate_launch_on_one_thread_says_how_to_use_the_cores(tmp_path, mon
         main(tiny_cfg(tmp_path, "train.max_steps=1", "eval.every_steps=0"))
     said = [r.getMessage() for r in caplog.records if "num_cpu_threads_per_process" in r.getMessage()]
     assert said == ["each of the 1 process(es) computes on 1 thread of 2 cores (accelerate launch sets "
-                    "OMP_NUM_THREADS=1): pass --num_cpu_threads_per_process 2 to use them"]
+                    "OMP_NUM_THREADS=1): pass --cpu or --num_cpu_threads_per_process 2 to use them"]
 
 
 def test_heads_start_from_a_finished_run(tmp_path):

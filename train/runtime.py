@@ -120,8 +120,8 @@ class TrainingRun:
         launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # accelerate's launcher sets it in every process
         if device.type == "cpu" and launched and torch.get_num_threads() == 1 and spare > 1 and self.is_main:
             self.log.warning("each of the %d process(es) computes on 1 thread of %d cores (accelerate launch sets "
-                             "OMP_NUM_THREADS=1): pass --num_cpu_threads_per_process %d to use them", self.world,
-                             cores, spare)
+                             "OMP_NUM_THREADS=1): pass --cpu or --num_cpu_threads_per_process %d to use them",
+                             self.world, cores, spare)
 
     # -- the directory ------------------------------------------------------------------------
 
