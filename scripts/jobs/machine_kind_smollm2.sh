@@ -28,6 +28,7 @@ ROOF=results/roofline/$KIND
 ENGINE=results/engine_kernels_$SHORT
 FAMILIES=results/drafter_families_$SHORT
 MEDUSA=drafters/medusa1_smollm2_human/loss_tokens_10000000
+MEDUSA_REGEN=drafters/medusa1_smollm2_human_then_regen/loss_tokens_1000000  # the 10M heads continued on the target's answers
 ZEN4_ARCA=results/drafter_families_zen4/arca_profile_medusa1_10m  # + .json / _measured.json: what the configs name
 EAGLE3=drafters/eagle3_smollm2_all_regen/loss_tokens_2400000  # the bundled drafter's fp32 source
 BENCH="python -m draftsmith.eval.bench"
@@ -51,11 +52,11 @@ exports() {  # the drafters as the other engines load them, once per machine (ex
 
 quiet() { scripts/jobs/quiet.sh "$@"; }
 
-with_kind_profile() {  # bench config $1, which names the Zen 4's ARCA profile $2, with this kind's own profile; output $3
-  local config source=$1 zen4=$2
+with_kind_profile() {  # bench config $1, which names the Zen 4's ARCA profile $2, with this kind's own profile $4
+  local config source=$1 zen4=$2 own=${4:-$FAMILIES/arca_profile_medusa1_10m.json}  # (default: of the 10M heads); output $3
   grep -q "arca:$zen4" "$source" || { echo "error: $source no longer names $zen4: mend the runner" >&2; return 2; }
   config=$(mktemp --suffix .yaml)
-  sed "s#arca:$zen4#arca:$FAMILIES/arca_profile_medusa1_10m.json#" "$source" > "$config"
+  sed "s#arca:$zen4#arca:$own#" "$source" > "$config"
   quiet $BENCH --config "$config" output_dir="$3"
 }
 
@@ -78,7 +79,8 @@ STEPS=(
   "long_context_256|$ENGINE/long_context/latency_ctx256.json|0|quiet python -m draftsmith.eval.latency backends=[compiled] widths=[1,4,8] context_tokens=256 compile.capacity=2176 output=$ENGINE/long_context/latency_ctx256.json"
   "long_context_2000|$ENGINE/long_context/latency_ctx2000.json|0|quiet python -m draftsmith.eval.latency backends=[compiled] widths=[1,4,8] context_tokens=2000 compile.capacity=2176 output=$ENGINE/long_context/latency_ctx2000.json"
   "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA acceptance=measured output=$FAMILIES/arca_profile_medusa1_10m.json"
-  "families_table_latest|$FAMILIES/families_table_latest/bench.json|0|with_kind_profile eval/configs/families_table_latest_smollm2.yaml $ZEN4_ARCA""_greedy_int8_rows.json $FAMILIES/families_table_latest"
+  "arca_profile_regen|$FAMILIES/arca_profile_medusa1_regen_int8.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA_REGEN,weights=int8 \"backends=[compiled]\" acceptance=measured output=$FAMILIES/arca_profile_medusa1_regen_int8.json"
+  "families_table_latest|$FAMILIES/families_table_latest/bench.json|0|with_kind_profile eval/configs/families_table_latest_smollm2.yaml results/drafter_families_zen4/arca_profile_medusa1_regen_int8.json $FAMILIES/families_table_latest $FAMILIES/arca_profile_medusa1_regen_int8.json"
   "medusa_weights|$FAMILIES/medusa_weights/bench.json|0|with_kind_profile eval/configs/medusa_weights_smollm2.yaml $ZEN4_ARCA""_greedy_int8_rows.json $FAMILIES/medusa_weights"
   "medusa_regen|$FAMILIES/medusa_regen/bench.json|0|quiet $BENCH --config eval/configs/medusa_regen_smollm2.yaml output_dir=$FAMILIES/medusa_regen"
   "dflash_budget|$FAMILIES/dflash_budget/bench.json|0|quiet $BENCH --config eval/configs/dflash_budget_smollm2.yaml output_dir=$FAMILIES/dflash_budget"
