@@ -51,7 +51,7 @@ from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                                      topk_soft_cross_entropy, unrolled_step_weights)
 from draftsmith.train.recipe import (RUN_UNREAD, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase, RunConfig,
-                                    TrainConfig, config_differences, measure_tau, pad_id_of)
+                                    TrainConfig, measure_tau, pad_id_of, start_from_finished)
 from draftsmith.train.runtime import TrainingRun, recipe_cli
 
 
@@ -224,12 +224,8 @@ def start_from(drafter: DGFModel, path: str, target: TargetModel) -> None:
     """Copy the weights of a finished run (`drafter.init_from`) into `drafter`; its architecture and draft
     vocabulary must be this config's."""
     source, _ = load_dgf(path, target=target)
-    differ = config_differences(config_to_dict(source.config), config_to_dict(drafter.config))
-    if differ:
-        raise ConfigError(f"drafter.init_from={path}: its drafter differs from this config's: {', '.join(differ)}")
-    if drafter.config.draft_vocab_size and not torch.equal(source.draft_to_target.cpu(), drafter.draft_to_target.cpu()):
-        raise ConfigError(f"drafter.init_from={path}: its draft vocabulary differs from drafter.draft_vocab")
-    drafter.load_state_dict(source.state_dict())
+    start_from_finished(drafter, source, config_to_dict(source.config), config_to_dict(drafter.config), "drafter",
+                        path, "its drafter differs")
 
 
 class StepFeatures(NamedTuple):

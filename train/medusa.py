@@ -41,7 +41,7 @@ from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import (IGNORE_INDEX, head_weights, lm_labels, lm_loss, medusa_labels, medusa_loss,
                                      rank_hits, teacher_positions)
 from draftsmith.train.recipe import (RUN_UNREAD, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase, RunConfig,
-                                    TrainConfig, config_differences, measure_tau, pad_id_of)
+                                    TrainConfig, measure_tau, pad_id_of, start_from_finished)
 from draftsmith.train.runtime import TrainingRun, recipe_cli
 
 LORA_DIR = "target_lora"
@@ -184,12 +184,8 @@ def start_from(heads: MedusaHeads, path: str, target: TargetModel) -> None:
     """Copy the heads of a finished run (`heads.init_from`) into `heads`; their layout and draft vocabulary must be
     this config's, and they must have been trained for this target."""
     source, _ = load_medusa_heads(path, device=next(heads.parameters()).device, target=target)
-    differ = config_differences(source.config.to_dict(), heads.config.to_dict())
-    if differ:
-        raise ConfigError(f"heads.init_from={path}: its heads differ from this config's: {', '.join(differ)}")
-    if heads.config.draft_vocab_size and not torch.equal(source.draft_to_target.cpu(), heads.draft_to_target.cpu()):
-        raise ConfigError(f"heads.init_from={path}: its draft vocabulary differs from heads.draft_vocab")
-    heads.load_state_dict(source.state_dict())
+    start_from_finished(heads, source, source.config.to_dict(), heads.config.to_dict(), "heads", path,
+                        "its heads differ")
 
 
 def add_lora(cfg: Medusa2Config, model):

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from draftsmith.config import TextEnum, Unread, option
+from draftsmith.config import ConfigError, TextEnum, Unread, option
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeStats, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.models.bundled import DEFAULT_TARGET
@@ -159,11 +159,19 @@ def lr_factor(optim: OptimConfig, max_steps: int, hold_steps: int = 0) -> Callab
     return factor
 
 
-def config_differences(theirs: Mapping, ours: Mapping) -> list[str]:
-    """`key=theirs (this config: ours)` for every key where a finished run's model config differs from this run's:
-    what an init_from refusal names."""
-    return [f"{key}={theirs.get(key)!r} (this config: {ours.get(key)!r})" for key in sorted(set(theirs) | set(ours))
-            if theirs.get(key) != ours.get(key)]
+def start_from_finished(model: torch.nn.Module, source: torch.nn.Module, theirs: Mapping, ours: Mapping,
+                        section: str, path: str, differs: str) -> None:
+    """Copy a finished run's weights (`source`, loaded from `<section>.init_from=path`) into `model`. Its model config
+    (`theirs`, against this run's `ours`) and draft vocabulary must be this run's: otherwise one ConfigError line
+    naming what differs (`differs`: its subject, e.g. "its heads differ")."""
+    option = f"{section}.init_from={path}"
+    differ = [f"{key}={theirs.get(key)!r} (this config: {ours.get(key)!r})" for key in sorted(set(theirs) | set(ours))
+              if theirs.get(key) != ours.get(key)]
+    if differ:
+        raise ConfigError(f"{option}: {differs} from this config's: {', '.join(differ)}")
+    if model.config.draft_vocab_size and not torch.equal(source.draft_to_target.cpu(), model.draft_to_target.cpu()):
+        raise ConfigError(f"{option}: its draft vocabulary differs from {section}.draft_vocab")
+    model.load_state_dict(source.state_dict())
 
 
 def pad_id_of(tokenizer) -> int:
