@@ -16,7 +16,7 @@ from draftsmith.data.records import load_records, synthetic_records
 from draftsmith.eval.bench.methods import parse_method
 from draftsmith.models.artifacts import read_adapter_sidecar
 from draftsmith.models.target import TargetModel
-from draftsmith.train.distill import DistillRecipeConfig, load_cache_records, main, read_manifest
+from draftsmith.train.distill import DistillRecipeConfig, build_student, load_cache_records, main, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_YAML = REPO / "train" / "configs" / "distill_tiny.yaml"
@@ -210,6 +210,29 @@ def test_lean_student_holds_only_its_layers_and_loads_as_the_whole_student(tmp_p
     assert read_manifest(tmp_path / "lean" / "final")["student"]["layer_ids"] == [1]
     with pytest.raises(ConfigError, match="export.lean needs student.init=layers"):
         tiny_cfg(tmp_path / "bad", "export.lean=true")
+
+
+def test_student_continues_a_finished_lean_student(tmp_path):
+    """student.init_from: a run starts from a finished lean student's weights (e.g. continued on other data); another
+    target's or another layer subset's student is refused in one line naming what differs."""
+    common = ["student.init=layers", "student.layer_ids=[1]", "eval.every_steps=0", "export.lean=true"]
+    main(tiny_cfg(tmp_path / "first", *common, "train.max_steps=2"))
+    first = tmp_path / "first" / "final"
+    cfg = tiny_cfg(tmp_path / "second", *common, "train.max_steps=1", f"student.init_from={first}")
+    target = TargetModel.from_pretrained(cfg.target)
+    student, info = build_student(cfg, target, target.tokenizer)
+    ids = torch.tensor([[3, 5, 7, 11, 13]])
+    with torch.no_grad():
+        assert torch.equal(student(ids).logits, TargetModel.from_pretrained(str(first)).model(ids).logits)
+    main(cfg)
+    assert read_manifest(tmp_path / "second" / "final")["student"]["init_from"] == str(first)
+    with pytest.raises(ConfigError, match=r"student.init_from=.*its student differs from this config's: "
+                                          r"layer_ids=\[1\] \(this config: \[0\]\)"):
+        main(tiny_cfg(tmp_path / "bad", *common, "student.layer_ids=[0]", f"student.init_from={first}"))
+    with pytest.raises(ConfigError, match="student.init_from=.*not a lean student directory"):
+        main(tiny_cfg(tmp_path / "bad2", *common, f"student.init_from={tmp_path}"))
+    with pytest.raises(ConfigError, match="student.init_from.*read by student.init=layers"):
+        tiny_cfg(tmp_path, f"student.init_from={first}")
 
 
 def test_pruned_student_keeps_layers_of_the_pretrained_model(tmp_path):

@@ -7,7 +7,8 @@ Student (`student.init`):
     pretrained  any HF causal LM (`student.model`: registry name, dir, hub id, or `tiny:<family>[,seed=N]`) whose
                 tokenizer equals the target's token by token (`models.target.check_same_tokenizer`)
     layers      a copy of the target keeping every `student.layer_stride`-th decoder layer (+ the last;
-                or `student.layer_ids`), `models/student.py`
+                or `student.layer_ids`), `models/student.py`; `student.init_from` continues a finished lean
+                student (export.lean) of the same target and layers, e.g. on another data set
     pruned      the same layer subset of the pretrained `student.model` (a layer-pruned copy of a smaller model
                 of the family, e.g. 8 of the 0.5B's 24 layers)
     shallow     the target's config with `student.num_layers` freshly initialised decoder layers (optionally a
@@ -57,14 +58,15 @@ from draftsmith.data.records import collate, load_records, spec_needs_model, spl
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.models.artifacts import read_student_manifest, write_student_manifest
 from draftsmith.models.engine import additive_mask
-from draftsmith.models.student import every_nth_layer, layer_subset_student, save_lean_student
+from draftsmith.models.student import (every_nth_layer, layer_subset_student, lean_student_spec, rebuild_lean_student,
+                                       save_lean_student)
 from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_model_config, load_tokenizer,
                                       resolve_dtype, vocab_fingerprint)
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.losses import Divergence, TopkTail, kd_loss, kd_mask
 from draftsmith.train.parallel_draft import parallel_inputs, parallel_pair_count, parallel_positions
 from draftsmith.train.recipe import (RUN_UNREAD, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase, RunConfig,
-                                    TrainConfig, measure_tau, pad_id_of, record_prompt)
+                                    TrainConfig, measure_tau, pad_id_of, record_prompt, refuse_differences)
 from draftsmith.train.runtime import TrainingRun, recipe_cli
 from draftsmith.train.student_parts import (DistillTrainModule, LoraConfig, add_lora, load_pretrained_student,
                                             shallow_student, teacher_logits_at, write_adapter)
@@ -101,6 +103,8 @@ class StudentConfig:
                                "pretrained, pruned: registry name, dir, hub id or tiny:<family>")
     layer_stride: int = option(2, "layers, pruned: keep layers 0, n, 2n, ... and the last", ge=1)
     layer_ids: list[int] | None = option(None, "layers, pruned: explicit ids instead of the stride", ge=0)
+    init_from: str | None = option(None, "layers: a finished lean student directory (export.lean) of this target "
+                                         "and these layers to start from")
     num_layers: int = option(2, "shallow: number of freshly initialised decoder layers", ge=1)
     intermediate_size: int | None = option(None, "shallow: MLP width (null: the target's)", ge=1)
     freeze_embeddings: bool = option(True, "layers/pruned/shallow, full fine-tune: embeddings + LM head stay "
@@ -198,6 +202,7 @@ SUBSET_INITS = (StudentInit.LAYERS, StudentInit.PRUNED)  # student.init kinds th
 DISTILL_UNREAD = [
     *[Unread(f"student.{key}", lambda c: c.student.init not in SUBSET_INITS, "read by student.init=layers|pruned")
       for key in ("layer_stride", "layer_ids")],
+    Unread("student.init_from", lambda c: c.student.init is not StudentInit.LAYERS, "read by student.init=layers"),
     *[Unread(f"student.{key}", lambda c: c.student.init is not StudentInit.SHALLOW, "read by student.init=shallow")
       for key in ("num_layers", "intermediate_size", "seed")],
     *[Unread(f"lora.{key}", lambda c: not c.lora.enabled, "read by lora.enabled=true")
@@ -229,6 +234,10 @@ def build_student(cfg: DistillRecipeConfig, target: TargetModel | None, tokenize
         ids = list(cfg.student.layer_ids or every_nth_layer(source.config.num_hidden_layers, cfg.student.layer_stride))
         student = layer_subset_student(source, ids).to(dtype).requires_grad_(True)
         info["layer_ids"] = ids
+        if cfg.student.init_from:
+            ours = {"target": cfg.target, "layer_ids": ids}
+            continue_lean_student(student, target.model, cfg.student.init_from, ours)
+            info["init_from"] = cfg.student.init_from
     elif init is StudentInit.SHALLOW:
         student = shallow_student(target.model, cfg.student.num_layers, cfg.student.intermediate_size,
                                   cfg.student.seed).to(dtype)
@@ -241,6 +250,18 @@ def build_student(cfg: DistillRecipeConfig, target: TargetModel | None, tokenize
                 hidden_size=student.config.hidden_size, parameters=sum(p.numel() for p in student.parameters()),
                 trainable_parameters=sum(p.numel() for p in student.parameters() if p.requires_grad))
     return student, info
+
+
+def continue_lean_student(student: nn.Module, target_model: nn.Module, path: str, ours: dict) -> None:
+    """Copy a finished lean student's weights into `student`; its target and layer ids (`ours`) must be this run's."""
+    option = f"student.init_from={path}"
+    spec = lean_student_spec(path)
+    if spec is None:
+        raise ConfigError(f"{option}: not a lean student directory (a finished run's final/ or snapshot written "
+                          f"with export.lean)")
+    refuse_differences(option, "its student differs", {key: spec.get(key) for key in ours}, ours)
+    dtype = next(student.parameters()).dtype
+    student.load_state_dict(rebuild_lean_student(target_model, path).to(dtype).state_dict())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -165,13 +165,18 @@ def start_from_finished(model: torch.nn.Module, source: torch.nn.Module, theirs:
     (`theirs`, against this run's `ours`) and draft vocabulary must be this run's: otherwise one ConfigError line
     naming what differs (`differs`: its subject, e.g. "its heads differ")."""
     option = f"{section}.init_from={path}"
+    refuse_differences(option, differs, theirs, ours)
+    if model.config.draft_vocab_size and not torch.equal(source.draft_to_target.cpu(), model.draft_to_target.cpu()):
+        raise ConfigError(f"{option}: its draft vocabulary differs from {section}.draft_vocab")
+    model.load_state_dict(source.state_dict())
+
+
+def refuse_differences(option: str, differs: str, theirs: Mapping, ours: Mapping) -> None:
+    """One ConfigError line naming every key where a finished run's description (`theirs`) is not this run's."""
     differ = [f"{key}={theirs.get(key)!r} (this config: {ours.get(key)!r})" for key in sorted(set(theirs) | set(ours))
               if theirs.get(key) != ours.get(key)]
     if differ:
         raise ConfigError(f"{option}: {differs} from this config's: {', '.join(differ)}")
-    if model.config.draft_vocab_size and not torch.equal(source.draft_to_target.cpu(), model.draft_to_target.cpu()):
-        raise ConfigError(f"{option}: its draft vocabulary differs from {section}.draft_vocab")
-    model.load_state_dict(source.state_dict())
 
 
 def pad_id_of(tokenizer) -> int:
