@@ -21,7 +21,8 @@ from draftsmith.models.dflash import DFlashConfig, DFlashModel, anchored_block_m
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import TinyTokenizer
 from draftsmith.models.vocab import DraftVocab
-from draftsmith.train.dflash import DFlashRecipeConfig, anchor_count, block_targets, draw_anchors, main
+from draftsmith.train.dflash import (DFlashRecipeConfig, anchor_count, block_targets, draw_anchors, drafter_config,
+                                     main, start_from)
 
 
 def random_drafter(model, layers=(0, 2), block=4, seed=3) -> DFlashModel:
@@ -276,3 +277,21 @@ def test_a_snapshot_stored_in_bfloat16_loads_into_the_float32_drafter(tmp_path):
     loaded, manifest = load_dflash(tmp_path, target)
     assert manifest["drafter"]["dtype"] == "bfloat16" and loaded.fc.weight.dtype == torch.float32
     assert torch.equal(loaded.fc.weight, dflash.fc.weight.to(torch.bfloat16).float())
+
+
+def test_recipe_starts_from_a_finished_drafter(tmp_path):
+    """drafter.init_from: a run starts from a finished drafter's weights (e.g. continued on other data); another
+    layout is refused in one line naming what differs."""
+    tiny = "train/configs/dflash_tiny.yaml"
+    main(load_config(DFlashRecipeConfig, tiny, [f"output_dir={tmp_path}/first", "train.max_steps=2"]))
+    first = tmp_path / "first" / "final"
+    second = load_config(DFlashRecipeConfig, tiny, [f"output_dir={tmp_path}/second", f"drafter.init_from={first}"])
+    target = TargetModel.from_pretrained(second.target)
+    drafter = DFlashModel(drafter_config(second.drafter, target)).attach_target(target.model)
+    start_from(drafter, str(first), target)
+    finished, _ = load_dflash(first, target)
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), finished.state_dict().values()))
+    main(second)
+    with pytest.raises(ConfigError, match=r"drafter.init_from=.*its drafter differs from this config's: .*block_size"):
+        main(load_config(DFlashRecipeConfig, tiny, [f"output_dir={tmp_path}/bad", f"drafter.init_from={first}",
+                                                    "drafter.block_size=3"]))

@@ -34,12 +34,12 @@ from torch import nn
 from draftsmith.config import ConfigError, Unread, config_to_dict, option, refuse_unread, section
 from draftsmith.data.records import collate, load_records, split_heldout
 from draftsmith.eval.decode.drafters.dflash import DFlashDrafter
-from draftsmith.models.artifacts import save_dflash, target_block
+from draftsmith.models.artifacts import load_dflash, save_dflash, target_block
 from draftsmith.models.dflash import DFlashConfig, DFlashModel, evenly_spaced_layers
 from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.recipe import (RUN_UNREAD, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
-                                    RunConfig, TrainConfig, measure_tau, pad_id_of)
+                                    RunConfig, TrainConfig, measure_tau, pad_id_of, refuse_differences)
 from draftsmith.train.runtime import TrainingRun, recipe_cli
 
 
@@ -52,6 +52,8 @@ class DrafterConfig:
     num_target_layers: int = option(5, "layers read when target_layer_ids is null", ge=1)
     mask_token_id: int | None = option(None, "the block's mask token (null: the first embedding row the "
                                              "tokenizer does not use)", ge=0)
+    init_from: str | None = option(None, "a finished train/dflash.py snapshot or final/ of this target and layout "
+                                         "whose weights this run starts from (e.g. continued on other data)")
 
 
 @dataclass
@@ -100,6 +102,15 @@ def drafter_config(cfg: DrafterConfig, target: TargetModel) -> DFlashConfig:
                           + (" (the tokenizer uses every row: give a rarely used special token's id)"
                              if mask == used else ""))
     return DFlashConfig.from_target(config, cfg.num_layers, cfg.block_size, ids, mask)
+
+
+def start_from(drafter: DFlashModel, path: str, target: TargetModel) -> None:
+    """Copy a finished run's drafter (`drafter.init_from`, trained for this target) into `drafter`; its layout must be
+    this config's, else one line naming what differs."""
+    source, _ = load_dflash(path, target=target, device=next(drafter.parameters()).device)
+    refuse_differences(f"drafter.init_from={path}", "its drafter differs", source.config.to_dict(),
+                       drafter.config.to_dict())
+    drafter.load_state_dict(source.state_dict())
 
 
 def anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -184,6 +195,8 @@ class DFlashRecipe(RecipeBase):
         run.log.info("drafter: %d layers, block %d, target layers %s, mask token %d", config.num_layers,
                      config.block_size, list(config.target_layer_ids), config.mask_token_id)
         drafter = DFlashModel(config).to(run.device).attach_target(model)
+        if cfg.drafter.init_from:  # a resumed run then loads its checkpoint over these weights
+            start_from(drafter, cfg.drafter.init_from, self.target)
         model.requires_grad_(False)
         self.weights = position_weights(config.block_size, cfg.loss.gamma, run.device)
         run.setup_optimizer(DFlashTrainModule(model, drafter), [{"params": list(drafter.parameters()),
