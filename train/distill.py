@@ -454,8 +454,9 @@ class DistillRecipe(RecipeBase):
             loss, divergence = ce / normalizer, ce.detach()
         else:
             if online:
-                teacher = teacher_logits_at(self.target.model, batch["input_ids"], batch["attention_mask"], rows,
-                                            cols)
+                with self.run.autocast():  # the student's mixed precision (bf16: ~3x faster on AVX-512 BF16)
+                    teacher = teacher_logits_at(self.target.model, batch["input_ids"], batch["attention_mask"],
+                                                rows, cols)
                 teacher = pick(teacher)
                 out = kd_loss(logits, DIVERGENCE_OF[cfg.loss.kind], teacher_logits=teacher, beta=cfg.loss.beta,
                               temperature=cfg.loss.temperature, normalizer=normalizer)

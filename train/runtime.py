@@ -188,11 +188,16 @@ class TrainingRun:
             optimizer, [lr_factor(cfg.optim, cfg.train.max_steps, hold) for hold in holds])
         self.module, self.optimizer = self.accelerator.prepare(module, optimizer)  # the scheduler is not prepared
         if self.accelerator.mixed_precision != "no":  # `accelerate launch --mixed_precision bf16`: said once
-            self.log.info("mixed precision %s: the module's forward runs under autocast; the weights and AdamW's "
-                          "state keep their dtype", self.accelerator.mixed_precision)
+            self.log.info("mixed precision %s: the module's forward (and a frozen teacher's) runs under autocast; "
+                          "the weights and AdamW's state keep their dtype", self.accelerator.mixed_precision)
 
     def unwrapped(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.module)
+
+    def autocast(self):
+        """The mixed precision the module's forward runs under, for a forward outside it (e.g. a frozen teacher);
+        a no-op without mixed precision."""
+        return self.accelerator.autocast()
 
     def trainable(self) -> dict[str, torch.nn.Parameter]:
         return {name: p for name, p in self.unwrapped().named_parameters() if p.requires_grad}
