@@ -68,6 +68,32 @@ def test_jsd_half_is_js_and_limits():
         kd_divergence(student, teacher, "kl2")
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_kl_equals_the_generic_divergence_and_its_gradient(temperature, dtype):
+    """kd_divergence's FKL (chunked, its gradient computed in the forward pass) against the generic log-prob path,
+    over more rows than a chunk, a (B, T, V) batch, a teacher with -inf logits (probability 0), a bf16 student."""
+    from draftsmith.train.losses import FUSED_KL_ROWS, divergence_from_logprobs
+    torch.manual_seed(0)
+    shape = (3, FUSED_KL_ROWS + 5, 40)
+    student = (3 * torch.randn(shape)).to(dtype).requires_grad_(True)
+    teacher = 3 * torch.randn(shape)
+    teacher[0, 1, :7] = float("-inf")
+    weights = torch.rand(shape[:-1])
+    fused = kd_divergence(student, teacher, "fkl", temperature=temperature)
+    (fused * weights).sum().backward()
+    generic_student = student.detach().clone().requires_grad_(True)
+    log_q = torch.log_softmax(generic_student.float() / temperature, -1)
+    log_p = torch.log_softmax(teacher / temperature, -1)
+    generic = divergence_from_logprobs(log_p, log_q, "fkl") * temperature ** 2
+    (generic * weights).sum().backward()
+    assert fused.dtype == torch.float32 and student.grad.dtype == dtype
+    assert torch.allclose(fused, generic, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(student.grad.float(), generic_student.grad.float(), rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(kd_divergence(student, teacher, "fkl", temperature=temperature), fused.detach())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_when_equal(kind):
     student, _ = fixed_logits()

@@ -293,6 +293,41 @@ DIVERGENCES = {
 }
 
 
+FUSED_KL_ROWS = 16  # rows a chunk of the fused forward KL: its temporaries (rows x V floats) stay in cache
+
+
+class FusedForwardKL(torch.autograd.Function):
+    """KL(softmax(t / T) || softmax(s / T)) T^2 per row, its gradient in the student's logits s, T (softmax(s / T) -
+    softmax(t / T)), computed in the same pass, chunk by chunk of FUSED_KL_ROWS rows: one (N, V) tensor kept for the
+    backward instead of autograd's several, each chunk's temporaries in cache (the generic path's passes over a
+    2,000 x 49,152 batch took ~a quarter of a SmolLM2 student's step on 2 cores). The teacher gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+        rows = _at_least_float32(student).reshape(-1, student.shape[-1])
+        teach = teacher.reshape(-1, teacher.shape[-1]).to(rows.dtype)
+        out = rows.new_empty(rows.shape[0])
+        grad = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
+        for start in range(0, rows.shape[0], FUSED_KL_ROWS):
+            chunk = slice(start, start + FUSED_KL_ROWS)
+            log_q = F.log_softmax(rows[chunk] / temperature, dim=-1)
+            log_p = F.log_softmax(teach[chunk] / temperature, dim=-1)
+            p = log_p.exp()
+            terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+            out[chunk] = terms.sum(-1) * temperature ** 2
+            if grad is not None:
+                grad[chunk] = (log_q.exp_() - p) * temperature
+        ctx.save_for_backward(grad)
+        ctx.student_dtype = student.dtype
+        return out.reshape(student.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        per_row = grad * grad_out.reshape(-1, 1).to(grad.dtype)
+        return per_row.reshape(*grad_out.shape, -1).to(ctx.student_dtype), None, None
+
+
 def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: Divergence | str,
                   beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
     """Full-vocabulary divergence per position: logits (..., V) -> (...,), times T^2."""
@@ -301,6 +336,8 @@ def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, ki
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
                          f"{tuple(teacher_logits.shape)} differ in shape")
+    if enum_member(Divergence, kind, "distillation divergence") is Divergence.FKL and not teacher_logits.requires_grad:
+        return FusedForwardKL.apply(student_logits, teacher_logits, temperature)
     log_q = F.log_softmax(_at_least_float32(student_logits) / temperature, dim=-1)
     log_p = F.log_softmax(_at_least_float32(teacher_logits) / temperature, dim=-1)
     return divergence_from_logprobs(log_p, log_q, kind, beta) * temperature ** 2
