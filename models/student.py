@@ -84,6 +84,13 @@ def rebuild_lean_student(target_model: PreTrainedModel, path: str | Path) -> Pre
     if spec is None:
         raise UserError(f"{path} is not a lean student directory ({LEAN_CONFIG} is missing)")
     student = layer_subset_student(target_model, spec["layer_ids"])
+    load_lean_weights(student, path, spec)
+    return student
+
+
+def load_lean_weights(student: PreTrainedModel, path: str | Path, spec: dict) -> None:
+    """Load a lean directory's layers and final norm (its recipe `spec`) into a layer-subset student of its target
+    and layer ids, in the student's dtype; the embeddings and LM head stay the student's."""
     weights = load_file(str(Path(path) / LEAN_WEIGHTS))
     dtype = next(student.parameters()).dtype
     missing, unexpected = student.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
@@ -91,7 +98,6 @@ def rebuild_lean_student(target_model: PreTrainedModel, path: str | Path) -> Pre
     if missing or unexpected:
         raise UserError(f"{path}/{LEAN_WEIGHTS} does not fit {spec['target']} with layers {spec['layer_ids']}: "
                         f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return student
 
 
 @dataclass

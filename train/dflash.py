@@ -39,7 +39,7 @@ from draftsmith.models.dflash import DFlashConfig, DFlashModel, evenly_spaced_la
 from draftsmith.models.target import TargetModel
 from draftsmith.train.distributed import even_shard
 from draftsmith.train.recipe import (RUN_UNREAD, DataConfig, EvalConfig, LoggingConfig, OptimConfig, RecipeBase,
-                                    RunConfig, TrainConfig, measure_tau, pad_id_of, refuse_differences)
+                                    RunConfig, TrainConfig, measure_tau, pad_id_of, start_from_finished)
 from draftsmith.train.runtime import TrainingRun, recipe_cli
 
 
@@ -108,9 +108,8 @@ def start_from(drafter: DFlashModel, path: str, target: TargetModel) -> None:
     """Copy a finished run's drafter (`drafter.init_from`, trained for this target) into `drafter`; its layout must be
     this config's, else one line naming what differs."""
     source, _ = load_dflash(path, target=target, device=next(drafter.parameters()).device)
-    refuse_differences(f"drafter.init_from={path}", "its drafter differs", source.config.to_dict(),
-                       drafter.config.to_dict())
-    drafter.load_state_dict(source.state_dict())
+    start_from_finished(drafter, source, source.config.to_dict(), drafter.config.to_dict(), "drafter", path,
+                        "its drafter differs")
 
 
 def anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:

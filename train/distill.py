@@ -58,7 +58,7 @@ from draftsmith.data.records import collate, load_records, spec_needs_model, spl
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.models.artifacts import read_student_manifest, write_student_manifest
 from draftsmith.models.engine import additive_mask
-from draftsmith.models.student import (every_nth_layer, layer_subset_student, lean_student_spec, rebuild_lean_student,
+from draftsmith.models.student import (every_nth_layer, layer_subset_student, lean_student_spec, load_lean_weights,
                                        save_lean_student)
 from draftsmith.models.target import (TargetModel, check_same_tokenizer, load_model_config, load_tokenizer,
                                       resolve_dtype, vocab_fingerprint)
@@ -236,7 +236,7 @@ def build_student(cfg: DistillRecipeConfig, target: TargetModel | None, tokenize
         info["layer_ids"] = ids
         if cfg.student.init_from:
             ours = {"target": cfg.target, "layer_ids": ids}
-            continue_lean_student(student, target.model, cfg.student.init_from, ours)
+            continue_lean_student(student, cfg.student.init_from, ours)
             info["init_from"] = cfg.student.init_from
     elif init is StudentInit.SHALLOW:
         student = shallow_student(target.model, cfg.student.num_layers, cfg.student.intermediate_size,
@@ -252,16 +252,15 @@ def build_student(cfg: DistillRecipeConfig, target: TargetModel | None, tokenize
     return student, info
 
 
-def continue_lean_student(student: nn.Module, target_model: nn.Module, path: str, ours: dict) -> None:
-    """Copy a finished lean student's weights into `student`; its target and layer ids (`ours`) must be this run's."""
+def continue_lean_student(student: nn.Module, path: str, ours: dict) -> None:
+    """Load a finished lean student's weights into `student`; its target and layer ids (`ours`) must be this run's."""
     option = f"student.init_from={path}"
     spec = lean_student_spec(path)
     if spec is None:
         raise ConfigError(f"{option}: not a lean student directory (a finished run's final/ or snapshot written "
                           f"with export.lean)")
     refuse_differences(option, "its student differs", {key: spec.get(key) for key in ours}, ours)
-    dtype = next(student.parameters()).dtype
-    student.load_state_dict(rebuild_lean_student(target_model, path).to(dtype).state_dict())
+    load_lean_weights(student, path, spec)
 
 
 # ---------------------------------------------------------------------------------------------

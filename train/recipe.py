@@ -162,11 +162,11 @@ def lr_factor(optim: OptimConfig, max_steps: int, hold_steps: int = 0) -> Callab
 def start_from_finished(model: torch.nn.Module, source: torch.nn.Module, theirs: Mapping, ours: Mapping,
                         section: str, path: str, differs: str) -> None:
     """Copy a finished run's weights (`source`, loaded from `<section>.init_from=path`) into `model`. Its model config
-    (`theirs`, against this run's `ours`) and draft vocabulary must be this run's: otherwise one ConfigError line
-    naming what differs (`differs`: its subject, e.g. "its heads differ")."""
+    (`theirs`, against this run's `ours`) and draft vocabulary (where it has one) must be this run's: otherwise one
+    ConfigError line naming what differs (`differs`: its subject, e.g. "its heads differ")."""
     option = f"{section}.init_from={path}"
     refuse_differences(option, differs, theirs, ours)
-    if model.config.draft_vocab_size and not torch.equal(source.draft_to_target.cpu(), model.draft_to_target.cpu()):
+    if getattr(model.config, "draft_vocab_size", None) and not torch.equal(source.draft_to_target.cpu(), model.draft_to_target.cpu()):
         raise ConfigError(f"{option}: its draft vocabulary differs from {section}.draft_vocab")
     model.load_state_dict(source.state_dict())
 
