@@ -3,8 +3,11 @@
 build and the drafter's observe timed apart (in-process wrappers, nothing else changed). Reports per round: the
 drafter's time in propose (its package calls, its masks, the rest: Python and small tensor ops), observe, and the
 verify (the target's package call, its mask, the rest: the LM head, verification, commit).
-    scripts/jobs/quiet.sh python scripts/jobs/draft_round_probe.py [float32 | bfloat16 | int8] [chain | tree] [prompts]
-int8: the float32 target, the drafter with weight-only int8 weights (the goal bench's `dgf:weights=int8`).
+    scripts/jobs/quiet.sh python scripts/jobs/draft_round_probe.py [float32 | bfloat16 | int8] [chain | tree | SPEC] \
+      [prompts]
+int8: the float32 target, the drafter with weight-only int8 weights (the goal bench's `dgf:weights=int8`). SPEC: an
+LM drafter's bench method instead of the bundled drafter (an `lm-chain:...` spec, built as the bench builds it: a
+distilled student's round split the same way), the target in the first argument's dtype.
 """
 import sys
 import time
@@ -13,8 +16,11 @@ from collections import defaultdict
 import torch
 from ab_arguments import GOAL_TREE
 
+from draftsmith.eval.bench.build_context import BuildContext
+from draftsmith.eval.bench.methods import build_method, inner_drafter
 from draftsmith.eval.decode.decoder import DecodeConfig, Generation, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
+from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
@@ -49,26 +55,30 @@ def instrument(engine, label: str, within: str) -> None:
     engine.static_mask = timed(f"{label} mask", engine.static_mask, within)
 
 
+def bundled_chain_or_tree(target: TargetModel, precision: str, shape_name: str):
+    """The bundled feature drafter as a chain of 3 or its goal-bench tree, its weights as `precision` says."""
+    settings = CompileSettings(weights=DRAFT_WEIGHTS.get(precision, WeightPrecision.MODEL))
+    return load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
+                            settings=settings, **SHAPES[shape_name])
+
+
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
-    if (len(argv) > 3 or (argv and argv[0] not in DTYPES) or (len(argv) > 1 and argv[1] not in SHAPES)
-            or (len(argv) > 2 and not argv[2].isdigit())):
-        sys.exit(f"usage: python scripts/jobs/draft_round_probe.py [{' | '.join(DTYPES)}] [{' | '.join(SHAPES)}] "
-                 "[prompts]")
+    if len(argv) > 3 or (argv and argv[0] not in DTYPES) or (len(argv) > 2 and not argv[2].isdigit()):
+        sys.exit(f"usage: python scripts/jobs/draft_round_probe.py [{' | '.join(DTYPES)}] [{' | '.join(SHAPES)} | "
+                 "SPEC] [prompts]")
     precision, shape_name = argv[0] if argv else "float32", argv[1] if len(argv) > 1 else "chain"
-    dtype, draft_weights = DTYPES[precision], DRAFT_WEIGHTS.get(precision, WeightPrecision.MODEL)
-    shape = SHAPES[shape_name]
     count = int(argv[2]) if len(argv) > 2 else 6
     torch.set_num_threads(2)
-    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=dtype)
+    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=DTYPES[precision])
     target = base.with_backend(Backend.COMPILED, CompileSettings())
-    drafter = load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
-                               settings=CompileSettings(weights=draft_weights), **shape)
+    drafter = (bundled_chain_or_tree(target, precision, shape_name) if shape_name in SHAPES
+               else inner_drafter(build_method(shape_name, BuildContext(base, backend=Backend.COMPILED)), shape_name))
     decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=128))
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     decoder.generate(prompts[0])  # warm-up: loads every package the rounds use
     instrument(target.engine, "verify", "verify all")
-    instrument(drafter.engine, "draft", "draft all")
+    instrument(drafter.lm.engine if isinstance(drafter, LMDrafter) else drafter.engine, "draft", "draft all")
     drafter.propose = timed("draft all", drafter.propose)
     drafter.observe = timed("observe all", drafter.observe)
     target.commit = timed("verify commit", target.commit)
