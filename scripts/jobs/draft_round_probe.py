@@ -32,6 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.fl
 DRAFT_WEIGHTS = {"int8": WeightPrecision.INT8}  # the rest: the model's own
 SHAPES = {"chain": {}, "tree": GOAL_TREE}
 TOTALS: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
 INSIDE: set[str] = set()  # the timed calls under way: the target's parts count inside a verify only (not the prefill)
 
 
@@ -45,6 +46,7 @@ def timed(name: str, function, within: str | None = None):
             INSIDE.discard(name)
             if within is None or within in INSIDE:
                 TOTALS[name] += time.perf_counter() - start
+                CALLS[name] += 1
     return wrapper
 
 
@@ -78,7 +80,10 @@ def main(argv: list[str]) -> None:
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     decoder.generate(prompts[0])  # warm-up: loads every package the rounds use
     instrument(target.engine, "verify", "verify all")
-    instrument(drafter.lm.engine if isinstance(drafter, LMDrafter) else drafter.engine, "draft", "draft all")
+    draft_engine = drafter.lm.engine if isinstance(drafter, LMDrafter) else drafter.engine
+    instrument(draft_engine, "draft", "draft all")
+    if isinstance(drafter, LMDrafter):  # an LM drafter's head runs after its package, as the target's
+        draft_engine.head = timed("draft head", draft_engine.head, "draft all")
     drafter.propose = timed("draft all", drafter.propose)
     drafter.observe = timed("observe all", drafter.observe)
     target.commit = timed("verify commit", target.commit)
@@ -89,14 +94,17 @@ def main(argv: list[str]) -> None:
     Generation.verify = timed("verify all", Generation.verify)
     rounds = tokens = 0
     TOTALS.clear()
+    CALLS.clear()
     for ids in prompts:
         stats = decoder.generate(ids).stats
         rounds, tokens = rounds + stats.verify_forwards, tokens + stats.new_tokens
     per_round = defaultdict(float, {name: 1000 * seconds / rounds for name, seconds in TOTALS.items()})
     print(f"{precision} {shape_name}: {rounds} rounds, {tokens / rounds:.2f} tokens a round")
-    draft_rest = per_round["draft all"] - per_round["draft package"] - per_round["draft mask"]
-    print(f"  draft:  {per_round['draft all']:.3f} ms a round = package {per_round['draft package']:.3f} + mask "
-          f"{per_round['draft mask']:.3f} + rest {draft_rest:.3f}")
+    draft_rest = per_round["draft all"] - sum(per_round[f"draft {part}"] for part in ("package", "head", "mask"))
+    print(f"  draft:  {per_round['draft all']:.3f} ms a round = package {per_round['draft package']:.3f} + head "
+          f"{per_round['draft head']:.3f} + mask {per_round['draft mask']:.3f} + rest {draft_rest:.3f}")
+    print(f"  draft package calls: {CALLS['draft package'] / rounds:.2f} a round, "
+          f"{1000 * TOTALS['draft package'] / max(CALLS['draft package'], 1):.3f} ms a call")
     print(f"  observe: {per_round['observe all']:.3f} ms a round")
     parts = ("package", "head", "mask", "commit")
     rest = per_round["verify all"] - sum(per_round[f"verify {part}"] for part in parts)
