@@ -52,8 +52,9 @@ def timed(name: str, function, within: str | None = None):
 
 def instrument(engine, label: str, within: str) -> None:
     """Time `engine`'s package calls and mask builds under `label`, inside `within` (its runners are loaded by then)."""
-    for graph, runner in list(engine.runners.items()):
-        engine.runners[graph] = timed(f"{label} package", runner, within)
+    for graph, runner in list(engine.runners.items()):  # each package call counted in all and in its graph's own
+        engine.runners[graph] = timed(f"{label} package", timed(f"{label} package {graph.name}", runner, within),
+                                      within)
     engine.static_mask = timed(f"{label} mask", engine.static_mask, within)
 
 
@@ -62,6 +63,26 @@ def bundled_chain_or_tree(target: TargetModel, precision: str, shape_name: str):
     settings = CompileSettings(weights=DRAFT_WEIGHTS.get(precision, WeightPrecision.MODEL))
     return load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
                             settings=settings, **SHAPES[shape_name])
+
+
+def report(what: str, rounds: int, tokens: int) -> None:
+    """Per round: the draft's parts, its package calls (by graph), observe and the verify's parts."""
+    per_round = defaultdict(float, {name: 1000 * seconds / rounds for name, seconds in TOTALS.items()})
+    print(f"{what}: {rounds} rounds, {tokens / rounds:.2f} tokens a round")
+    draft_rest = per_round["draft all"] - sum(per_round[f"draft {part}"] for part in ("package", "head", "mask"))
+    print(f"  draft:  {per_round['draft all']:.3f} ms a round = package {per_round['draft package']:.3f} + head "
+          f"{per_round['draft head']:.3f} + mask {per_round['draft mask']:.3f} + rest {draft_rest:.3f}")
+    print(f"  draft package calls: {CALLS['draft package'] / rounds:.2f} a round, "
+          f"{1000 * TOTALS['draft package'] / max(CALLS['draft package'], 1):.3f} ms a call")
+    for name in sorted(CALLS):
+        if name.startswith("draft package "):
+            print(f"    {name.removeprefix('draft package ')}: {CALLS[name] / rounds:.2f} calls a round, "
+                  f"{1000 * TOTALS[name] / CALLS[name]:.3f} ms a call")
+    print(f"  observe: {per_round['observe all']:.3f} ms a round")
+    parts = ("package", "head", "mask", "commit")
+    rest = per_round["verify all"] - sum(per_round[f"verify {part}"] for part in parts)
+    print(f"  verify: {per_round['verify all']:.3f} ms a round = "
+          + " + ".join(f"{part} {per_round[f'verify {part}']:.3f}" for part in parts) + f" + rest {rest:.3f}")
 
 
 @torch.inference_mode()
@@ -98,19 +119,7 @@ def main(argv: list[str]) -> None:
     for ids in prompts:
         stats = decoder.generate(ids).stats
         rounds, tokens = rounds + stats.verify_forwards, tokens + stats.new_tokens
-    per_round = defaultdict(float, {name: 1000 * seconds / rounds for name, seconds in TOTALS.items()})
-    print(f"{precision} {shape_name}: {rounds} rounds, {tokens / rounds:.2f} tokens a round")
-    draft_rest = per_round["draft all"] - sum(per_round[f"draft {part}"] for part in ("package", "head", "mask"))
-    print(f"  draft:  {per_round['draft all']:.3f} ms a round = package {per_round['draft package']:.3f} + head "
-          f"{per_round['draft head']:.3f} + mask {per_round['draft mask']:.3f} + rest {draft_rest:.3f}")
-    print(f"  draft package calls: {CALLS['draft package'] / rounds:.2f} a round, "
-          f"{1000 * TOTALS['draft package'] / max(CALLS['draft package'], 1):.3f} ms a call")
-    print(f"  observe: {per_round['observe all']:.3f} ms a round")
-    parts = ("package", "head", "mask", "commit")
-    rest = per_round["verify all"] - sum(per_round[f"verify {part}"] for part in parts)
-    print(f"  verify: {per_round['verify all']:.3f} ms a round = "
-          + " + ".join(f"{part} {per_round[f'verify {part}']:.3f}" for part in parts) + f" + rest {rest:.3f}")
-
+    report(f"{precision} {shape_name}", rounds, tokens)
 
 if __name__ == "__main__":
     main(sys.argv[1:])
