@@ -121,5 +121,6 @@ def main(argv: list[str]) -> None:
         rounds, tokens = rounds + stats.verify_forwards, tokens + stats.new_tokens
     report(f"{precision} {shape_name}", rounds, tokens)
 
+
 if __name__ == "__main__":
     main(sys.argv[1:])
