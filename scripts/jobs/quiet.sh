@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Run a timing command on a quiet machine: pause (SIGSTOP) the background data jobs of this checkout
-# (data.regenerate and its llama-server / data.features / train recipes) for its duration, including ones a job script starts
-# while the command runs (checked every 2 s), and continue them (SIGCONT) afterwards, even on failure or
-# when this script is killed (TERM/INT/HUP). The command's own processes are never paused, so it may
-# itself be a training or data job (a step-time measurement).
+# (data.regenerate and its llama-server / data.features / every train recipe) for its duration, including
+# ones a job script starts while the command runs (checked every 2 s), and continue them (SIGCONT) afterwards,
+# even on failure or when this script is killed (TERM/INT/HUP). The command's own processes are never paused,
+# so it may itself be a training or data job (a step-time measurement).
 set -uo pipefail
-PATTERN="draftsmith.data.(regenerate|features)|train/(dgf|medusa|distill).py|llama.cpp/[^ ]*/llama-server"
+PATTERN="draftsmith.data.(regenerate|features)|train/(dgf|medusa|distill|dflash|parallel_draft).py|llama.cpp/[^ ]*/llama-server"
 STOPPED=$(mktemp)
 ME=$$
 is_mine() {  # pid descends from this script
