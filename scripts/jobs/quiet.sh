@@ -5,7 +5,7 @@
 # even on failure or when this script is killed (TERM/INT/HUP). The command's own processes are never paused,
 # so it may itself be a training or data job (a step-time measurement).
 set -uo pipefail
-PATTERN="draftsmith.data.(regenerate|features)|train/(dgf|medusa|distill|dflash|parallel_draft).py|llama.cpp/[^ ]*/llama-server"
+PATTERN="draftsmith.data.(regenerate|features)|train/[a-z_]+\.py|llama.cpp/[^ ]*/llama-server"
 STOPPED=$(mktemp)
 ME=$$
 is_mine() {  # pid descends from this script
