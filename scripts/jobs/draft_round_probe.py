@@ -6,8 +6,9 @@ verify (the target's package call, its mask, the rest: the LM head, verification
     scripts/jobs/quiet.sh python scripts/jobs/draft_round_probe.py [float32 | bfloat16 | int8] [chain | tree | SPEC] \
       [prompts]
 int8: the float32 target, the drafter with weight-only int8 weights (the goal bench's `dgf:weights=int8`). SPEC: an
-LM drafter's bench method instead of the bundled drafter (an `lm-chain:...` spec, built as the bench builds it: a
-distilled student's round split the same way), the target in the first argument's dtype.
+LM drafter's or a DFlash drafter's bench method instead of the bundled drafter (an `lm-chain:...` or `dflash:...` spec,
+built as the bench builds it: a distilled student's round split the same way; a DFlash round's block graph counted in
+the draft, its context graph in observe), the target in the first argument's dtype.
 """
 import sys
 import time
@@ -24,6 +25,7 @@ from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.compiled_dflash import CompiledDFlashEngine
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import WeightPrecision
 from draftsmith.models.target import TargetModel
@@ -58,6 +60,15 @@ def instrument(engine, label: str, within: str) -> None:
     engine.static_mask = timed(f"{label} mask", engine.static_mask, within)
 
 
+def instrument_dflash(engine: CompiledDFlashEngine) -> None:
+    """Time a DFlash drafter's block graph inside its propose and its context graph inside its observe."""
+    for graph, runner in list(engine.block.runners.items()):
+        engine.block.runners[graph] = timed("draft package", timed("draft package block", runner, "draft all"),
+                                            "draft all")
+    for graph, runner in list(engine.context.runners.items()):
+        engine.context.runners[graph] = timed("observe package", runner, "observe all")
+
+
 def bundled_chain_or_tree(target: TargetModel, precision: str, shape_name: str):
     """The bundled feature drafter as a chain of 3 or its goal-bench tree, its weights as `precision` says."""
     settings = CompileSettings(weights=DRAFT_WEIGHTS.get(precision, WeightPrecision.MODEL))
@@ -78,7 +89,9 @@ def report(what: str, rounds: int, tokens: int) -> None:
         if name.startswith("draft package "):
             print(f"    {name.removeprefix('draft package ')}: {CALLS[name] / rounds:.2f} calls a round, "
                   f"{1000 * TOTALS[name] / CALLS[name]:.3f} ms a call")
-    print(f"  observe: {per_round['observe all']:.3f} ms a round")
+    print(f"  observe: {per_round['observe all']:.3f} ms a round = package {per_round['observe package']:.3f} "
+          f"({CALLS['observe package'] / rounds:.2f} calls a round) + rest "
+          f"{per_round['observe all'] - per_round['observe package']:.3f}")
     parts = ("package", "head", "mask", "commit")
     rest = per_round["verify all"] - sum(per_round[f"verify {part}"] for part in parts)
     print(f"  verify: {per_round['verify all']:.3f} ms a round = "
@@ -102,7 +115,10 @@ def main(argv: list[str]) -> None:
     decoder.generate(prompts[0])  # warm-up: loads every package the rounds use
     instrument(target.engine, "verify", "verify all")
     draft_engine = drafter.lm.engine if isinstance(drafter, LMDrafter) else drafter.engine
-    instrument(draft_engine, "draft", "draft all")
+    if isinstance(draft_engine, CompiledDFlashEngine):
+        instrument_dflash(draft_engine)
+    else:
+        instrument(draft_engine, "draft", "draft all")
     if isinstance(drafter, LMDrafter):  # an LM drafter's head runs after its package, as the target's
         draft_engine.head = timed("draft head", draft_engine.head, "draft all")
     drafter.propose = timed("draft all", drafter.propose)
