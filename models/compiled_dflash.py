@@ -4,8 +4,9 @@
   features and writes every draft layer's keys and values at their slots: after a round, the accepted tokens; the
   prompt in chunks of the largest bucket.
 - The block graph (its one width: the block a round runs, root included) writes the block's keys and values after
-  the context, attends to every slot up to the block's last (the rest of the cache is masked) and returns the draft
-  logits through the drafter's head, inside the graph. The next round's context overwrites those slots.
+  the context, attends to every slot up to the block's last (the rest of the cache is masked; on the batch-invariant
+  kernels draftsmith::attention reads only those slots, not the cache's capacity) and returns the draft logits
+  through the drafter's head, inside the graph. The next round's context overwrites those slots.
 
 Eager, a round was ~70 module calls and as many small kernels in Python (the elementwise work of norms, rotary and
 residuals between the Linears); compiled, that work is fused and the Linears are the same batch-invariant kernels

@@ -147,9 +147,17 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         return apply_rotary(q, cos, sin)
 
+    kernel_attention = False  # True: draftsmith::attention (models.kernels), reading only the keys the mask shows
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Queries (B, heads, Q, D) over keys / values (B, kv, C, D) -> the output projection (B, Q, H)."""
         b, _, q_len, _ = q.shape
+        if self.kernel_attention:  # (B, Q, heads, D); masked keys skipped, not computed (a static cache's tail)
+            shape = (b, 1, q_len, k.shape[2])
+            additive = (torch.zeros(shape, dtype=torch.float32, device=q.device) if mask is None else
+                        torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill(~mask, -torch.inf))
+            out = torch.ops.draftsmith.attention(q, k, v, additive, self.head_dim ** -0.5)
+            return self.o_proj(out.reshape(b, q_len, -1))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -223,6 +231,14 @@ class DFlashModel(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
         # the target's embedding and LM head, referenced (in __dict__: not registered, neither trained nor saved)
         self.__dict__["target_embedding"] = self.__dict__["target_head"] = None
+
+    def use_kernel_attention(self) -> "DFlashModel":
+        """Every layer's attention through draftsmith::attention (the batch-invariant kernels' op, loaded by
+        models.kernels.invariant_model): it reads only the keys a mask shows, so a block over a static cache costs
+        what the context holds, not the cache's capacity. In place; returns the model."""
+        for layer in self.layers:
+            layer.self_attn.kernel_attention = True
+        return self
 
     def attach_target(self, target_model) -> "DFlashModel":
         """Reference the target's token embedding and LM head (a full-vocabulary drafter)."""

@@ -57,6 +57,28 @@ def test_decoder_block_equals_the_trained_block():
         assert (decoded - trained[0, j, 1:]).abs().max().item() < 1e-5
 
 
+def test_the_kernels_attention_gives_the_stock_attentions_block_logits():
+    """On the batch-invariant kernels every draft layer attends through draftsmith::attention (only the keys the
+    mask shows are read); the block's logits are the stock attention's, as the context grows."""
+    model = tiny_model("llama", seed=1, num_layers=4)
+    dflash = random_drafter(model)
+    stock, kernels = DFlashDrafter(dflash), DFlashDrafter(dflash, precision=WeightPrecision.MODEL)
+    assert all(layer.self_attn.kernel_attention for layer in kernels.engine.model.layers)
+    assert not any(layer.self_attn.kernel_attention for layer in dflash.layers)  # the model itself unchanged
+    features = torch.randn(1, 30, 2 * model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    for drafter in (stock, kernels):
+        drafter.begin(None)
+    start = 0
+    for size in [9, 1, 4, 16]:
+        split = dict(zip(dflash.config.hidden_layers, features[0, start:start + size].split(48, -1)))
+        logits = []
+        for drafter in (stock, kernels):
+            drafter.observe(None, split)
+            logits.append(drafter.block_logits(5))
+        start += size
+        assert (logits[0] - logits[1]).abs().max().item() < 1e-4
+
+
 def test_the_context_buffers_grow_and_give_the_concatenated_blocks_logits():
     """Observed a few positions at a time past the buffers' first capacity (256 slots; each round's block written
     after the context and then overwritten), the drafter's block logits are those of the whole context's keys

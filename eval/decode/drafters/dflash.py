@@ -66,7 +66,7 @@ class DFlashDrafter(Drafter):
         if precision is None:
             runs, head = model, frozen_linear(head.detach())
         else:
-            runs = invariant_model(model, precision, gather=False)
+            runs = invariant_model(model, precision, gather=False).use_kernel_attention()
             head = invariant_rows(head.detach(), precision)
             gather_weights(runs, head)  # the block's layers, then its head: the order a round streams
         # compiled given: the round's two forwards as compiled graphs over a static cache (models.compiled_dflash)
