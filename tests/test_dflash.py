@@ -3,6 +3,9 @@ cache), decoding with it is lossless, and the recipe trains, saves and loads it.
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -199,6 +202,53 @@ def test_the_greedy_tree_is_the_static_trees_top_candidates(stop_below, keep_abo
         tree = drafter._greedy_tree(probs, torch.device("cpu"))
         for field in ("tokens", "parents", "depths"):
             assert torch.equal(getattr(tree, field), getattr(expected, field))
+
+
+@pytest.mark.parametrize("nodes, keep_above, stop_below", [(6, None, None), (10, 0.02, None), (4, None, 0.05)])
+def test_a_dflash_product_tree_decodes_like_plain(nodes, keep_above, stop_below):
+    """nodes: every path of top-k candidates cut to its best; lossless, at most `nodes` verified a round; a sampled
+    decode and a chain (topk 1) refuse it in one line."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    target = TargetModel(model, tokenizer=None)
+    prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    drafter = DFlashDrafter(random_drafter(model), topk=3, nodes=nodes, keep_above=keep_above, stop_below=stop_below)
+    assert drafter.parents.numel() == 3 + 9 + 27
+    result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert result.tokens == plain.tokens
+    assert 1 <= result.stats.tree_tokens / result.stats.verify_forwards <= nodes
+    with pytest.raises(UserError, match="(nodes|keep_above).*greedy"):
+        SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
+    with pytest.raises(UserError, match="topk > 1"):
+        DFlashDrafter(random_drafter(model), nodes=4)
+
+
+@pytest.mark.parametrize("nodes, keep_above", [(5, None), (8, 0.02), (40, None)])
+def test_the_product_tree_keeps_the_most_probable_paths(nodes, keep_above):
+    """The kept nodes are the `nodes` token paths of largest product of block-position probabilities (every path
+    of top-3 candidates, enumerated), those above keep_above when given, for random blocks."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    drafter = DFlashDrafter(random_drafter(model, block=4), topk=3, nodes=nodes, keep_above=keep_above)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        probs = torch.softmax(3 * torch.randn(3, 96, generator=generator), -1)
+        values, indices = probs.topk(3, -1)
+        scored = {}
+        for ranks in itertools.chain.from_iterable(itertools.product(range(3), repeat=d) for d in (1, 2, 3)):
+            path = tuple(int(indices[d, r]) for d, r in enumerate(ranks))
+            scored[path] = math.prod(float(values[d, r]) for d, r in enumerate(ranks))
+        best = sorted(scored, key=lambda path: (-scored[path], len(path)))
+        if keep_above is not None:
+            best = best[:max(1, sum(p > keep_above for p in scored.values()))]
+        tree = drafter._greedy_tree(probs, torch.device("cpu"))
+        paths = set()
+        for node in range(tree.size):
+            path, at = [], node
+            while at >= 0:
+                path.append(int(tree.tokens[at]))
+                at = int(tree.parents[at])
+            paths.add(tuple(reversed(path)))
+        assert paths == set(best[:nodes])
 
 
 @pytest.fixture(scope="module")

@@ -285,6 +285,9 @@ class DFlashOptions:
                                      "slice of the LM head (cheaper; null: the whole vocabulary, as exported)")
     topk: int = option(1, "candidates per block position: 1 a chain, k > 1 a tree of budget x k nodes (the top k "
                           "at each position under the previous position's first)", ge=1)
+    nodes: int | None = option(None, "greedy, with topk > 1: the tree is every path of top-k candidates (each "
+                                     "position's k under each of the previous position's k) cut to its `nodes` best "
+                                     "by path probability (null: the tree topk describes)", ge=1)
     keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
@@ -447,7 +450,8 @@ def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
                                   vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=drafter_settings(spec, ctx),
-                                  topk=o.topk, dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above)
+                                  topk=o.topk, dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above,
+                                  nodes=o.nodes)
     ctx.drafter_engines.extend(drafter.engine.graphs)  # compiled: built before timing
     return DrafterMethod(drafter, spec.label)
 

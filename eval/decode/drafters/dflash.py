@@ -11,7 +11,10 @@ does not depend on the tokens drawn before it, so q_k is exactly the distributio
 With `topk` > 1 the round is a tree instead: at every block position the top-k candidates (sampling: k draws
 without replacement) as children of the previous position's first candidate, budget x topk nodes (static_tree_tokens, as
 Medusa's heads: a position's distribution does not depend on the parent). `keep_above` (greedy) verifies only the
-nodes whose path probability under the drafter is above it, as the other drafters' dynamic size.
+nodes whose path probability under the drafter is above it, as the other drafters' dynamic size. `nodes` (greedy)
+makes the tree every path of top-k candidates instead (each block position's k under each of the previous
+position's k), cut to its `nodes` best by path probability, the product of the positions' probabilities along it
+(EAGLE-2's re-ranking): a round whose first position is doubtful goes on under its second candidate too.
 The decoder verifies every proposal, so the output is the target's whatever the drafter says.
 """
 
@@ -40,10 +43,12 @@ class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashModel, budget: int | None = None, name: str = "dflash",
                  stop_below: float | None = None, vocab: DraftVocab | None = None,
                  precision: WeightPrecision | None = None, topk: int = 1, keep_above: float | None = None,
-                 compiled: CompileSettings | None = None):
+                 compiled: CompileSettings | None = None, nodes: int | None = None):
         most = model.config.block_size - 1
         budget = most if budget is None else budget
-        check_sizes(name, budget=budget, topk=topk)
+        check_sizes(name, budget=budget, topk=topk, nodes=nodes)
+        if nodes is not None and topk == 1:
+            raise InputError(f"{name}: nodes={nodes} cuts a tree of top-k candidates; give topk > 1 with it")
         check_open_unit(name, "stop_below", stop_below)
         check_open_unit(name, "keep_above", keep_above)
         self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's probability is above it
@@ -52,10 +57,12 @@ class DFlashDrafter(Drafter):
                              f"propose ({most} tokens after the root)")
         model._need_target()
         self.model = model.eval()
-        self.budget, self.name, self.stop_below, self.topk = budget, name, stop_below, topk
-        # the tree (topk > 1): ranks 0..topk-1 at each position under the previous position's rank 0, by depth
-        paths = [[0] * (depth - 1) + [rank] for depth in range(1, budget + 1) for rank in range(topk)]
+        self.budget, self.name, self.stop_below, self.topk, self.nodes = budget, name, stop_below, topk, nodes
+        paths = spine_paths(budget, topk) if nodes is None else product_paths(budget, topk)
         self.parents, self.depths, self.ranks = tree_from_paths(paths)
+        # each node's rank at every depth of its path (the product tree's path scores; 0 past its depth, unused)
+        self.path_ranks = torch.tensor([path + [0] * (budget - len(path)) for path in
+                                        sorted(paths, key=lambda p: (len(p), p))], dtype=torch.long).reshape(-1, budget)
         self.hidden_layers = model.config.hidden_layers
         # an optional draft vocabulary: the drafter's argmax over that slice of the LM head only (cheaper)
         self.vocab = vocab
@@ -100,6 +107,9 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"DFlashDrafter has features for {self.length} positions but the context holds "
                                f"{context.numel() - 1} committed tokens (observe() must see every committed token)")
         refuse_sampled_trim(self.name, self.keep_above, sampling)
+        if sampling is not None and self.nodes is not None:
+            raise InputError(f"{self.name}: nodes={self.nodes} cuts a greedy tree by the drafter's probabilities; a "
+                            "sampled tree keeps every drawn node: drop nodes or decode greedily")
         logits = self.block_logits(root)
         if self.topk > 1:
             return self._tree(logits, context.device, sampling, generator)
@@ -128,15 +138,17 @@ class DFlashDrafter(Drafter):
         block; its path probability is the top-1 probabilities of the positions before it times its own (its
         parent is the previous position's top 1). Cut at stop_below's depth, trimmed by keep_above."""
         values, indices = probs.topk(self.topk, -1)  # (budget, topk), ranks in order (draw_children's greedy pick)
-        nodes = self._kept(values[:, 0]) * self.topk  # nodes are ordered by depth: the tree cut at that depth
+        kept = self._kept(values[:, 0])  # nodes are ordered by depth: the tree cut at that depth
+        nodes = int((self.depths <= kept).sum())
         depth, rank = self.depths[:nodes] - 1, self.ranks[:nodes]
         tree = DraftTree(self._to_target(indices[depth, rank]).to(device), self.parents[:nodes].to(device),
                          self.depths[:nodes].to(device))
-        if self.keep_above is None:
+        if self.keep_above is None and self.nodes is None:
             return tree
         logs = values.double().clamp_min(1e-300).log()
-        before = torch.cat([logs.new_zeros(1), logs[:, 0].cumsum(0)])  # the path to each position's parent
-        return keep_confident(tree, before[depth] + logs[depth, rank], self.keep_above, tree.size)
+        steps = torch.arange(self.budget)[None] < (depth + 1)[:, None]  # (nodes, budget): the path's positions
+        scores = (logs[torch.arange(self.budget)[None], self.path_ranks[:nodes]] * steps).sum(-1)
+        return keep_confident(tree, scores, self.keep_above, tree.size if self.nodes is None else self.nodes)
 
     def _kept(self, best: torch.Tensor) -> int:
         """How many of the chain's tokens to propose (all, or until the path's probability falls below
@@ -154,11 +166,25 @@ class DFlashDrafter(Drafter):
         return probs if self.vocab is None else self.vocab.scatter(probs)
 
 
+def spine_paths(budget: int, topk: int) -> list[list[int]]:
+    """The default tree: ranks 0..topk-1 at each block position under the previous position's rank 0."""
+    return [[0] * (depth - 1) + [rank] for depth in range(1, budget + 1) for rank in range(topk)]
+
+
+def product_paths(budget: int, topk: int) -> list[list[int]]:
+    """Every path of ranks 0..topk-1 down to depth `budget` (topk + topk**2 + ... nodes)."""
+    paths, level = [], [[]]
+    for _ in range(budget):
+        level = [path + [rank] for path in level for rank in range(topk)]
+        paths.extend(level)
+    return paths
+
+
 def load_dflash_drafter(path: str | Path, target, budget: int | None = None, name: str = "dflash",
                         stop_below: float | None = None, vocab: DraftVocab | None = None,
                         backend: Backend = Backend.EAGER, settings: CompileSettings | None = None,
                         topk: int = 1, dtype: torch.dtype | None = None,
-                        keep_above: float | None = None) -> DFlashDrafter:
+                        keep_above: float | None = None, nodes: int | None = None) -> DFlashDrafter:
     """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel), in
     `dtype` (default: the target's); on the compiled backend its context and block run as compiled graphs
     (models.compiled_dflash), their Linears and head on the batch-invariant kernels when `settings` use them."""
@@ -166,5 +192,5 @@ def load_dflash_drafter(path: str | Path, target, budget: int | None = None, nam
     settings = settings or CompileSettings()
     fast = settings.runs_invariant_kernels(backend)
     return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
-                         precision=settings.weights if fast else None, topk=topk, keep_above=keep_above,
+                         precision=settings.weights if fast else None, topk=topk, keep_above=keep_above, nodes=nodes,
                          compiled=settings if backend is Backend.COMPILED else None)
