@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
-                                                 confident_subtree, keep_confident, refuse_sampled_trim,
+                                                 confident_nodes, confident_subtree, refuse_sampled_trim,
                                                  static_tree_tokens)
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 
@@ -60,9 +60,9 @@ class DFlashDrafter(Drafter):
         self.budget, self.name, self.stop_below, self.topk, self.nodes = budget, name, stop_below, topk, nodes
         paths = spine_paths(budget, topk) if nodes is None else product_paths(budget, topk)
         self.parents, self.depths, self.ranks = tree_from_paths(paths)
-        # each node's rank at every depth of its path (the product tree's path scores; 0 past its depth, unused)
-        self.path_ranks = torch.tensor([path + [0] * (budget - len(path)) for path in
-                                        sorted(paths, key=lambda p: (len(p), p))], dtype=torch.long).reshape(-1, budget)
+        self.paths = sorted(paths, key=lambda path: (len(path), path))  # each node's ranks along its path, in order
+        self.parent_list = self.parents.tolist()
+        self.nodes_to_depth = [sum(len(path) <= depth for path in self.paths) for depth in range(budget + 1)]
         self.hidden_layers = model.config.hidden_layers
         # an optional draft vocabulary: the drafter's argmax over that slice of the LM head only (cheaper)
         self.vocab = vocab
@@ -134,21 +134,26 @@ class DFlashDrafter(Drafter):
                          self._full_rows(rows).to(device))
 
     def _greedy_tree(self, probs: torch.Tensor, device) -> DraftTree:
-        """Greedy: node (depth d, rank r) is block position d's r-th most probable token, from one top-k over the
-        block; its path probability is the top-1 probabilities of the positions before it times its own (its
-        parent is the previous position's top 1). Cut at stop_below's depth, trimmed by keep_above."""
+        """Greedy: node (depth d, ranks along its path) is block position d's candidate of its last rank, from one
+        top-k over the block; its path probability is the product of its path's candidates' probabilities (the
+        spine tree: the top-1 probabilities before it times its own). Cut at stop_below's depth, to the `nodes` most
+        probable and by keep_above. The block's few nodes are chosen in Python lists: three tensors, no op a node."""
         values, indices = probs.topk(self.topk, -1)  # (budget, topk), ranks in order (draw_children's greedy pick)
         kept = self._kept(values[:, 0])  # nodes are ordered by depth: the tree cut at that depth
-        nodes = int((self.depths <= kept).sum())
-        depth, rank = self.depths[:nodes] - 1, self.ranks[:nodes]
-        tree = DraftTree(self._to_target(indices[depth, rank]).to(device), self.parents[:nodes].to(device),
-                         self.depths[:nodes].to(device))
+        count = self.nodes_to_depth[kept]
+        tokens = self._to_target(indices).tolist()
         if self.keep_above is None and self.nodes is None:
-            return tree
-        logs = values.double().clamp_min(1e-300).log()
-        steps = torch.arange(self.budget)[None] < (depth + 1)[:, None]  # (nodes, budget): the path's positions
-        scores = (logs[torch.arange(self.budget)[None], self.path_ranks[:nodes]] * steps).sum(-1)
-        return keep_confident(tree, scores, self.keep_above, tree.size if self.nodes is None else self.nodes)
+            keep = range(count)
+        else:
+            logs = values.double().clamp_min(1e-300).log().tolist()
+            scores = [sum(logs[depth][rank] for depth, rank in enumerate(path)) for path in self.paths[:count]]
+            keep = confident_nodes(scores, self.parent_list[:count], self.keep_above,
+                                   count if self.nodes is None else self.nodes, torch.float64)
+        where = {node: index for index, node in enumerate(keep)}
+        paths = [self.paths[node] for node in keep]
+        return DraftTree.from_lists([tokens[len(path) - 1][path[-1]] for path in paths],
+                                    [where.get(self.parent_list[node], -1) for node in keep],
+                                    [len(path) for path in paths], device=device)
 
     def _kept(self, best: torch.Tensor) -> int:
         """How many of the chain's tokens to propose (all, or until the path's probability falls below
