@@ -146,7 +146,9 @@ class DFlashDrafter(Drafter):
             keep = range(count)
         else:
             logs = values.double().clamp_min(1e-300).log().tolist()
-            scores = [sum(logs[depth][rank] for depth, rank in enumerate(path)) for path in self.paths[:count]]
+            scores = []  # each node's path log-probability: its parent's (listed before it) plus its own
+            for path, parent in zip(self.paths[:count], self.parent_list):
+                scores.append((scores[parent] if parent >= 0 else 0.0) + logs[len(path) - 1][path[-1]])
             keep = confident_nodes(scores, self.parent_list[:count], self.keep_above,
                                    count if self.nodes is None else self.nodes, torch.float64)
         where = {node: index for index, node in enumerate(keep)}
