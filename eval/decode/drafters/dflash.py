@@ -60,9 +60,10 @@ class DFlashDrafter(Drafter):
         self.budget, self.name, self.stop_below, self.topk, self.nodes = budget, name, stop_below, topk, nodes
         paths = spine_paths(budget, topk) if nodes is None else product_paths(budget, topk)
         self.parents, self.depths, self.ranks = tree_from_paths(paths)
-        self.paths = sorted(paths, key=lambda path: (len(path), path))  # each node's ranks along its path, in order
-        self.parent_list = self.parents.tolist()
-        self.nodes_to_depth = [sum(len(path) <= depth for path in self.paths) for depth in range(budget + 1)]
+        # the greedy tree's nodes as lists (its few nodes chosen without an op a node)
+        self.parent_list, self.depth_list, self.rank_list = (self.parents.tolist(), self.depths.tolist(),
+                                                             self.ranks.tolist())
+        self.nodes_to_depth = [sum(depth <= most for depth in self.depth_list) for most in range(budget + 1)]
         self.hidden_layers = model.config.hidden_layers
         # an optional draft vocabulary: the drafter's argmax over that slice of the LM head only (cheaper)
         self.vocab = vocab
@@ -147,15 +148,14 @@ class DFlashDrafter(Drafter):
         else:
             logs = values.double().clamp_min(1e-300).log().tolist()
             scores = []  # each node's path log-probability: its parent's (listed before it) plus its own
-            for path, parent in zip(self.paths[:count], self.parent_list):
-                scores.append((scores[parent] if parent >= 0 else 0.0) + logs[len(path) - 1][path[-1]])
+            for depth, rank, parent in zip(self.depth_list[:count], self.rank_list, self.parent_list):
+                scores.append((scores[parent] if parent >= 0 else 0.0) + logs[depth - 1][rank])
             keep = confident_nodes(scores, self.parent_list[:count], self.keep_above,
                                    count if self.nodes is None else self.nodes, torch.float64)
         where = {node: index for index, node in enumerate(keep)}
-        paths = [self.paths[node] for node in keep]
-        return DraftTree.from_lists([tokens[len(path) - 1][path[-1]] for path in paths],
+        return DraftTree.from_lists([tokens[self.depth_list[node] - 1][self.rank_list[node]] for node in keep],
                                     [where.get(self.parent_list[node], -1) for node in keep],
-                                    [len(path) for path in paths], device=device)
+                                    [self.depth_list[node] for node in keep], device=device)
 
     def _kept(self, best: torch.Tensor) -> int:
         """How many of the chain's tokens to propose (all, or until the path's probability falls below
