@@ -28,6 +28,7 @@ from typing import Any, Literal
 import yaml
 
 from draftsmith.config import ConfigError, Parsable, config_from_dict, option
+from draftsmith.data.ngram_prior import NgramPrior
 from draftsmith.eval.bench.build_context import BuildContext
 from draftsmith.eval.decode.decoder import DrafterMethod, Method
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
@@ -35,6 +36,7 @@ from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tre
 from draftsmith.eval.decode.drafters.llmcad import LLMCadConfig, LLMCadDrafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
 from draftsmith.eval.decode.drafters.dflash import load_dflash_drafter
+from draftsmith.eval.decode.drafters.prior import PRIOR_WEIGHT, CandidatePrior
 from draftsmith.eval.decode.drafters.medusa import TargetAdapter, load_medusa_drafter
 from draftsmith.eval.decode.drafters.minions import MinionsConfig, MinionsDrafter
 from draftsmith.eval.decode.drafters.ngram import NGRAM_BUDGET, NgramDrafter
@@ -291,6 +293,12 @@ class DFlashOptions:
     keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
+    prior: str | None = option(None, "greedy: a data.ngram_prior output directory; each node's children are its "
+                                     "position's top candidates re-ranked given the node's token and its parent's")
+    prior_weight: float | None = option(None, f"the prior's weight on its log-probability (null: {PRIOR_WEIGHT})",
+                                        gt=0)
+    context_weight: float = option(0.0, "greedy: re-rank by the request's own pairs and triples too, with this "
+                                        "weight on log(1 + count) (0: off)", ge=0)
 
 
 @dataclass
@@ -446,12 +454,23 @@ def drafter_settings(spec: MethodSpec, ctx: BuildContext) -> CompileSettings:
     return replace(ctx.settings, weights=weights)
 
 
+def dflash_prior(o: DFlashOptions, label: str) -> CandidatePrior | None:
+    """The options' candidate prior (None: the block's own ranking)."""
+    if o.prior is None and o.prior_weight is not None:
+        raise ConfigError(f"{label}: prior_weight={o.prior_weight} weighs a prior; give prior=<a data.ngram_prior "
+                          "directory>")
+    if o.prior is None and not o.context_weight:
+        return None
+    ngrams = None if o.prior is None else NgramPrior.load(o.prior)
+    return CandidatePrior(ngrams, PRIOR_WEIGHT if o.prior_weight is None else o.prior_weight, o.context_weight)
+
+
 def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
                                   vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=drafter_settings(spec, ctx),
                                   topk=o.topk, dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above,
-                                  nodes=o.nodes)
+                                  nodes=o.nodes, prior=dflash_prior(o, spec.label))
     ctx.drafter_engines.extend(drafter.engine.graphs)  # compiled: built before timing
     return DrafterMethod(drafter, spec.label)
 

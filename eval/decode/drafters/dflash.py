@@ -15,11 +15,17 @@ nodes whose path probability under the drafter is above it, as the other drafter
 makes the tree every path of top-k candidates instead (each block position's k under each of the previous
 position's k), cut to its `nodes` best by path probability, the product of the positions' probabilities along it
 (EAGLE-2's re-ranking): a round whose first position is doubtful goes on under its second candidate too.
+With a `prior` (greedy; eval/decode/drafters/prior.py) each node's children are instead its block position's top
+candidates re-ranked given the node's own token and its parent's, the trained n-gram prior's and the request's
+context's counts: the later positions read the token drafted before them after all. The chain follows the best
+child; the spine tree takes topk children of the chain's nodes; with `nodes` the tree grows level by level,
+keeping the `nodes` most probable paths.
 The decoder verifies every proposal, so the output is the target's whatever the drafter says.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -27,6 +33,7 @@ import torch
 from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
                                                  confident_nodes, confident_subtree, refuse_sampled_trim,
                                                  static_tree_tokens)
+from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 
 from draftsmith.models.artifacts import load_dflash
@@ -43,7 +50,8 @@ class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashModel, budget: int | None = None, name: str = "dflash",
                  stop_below: float | None = None, vocab: DraftVocab | None = None,
                  precision: WeightPrecision | None = None, topk: int = 1, keep_above: float | None = None,
-                 compiled: CompileSettings | None = None, nodes: int | None = None):
+                 compiled: CompileSettings | None = None, nodes: int | None = None,
+                 prior: CandidatePrior | None = None):
         most = model.config.block_size - 1
         budget = most if budget is None else budget
         check_sizes(name, budget=budget, topk=topk, nodes=nodes)
@@ -58,6 +66,7 @@ class DFlashDrafter(Drafter):
         model._need_target()
         self.model = model.eval()
         self.budget, self.name, self.stop_below, self.topk, self.nodes = budget, name, stop_below, topk, nodes
+        self.prior = prior
         paths = spine_paths(budget, topk) if nodes is None else product_paths(budget, topk)
         self.parents, self.depths, self.ranks = tree_from_paths(paths)
         # the greedy tree's nodes as lists (its few nodes chosen without an op a node)
@@ -88,6 +97,8 @@ class DFlashDrafter(Drafter):
 
     def begin(self, prompt_ids):
         self.engine.begin()
+        if self.prior is not None:
+            self.prior.begin()
 
     @torch.inference_mode()
     def observe(self, tokens, hidden):
@@ -111,7 +122,12 @@ class DFlashDrafter(Drafter):
         if sampling is not None and self.nodes is not None:
             raise InputError(f"{self.name}: nodes={self.nodes} cuts a greedy tree by the drafter's probabilities; a "
                             "sampled tree keeps every drawn node: drop nodes or decode greedily")
+        if sampling is not None and self.prior is not None:
+            raise InputError(f"{self.name}: a prior re-ranks a greedy tree; a sampled node's distribution must be "
+                             "the drafter's own: drop the prior or decode greedily")
         logits = self.block_logits(root)
+        if self.prior is not None:
+            return self._prior_tree(logits, context)
         if self.topk > 1:
             return self._tree(logits, context.device, sampling, generator)
         if sampling is None:
@@ -157,6 +173,43 @@ class DFlashDrafter(Drafter):
                                     [where.get(self.parent_list[node], -1) for node in keep],
                                     [self.depth_list[node] for node in keep], device=device)
 
+    def _prior_tree(self, logits: torch.Tensor, context: torch.Tensor) -> DraftTree:
+        """Greedy with the prior: grown level by level from each block position's top candidates, re-ranked under
+        each node given its token and its parent's (the module docstring), in Python lists: a round's few nodes."""
+        values, indices = logits.topk(min(CANDIDATES, logits.shape[-1]), -1)  # log q up to a constant a position
+        values, candidates = values.double().tolist(), self._to_target(indices).tolist()
+        self.prior.extend(context.tolist())
+        history = context[-2:].tolist()
+        frontier = [(-1, history[0], history[-1], 0.0)]  # (node, its parent's token, its own, path log-probability)
+        tokens, parents, depths, scores = [], [], [], []
+        floor = -math.inf if self.stop_below is None else math.log(self.stop_below)
+        for depth in range(1, self.budget + 1):
+            children = []
+            for index, (node, before, last, base) in enumerate(frontier):
+                level = [q + gain for q, gain in zip(values[depth - 1], self.prior.scores(depth, before, last,
+                                                                                        candidates[depth - 1]))]
+                top = max(level)
+                norm = top + math.log(sum(math.exp(score - top) for score in level))
+                best = sorted(range(len(level)), key=level.__getitem__, reverse=True)[:self.topk]
+                children += [(base + level[rank] - norm, index, candidates[depth - 1][rank]) for rank in best]
+            if self.nodes is not None:  # the `nodes` best paths never need a node outside its level's best
+                children = sorted(children, key=lambda child: -child[0])[:self.nodes]
+            grown = []
+            for score, index, token in children:
+                grown.append((len(tokens), frontier[index][2], token, score))
+                tokens.append(token)
+                parents.append(frontier[index][0])
+                depths.append(depth)
+                scores.append(score)
+            frontier = grown if self.nodes is not None else grown[:1]  # the chain and the spine: the best child
+            if frontier[0][3] < floor:
+                break
+        keep = confident_nodes(scores, parents, self.keep_above, len(tokens) if self.nodes is None else self.nodes,
+                               torch.float64)
+        where = {node: index for index, node in enumerate(keep)}
+        return DraftTree.from_lists([tokens[node] for node in keep], [where.get(parents[node], -1) for node in keep],
+                                    [depths[node] for node in keep], device=context.device)
+
     def _kept(self, best: torch.Tensor) -> int:
         """How many of the chain's tokens to propose (all, or until the path's probability falls below
         stop_below; at least one)."""
@@ -191,7 +244,8 @@ def load_dflash_drafter(path: str | Path, target, budget: int | None = None, nam
                         stop_below: float | None = None, vocab: DraftVocab | None = None,
                         backend: Backend = Backend.EAGER, settings: CompileSettings | None = None,
                         topk: int = 1, dtype: torch.dtype | None = None,
-                        keep_above: float | None = None, nodes: int | None = None) -> DFlashDrafter:
+                        keep_above: float | None = None, nodes: int | None = None,
+                        prior: CandidatePrior | None = None) -> DFlashDrafter:
     """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel), in
     `dtype` (default: the target's); on the compiled backend its context and block run as compiled graphs
     (models.compiled_dflash), their Linears and head on the batch-invariant kernels when `settings` use them."""
@@ -200,4 +254,4 @@ def load_dflash_drafter(path: str | Path, target, budget: int | None = None, nam
     fast = settings.runs_invariant_kernels(backend)
     return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
                          precision=settings.weights if fast else None, topk=topk, keep_above=keep_above, nodes=nodes,
-                         compiled=settings if backend is Backend.COMPILED else None)
+                         compiled=settings if backend is Backend.COMPILED else None, prior=prior)
