@@ -99,23 +99,24 @@ def test_the_context_counts_pairs_and_triples_and_the_trained_prior_waits_for_de
     assert prior.tokens == [7] and not prior.pairs
 
 
-def test_a_prior_of_no_weight_grows_the_drafters_own_chain_and_product_tree():
+@pytest.mark.parametrize("topk, nodes, keep_above", [(1, None, None), (3, None, 0.05), (3, 6, None), (3, 6, 0.02)])
+def test_a_prior_of_no_weight_grows_the_drafters_own_chain_and_trees(topk, nodes, keep_above):
+    """The re-ranked probabilities keep the candidates' share of the drafter's: with nothing to add, the chain,
+    the spine tree and the product tree are the drafter's own, keep_above cutting them alike."""
     model = tiny_model("llama", seed=2, num_layers=4)
     context = torch.randint(0, 90, (12,), generator=torch.Generator().manual_seed(4))
     generator = torch.Generator().manual_seed(5)
+    own = DFlashDrafter(random_drafter(model), topk=topk, nodes=nodes, keep_above=keep_above)
+    ranked = DFlashDrafter(random_drafter(model), topk=topk, nodes=nodes, keep_above=keep_above,
+                           prior=CandidatePrior(None, 0.2, 0.0))
     for _ in range(10):
         logits = 3 * torch.randn(3, VOCAB, generator=generator)
-        for topk, nodes in [(1, None), (3, 6)]:
-            own = DFlashDrafter(random_drafter(model), topk=topk, nodes=nodes)
-            ranked = DFlashDrafter(random_drafter(model), topk=topk, nodes=nodes,
-                                   prior=CandidatePrior(None, 0.2, 0.0))
-            tree = ranked._prior_tree(logits, context)
-            expected = (own._greedy_tree(torch.softmax(logits, -1), torch.device("cpu")) if nodes else
-                        torch.softmax(logits, -1).argmax(-1))
-            if nodes is None:
-                assert tree.tokens.tolist() == expected.tolist() and tree.parents.tolist() == [-1, 0, 1]
-                continue
-            assert sorted(paths(tree)) == sorted(paths(expected))
+        tree = ranked._prior_tree(logits, context)
+        if topk == 1:
+            assert tree.tokens.tolist() == logits.argmax(-1).tolist() and tree.parents.tolist() == [-1, 0, 1]
+        else:
+            assert sorted(paths(tree)) == sorted(paths(own._greedy_tree(torch.softmax(logits, -1),
+                                                                        torch.device("cpu"))))
 
 
 def paths(tree) -> list[tuple[int, ...]]:

@@ -177,6 +177,8 @@ class DFlashDrafter(Drafter):
         """Greedy with the prior: grown level by level from each block position's top candidates, re-ranked under
         each node given its token and its parent's (the module docstring), in Python lists: a round's few nodes."""
         values, indices = logits.topk(min(CANDIDATES, logits.shape[-1]), -1)  # log q up to a constant a position
+        # the candidates' share of q: the re-ranked probabilities keep it, so keep_above reads as without a prior
+        shares = (torch.logsumexp(values, -1) - torch.logsumexp(logits, -1)).double().tolist()
         values, candidates = values.double().tolist(), self._to_target(indices).tolist()
         self.prior.extend(context.tolist())
         history = context[-2:].tolist()
@@ -189,7 +191,7 @@ class DFlashDrafter(Drafter):
                 level = [q + gain for q, gain in zip(values[depth - 1], self.prior.scores(depth, before, last,
                                                                                         candidates[depth - 1]))]
                 top = max(level)
-                norm = top + math.log(sum(math.exp(score - top) for score in level))
+                norm = top + math.log(sum(math.exp(score - top) for score in level)) - shares[depth - 1]
                 best = sorted(range(len(level)), key=level.__getitem__, reverse=True)[:self.topk]
                 children += [(base + level[rank] - norm, index, candidates[depth - 1][rank]) for rank in best]
             if self.nodes is not None:  # the `nodes` best paths never need a node outside its level's best
