@@ -27,8 +27,8 @@ from draftsmith.models.artifacts import load_dflash
 from draftsmith.models.target import TargetModel
 from draftsmith.train.dflash import anchor_positions, block_targets
 
-SETTINGS = [(0.0, 0.0), (0.1, 0.0), (0.2, 0.0), (0.3, 0.0), (0.0, 0.3), (0.0, 0.6), (0.2, 0.3), (0.2, 0.6),
-            (0.2, 1.0)]  # (prior weight, context weight)
+SETTINGS = [(0.0, 0.0), (0.2, 0.0), (0.0, 0.3), (0.0, 0.6), (0.0, 1.0), (0.2, 0.3), (0.2, 0.6), (0.2, 1.0), (0.2, 1.5),
+            (0.3, 1.0)]  # (prior weight, context weight)
 
 
 def blocks_of(drafter, target, batch: dict):
