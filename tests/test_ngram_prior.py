@@ -161,3 +161,68 @@ def test_the_bench_option_loads_the_prior_and_refuses_a_weight_without_one(tmp_p
     assert build_spec(f"dflash:{drafter_dir}", target).prior is None
     with pytest.raises(ConfigError, match="prior_weight=0.3 weighs a prior"):
         build_spec(f"dflash:{drafter_dir},prior_weight=0.3", target)
+
+
+@pytest.fixture(scope="module")
+def fitted_dgf():
+    from test_dgf import fit_drafter, make_drafter
+
+    model = tiny_model("llama", seed=3)
+    return model, fit_drafter(model, make_drafter(model, num_blocks=2))
+
+
+@pytest.mark.parametrize("depth, topk, budget, keep_above", [(3, 1, 3, None), (4, 2, 6, None), (6, 2, 8, 0.1)])
+def test_the_feature_drafter_re_ranked_by_the_context_decodes_like_plain(fitted_dgf, depth, topk, budget,
+                                                                          keep_above):
+    """dgf with context_weight: each expanded node's children re-ranked by the request's own pairs and triples;
+    lossless as a chain and as trees; a sampled decode refuses it in one line."""
+    from draftsmith.eval.decode.drafters.dgf import DGFDrafter
+    from test_dgf import greedy_reference
+
+    model, fitted = fitted_dgf
+    target = TargetModel(model, tokenizer=None)
+    drafter = DGFDrafter(fitted, depth=depth, topk=topk, budget=budget, keep_above=keep_above,
+                         prior=CandidatePrior(None, 0.2, 1.0))
+    for seed in range(2):
+        prompt = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(seed))
+        prompt = torch.cat([prompt, prompt], 1)  # a context that repeats itself: the counts have work to do
+        result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=20)).generate(prompt)
+        assert result.tokens == greedy_reference(model, prompt, 20)
+    with pytest.raises(UserError, match="(prior|keep_above).*greed"):
+        SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
+
+
+@pytest.mark.parametrize("topk, budget, keep_above", [(1, 4, None), (3, 6, None), (3, 8, 0.05)])
+def test_a_context_prior_with_nothing_counted_grows_the_feature_drafters_own_tree(fitted_dgf, topk, budget,
+                                                                                  keep_above):
+    """Re-ranking keeps the candidates' share of the drafter's probability: with no pair of the context among the
+    candidates, the tree is the drafter's own (tokens, shape and keep_above's cut)."""
+    from draftsmith.eval.decode.drafters.dgf import DGFDrafter
+
+    model, fitted = fitted_dgf
+    for seed in range(3):
+        context = torch.randint(0, 96, (10,), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            features = model(context[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+        trees = []
+        for prior in (None, CandidatePrior(None, 0.2, 1.0)):
+            drafter = DGFDrafter(fitted, depth=4, topk=topk, budget=budget, keep_above=keep_above, prior=prior)
+            drafter.begin(context)
+            drafter.observe(context[:-1], {-1: features})
+            if prior is not None:
+                prior.extend([95] * 3)  # nothing the candidates can meet: every gain 0
+                drafter.prior.extend = lambda tokens: None
+            trees.append(drafter.propose(int(context[-1]), context, None, None))
+        assert sorted(paths(trees[0])) == sorted(paths(trees[1]))
+
+
+def test_the_feature_drafter_option_builds_its_context_prior(tmp_path):
+    from draftsmith.models.artifacts import save_dgf
+    from test_dgf import make_drafter
+
+    model = tiny_model("llama")
+    target = TargetModel(model, TinyTokenizer(VOCAB))
+    save_dgf(make_drafter(model), tmp_path / "d", target_block(target, "t", [-1]))
+    drafter = build_spec(f"dgf:path={tmp_path / 'd'},depth=3,topk=2,budget=4,context_weight=0.5", target)
+    assert drafter.prior.context_weight == 0.5 and drafter.prior.ngrams is None
+    assert build_spec(f"dgf:path={tmp_path / 'd'},depth=3,topk=2,budget=4", target).prior is None

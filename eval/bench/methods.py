@@ -277,6 +277,10 @@ class MedusaOptions:
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
 
 
+CONTEXT_WEIGHT_HELP = ("greedy: re-rank each node's candidates by the request's own pairs and triples after its token, "
+                       "with this weight on log(1 + count) (0: off)")
+
+
 @dataclass
 class DFlashOptions:
     path: str = option(help="a train/dflash.py final/ (or snapshot) directory")
@@ -297,8 +301,7 @@ class DFlashOptions:
                                      "position's top candidates re-ranked given the node's token and its parent's")
     prior_weight: float | None = option(None, f"the prior's weight on its log-probability (null: {PRIOR_WEIGHT})",
                                         gt=0)
-    context_weight: float = option(0.0, "greedy: re-rank by the request's own pairs and triples too, with this "
-                                        "weight on log(1 + count) (0: off)", ge=0)
+    context_weight: float = option(0.0, CONTEXT_WEIGHT_HELP, ge=0)
 
 
 @dataclass
@@ -313,6 +316,7 @@ class DGFOptions:
     keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
+    context_weight: float = option(0.0, CONTEXT_WEIGHT_HELP, ge=0)
 
 
 @dataclass
@@ -465,6 +469,11 @@ def dflash_prior(o: DFlashOptions, label: str) -> CandidatePrior | None:
     return CandidatePrior(ngrams, PRIOR_WEIGHT if o.prior_weight is None else o.prior_weight, o.context_weight)
 
 
+def context_prior(context_weight: float) -> CandidatePrior | None:
+    """A feature drafter's re-ranking by the request's own tokens (None: its own ranking)."""
+    return CandidatePrior(None, PRIOR_WEIGHT, context_weight) if context_weight else None
+
+
 def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
@@ -482,11 +491,12 @@ def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     if key in ctx.models:  # the same drafter in another tree shape: one model, one engine per run
         depth, topk, budget = drafter_tree(path, o.depth, o.topk, o.budget)
         return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label, o.stop_below,
-                                          o.keep_above), spec.label)
+                                          o.keep_above, context_prior(o.context_weight)), spec.label)
     drafter = ctx.models[key] = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget,
                                                  name=spec.label, backend=ctx.backend,
                                                  settings=drafter_settings(spec, ctx), stop_below=o.stop_below,
-                                                 dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above)
+                                                 dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above,
+                                                 prior=context_prior(o.context_weight))
     ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)
 

@@ -33,7 +33,7 @@ import torch
 from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
                                                  confident_nodes, confident_subtree, refuse_sampled_trim,
                                                  static_tree_tokens)
-from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior
+from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, reranked
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 
 from draftsmith.models.artifacts import load_dflash
@@ -187,13 +187,11 @@ class DFlashDrafter(Drafter):
         floor = -math.inf if self.stop_below is None else math.log(self.stop_below)
         for depth in range(1, self.budget + 1):
             children = []
+            row, tokens_here = values[depth - 1], candidates[depth - 1]
             for index, (node, before, last, base) in enumerate(frontier):
-                level = [q + gain for q, gain in zip(values[depth - 1], self.prior.scores(depth, before, last,
-                                                                                        candidates[depth - 1]))]
-                top = max(level)
-                norm = top + math.log(sum(math.exp(score - top) for score in level)) - shares[depth - 1]
-                best = sorted(range(len(level)), key=level.__getitem__, reverse=True)[:self.topk]
-                children += [(base + level[rank] - norm, index, candidates[depth - 1][rank]) for rank in best]
+                gains = self.prior.scores(depth, before, last, tokens_here)
+                children += [(base + logp, index, token) for logp, token in reranked(row, tokens_here, gains,
+                                                                                      shares[depth - 1], self.topk)]
             if self.nodes is not None:  # the `nodes` best paths never need a node outside its level's best
                 children = sorted(children, key=lambda child: -child[0])[:self.nodes]
             grown = []

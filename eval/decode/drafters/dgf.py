@@ -22,6 +22,9 @@ sampling: the same expansion order, but each expanded node draws its children fr
 trees cap depth and top-k at g (exact: no node beyond them can be among the g kept). A greedy tree of top-k 1
 is a chain: it is drafted by causal steps without the tree bookkeeping (the same nodes, scores and drafter
 inputs, bit for bit: each node sees the cache and the chain before it, which is causal attention).
+With a `prior` (greedy; eval/decode/drafters/prior.py: the request's own pairs and triples, `context_weight`) each
+expanded node's children are its top candidates re-ranked given its token and its parent's; a chain then grows as a
+tree of top-k 1.
 The decoder verifies every proposal, so the output is the target's whatever the drafter says.
 """
 
@@ -33,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
-                                                  confident_nodes, draw_children, refuse_sampled_trim)
+from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, InputError, Sampling, check_open_unit,
+                                                  check_sizes, confident_nodes, draw_children, refuse_sampled_trim)
+from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, reranked
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
 from draftsmith.models.compiled import CompileSettings
@@ -56,7 +60,7 @@ def target_ids(vocab: DraftVocab | None, ids: torch.Tensor) -> torch.Tensor:
 class DGFDrafter(Drafter):
     def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
                  name: str | None = None, engine=None, stop_below: float | None = None,
-                 keep_above: float | None = None):
+                 keep_above: float | None = None, prior: CandidatePrior | None = None):
         check_sizes(name or "dgf", depth=depth, topk=topk, budget=budget)
         check_open_unit(name or "dgf", "stop_below", stop_below)
         check_open_unit(name or "dgf", "keep_above", keep_above)
@@ -66,6 +70,7 @@ class DGFDrafter(Drafter):
         self.model = model.eval()
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
         self.depth, self.topk, self.budget = depth, topk, budget
+        self.prior = prior
         self.cap_at_budget = True  # greedy: cap depth and top-k at g (same tree; False only for tests)
         self.chain_steps = True  # greedy top-k 1: causal steps, no tree bookkeeping (same tree; False: tests, A/Bs)
         self.hidden_layers = tuple(model.config.layers_read)
@@ -86,6 +91,8 @@ class DGFDrafter(Drafter):
     def begin(self, prompt_ids):
         self.cache = self.engine.new_cache()
         self.features, self.num_features, self.fed = [], 0, 0
+        if self.prior is not None:
+            self.prior.begin()
 
     @torch.inference_mode()
     def observe(self, tokens, hidden):
@@ -124,8 +131,13 @@ class DGFDrafter(Drafter):
             self.fed = length - 1
         if (self.root_token if argmax else self.root_logits) is None:
             raise RuntimeError(f"{self.name} proposed twice for one context, once greedy and once sampling")
+        if self.prior is not None:
+            if sampling is not None:
+                raise InputError(f"{self.name}: a prior re-ranks a greedy tree; a sampled node's distribution must "
+                                 "be the drafter's own: drop context_weight or decode greedily")
+            self.prior.extend(context.tolist())
         try:
-            tree = self._tree(self.root_feature, self.root_logits, length, sampling, generator)
+            tree = self._tree(self.root_feature, self.root_logits, length, sampling, generator, context[-2:].tolist())
         finally:
             self.engine.truncate(self.cache, self.fed)  # drop the tree entries
         return tree
@@ -142,16 +154,16 @@ class DGFDrafter(Drafter):
         """Whether a round reads only each drafter step's most likely token: a greedy chain without thresholds
         (stop_below and keep_above read its probabilities)."""
         return (sampling is None and self.chain_steps and self.greedy_shape()[0] == 1 and self.stop_below is None
-                and self.keep_above is None)
+                and self.keep_above is None and self.prior is None)
 
-    def _tree(self, root_feature, root_logits, length, sampling, generator) -> DraftTree:
+    def _tree(self, root_feature, root_logits, length, sampling, generator, history: list[int]) -> DraftTree:
         k, depth = self.greedy_shape() if sampling is None else (self.topk, self.depth)
         if self.reads_argmax_only(sampling):
             return self._argmax_chain(root_feature, self.root_token, depth)
-        if sampling is None and k == 1 and self.chain_steps:
+        if sampling is None and k == 1 and self.chain_steps and self.prior is None:
             return self._chain(root_feature, root_logits, depth)
         refuse_sampled_trim(self.name, self.keep_above, sampling)
-        growth = Growth(self.device, root_feature, self.budget, self.vocab)
+        growth = Growth(self.device, root_feature, self.budget, self.vocab, self.prior, history)
         if sampling is None:
             growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], [0.0], k)
         else:
@@ -219,8 +231,10 @@ class Growth:
     values, summed as the drafter's float32 log-probabilities would be (a float32 sum computed in float64 and rounded
     is the float32 sum)."""
 
-    def __init__(self, device: torch.device, root_feature: torch.Tensor, budget: int, vocab: DraftVocab | None = None):
+    def __init__(self, device: torch.device, root_feature: torch.Tensor, budget: int, vocab: DraftVocab | None = None,
+                 prior: CandidatePrior | None = None, history: list[int] | None = None):
         self.device, self.vocab = device, vocab  # vocab: logits score a draft vocabulary (ids mapped here)
+        self.prior, self.history = prior, history  # greedy re-ranking; history: the token before the root, the root
         self.tokens: list[int] = []  # every node's token (target ids), level after level
         self.parents: list[int] = []  # every node's parent node (-1 = root)
         self.depths: list[int] = []
@@ -248,12 +262,37 @@ class Growth:
         self.depths += [1 if parent < 0 else self.depths[parent] + 1 for parent in parents]
 
     def greedy_children(self, nodes: list[int], logp: torch.Tensor, base: list[float], k: int) -> None:
-        """The top-k children of each node (logp (n, V) its next-token log-probs, base its score)."""
+        """The top-k children of each node (logp (n, V) its next-token log-probs, base its score); with a prior,
+        the top-k of its re-ranked candidates."""
+        if self.prior is not None:
+            return self._reranked_children(nodes, logp, base, k)
         top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # (n, k)
         width, values = top.indices.shape[1], top.values.tolist()
         self.add_level(target_ids(self.vocab, top.indices.reshape(-1)).tolist(),
                        [node for node in nodes for _ in range(width)],
                        [score + value for score, row in zip(base, values) for value in row])
+
+    def _reranked_children(self, nodes: list[int], logp: torch.Tensor, base: list[float], k: int) -> None:
+        top = torch.topk(logp, min(CANDIDATES, logp.shape[-1]), dim=-1)
+        shares = torch.logsumexp(top.values, -1).tolist()  # logp is normalized: the candidates' share of q
+        values, candidates = top.values.double().tolist(), target_ids(self.vocab, top.indices).tolist()
+        tokens, parents, scores = [], [], []
+        for row, node in enumerate(nodes):
+            before, last = self._two_tokens(node)
+            depth = 1 if node < 0 else self.depths[node] + 1
+            gains = self.prior.scores(depth, before, last, candidates[row])
+            for logp_child, token in reranked(values[row], candidates[row], gains, shares[row], k):
+                tokens.append(token)
+                parents.append(node)
+                scores.append(base[row] + logp_child)
+        self.add_level(tokens, parents, scores)
+
+    def _two_tokens(self, node: int) -> tuple[int, int]:
+        """(the token before a node's, the node's own): the root is node -1."""
+        if node < 0:
+            return self.history[0], self.history[-1]
+        parent = self.parents[node]
+        return (self.tokens[parent] if parent >= 0 else self.history[-1]), self.tokens[node]
 
     def sampled_children(self, nodes: list[int], logits: torch.Tensor, base: list[float], k: int,
                          sampling: Sampling, generator) -> None:
@@ -305,11 +344,12 @@ class Growth:
 
 
 def same_weights(drafter: DGFDrafter, depth: int, topk: int, budget: int, name: str | None = None,
-                 stop_below: float | None = None, keep_above: float | None = None) -> DGFDrafter:
+                 stop_below: float | None = None, keep_above: float | None = None,
+                 prior: CandidatePrior | None = None) -> DGFDrafter:
     """Another tree shape over `drafter`'s model and engine (a bench comparing shapes holds one copy of the
     weights and, compiled, one package: the engine keeps no decode state, each drafter its own cache)."""
     return DGFDrafter(drafter.model, depth=depth, topk=topk, budget=budget, name=name, engine=drafter.engine,
-                      stop_below=stop_below, keep_above=keep_above)
+                      stop_below=stop_below, keep_above=keep_above, prior=prior)
 
 
 def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = None,
@@ -326,7 +366,8 @@ def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = 
 def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: int | None = None,
                      budget: int | None = None, name: str | None = None, backend: Backend = Backend.EAGER,
                      settings: CompileSettings | None = None, stop_below: float | None = None,
-                     dtype: torch.dtype | None = None, keep_above: float | None = None) -> DGFDrafter:
+                     dtype: torch.dtype | None = None, keep_above: float | None = None,
+                     prior: CandidatePrior | None = None) -> DGFDrafter:
     """A DGFDrafter for `target` from a recipe's final/ directory or a dgf-layout export (refuses another
     target's drafter); tree shape as `drafter_tree`. The drafter runs in `dtype` (default: the target's) on the
     target's device, on the `backend` engine."""
@@ -334,4 +375,4 @@ def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: i
     engine = make_engine(model.eval(), backend, settings)
     depth, topk, budget = drafter_tree(path, depth, topk, budget)
     return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine,
-                      stop_below=stop_below, keep_above=keep_above)
+                      stop_below=stop_below, keep_above=keep_above, prior=prior)

@@ -64,3 +64,15 @@ class CandidatePrior:
                     followed = triples.get((before, last, token), 0)
                     out[column] += self.context_weight * (math.log1p(seen) + math.log1p(followed))
         return out
+
+
+def reranked(log_q: list[float], candidates: list[int], gains: list[float], share: float,
+             k: int) -> list[tuple[float, int]]:
+    """The k best of a node's candidates by log q + gain, as (log-probability, token), best first: q times the gains'
+    factors renormalized over the candidates and scaled to `share`, the log of the candidates' total probability
+    under q (so keep_above and stop_below cut a re-ranked tree as they cut the drafter's own)."""
+    level = [q + gain for q, gain in zip(log_q, gains)]
+    top = max(level)
+    norm = top + math.log(sum(math.exp(score - top) for score in level)) - share
+    best = sorted(range(len(level)), key=level.__getitem__, reverse=True)[:k]
+    return [(level[index] - norm, candidates[index]) for index in best]
