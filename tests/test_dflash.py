@@ -15,7 +15,7 @@ from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.base import InputError, confident_subtree, static_tree_tokens
 from draftsmith.eval.decode.drafters.dflash import DFlashDrafter, load_dflash_drafter
-from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.eval.decode.tree import DraftTree, path_to_root
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.compiled_dflash import CompiledDFlashEngine
 from draftsmith.models.artifacts import load_dflash, save_dflash, store_in_bfloat16, target_block
@@ -33,6 +33,12 @@ def random_drafter(model, layers=(0, 2), block=4, seed=3) -> DFlashModel:
     config = DFlashConfig.from_target(model.config, num_layers=2, block_size=block, target_layer_ids=list(layers),
                                       mask_token_id=model.config.vocab_size - 1)
     return DFlashModel(config).attach_target(model).eval()
+
+
+def token_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root's child down to it, in node order."""
+    tokens = tree.tokens.tolist()
+    return [tuple(tokens[at] for at in path_to_root(tree.parents, node)) for node in range(tree.size)]
 
 
 def target_features(model, ids, drafter: DFlashModel) -> torch.Tensor:
@@ -241,14 +247,7 @@ def test_the_product_tree_keeps_the_most_probable_paths(nodes, keep_above):
         if keep_above is not None:
             best = best[:max(1, sum(p > keep_above for p in scored.values()))]
         tree = drafter._greedy_tree(probs, torch.device("cpu"))
-        paths = set()
-        for node in range(tree.size):
-            path, at = [], node
-            while at >= 0:
-                path.append(int(tree.tokens[at]))
-                at = int(tree.parents[at])
-            paths.add(tuple(reversed(path)))
-        assert paths == set(best[:nodes])
+        assert set(token_paths(tree)) == set(best[:nodes])
 
 
 @pytest.fixture(scope="module")

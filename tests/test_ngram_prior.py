@@ -18,7 +18,7 @@ from draftsmith.eval.decode.drafters.prior import CandidatePrior
 from draftsmith.models.artifacts import save_dflash, target_block
 from draftsmith.models.target import TargetModel
 from draftsmith.models.tiny import TinyTokenizer
-from test_dflash import random_drafter
+from test_dflash import random_drafter, token_paths
 
 VOCAB = 96
 
@@ -115,19 +115,8 @@ def test_a_prior_of_no_weight_grows_the_drafters_own_chain_and_trees(topk, nodes
         if topk == 1:
             assert tree.tokens.tolist() == logits.argmax(-1).tolist() and tree.parents.tolist() == [-1, 0, 1]
         else:
-            assert sorted(paths(tree)) == sorted(paths(own._greedy_tree(torch.softmax(logits, -1),
-                                                                        torch.device("cpu"))))
-
-
-def paths(tree) -> list[tuple[int, ...]]:
-    out = []
-    for node in range(tree.size):
-        path, at = [], node
-        while at >= 0:
-            path.append(int(tree.tokens[at]))
-            at = int(tree.parents[at])
-        out.append(tuple(reversed(path)))
-    return out
+            expected = own._greedy_tree(torch.softmax(logits, -1), torch.device("cpu"))
+            assert sorted(token_paths(tree)) == sorted(token_paths(expected))
 
 
 @pytest.mark.parametrize("topk, nodes, keep_above, stop_below", [(1, None, None, None), (3, None, 0.05, None),
@@ -193,10 +182,9 @@ def test_the_feature_drafter_re_ranked_by_the_context_decodes_like_plain(fitted_
 
 
 @pytest.mark.parametrize("topk, budget, keep_above", [(1, 4, None), (3, 6, None), (3, 8, 0.05)])
-def test_a_context_prior_with_nothing_counted_grows_the_feature_drafters_own_tree(fitted_dgf, topk, budget,
-                                                                                  keep_above):
-    """Re-ranking keeps the candidates' share of the drafter's probability: with no pair of the context among the
-    candidates, the tree is the drafter's own (tokens, shape and keep_above's cut)."""
+def test_a_prior_with_nothing_to_add_grows_the_feature_drafters_own_tree(fitted_dgf, topk, budget, keep_above):
+    """Re-ranking keeps the candidates' share of the drafter's probability: with every gain 0, the tree grown
+    through the re-ranking is the drafter's own (tokens, shape and keep_above's cut)."""
     from draftsmith.eval.decode.drafters.dgf import DGFDrafter
 
     model, fitted = fitted_dgf
@@ -205,15 +193,12 @@ def test_a_context_prior_with_nothing_counted_grows_the_feature_drafters_own_tre
         with torch.no_grad():
             features = model(context[None, :-1], output_hidden_states=True).hidden_states[-1][0]
         trees = []
-        for prior in (None, CandidatePrior(None, 0.2, 1.0)):
+        for prior in (None, CandidatePrior(None, 0.2, 0.0)):
             drafter = DGFDrafter(fitted, depth=4, topk=topk, budget=budget, keep_above=keep_above, prior=prior)
             drafter.begin(context)
             drafter.observe(context[:-1], {-1: features})
-            if prior is not None:
-                prior.extend([95] * 3)  # nothing the candidates can meet: every gain 0
-                drafter.prior.extend = lambda tokens: None
             trees.append(drafter.propose(int(context[-1]), context, None, None))
-        assert sorted(paths(trees[0])) == sorted(paths(trees[1]))
+        assert sorted(token_paths(trees[0])) == sorted(token_paths(trees[1]))
 
 
 def test_the_feature_drafter_option_builds_its_context_prior(tmp_path):

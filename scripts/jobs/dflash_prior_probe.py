@@ -22,7 +22,7 @@ import torch
 
 from draftsmith.data.ngram_prior import NgramPrior
 from draftsmith.data.records import collate, load_records, split_heldout
-from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior
+from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, reranked
 from draftsmith.models.artifacts import load_dflash
 from draftsmith.models.target import TargetModel
 from draftsmith.train.dflash import anchor_positions, block_targets
@@ -53,8 +53,7 @@ def chain(prior: CandidatePrior, values: list, candidates: list, before: int, la
     out = []
     for depth in range(1, len(values) + 1):
         gains = prior.scores(depth, before, last, candidates[depth - 1])
-        level = [q + gain for q, gain in zip(values[depth - 1], gains)]
-        token = candidates[depth - 1][max(range(len(level)), key=level.__getitem__)]
+        token = reranked(values[depth - 1], candidates[depth - 1], gains, 0.0, 1)[0][1]
         out.append(token)
         before, last = last, token
     return out

@@ -33,7 +33,7 @@ import torch
 from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
                                                  confident_nodes, confident_subtree, refuse_sampled_trim,
                                                  static_tree_tokens)
-from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, reranked
+from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, refuse_sampled_prior, reranked
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 
 from draftsmith.models.artifacts import load_dflash
@@ -122,9 +122,7 @@ class DFlashDrafter(Drafter):
         if sampling is not None and self.nodes is not None:
             raise InputError(f"{self.name}: nodes={self.nodes} cuts a greedy tree by the drafter's probabilities; a "
                             "sampled tree keeps every drawn node: drop nodes or decode greedily")
-        if sampling is not None and self.prior is not None:
-            raise InputError(f"{self.name}: a prior re-ranks a greedy tree; a sampled node's distribution must be "
-                             "the drafter's own: drop the prior or decode greedily")
+        refuse_sampled_prior(self.name, self.prior, sampling, "drop the prior")
         logits = self.block_logits(root)
         if self.prior is not None:
             return self._prior_tree(logits, context)
@@ -180,8 +178,8 @@ class DFlashDrafter(Drafter):
         # the candidates' share of q: the re-ranked probabilities keep it, so keep_above reads as without a prior
         shares = (torch.logsumexp(values, -1) - torch.logsumexp(logits, -1)).double().tolist()
         values, candidates = values.double().tolist(), self._to_target(indices).tolist()
-        self.prior.extend(context.tolist())
-        history = context[-2:].tolist()
+        self.prior.extend(context)
+        history = self.prior.tokens[-2:]
         frontier = [(-1, history[0], history[-1], 0.0)]  # (node, its parent's token, its own, path log-probability)
         tokens, parents, depths, scores = [], [], [], []
         floor = -math.inf if self.stop_below is None else math.log(self.stop_below)

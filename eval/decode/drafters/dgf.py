@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, InputError, Sampling, check_open_unit,
-                                                  check_sizes, confident_nodes, draw_children, refuse_sampled_trim)
-from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, reranked
+from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
+                                                  confident_nodes, draw_children, refuse_sampled_trim)
+from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, refuse_sampled_prior, reranked
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
 from draftsmith.models.compiled import CompileSettings
@@ -132,12 +132,10 @@ class DGFDrafter(Drafter):
         if (self.root_token if argmax else self.root_logits) is None:
             raise RuntimeError(f"{self.name} proposed twice for one context, once greedy and once sampling")
         if self.prior is not None:
-            if sampling is not None:
-                raise InputError(f"{self.name}: a prior re-ranks a greedy tree; a sampled node's distribution must "
-                                 "be the drafter's own: drop context_weight or decode greedily")
-            self.prior.extend(context.tolist())
+            refuse_sampled_prior(self.name, self.prior, sampling, "drop context_weight")
+            self.prior.extend(context)
         try:
-            tree = self._tree(self.root_feature, self.root_logits, length, sampling, generator, context[-2:].tolist())
+            tree = self._tree(self.root_feature, self.root_logits, length, sampling, generator)
         finally:
             self.engine.truncate(self.cache, self.fed)  # drop the tree entries
         return tree
@@ -156,14 +154,14 @@ class DGFDrafter(Drafter):
         return (sampling is None and self.chain_steps and self.greedy_shape()[0] == 1 and self.stop_below is None
                 and self.keep_above is None and self.prior is None)
 
-    def _tree(self, root_feature, root_logits, length, sampling, generator, history: list[int]) -> DraftTree:
+    def _tree(self, root_feature, root_logits, length, sampling, generator) -> DraftTree:
         k, depth = self.greedy_shape() if sampling is None else (self.topk, self.depth)
         if self.reads_argmax_only(sampling):
             return self._argmax_chain(root_feature, self.root_token, depth)
         if sampling is None and k == 1 and self.chain_steps and self.prior is None:
             return self._chain(root_feature, root_logits, depth)
         refuse_sampled_trim(self.name, self.keep_above, sampling)
-        growth = Growth(self.device, root_feature, self.budget, self.vocab, self.prior, history)
+        growth = Growth(self.device, root_feature, self.budget, self.vocab, self.prior)
         if sampling is None:
             growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], [0.0], k)
         else:
@@ -232,9 +230,9 @@ class Growth:
     is the float32 sum)."""
 
     def __init__(self, device: torch.device, root_feature: torch.Tensor, budget: int, vocab: DraftVocab | None = None,
-                 prior: CandidatePrior | None = None, history: list[int] | None = None):
+                 prior: CandidatePrior | None = None):
         self.device, self.vocab = device, vocab  # vocab: logits score a draft vocabulary (ids mapped here)
-        self.prior, self.history = prior, history  # greedy re-ranking; history: the token before the root, the root
+        self.prior = prior  # greedy re-ranking; its counted tokens end with the root
         self.tokens: list[int] = []  # every node's token (target ids), level after level
         self.parents: list[int] = []  # every node's parent node (-1 = root)
         self.depths: list[int] = []
@@ -289,10 +287,11 @@ class Growth:
 
     def _two_tokens(self, node: int) -> tuple[int, int]:
         """(the token before a node's, the node's own): the root is node -1."""
+        history = self.prior.tokens[-2:]  # the token before the root, the root
         if node < 0:
-            return self.history[0], self.history[-1]
+            return history[0], history[-1]
         parent = self.parents[node]
-        return (self.tokens[parent] if parent >= 0 else self.history[-1]), self.tokens[node]
+        return (self.tokens[parent] if parent >= 0 else history[-1]), self.tokens[node]
 
     def sampled_children(self, nodes: list[int], logits: torch.Tensor, base: list[float], k: int,
                          sampling: Sampling, generator) -> None:

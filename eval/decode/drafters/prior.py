@@ -16,11 +16,13 @@ as the path's. Any proposal is verified, so the output is the target's whatever 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
-import math
+import torch
 
 from draftsmith.data.ngram_prior import NgramPrior
+from draftsmith.eval.decode.drafters.base import InputError
 
 PRIOR_WEIGHT = 0.2  # the probe's best on held-out answers (results/drafter_families_epyc_avx2/dflash_prior)
 CANDIDATES = 10  # each block position's top candidates re-ranked
@@ -37,11 +39,14 @@ class CandidatePrior:
         self.pairs: Counter = Counter()
         self.triples: Counter = Counter()
 
-    def extend(self, context: list[int]) -> None:
-        """Count the committed tokens not yet counted (`context`: the request's tokens so far, root last)."""
+    def extend(self, context: torch.Tensor | list[int]) -> None:
+        """Count the committed tokens not yet counted (`context`: the request's tokens so far, root last; only
+        the new ones are read, so a round costs its few tokens, not the whole context). After it, `tokens[-2:]` are
+        the token before the root and the root."""
         if len(context) < len(self.tokens):
             self.begin()
-        for token in context[len(self.tokens):]:
+        new = context[len(self.tokens):]
+        for token in (new.tolist() if isinstance(new, torch.Tensor) else new):
             tokens = self.tokens
             if tokens:
                 self.pairs[tokens[-1], token] += 1
@@ -64,6 +69,13 @@ class CandidatePrior:
                     followed = triples.get((before, last, token), 0)
                     out[column] += self.context_weight * (math.log1p(seen) + math.log1p(followed))
         return out
+
+
+def refuse_sampled_prior(name: str, prior: CandidatePrior | None, sampling, remedy: str) -> None:
+    """A prior re-ranks greedy trees only: a sampled node's distribution must be the drafter's own."""
+    if sampling is not None and prior is not None:
+        raise InputError(f"{name}: a prior re-ranks a greedy tree; a sampled node's distribution must be the "
+                         f"drafter's own: {remedy} or decode greedily")
 
 
 def reranked(log_q: list[float], candidates: list[int], gains: list[float], share: float,
