@@ -470,8 +470,8 @@ def dflash_prior(o: DFlashOptions, label: str) -> CandidatePrior | None:
 
 
 def context_prior(context_weight: float) -> CandidatePrior | None:
-    """A feature drafter's re-ranking by the request's own tokens (None: its own ranking)."""
-    return CandidatePrior(None, PRIOR_WEIGHT, context_weight) if context_weight else None
+    """A feature drafter's re-ranking by the request's own tokens only (no trained prior; None: its own ranking)."""
+    return CandidatePrior(None, 0.0, context_weight) if context_weight else None
 
 
 def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
