@@ -15,6 +15,8 @@
 #           An H200 under bf16 autocast: DFlash ~37k loss tokens/s, the student ~25k (the full target's forward,
 #           the teacher, dominates its step: autocast gains it nothing).
 #           MIXED_PRECISION=bf16: the forwards under autocast (accelerate's mixed precision), AdamW in fp32.
+#           medusa1 in FAMILIES: Medusa-1 on from its resume point (drafters/medusa1_smollm2_human/resume, in
+#           .dev/c4) for MEDUSA1_S seconds toward its 40M snapshot, packed in float32 (the heads are 4 MB).
 #
 # A call carries at most 64 MiB with the tracked tree, so drafters/ and results/ leave the index for the calls
 # (`slim`; `unpack` puts them back) and the GGUF travels in three parts, one call each, on one warm machine:
@@ -43,12 +45,12 @@ CONFIG=train/configs/medusa_smollm2_curve.yaml
 # that takes a long run's resume point to the device
 declare -A KEEPS=([medusa1]=drafters/medusa1_smollm2_human [medusa2]=drafters/medusa2_smollm2_human
                   [dflash]=drafters/dflash_smollm2_human_long [student]=drafters/student6_smollm2_human_long)
-declare -A RESUME_CARRIES=([dflash]=.dev/c4 [student]=.dev/c5)
+declare -A RESUME_CARRIES=([dflash]=.dev/c4 [medusa1]=.dev/c4 [student]=.dev/c5)  # DFlash's run is complete (40M)
 DFLASH_S=${DFLASH_S:-280}  # wall-clock budget of the DFlash drafter (SIGTERM then saves a checkpoint)
 DFLASH_AT=${DFLASH_AT:-[250000,1000000,4000000,10000000,20000000,40000000]}
 STUDENT_S=${STUDENT_S:-220}  # of the distilled student (6 of the 30 layers, lean bf16 snapshots)
 STUDENT_AT=${STUDENT_AT:-[250000,1000000,4000000,10000000,20000000,40000000]}
-FAMILIES=${FAMILIES:-dflash student}  # the blocks stage's runs, in order
+FAMILIES=${FAMILIES:-dflash student}  # the blocks stage's runs, in order (medusa1: Medusa-1 on from its resume point)
 MIXED_PRECISION=${MIXED_PRECISION:-no}  # bf16: accelerate's autocast around the forwards (AdamW's state fp32)
 DEVICE=${DEVICE:-cuda}
 MEDUSA1_S=${MEDUSA1_S:-330}  # wall-clock budget of Medusa-1; SIGTERM then saves a checkpoint
@@ -104,15 +106,16 @@ bf16_snapshots() {  # run $1's snapshots named by the rest, weights rounded to b
   for snap in "$@"; do (cd /tmp && python3 -m draftsmith.models.artifacts to_bfloat16 "$OLDPWD/$run/snapshots/$snap"); done
 }
 
-pack_family() {  # run $1 -> $STATE/packs/$2.tar.gz.*: a lean bf16 resume point, every snapshot's held-out
-  # figures, the metrics and log, and the newest $3 snapshots (bf16); `deliver` moves it into $OUT
-  local run=$1 name=$2 count=$3 newest snaps snap keep=(metrics.jsonl train_config.yaml train.log)
+pack_family() {  # run $1 -> $STATE/packs/$2.tar.gz.*: a lean resume point, every snapshot's held-out figures, the
+  # metrics and log, and the newest $3 snapshots, weights in bf16 (a 4th argument float32: as trained, for runs as
+  # small as Medusa's heads); `deliver` moves it into $OUT
+  local run=$1 name=$2 count=$3 dtype=${4:-bfloat16} newest snaps snap keep=(metrics.jsonl train_config.yaml train.log)
   newest=$(newest_numbered "$run"/checkpoints/step_*)
   [ -z "$newest" ] || (cd /tmp && python3 -m draftsmith.train.checkpoints lean "$OLDPWD/$newest" "$OLDPWD/$run/resume" \
-    bfloat16 > /dev/null)
+    "$dtype" > /dev/null)
   [ -d "$run/resume" ] && keep+=(resume)
   snaps=$(snapshot_names "$run" "$count")
-  bf16_snapshots "$run" $snaps
+  [ "$dtype" = float32 ] || bf16_snapshots "$run" $snaps
   for snap in $snaps; do keep+=("snapshots/$snap"); done
   for snap in $(snapshot_names "$run"); do
     [[ " $snaps " == *" $snap "* ]] || keep+=("snapshots/$snap/snapshot.json")
@@ -174,7 +177,8 @@ train)
   pack_run outputs/medusa2 medusa2
   ls -la "$OUT"
   ;;
-blocks)  # the runs FAMILIES names (dflash, student), each on from its resume point, each packed as it stops
+blocks)  # the runs FAMILIES names (dflash, student, medusa1), each on from its resume point, each packed as it stops
+  device_yaml "$CONFIG" "$STATE/medusa.yaml"
   device_yaml train/configs/dflash_smollm2_curve.yaml "$STATE/dflash.yaml"
   device_yaml train/configs/distill_smollm2_curve.yaml "$STATE/student.yaml"
   stage_inputs
@@ -185,7 +189,10 @@ blocks)  # the runs FAMILIES names (dflash, student), each on from its resume po
     student) run_recipe student "$STUDENT_S" train/distill.py "$STATE/student.yaml" \
                "train.snapshots_at_loss_tokens=$STUDENT_AT" export.lean=true export.dtype=bfloat16 train.checkpoint_every=100000
              pack_family outputs/student student 0; deliver ;;  # its snapshot (42 MB) by snapshots_out
-    *) echo "error: FAMILIES: unknown run $family (dflash student)" >&2; exit 2 ;;
+    medusa1) run_recipe medusa1 "$MEDUSA1_S" train/medusa.py "$STATE/medusa.yaml" \
+               "train.snapshots_at_loss_tokens=$MEDUSA1_AT" train.checkpoint_every=500
+             pack_family outputs/medusa1 medusa1 1 float32; deliver ;;
+    *) echo "error: FAMILIES: unknown run $family (dflash student medusa1)" >&2; exit 2 ;;
     esac
   done
   ls -la "$OUT"
