@@ -97,6 +97,11 @@ run_recipe() {  # NAME SECONDS RECIPE CONFIG [key=value ...]: outputs/NAME train
   cp "outputs/$name.log" "outputs/$name/train.log"
 }
 
+train_medusa1() {  # Medusa-1 (train and blocks): on from its resume point where one is staged, until done or SIGTERM
+  run_recipe medusa1 "$MEDUSA1_S" train/medusa.py "$STATE/medusa.yaml" "train.snapshots_at_loss_tokens=$MEDUSA1_AT" \
+    train.checkpoint_every=500
+}
+
 snapshot_names() {  # run $1's snapshot folders by name, in token order; the newest $2 of them (all when unset)
   by_number "$1"/snapshots/loss_tokens_* | tail -n "${2:-+1}" | xargs -r -n1 basename
 }
@@ -146,7 +151,7 @@ payload)
     --max-length 1024)
   cp .dev/curve_records.npz .dev/c3/records.npz
   rm -rf "${RESUME_CARRIES[@]}"
-  for name in "${!RESUME_CARRIES[@]}"; do  # the long runs' committed resume points (bf16 weights): one carry each
+  for name in "${!RESUME_CARRIES[@]}"; do  # the long runs' committed resume points, each into its run's carry
     point=$(newest_numbered "${KEEPS[$name]}"/resume/step_*)
     carry=${RESUME_CARRIES[$name]}
     [ -z "$point" ] || { mkdir -p "$carry/${name}_resume" && cp -r "$point" "$carry/${name}_resume/"; }
@@ -156,7 +161,7 @@ payload)
 second)  # what this call carries (the GGUF's 2nd part; the long runs' resume points) out of the checkout
   mkdir -p "$STATE"  # (re-synced between calls)
   cp .dev/c2/gguf.part.* "$STATE/" 2>/dev/null || true
-  for carry in "${RESUME_CARRIES[@]}"; do
+  for carry in $(printf '%s\n' "${RESUME_CARRIES[@]}" | sort -u); do  # two runs may share a carry
     for point in "$carry"/*_resume; do [ -d "$point" ] && rm -rf "$STATE/$(basename "$point")" && cp -r "$point" "$STATE/"; done
   done
   ls "$STATE"
@@ -169,8 +174,7 @@ slim)  # the calls' tree under 64 MiB: untracked and ignored (.git/info/exclude)
 train)
   device_yaml "$CONFIG" "$STATE/medusa.yaml"
   stage_inputs
-  run_recipe medusa1 "$MEDUSA1_S" train/medusa.py "$STATE/medusa.yaml" "train.snapshots_at_loss_tokens=$MEDUSA1_AT" \
-    train.checkpoint_every=500
+  train_medusa1
   pack_run outputs/medusa1 medusa1
   run_recipe medusa2 "$MEDUSA2_S" train/medusa.py "$STATE/medusa.yaml" medusa2.enabled=true \
     "train.snapshots_at_loss_tokens=$MEDUSA2_AT" train.checkpoint_every=500
@@ -189,8 +193,7 @@ blocks)  # the runs FAMILIES names (dflash, student, medusa1), each on from its 
     student) run_recipe student "$STUDENT_S" train/distill.py "$STATE/student.yaml" \
                "train.snapshots_at_loss_tokens=$STUDENT_AT" export.lean=true export.dtype=bfloat16 train.checkpoint_every=100000
              pack_family outputs/student student 0; deliver ;;  # its snapshot (42 MB) by snapshots_out
-    medusa1) run_recipe medusa1 "$MEDUSA1_S" train/medusa.py "$STATE/medusa.yaml" \
-               "train.snapshots_at_loss_tokens=$MEDUSA1_AT" train.checkpoint_every=500
+    medusa1) train_medusa1
              pack_family outputs/medusa1 medusa1 1 float32; deliver ;;
     *) echo "error: FAMILIES: unknown run $family (dflash student medusa1)" >&2; exit 2 ;;
     esac
