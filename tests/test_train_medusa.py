@@ -195,6 +195,21 @@ def test_resume_continues_exactly(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "cut" / "checkpoints")] == ["step_6", "step_8"]
 
 
+def test_skip_samples_starts_the_data_stream_further_in(tmp_path, monkeypatch):
+    """data.skip_samples: a continuation (init_from) trains on the records after those its snapshot saw."""
+    import draftsmith.train.runtime as runtime
+
+    positions = []
+
+    def recording(num_records, samples_seen, count, *args, **kwargs):
+        positions.append(samples_seen)
+        return batch_indices(num_records, samples_seen, count, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "batch_indices", recording)
+    main(tiny_cfg(tmp_path / "run", "train.max_steps=3", "train.batch_size=2", "data.skip_samples=6"))
+    assert positions == [6, 8, 10]
+
+
 def test_frozen_lm_heads_train_resblocks_only_and_resume(tmp_path):
     """heads.train_lm_head=false: the LM heads stay the target's, ResBlocks learn, resume is exact."""
     extra = ["heads.train_lm_head=false", "train.max_steps=4", "train.checkpoint_every=2", "optim.lr=0.05"]

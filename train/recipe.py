@@ -40,6 +40,9 @@ class DataConfig:
     seed: int = option(0, "seed of the held-out split and the shuffling")
     group_by_length: int = option(0, "records per window of the shuffled order sorted by length before batching "
                                      "(0: off): less padding, the same data", ge=0)
+    skip_samples: int = option(0, "start the data stream this many samples in (the held-out split unchanged): a run "
+                                  "that continues a finished snapshot (init_from) on the records after those it "
+                                  "trained on", ge=0)
 
 
 class Schedule(TextEnum):

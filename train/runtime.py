@@ -210,7 +210,8 @@ class TrainingRun:
         window = self.cfg.data.group_by_length
         if window and self._lengths is None:
             self._lengths = [len(record["input_ids"]) for record in records]
-        indices = batch_indices(len(records), self.samples_seen, total, self.cfg.data.seed,
+        position = self.cfg.data.skip_samples + self.samples_seen
+        indices = batch_indices(len(records), position, total, self.cfg.data.seed,
                                 self._lengths if window else None, window)
         out = []
         for micro in range(cfg.grad_accum_steps):
