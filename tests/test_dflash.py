@@ -190,6 +190,28 @@ def test_keep_above_trims_a_dflash_tree_and_stays_lossless():
         SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
 
 
+@pytest.mark.parametrize("topk, nodes", [(1, None), (3, None), (3, 6)])
+def test_round_costs_cut_a_dflash_round_and_stay_lossless(topk, nodes):
+    """round_costs (greedy): a verify that costs much more from three tokens on keeps rounds of one node, a flat
+    cost the whole tree; output unchanged either way; a sampled decode refuses them in one line."""
+    model = tiny_model("llama", seed=2, num_layers=4)
+    target = TargetModel(model, tokenizer=None)
+    prompt = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    per_round = {}
+    for costs in ([1.0] + [9.0] * 8, [1.0] * 9):
+        drafter = DFlashDrafter(random_drafter(model), topk=topk, nodes=nodes, round_costs=costs)
+        result = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=24)).generate(prompt)
+        assert result.tokens == plain.tokens
+        per_round[costs[1]] = result.stats.tree_tokens / result.stats.verify_forwards
+    whole = 3 if topk == 1 else 9 if nodes is None else nodes
+    assert per_round[9.0] == 1 and per_round[1.0] == whole
+    with pytest.raises(UserError, match="round_costs"):
+        SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(prompt)
+    with pytest.raises(InputError, match="round_costs"):
+        DFlashDrafter(random_drafter(model), round_costs=[1.0, 0.0])
+
+
 @pytest.mark.parametrize("stop_below, keep_above", [(None, None), (None, 0.02), (0.05, 0.01), (None, 0.3)])
 def test_the_greedy_tree_is_the_static_trees_top_candidates(stop_below, keep_above):
     """The greedy tree from one top-k over the block equals the static tree's construction (each node's token drawn

@@ -306,6 +306,20 @@ def test_keep_above_gives_a_dynamic_size_and_stays_lossless(trained, tmp_path):
         build("keep_above=0")
 
 
+def test_round_costs_cut_a_round_and_stay_lossless(trained, tmp_path):
+    """dgf:...,round_costs=[...]: a verify that costs much more from three tokens on keeps rounds of one node, a
+    flat cost the whole budget (a tree and a chain); greedy output unchanged; a sampled decode refuses them."""
+    steep, flat = "round_costs=[1,9,9,9,9,9,9,9]", "round_costs=[1,1,1,1,1,1,1,1]"
+    tree, chain = "depth=4,topk=2,budget=8", "depth=6,topk=1,budget=6"
+    specs = [f"{shape},{costs}" for shape in (tree, chain) for costs in (steep, flat)]
+    drafted, build, target = lossless_tokens_per_round(trained, tmp_path, 2, *specs)
+    assert drafted[specs[0]] == drafted[specs[2]] == 1
+    assert drafted[specs[1]] == 8 and drafted[specs[3]] == 6
+    with pytest.raises(UserError, match="round_costs"):
+        SpeculativeDecoder(target, build(specs[0]).drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(
+            torch.tensor([[1, 2, 3]]))
+
+
 VOCAB, NEW, TEMPERATURE, SAMPLES = 5, 3, 0.9, 1200
 PROMPT = torch.tensor([[1, 3, 0, 2, 1, 3]])
 

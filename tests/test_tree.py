@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 from draftsmith.eval.decode.tree import (DraftTree, ancestor_matrix, chain_paths, node_depths, path_to_root, select_top_nodes,
                        subtree, tree_attention_mask, tree_from_paths, tree_position_ids)
-from draftsmith.eval.decode.drafters.base import confident_subtree
+from draftsmith.eval.decode.drafters.base import confident_subtree, costs_cut
 from draftsmith.models.engine import commit_kv
 from draftsmith.models.target import TargetModel
 
@@ -64,6 +64,24 @@ def test_confident_subtree_keeps_the_paths_above_the_threshold():
     assert kept.tokens.tolist() == [10, 11, 12, 14] and kept.parents.tolist() == [-1, -1, 0, 2]
     assert confident_subtree(tree, probs, 0.9).tokens.tolist() == [10]  # never empty: the best path's first node
     assert confident_subtree(tree, probs, None) is tree
+
+
+def test_costs_cut_keeps_the_node_count_with_the_most_tokens_per_cost():
+    """A round of n nodes commits 1 + their path probabilities' sum and costs round_costs[n - 1]."""
+    import math
+
+    scores = [math.log(p) for p in (0.8, 0.3, 0.2, 0.1)]
+    assert costs_cut(scores, [1.0, 1.0, 1.0, 1.0]) == 4  # width free: every node
+    assert costs_cut(scores, [1.0, 1.1, 1.2, 1.3]) == 3  # 2.3 / 1.2 beats 2.1 / 1.1 and 2.4 / 1.3
+    assert costs_cut(scores, [1.0, 1.3, 1.35, 1.4]) == 1  # a step at three tokens: 1.8 / 1.0 beats 2.1 / 1.3
+    assert costs_cut(scores, [1.0, 1.1]) == 2  # none beyond the costs given
+    assert costs_cut([math.log(0.01)], [5.0]) == 1  # at least one node
+    tree = DraftTree(torch.arange(10, 15), PARENTS, node_depths(PARENTS))
+    probs = torch.tensor([0.6, 0.3, 0.5, 0.4, 0.9])  # path probabilities 0.6, 0.3, 0.3, 0.12, 0.27
+    kept = confident_subtree(tree, probs, None, [1.0, 1.5, 1.6, 1.7, 1.8])
+    assert kept.tokens.tolist() == [10]  # 1.6 / 1.0 against 1.9 / 1.5, 2.2 / 1.6, 2.47 / 1.7, 2.59 / 1.8
+    kept = confident_subtree(tree, probs, None, [1.0, 1.1, 1.2, 1.3, 1.4])
+    assert kept.tokens.tolist() == [10, 11, 12, 14]  # 2.47 / 1.3 the best rate: the 0.12 path left out
 
 
 def test_validate_rejects_unordered_trees():

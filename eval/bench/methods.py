@@ -262,6 +262,10 @@ class NgramOptions:
     branches: int = option(1, "distinct continuations merged into a trie", ge=1)
 
 
+ROUND_COSTS_HELP = ("dynamic size (greedy): the cost of a round of 1, 2, ... draft nodes on this machine (any unit: its "
+                    "draft and its verify of 2, 3, ... tokens, e.g. a bench's draft_ms_per_round plus its "
+                    "verify_ms_by_width); each round keeps the count of its best nodes that commits the most tokens "
+                    "per cost, counting a node's path probability as its chance (null: off)")
 KEEP_ABOVE_HELP = ("dynamic size (greedy): of the tree's nodes verify only those whose path probability under the "
                    "drafter is above this (null: all of them)")
 
@@ -295,6 +299,7 @@ class DFlashOptions:
                                      "position's k under each of the previous position's k) cut to its `nodes` best "
                                      "by path probability (null: the tree topk describes)", ge=1)
     keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
+    round_costs: list[float] | None = option(None, ROUND_COSTS_HELP, gt=0)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
     prior: str | None = option(None, "greedy: a data.ngram_prior output directory; each node's children are its "
@@ -314,6 +319,7 @@ class DGFOptions:
     stop_below: float | None = option(None, "dynamic depth: no deeper level once the drafter's probability of its "
                                             "best path falls below this (null: always the full depth)", gt=0, lt=1)
     keep_above: float | None = option(None, KEEP_ABOVE_HELP, gt=0, lt=1)
+    round_costs: list[float] | None = option(None, ROUND_COSTS_HELP, gt=0)
     dtype: Literal["float32", "bfloat16"] | None = option(None, DRAFTER_DTYPE_HELP)
     weights: WeightPrecision | None = option(None, DRAFTER_WEIGHTS_HELP)
     context_weight: float = option(0.0, CONTEXT_WEIGHT_HELP, ge=0)
@@ -479,7 +485,7 @@ def build_dflash(spec: MethodSpec, ctx: BuildContext) -> Method:
     drafter = load_dflash_drafter(o.path, ctx.target, budget=o.budget, name=spec.label, stop_below=o.stop_below,
                                   vocab=ctx.vocab(o.vocab), backend=ctx.backend, settings=drafter_settings(spec, ctx),
                                   topk=o.topk, dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above,
-                                  nodes=o.nodes, prior=dflash_prior(o, spec.label))
+                                  nodes=o.nodes, prior=dflash_prior(o, spec.label), round_costs=o.round_costs)
     ctx.drafter_engines.extend(drafter.engine.graphs)  # compiled: built before timing
     return DrafterMethod(drafter, spec.label)
 
@@ -491,12 +497,12 @@ def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
     if key in ctx.models:  # the same drafter in another tree shape: one model, one engine per run
         depth, topk, budget = drafter_tree(path, o.depth, o.topk, o.budget)
         return DrafterMethod(same_weights(ctx.models[key], depth, topk, budget, spec.label, o.stop_below,
-                                          o.keep_above, context_prior(o.context_weight)), spec.label)
+                                          o.keep_above, context_prior(o.context_weight), o.round_costs), spec.label)
     drafter = ctx.models[key] = load_dgf_drafter(path, ctx.target, depth=o.depth, topk=o.topk, budget=o.budget,
                                                  name=spec.label, backend=ctx.backend,
                                                  settings=drafter_settings(spec, ctx), stop_below=o.stop_below,
                                                  dtype=o.dtype and resolve_dtype(o.dtype), keep_above=o.keep_above,
-                                                 prior=context_prior(o.context_weight))
+                                                 prior=context_prior(o.context_weight), round_costs=o.round_costs)
     ctx.drafter_engines.append(drafter.engine)
     return DrafterMethod(drafter, spec.label)
 

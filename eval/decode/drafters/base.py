@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,39 +46,74 @@ def check_open_unit(what: str, name: str, value: float | None) -> None:
         raise InputError(f"{what}: {name}={value} must be between 0 and 1 (exclusive)")
 
 
-def refuse_sampled_trim(name: str, keep_above: float | None, sampling: Sampling | None) -> None:
-    """keep_above trims greedy trees only: speculative sampling needs every drawn node."""
-    if sampling is not None and keep_above is not None:
-        raise UserError(f"{name}: keep_above trims a greedy tree; a sampled tree keeps every drawn node "
-                        "(speculative sampling needs them): drop keep_above or decode greedily")
+def refuse_sampled_trim(name: str, keep_above: float | None, sampling: Sampling | None,
+                        round_costs: Sequence[float] | None = None) -> None:
+    """keep_above and round_costs trim greedy trees only: speculative sampling needs every drawn node."""
+    if sampling is None:
+        return
+    for option, value in (("keep_above", keep_above), ("round_costs", round_costs)):
+        if value is not None:
+            raise UserError(f"{name}: {option} trims a greedy tree; a sampled tree keeps every drawn node "
+                            f"(speculative sampling needs them): drop {option} or decode greedily")
 
 
-def keep_confident(tree: DraftTree, path_scores: torch.Tensor, keep_above: float | None, budget: int) -> DraftTree:
+def keep_confident(tree: DraftTree, path_scores: torch.Tensor, keep_above: float | None, budget: int,
+                   round_costs: Sequence[float] | None = None) -> DraftTree:
     """A greedy tree cut by confident_nodes (`path_scores` (n,): each node's path log-probability)."""
-    keep = confident_nodes(path_scores.tolist(), tree.parents.tolist(), keep_above, budget, path_scores.dtype)
+    keep = confident_nodes(path_scores.tolist(), tree.parents.tolist(), keep_above, budget, path_scores.dtype,
+                           round_costs)
     return subtree(tree, torch.tensor(keep, dtype=torch.long, device=tree.tokens.device))
 
 
 def confident_nodes(path_scores: list[float], parents: list[int], keep_above: float | None, budget: int,
-                    dtype: torch.dtype) -> list[int]:
+                    dtype: torch.dtype, round_costs: Sequence[float] | None = None) -> list[int]:
     """The nodes of a greedy tree cut to its `budget` best by path log-probability (EAGLE-2's re-ranking), and with
     `keep_above` to those whose path probability is above it, the most probable always kept (the scores are values
     of `dtype`: the threshold is compared in it). A path's probability falls along it, so the kept nodes stay closed
-    under ancestors: a confident round verifies its whole budget, a doubtful one its best guesses only."""
+    under ancestors: a confident round verifies its whole budget, a doubtful one its best guesses only. With
+    `round_costs`, then to the count that costs_cut picks."""
     if keep_above is not None:
         threshold = torch.tensor(math.log(keep_above), dtype=dtype).item()
         budget = min(budget, max(1, sum(score > threshold for score in path_scores)))
+    if round_costs is not None:
+        budget = min(budget, costs_cut(sorted(path_scores, reverse=True)[:budget], round_costs))
     return top_nodes(path_scores, parents, budget)
 
 
-def confident_subtree(tree: DraftTree, node_probs: torch.Tensor, keep_above: float | None) -> DraftTree:
+def costs_cut(best_scores: Sequence[float], round_costs: Sequence[float]) -> int:
+    """How many of a greedy tree's best nodes (`best_scores`: their path log-probabilities, best first) give the most
+    expected tokens per cost: a round of n nodes commits 1 + the sum of their path probabilities on average (each
+    node is accepted when its whole path is, the drafter's probability of that), and costs round_costs[n - 1] (the
+    draft and the verify of n + 1 tokens, measured on the machine: a verify's cost grows in steps with its width).
+    At least one node; none beyond the costs given."""
+    best, best_rate, expected = 1, -math.inf, 1.0
+    for count, (score, cost) in enumerate(zip(best_scores, round_costs), start=1):
+        expected += math.exp(score)
+        if expected / cost > best_rate:
+            best, best_rate = count, expected / cost
+    return best
+
+
+def check_round_costs(name: str, round_costs: Sequence[float] | None) -> tuple[float, ...] | None:
+    """round_costs a drafter is built with: positive numbers, one per node count from 1 (None: not given)."""
+    if round_costs is None:
+        return None
+    costs = tuple(round_costs)
+    if not costs or any(isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0 for c in costs):
+        raise InputError(f"{name}: round_costs must be positive numbers (the cost of a round of 1, 2, ... draft "
+                         f"nodes), got {round_costs!r:.80}")
+    return tuple(float(c) for c in costs)
+
+
+def confident_subtree(tree: DraftTree, node_probs: torch.Tensor, keep_above: float | None,
+                      round_costs: Sequence[float] | None = None) -> DraftTree:
     """keep_confident for a static tree given the drafter's probability of each node's token (`node_probs`; a path's
-    probability is their product along it). None: the tree as it is."""
-    if keep_above is None or tree.size == 0:
+    probability is their product along it). Neither cut given: the tree as it is."""
+    if (keep_above is None and round_costs is None) or tree.size == 0:
         return tree
     reach = ancestor_matrix(tree.parents)[1:, 1:].to(torch.float64)  # [a, b]: b is a or an ancestor of a
     scores = reach @ node_probs.to(reach.device, torch.float64).clamp_min(1e-300).log()
-    return keep_confident(tree, scores, keep_above, tree.size)
+    return keep_confident(tree, scores, keep_above, tree.size, round_costs)
 
 
 def check_types(where: str, expected: list[tuple[str, object, type | tuple[type, ...], str]]) -> None:

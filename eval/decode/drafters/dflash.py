@@ -26,12 +26,13 @@ The decoder verifies every proposal, so the output is the target's whatever the 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_sizes,
-                                                 confident_nodes, confident_subtree, refuse_sampled_trim,
+from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_round_costs,
+                                                 check_sizes, confident_nodes, confident_subtree, refuse_sampled_trim,
                                                  static_tree_tokens)
 from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, refuse_sampled_prior, reranked
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
@@ -51,7 +52,7 @@ class DFlashDrafter(Drafter):
                  stop_below: float | None = None, vocab: DraftVocab | None = None,
                  precision: WeightPrecision | None = None, topk: int = 1, keep_above: float | None = None,
                  compiled: CompileSettings | None = None, nodes: int | None = None,
-                 prior: CandidatePrior | None = None):
+                 prior: CandidatePrior | None = None, round_costs: Sequence[float] | None = None):
         most = model.config.block_size - 1
         budget = most if budget is None else budget
         check_sizes(name, budget=budget, topk=topk, nodes=nodes)
@@ -60,6 +61,7 @@ class DFlashDrafter(Drafter):
         check_open_unit(name, "stop_below", stop_below)
         check_open_unit(name, "keep_above", keep_above)
         self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's probability is above it
+        self.round_costs = check_round_costs(name, round_costs)  # dynamic size (greedy): base.costs_cut
         if budget > most:
             raise InputError(f"{name}: budget={budget} is more than the block of {model.config.block_size} can "
                              f"propose ({most} tokens after the root)")
@@ -118,7 +120,7 @@ class DFlashDrafter(Drafter):
         if self.length != context.numel() - 1:
             raise RuntimeError(f"DFlashDrafter has features for {self.length} positions but the context holds "
                                f"{context.numel() - 1} committed tokens (observe() must see every committed token)")
-        refuse_sampled_trim(self.name, self.keep_above, sampling)
+        refuse_sampled_trim(self.name, self.keep_above, sampling, self.round_costs)
         if sampling is not None and self.nodes is not None:
             raise InputError(f"{self.name}: nodes={self.nodes} cuts a greedy tree by the drafter's probabilities; a "
                             "sampled tree keeps every drawn node: drop nodes or decode greedily")
@@ -133,7 +135,7 @@ class DFlashDrafter(Drafter):
             best, tokens = probs.max(-1)
             keep = self._kept(best)
             chain = DraftTree.chain(self._to_target(tokens[:keep]).to(context.device))
-            return confident_subtree(chain, best[:keep], self.keep_above)
+            return confident_subtree(chain, best[:keep], self.keep_above, self.round_costs)
         probs = sampling.probs(logits)
         tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
         rows = self._full_rows(probs)
@@ -157,7 +159,7 @@ class DFlashDrafter(Drafter):
         kept = self._kept(values[:, 0])  # nodes are ordered by depth: the tree cut at that depth
         count = self.nodes_to_depth[kept]
         tokens = self._to_target(indices).tolist()
-        if self.keep_above is None and self.nodes is None:
+        if self.keep_above is None and self.nodes is None and self.round_costs is None:
             keep = range(count)
         else:
             logs = values.double().clamp_min(1e-300).log().tolist()
@@ -165,7 +167,7 @@ class DFlashDrafter(Drafter):
             for depth, rank, parent in zip(self.depth_list[:count], self.rank_list, self.parent_list):
                 scores.append((scores[parent] if parent >= 0 else 0.0) + logs[depth - 1][rank])
             keep = confident_nodes(scores, self.parent_list[:count], self.keep_above,
-                                   count if self.nodes is None else self.nodes, torch.float64)
+                                   count if self.nodes is None else self.nodes, torch.float64, self.round_costs)
         where = {node: index for index, node in enumerate(keep)}
         return DraftTree.from_lists([tokens[self.depth_list[node] - 1][self.rank_list[node]] for node in keep],
                                     [where.get(self.parent_list[node], -1) for node in keep],
@@ -203,7 +205,7 @@ class DFlashDrafter(Drafter):
             if frontier[0][3] < floor:
                 break
         keep = confident_nodes(scores, parents, self.keep_above, len(tokens) if self.nodes is None else self.nodes,
-                               torch.float64)
+                               torch.float64, self.round_costs)
         where = {node: index for index, node in enumerate(keep)}
         return DraftTree.from_lists([tokens[node] for node in keep], [where.get(parents[node], -1) for node in keep],
                                     [depths[node] for node in keep], device=context.device)
@@ -243,7 +245,8 @@ def load_dflash_drafter(path: str | Path, target, budget: int | None = None, nam
                         backend: Backend = Backend.EAGER, settings: CompileSettings | None = None,
                         topk: int = 1, dtype: torch.dtype | None = None,
                         keep_above: float | None = None, nodes: int | None = None,
-                        prior: CandidatePrior | None = None) -> DFlashDrafter:
+                        prior: CandidatePrior | None = None,
+                        round_costs: Sequence[float] | None = None) -> DFlashDrafter:
     """A train/dflash.py final/ (or snapshot) directory as the decoder's drafter for `target` (a TargetModel), in
     `dtype` (default: the target's); on the compiled backend its context and block run as compiled graphs
     (models.compiled_dflash), their Linears and head on the batch-invariant kernels when `settings` use them."""
@@ -252,4 +255,5 @@ def load_dflash_drafter(path: str | Path, target, budget: int | None = None, nam
     fast = settings.runs_invariant_kernels(backend)
     return DFlashDrafter(model, budget=budget, name=name, stop_below=stop_below, vocab=vocab,
                          precision=settings.weights if fast else None, topk=topk, keep_above=keep_above, nodes=nodes,
-                         compiled=settings if backend is Backend.COMPILED else None, prior=prior)
+                         compiled=settings if backend is Backend.COMPILED else None, prior=prior,
+                         round_costs=round_costs)

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_sizes,
-                                                  confident_nodes, draw_children, refuse_sampled_trim)
+from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_round_costs,
+                                                  check_sizes, confident_nodes, costs_cut, draw_children,
+                                                  refuse_sampled_trim)
 from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, refuse_sampled_prior, reranked
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
@@ -60,12 +62,14 @@ def target_ids(vocab: DraftVocab | None, ids: torch.Tensor) -> torch.Tensor:
 class DGFDrafter(Drafter):
     def __init__(self, model: DGFModel, depth: int = DGF_DEPTH, topk: int = DGF_TOPK, budget: int = TREE_BUDGET,
                  name: str | None = None, engine=None, stop_below: float | None = None,
-                 keep_above: float | None = None, prior: CandidatePrior | None = None):
+                 keep_above: float | None = None, prior: CandidatePrior | None = None,
+                 round_costs: Sequence[float] | None = None):
         check_sizes(name or "dgf", depth=depth, topk=topk, budget=budget)
         check_open_unit(name or "dgf", "stop_below", stop_below)
         check_open_unit(name or "dgf", "keep_above", keep_above)
         self.stop_below = stop_below  # dynamic depth: no deeper level once the best path's q falls below it
         self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's q is above it are verified
+        self.round_costs = check_round_costs(name or "dgf", round_costs)  # dynamic size (greedy): base.costs_cut
         model._need_target()
         self.model = model.eval()
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
@@ -150,9 +154,9 @@ class DGFDrafter(Drafter):
 
     def reads_argmax_only(self, sampling: Sampling | None) -> bool:
         """Whether a round reads only each drafter step's most likely token: a greedy chain without thresholds
-        (stop_below and keep_above read its probabilities)."""
+        (stop_below, keep_above and round_costs read its probabilities)."""
         return (sampling is None and self.chain_steps and self.greedy_shape()[0] == 1 and self.stop_below is None
-                and self.keep_above is None and self.prior is None)
+                and self.keep_above is None and self.round_costs is None and self.prior is None)
 
     def _tree(self, root_feature, root_logits, length, sampling, generator) -> DraftTree:
         k, depth = self.greedy_shape() if sampling is None else (self.topk, self.depth)
@@ -160,7 +164,7 @@ class DGFDrafter(Drafter):
             return self._argmax_chain(root_feature, self.root_token, depth)
         if sampling is None and k == 1 and self.chain_steps and self.prior is None:
             return self._chain(root_feature, root_logits, depth)
-        refuse_sampled_trim(self.name, self.keep_above, sampling)
+        refuse_sampled_trim(self.name, self.keep_above, sampling, self.round_costs)
         growth = Growth(self.device, root_feature, self.budget, self.vocab, self.prior)
         if sampling is None:
             growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], [0.0], k)
@@ -177,11 +181,11 @@ class DGFDrafter(Drafter):
                 growth.greedy_children(best, torch.log_softmax(logits, -1), base, k)
             else:
                 growth.sampled_children(best, logits, base, k, sampling, generator)
-        return growth.tree(sampling is None, self.keep_above)
+        return growth.tree(sampling is None, self.keep_above, self.round_costs)
 
     def _chain(self, root_feature: torch.Tensor, root_logits: torch.Tensor, depth: int) -> DraftTree:
         """The greedy chain Growth grows at top-k 1 (the best token after each node, its path score the sum of the
-        log-probabilities along it; stop_below and keep_above as for a tree), each level one causal drafter step on
+        log-probabilities along it; stop_below, keep_above and round_costs as for a tree), each level one causal drafter step on
         its parent's predicted feature: the cache holds the committed pairs and the chain so far, all visible."""
         best = torch.topk(torch.log_softmax(root_logits, -1), 1)
         tokens, scores = [target_ids(self.vocab, best.indices)], [best.values]
@@ -197,6 +201,8 @@ class DGFDrafter(Drafter):
         kept = min(len(tokens), self.budget)  # path scores fall along a chain: the nodes kept are a prefix
         if self.keep_above is not None:
             kept = min(kept, max(1, int((torch.cat(scores) > math.log(self.keep_above)).sum())))
+        if self.round_costs is not None:
+            kept = min(kept, costs_cut(torch.cat(scores[:kept]).tolist(), self.round_costs))
         return DraftTree.chain(torch.cat(tokens[:kept]))
 
     def _argmax_chain(self, root_feature: torch.Tensor, root_token: torch.Tensor, depth: int) -> DraftTree:
@@ -328,14 +334,16 @@ class Growth:
             self.fed_features[node] = feature
         self.fed += len(nodes)
 
-    def tree(self, greedy: bool, keep_above: float | None = None) -> DraftTree:
+    def tree(self, greedy: bool, keep_above: float | None = None,
+             round_costs: Sequence[float] | None = None) -> DraftTree:
         """The grown tree; greedy trees keep the `budget` best nodes (EAGLE-2's re-ranking), and with `keep_above`
         only those whose path probability is above it (a path's probability falls along it, so they stay closed
-        under ancestors): a confident round verifies a wide tree, a doubtful one a narrow one."""
+        under ancestors): a confident round verifies a wide tree, a doubtful one a narrow one; round_costs: then
+        base.costs_cut's count."""
         rows = torch.cat(self.rows) if self.rows else None
         if not greedy:
             return DraftTree.from_lists(self.tokens, self.parents, self.depths, rows, self.device)
-        keep = confident_nodes(self.scores, self.parents, keep_above, self.budget, torch.float32)
+        keep = confident_nodes(self.scores, self.parents, keep_above, self.budget, torch.float32, round_costs)
         index = {node: i for i, node in enumerate(keep)}
         return DraftTree.from_lists([self.tokens[node] for node in keep],
                                     [index[self.parents[node]] if self.parents[node] >= 0 else -1 for node in keep],
@@ -344,11 +352,11 @@ class Growth:
 
 def same_weights(drafter: DGFDrafter, depth: int, topk: int, budget: int, name: str | None = None,
                  stop_below: float | None = None, keep_above: float | None = None,
-                 prior: CandidatePrior | None = None) -> DGFDrafter:
+                 prior: CandidatePrior | None = None, round_costs: Sequence[float] | None = None) -> DGFDrafter:
     """Another tree shape over `drafter`'s model and engine (a bench comparing shapes holds one copy of the
     weights and, compiled, one package: the engine keeps no decode state, each drafter its own cache)."""
     return DGFDrafter(drafter.model, depth=depth, topk=topk, budget=budget, name=name, engine=drafter.engine,
-                      stop_below=stop_below, keep_above=keep_above, prior=prior)
+                      stop_below=stop_below, keep_above=keep_above, prior=prior, round_costs=round_costs)
 
 
 def drafter_tree(path: str | Path, depth: int | None = None, topk: int | None = None,
@@ -366,7 +374,7 @@ def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: i
                      budget: int | None = None, name: str | None = None, backend: Backend = Backend.EAGER,
                      settings: CompileSettings | None = None, stop_below: float | None = None,
                      dtype: torch.dtype | None = None, keep_above: float | None = None,
-                     prior: CandidatePrior | None = None) -> DGFDrafter:
+                     prior: CandidatePrior | None = None, round_costs: Sequence[float] | None = None) -> DGFDrafter:
     """A DGFDrafter for `target` from a recipe's final/ directory or a dgf-layout export (refuses another
     target's drafter); tree shape as `drafter_tree`. The drafter runs in `dtype` (default: the target's) on the
     target's device, on the `backend` engine."""
@@ -374,4 +382,4 @@ def load_dgf_drafter(path: str | Path, target, depth: int | None = None, topk: i
     engine = make_engine(model.eval(), backend, settings)
     depth, topk, budget = drafter_tree(path, depth, topk, budget)
     return DGFDrafter(model, depth=depth, topk=topk, budget=budget, name=name or f"dgf:{path}", engine=engine,
-                      stop_below=stop_below, keep_above=keep_above, prior=prior)
+                      stop_below=stop_below, keep_above=keep_above, prior=prior, round_costs=round_costs)
