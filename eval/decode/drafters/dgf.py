@@ -11,7 +11,9 @@ greedy (EAGLE-2):  level 1 = the top-k tokens after the root; then `depth - 1` t
     ancestors), each gets top-k children. Finally all nodes are re-ranked by cumulative
     log-probability and the best g (ancestor-closed) are sent to verification. With `stop_below`, the
     tree stops growing once the newest level's best cumulative probability falls below it (a dynamic
-    depth: a chain, topk=1, drafts as many tokens as the drafter is sure of, up to `depth`).
+    depth: a chain, topk=1, drafts as many tokens as the drafter is sure of, up to `depth`). `keep_above` and
+    `round_costs` then verify fewer of the g: those above a path probability, or the count with the most expected
+    tokens per measured round cost (drafters/base.py's costs_cut).
 sampling: the same expansion order, but each expanded node draws its children from q without
     replacement (Gumbel-top-k) and every drawn node is kept, so the number of children of a node
     is fixed before it is drawn: the budget g is handed out in score order among the nodes chosen
