@@ -262,8 +262,8 @@ class NgramOptions:
     branches: int = option(1, "distinct continuations merged into a trie", ge=1)
 
 
-ROUND_COSTS_HELP = ("dynamic size (greedy): the cost of a round of 1, 2, ... draft nodes on this machine (any unit: its "
-                    "draft and its verify of 2, 3, ... tokens, e.g. a bench's draft_ms_per_round plus its "
+ROUND_COSTS_HELP = ("dynamic size (greedy): the cost of a round of 1, 2, ... draft nodes on this machine (any unit: "
+                    "its draft and its verify of 2, 3, ... tokens, e.g. a bench's draft_ms_per_round plus its "
                     "verify_ms_by_width); each round keeps the count of its best nodes that commits the most tokens "
                     "per cost, counting a node's path probability as its chance (null: off)")
 KEEP_ABOVE_HELP = ("dynamic size (greedy): of the tree's nodes verify only those whose path probability under the "

@@ -14,8 +14,8 @@ Medusa's heads: a position's distribution does not depend on the parent). `keep_
 nodes whose path probability under the drafter is above it, as the other drafters' dynamic size, and `round_costs`
 (greedy) the count of the best nodes with the most expected tokens per measured round cost (base.costs_cut).
 `nodes` (greedy) makes the tree every path of top-k candidates instead (each block position's k under each of the
-previous position's k), cut to its `nodes` best by path probability, the product of the positions' probabilities along it
-(EAGLE-2's re-ranking): a round whose first position is doubtful goes on under its second candidate too.
+previous position's k), cut to its `nodes` best by path probability, the product of the positions' probabilities
+along it (EAGLE-2's re-ranking): a round whose first position is doubtful goes on under its second candidate too.
 With a `prior` (greedy; eval/decode/drafters/prior.py) each node's children are instead its block position's top
 candidates re-ranked given the node's own token and its parent's, the trained n-gram prior's and the request's
 context's counts: the later positions read the token drafted before them after all. The chain follows the best

@@ -187,8 +187,9 @@ class DGFDrafter(Drafter):
 
     def _chain(self, root_feature: torch.Tensor, root_logits: torch.Tensor, depth: int) -> DraftTree:
         """The greedy chain Growth grows at top-k 1 (the best token after each node, its path score the sum of the
-        log-probabilities along it; stop_below, keep_above and round_costs as for a tree), each level one causal drafter step on
-        its parent's predicted feature: the cache holds the committed pairs and the chain so far, all visible."""
+        log-probabilities along it; stop_below, keep_above and round_costs as for a tree), each level one causal
+        drafter step on its parent's predicted feature: the cache holds the committed pairs and the chain so far, all
+        visible."""
         best = torch.topk(torch.log_softmax(root_logits, -1), 1)
         tokens, scores = [target_ids(self.vocab, best.indices)], [best.values]
         feature = root_feature
