@@ -40,8 +40,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_round_costs,
-                                                  check_sizes, confident_nodes, costs_cut, draw_children,
-                                                  refuse_sampled_trim)
+                                                  check_sizes, confident_nodes, draw_children, refuse_sampled_trim)
 from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, refuse_sampled_prior, reranked
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
@@ -202,10 +201,9 @@ class DGFDrafter(Drafter):
             tokens.append(target_ids(self.vocab, best.indices))
             scores.append(scores[-1] + best.values)
         kept = min(len(tokens), self.budget)  # path scores fall along a chain: the nodes kept are a prefix
-        if self.keep_above is not None:
-            kept = min(kept, max(1, int((torch.cat(scores) > math.log(self.keep_above)).sum())))
-        if self.round_costs is not None:
-            kept = min(kept, costs_cut(torch.cat(scores[:kept]).tolist(), self.round_costs))
+        if self.keep_above is not None or self.round_costs is not None:
+            kept = len(confident_nodes(torch.cat(scores[:kept]).tolist(), list(range(-1, kept - 1)), self.keep_above,
+                                       kept, scores[0].dtype, self.round_costs))
         return DraftTree.chain(torch.cat(tokens[:kept]))
 
     def _argmax_chain(self, root_feature: torch.Tensor, root_token: torch.Tensor, depth: int) -> DraftTree:
