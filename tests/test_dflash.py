@@ -13,7 +13,7 @@ from conftest import build_spec, tiny_model
 from draftsmith.config import ConfigError, load_config
 from draftsmith.errors import UserError
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.decode.drafters.base import InputError, confident_subtree, static_tree_tokens
+from draftsmith.eval.decode.drafters.base import InputError, TreeCut, confident_subtree, static_tree_tokens
 from draftsmith.eval.decode.drafters.dflash import DFlashDrafter, load_dflash_drafter
 from draftsmith.eval.decode.tree import DraftTree, path_to_root
 from draftsmith.models.compiled import CompileSettings
@@ -226,7 +226,7 @@ def test_the_greedy_tree_is_the_static_trees_top_candidates(stop_below, keep_abo
         tokens, _ = static_tree_tokens(lambda d: probs[d - 1], drafter.depths[:nodes], drafter.ranks[:nodes], None,
                                        None)
         whole = DraftTree(tokens, drafter.parents[:nodes], drafter.depths[:nodes])
-        expected = confident_subtree(whole, probs[drafter.depths[:nodes] - 1, tokens], keep_above)
+        expected = confident_subtree(whole, probs[drafter.depths[:nodes] - 1, tokens], TreeCut(keep_above))
         tree = drafter._greedy_tree(probs, torch.device("cpu"))
         for field in ("tokens", "parents", "depths"):
             assert torch.equal(getattr(tree, field), getattr(expected, field))

@@ -298,7 +298,7 @@ def test_keep_above_gives_a_dynamic_size_and_stays_lossless(trained, tmp_path):
     drafted, build, target = lossless_tokens_per_round(trained, tmp_path, 2, full, trimmed)
     assert 1 <= drafted[trimmed] < drafted[full] == 8
     drafter = build(trimmed).drafter
-    assert drafter.keep_above == 0.3
+    assert drafter.cut.keep_above == 0.3
     with pytest.raises(UserError, match="keep_above"):
         SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=4, temperature=0.8)).generate(
             torch.tensor([[1, 2, 3]]))

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 from draftsmith.eval.decode.tree import (DraftTree, ancestor_matrix, chain_paths, node_depths, path_to_root, select_top_nodes,
                        subtree, tree_attention_mask, tree_from_paths, tree_position_ids)
-from draftsmith.eval.decode.drafters.base import confident_subtree, costs_cut
+from draftsmith.eval.decode.drafters.base import TreeCut, confident_subtree, costs_cut
 from draftsmith.models.engine import commit_kv
 from draftsmith.models.target import TargetModel
 
@@ -60,10 +60,10 @@ def test_confident_subtree_keeps_the_paths_above_the_threshold():
     """root -> a(0) -> c(2) -> e(4); root -> b(1) -> d(3): path probabilities 0.6, 0.3, 0.3, 0.12, 0.27."""
     tree = DraftTree(torch.arange(10, 15), PARENTS, node_depths(PARENTS))
     probs = torch.tensor([0.6, 0.3, 0.5, 0.4, 0.9])
-    kept = confident_subtree(tree, probs, 0.25)
+    kept = confident_subtree(tree, probs, TreeCut(0.25))
     assert kept.tokens.tolist() == [10, 11, 12, 14] and kept.parents.tolist() == [-1, -1, 0, 2]
-    assert confident_subtree(tree, probs, 0.9).tokens.tolist() == [10]  # never empty: the best path's first node
-    assert confident_subtree(tree, probs, None) is tree
+    assert confident_subtree(tree, probs, TreeCut(0.9)).tokens.tolist() == [10]  # never empty: the best path first
+    assert confident_subtree(tree, probs, TreeCut()) is tree
 
 
 def test_costs_cut_keeps_the_node_count_with_the_most_tokens_per_cost():
@@ -78,9 +78,9 @@ def test_costs_cut_keeps_the_node_count_with_the_most_tokens_per_cost():
     assert costs_cut([math.log(0.01)], [5.0]) == 1  # at least one node
     tree = DraftTree(torch.arange(10, 15), PARENTS, node_depths(PARENTS))
     probs = torch.tensor([0.6, 0.3, 0.5, 0.4, 0.9])  # path probabilities 0.6, 0.3, 0.3, 0.12, 0.27
-    kept = confident_subtree(tree, probs, None, [1.0, 1.5, 1.6, 1.7, 1.8])
+    kept = confident_subtree(tree, probs, TreeCut(None, (1.0, 1.5, 1.6, 1.7, 1.8)))
     assert kept.tokens.tolist() == [10]  # 1.6 / 1.0 against 1.9 / 1.5, 2.2 / 1.6, 2.47 / 1.7, 2.59 / 1.8
-    kept = confident_subtree(tree, probs, None, [1.0, 1.1, 1.2, 1.3, 1.4])
+    kept = confident_subtree(tree, probs, TreeCut(None, (1.0, 1.1, 1.2, 1.3, 1.4)))
     assert kept.tokens.tolist() == [10, 11, 12, 14]  # 2.47 / 1.3 the best rate: the 0.12 path left out
 
 

@@ -46,40 +46,6 @@ def check_open_unit(what: str, name: str, value: float | None) -> None:
         raise InputError(f"{what}: {name}={value} must be between 0 and 1 (exclusive)")
 
 
-def refuse_sampled_trim(name: str, keep_above: float | None, sampling: Sampling | None,
-                        round_costs: Sequence[float] | None = None) -> None:
-    """keep_above and round_costs trim greedy trees only: speculative sampling needs every drawn node."""
-    if sampling is None:
-        return
-    for option, value in (("keep_above", keep_above), ("round_costs", round_costs)):
-        if value is not None:
-            raise UserError(f"{name}: {option} trims a greedy tree; a sampled tree keeps every drawn node "
-                            f"(speculative sampling needs them): drop {option} or decode greedily")
-
-
-def keep_confident(tree: DraftTree, path_scores: torch.Tensor, keep_above: float | None, budget: int,
-                   round_costs: Sequence[float] | None = None) -> DraftTree:
-    """A greedy tree cut by confident_nodes (`path_scores` (n,): each node's path log-probability)."""
-    keep = confident_nodes(path_scores.tolist(), tree.parents.tolist(), keep_above, budget, path_scores.dtype,
-                           round_costs)
-    return subtree(tree, torch.tensor(keep, dtype=torch.long, device=tree.tokens.device))
-
-
-def confident_nodes(path_scores: list[float], parents: list[int], keep_above: float | None, budget: int,
-                    dtype: torch.dtype, round_costs: Sequence[float] | None = None) -> list[int]:
-    """The nodes of a greedy tree cut to its `budget` best by path log-probability (EAGLE-2's re-ranking), and with
-    `keep_above` to those whose path probability is above it, the most probable always kept (the scores are values
-    of `dtype`: the threshold is compared in it). A path's probability falls along it, so the kept nodes stay closed
-    under ancestors: a confident round verifies its whole budget, a doubtful one its best guesses only. With
-    `round_costs`, then to the count that costs_cut picks."""
-    if keep_above is not None:
-        threshold = torch.tensor(math.log(keep_above), dtype=dtype).item()
-        budget = min(budget, max(1, sum(score > threshold for score in path_scores)))
-    if round_costs is not None:
-        budget = min(budget, costs_cut(sorted(path_scores, reverse=True)[:budget], round_costs))
-    return top_nodes(path_scores, parents, budget)
-
-
 def costs_cut(best_scores: Sequence[float], round_costs: Sequence[float]) -> int:
     """How many of a greedy tree's best nodes (`best_scores`: their path log-probabilities, best first) give the most
     expected tokens per cost: a round of n nodes commits 1 + the sum of their path probabilities on average (each
@@ -105,15 +71,65 @@ def check_round_costs(name: str, round_costs: Sequence[float] | None) -> tuple[f
     return tuple(float(c) for c in costs)
 
 
-def confident_subtree(tree: DraftTree, node_probs: torch.Tensor, keep_above: float | None,
-                      round_costs: Sequence[float] | None = None) -> DraftTree:
+@dataclass(frozen=True)
+class TreeCut:
+    """How a greedy round cuts its tree below the drafter's budget (each None: not that cut). `keep_above`: only the
+    nodes whose path probability under the drafter is above it (the most probable always kept); `round_costs`: then
+    the count of best nodes that costs_cut picks (the measured cost of a round of 1, 2, ... nodes)."""
+
+    keep_above: float | None = None
+    round_costs: tuple[float, ...] | None = None
+
+    @classmethod
+    def checked(cls, name: str, keep_above: float | None = None,
+                round_costs: Sequence[float] | None = None) -> TreeCut:
+        """The cut a drafter named `name` is built with, each value checked (one line where it cannot be taken)."""
+        check_open_unit(name, "keep_above", keep_above)
+        return cls(keep_above, check_round_costs(name, round_costs))
+
+    @property
+    def cuts(self) -> bool:
+        return self.keep_above is not None or self.round_costs is not None
+
+    def refuse_sampling(self, name: str, sampling: Sampling | None) -> None:
+        """Both cuts trim greedy trees only: speculative sampling needs every drawn node."""
+        if sampling is None:
+            return
+        for option, value in (("keep_above", self.keep_above), ("round_costs", self.round_costs)):
+            if value is not None:
+                raise UserError(f"{name}: {option} trims a greedy tree; a sampled tree keeps every drawn node "
+                                f"(speculative sampling needs them): drop {option} or decode greedily")
+
+    def nodes(self, path_scores: list[float], parents: list[int], budget: int, dtype: torch.dtype) -> list[int]:
+        """The nodes of a greedy tree cut to its `budget` best by path log-probability (EAGLE-2's re-ranking), then
+        by this cut (the scores are values of `dtype`: keep_above is compared in it). A path's probability falls
+        along it, so the kept nodes stay closed under ancestors: a confident round verifies its whole budget, a
+        doubtful one its best guesses only."""
+        if self.keep_above is not None:
+            threshold = torch.tensor(math.log(self.keep_above), dtype=dtype).item()
+            budget = min(budget, max(1, sum(score > threshold for score in path_scores)))
+        if self.round_costs is not None:
+            budget = min(budget, costs_cut(sorted(path_scores, reverse=True)[:budget], self.round_costs))
+        return top_nodes(path_scores, parents, budget)
+
+
+NO_CUT = TreeCut()
+
+
+def keep_confident(tree: DraftTree, path_scores: torch.Tensor, cut: TreeCut, budget: int) -> DraftTree:
+    """A greedy tree cut by `cut` below `budget` (`path_scores` (n,): each node's path log-probability)."""
+    keep = cut.nodes(path_scores.tolist(), tree.parents.tolist(), budget, path_scores.dtype)
+    return subtree(tree, torch.tensor(keep, dtype=torch.long, device=tree.tokens.device))
+
+
+def confident_subtree(tree: DraftTree, node_probs: torch.Tensor, cut: TreeCut) -> DraftTree:
     """keep_confident for a static tree given the drafter's probability of each node's token (`node_probs`; a path's
-    probability is their product along it). Neither cut given: the tree as it is."""
-    if (keep_above is None and round_costs is None) or tree.size == 0:
+    probability is their product along it). No cut: the tree as it is."""
+    if not cut.cuts or tree.size == 0:
         return tree
     reach = ancestor_matrix(tree.parents)[1:, 1:].to(torch.float64)  # [a, b]: b is a or an ancestor of a
     scores = reach @ node_probs.to(reach.device, torch.float64).clamp_min(1e-300).log()
-    return keep_confident(tree, scores, keep_above, tree.size, round_costs)
+    return keep_confident(tree, scores, cut, tree.size)
 
 
 def check_types(where: str, expected: list[tuple[str, object, type | tuple[type, ...], str]]) -> None:

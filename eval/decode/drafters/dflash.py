@@ -32,9 +32,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, check_open_unit, check_round_costs,
-                                                 check_sizes, confident_nodes, confident_subtree, refuse_sampled_trim,
-                                                 static_tree_tokens)
+from draftsmith.eval.decode.drafters.base import (Drafter, InputError, Sampling, TreeCut, check_open_unit, check_sizes,
+                                                 confident_subtree, static_tree_tokens)
 from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, refuse_sampled_prior, reranked
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 
@@ -60,9 +59,7 @@ class DFlashDrafter(Drafter):
         if nodes is not None and topk == 1:
             raise InputError(f"{name}: nodes={nodes} cuts a tree of top-k candidates; give topk > 1 with it")
         check_open_unit(name, "stop_below", stop_below)
-        check_open_unit(name, "keep_above", keep_above)
-        self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's probability is above it
-        self.round_costs = check_round_costs(name, round_costs)  # dynamic size (greedy): base.costs_cut
+        self.cut = TreeCut.checked(name, keep_above, round_costs)  # dynamic size (greedy)
         if budget > most:
             raise InputError(f"{name}: budget={budget} is more than the block of {model.config.block_size} can "
                              f"propose ({most} tokens after the root)")
@@ -121,7 +118,7 @@ class DFlashDrafter(Drafter):
         if self.length != context.numel() - 1:
             raise RuntimeError(f"DFlashDrafter has features for {self.length} positions but the context holds "
                                f"{context.numel() - 1} committed tokens (observe() must see every committed token)")
-        refuse_sampled_trim(self.name, self.keep_above, sampling, self.round_costs)
+        self.cut.refuse_sampling(self.name, sampling)
         if sampling is not None and self.nodes is not None:
             raise InputError(f"{self.name}: nodes={self.nodes} cuts a greedy tree by the drafter's probabilities; a "
                             "sampled tree keeps every drawn node: drop nodes or decode greedily")
@@ -136,7 +133,7 @@ class DFlashDrafter(Drafter):
             best, tokens = probs.max(-1)
             keep = self._kept(best)
             chain = DraftTree.chain(self._to_target(tokens[:keep]).to(context.device))
-            return confident_subtree(chain, best[:keep], self.keep_above, self.round_costs)
+            return confident_subtree(chain, best[:keep], self.cut)
         probs = sampling.probs(logits)
         tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
         rows = self._full_rows(probs)
@@ -155,20 +152,20 @@ class DFlashDrafter(Drafter):
         """Greedy: node (depth d, ranks along its path) is block position d's candidate of its last rank, from one
         top-k over the block; its path probability is the product of its path's candidates' probabilities (the
         spine tree: the top-1 probabilities before it times its own). Cut at stop_below's depth, to the `nodes` most
-        probable and by keep_above. The block's few nodes are chosen in Python lists: three tensors, no op a node."""
+        probable and by the cut. The block's few nodes are chosen in Python lists: three tensors, no op a node."""
         values, indices = probs.topk(self.topk, -1)  # (budget, topk), ranks in order (draw_children's greedy pick)
         kept = self._kept(values[:, 0])  # nodes are ordered by depth: the tree cut at that depth
         count = self.nodes_to_depth[kept]
         tokens = self._to_target(indices).tolist()
-        if self.keep_above is None and self.nodes is None and self.round_costs is None:
+        if not self.cut.cuts and self.nodes is None:
             keep = range(count)
         else:
             logs = values.double().clamp_min(1e-300).log().tolist()
             scores = []  # each node's path log-probability: its parent's (listed before it) plus its own
             for depth, rank, parent in zip(self.depth_list[:count], self.rank_list, self.parent_list):
                 scores.append((scores[parent] if parent >= 0 else 0.0) + logs[depth - 1][rank])
-            keep = confident_nodes(scores, self.parent_list[:count], self.keep_above,
-                                   count if self.nodes is None else self.nodes, torch.float64, self.round_costs)
+            keep = self.cut.nodes(scores, self.parent_list[:count], count if self.nodes is None else self.nodes,
+                                  torch.float64)
         where = {node: index for index, node in enumerate(keep)}
         return DraftTree.from_lists([tokens[self.depth_list[node] - 1][self.rank_list[node]] for node in keep],
                                     [where.get(self.parent_list[node], -1) for node in keep],
@@ -205,8 +202,7 @@ class DFlashDrafter(Drafter):
             frontier = grown if self.nodes is not None else grown[:1]  # the chain and the spine: the best child
             if frontier[0][3] < floor:
                 break
-        keep = confident_nodes(scores, parents, self.keep_above, len(tokens) if self.nodes is None else self.nodes,
-                               torch.float64, self.round_costs)
+        keep = self.cut.nodes(scores, parents, len(tokens) if self.nodes is None else self.nodes, torch.float64)
         where = {node: index for index, node in enumerate(keep)}
         return DraftTree.from_lists([tokens[node] for node in keep], [where.get(parents[node], -1) for node in keep],
                                     [depths[node] for node in keep], device=context.device)

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, check_open_unit, check_round_costs,
-                                                  check_sizes, confident_nodes, draw_children, refuse_sampled_trim)
+from draftsmith.eval.decode.drafters.base import (NO_CUT, TREE_BUDGET, Drafter, Sampling, TreeCut, check_open_unit,
+                                                  check_sizes, draw_children)
 from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, refuse_sampled_prior, reranked
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
@@ -67,10 +67,8 @@ class DGFDrafter(Drafter):
                  round_costs: Sequence[float] | None = None):
         check_sizes(name or "dgf", depth=depth, topk=topk, budget=budget)
         check_open_unit(name or "dgf", "stop_below", stop_below)
-        check_open_unit(name or "dgf", "keep_above", keep_above)
         self.stop_below = stop_below  # dynamic depth: no deeper level once the best path's q falls below it
-        self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's q is above it are verified
-        self.round_costs = check_round_costs(name or "dgf", round_costs)  # dynamic size (greedy): base.costs_cut
+        self.cut = TreeCut.checked(name or "dgf", keep_above, round_costs)  # dynamic size (greedy)
         model._need_target()
         self.model = model.eval()
         self.engine = engine or EagerDGFEngine(self.model)  # eager or compiled forwards of the drafter
@@ -155,9 +153,9 @@ class DGFDrafter(Drafter):
 
     def reads_argmax_only(self, sampling: Sampling | None) -> bool:
         """Whether a round reads only each drafter step's most likely token: a greedy chain without thresholds
-        (stop_below, keep_above and round_costs read its probabilities)."""
+        (stop_below and the cut read its probabilities)."""
         return (sampling is None and self.chain_steps and self.greedy_shape()[0] == 1 and self.stop_below is None
-                and self.keep_above is None and self.round_costs is None and self.prior is None)
+                and not self.cut.cuts and self.prior is None)
 
     def _tree(self, root_feature, root_logits, length, sampling, generator) -> DraftTree:
         k, depth = self.greedy_shape() if sampling is None else (self.topk, self.depth)
@@ -165,7 +163,7 @@ class DGFDrafter(Drafter):
             return self._argmax_chain(root_feature, self.root_token, depth)
         if sampling is None and k == 1 and self.chain_steps and self.prior is None:
             return self._chain(root_feature, root_logits, depth)
-        refuse_sampled_trim(self.name, self.keep_above, sampling, self.round_costs)
+        self.cut.refuse_sampling(self.name, sampling)
         growth = Growth(self.device, root_feature, self.budget, self.vocab, self.prior)
         if sampling is None:
             growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], [0.0], k)
@@ -182,11 +180,11 @@ class DGFDrafter(Drafter):
                 growth.greedy_children(best, torch.log_softmax(logits, -1), base, k)
             else:
                 growth.sampled_children(best, logits, base, k, sampling, generator)
-        return growth.tree(sampling is None, self.keep_above, self.round_costs)
+        return growth.tree(sampling is None, self.cut)
 
     def _chain(self, root_feature: torch.Tensor, root_logits: torch.Tensor, depth: int) -> DraftTree:
         """The greedy chain Growth grows at top-k 1 (the best token after each node, its path score the sum of the
-        log-probabilities along it; stop_below, keep_above and round_costs as for a tree), each level one causal
+        log-probabilities along it; stop_below and the cut as for a tree), each level one causal
         drafter step on its parent's predicted feature: the cache holds the committed pairs and the chain so far, all
         visible."""
         best = torch.topk(torch.log_softmax(root_logits, -1), 1)
@@ -201,9 +199,9 @@ class DGFDrafter(Drafter):
             tokens.append(target_ids(self.vocab, best.indices))
             scores.append(scores[-1] + best.values)
         kept = min(len(tokens), self.budget)  # path scores fall along a chain: the nodes kept are a prefix
-        if self.keep_above is not None or self.round_costs is not None:
-            kept = len(confident_nodes(torch.cat(scores[:kept]).tolist(), list(range(-1, kept - 1)), self.keep_above,
-                                       kept, scores[0].dtype, self.round_costs))
+        if self.cut.cuts:
+            kept = len(self.cut.nodes(torch.cat(scores[:kept]).tolist(), list(range(-1, kept - 1)), kept,
+                                      scores[0].dtype))
         return DraftTree.chain(torch.cat(tokens[:kept]))
 
     def _argmax_chain(self, root_feature: torch.Tensor, root_token: torch.Tensor, depth: int) -> DraftTree:
@@ -335,16 +333,13 @@ class Growth:
             self.fed_features[node] = feature
         self.fed += len(nodes)
 
-    def tree(self, greedy: bool, keep_above: float | None = None,
-             round_costs: Sequence[float] | None = None) -> DraftTree:
-        """The grown tree; greedy trees keep the `budget` best nodes (EAGLE-2's re-ranking), and with `keep_above`
-        only those whose path probability is above it (a path's probability falls along it, so they stay closed
-        under ancestors): a confident round verifies a wide tree, a doubtful one a narrow one; round_costs: then
-        base.costs_cut's count."""
+    def tree(self, greedy: bool, cut: TreeCut = NO_CUT) -> DraftTree:
+        """The grown tree; greedy trees keep the `budget` best nodes (EAGLE-2's re-ranking), then those `cut` keeps
+        (base.TreeCut: a confident round verifies a wide tree, a doubtful one a narrow one)."""
         rows = torch.cat(self.rows) if self.rows else None
         if not greedy:
             return DraftTree.from_lists(self.tokens, self.parents, self.depths, rows, self.device)
-        keep = confident_nodes(self.scores, self.parents, keep_above, self.budget, torch.float32, round_costs)
+        keep = cut.nodes(self.scores, self.parents, self.budget, torch.float32)
         index = {node: i for i, node in enumerate(keep)}
         return DraftTree.from_lists([self.tokens[node] for node in keep],
                                     [index[self.parents[node]] if self.parents[node] >= 0 else -1 for node in keep],

@@ -16,8 +16,7 @@ from peft import PeftModel
 from torch import nn
 
 from draftsmith.config import TextEnum, enum_member
-from draftsmith.eval.decode.drafters.base import (Drafter, Sampling, check_open_unit, confident_subtree,
-                                                  refuse_sampled_trim, static_tree_tokens)
+from draftsmith.eval.decode.drafters.base import Drafter, Sampling, TreeCut, confident_subtree, static_tree_tokens
 from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 from draftsmith.models.artifacts import ACCURACY_FILE, ArtifactError, load_medusa_heads
 from draftsmith.models.compiled import CompileSettings
@@ -32,8 +31,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, paths: list[list[int]] | None = None, name: str = "medusa",
                  runs: nn.Module | None = None, keep_above: float | None = None):
-        check_open_unit(name, "keep_above", keep_above)
-        self.keep_above = keep_above  # dynamic size (greedy): only nodes whose path's probability is above it
+        self.cut = TreeCut.checked(name, keep_above)  # dynamic size (greedy)
         self.heads = heads.eval()
         self.runs = runs or self.heads  # what computes the logits: the heads, or their batch-invariant copy
         self.vocab = heads.draft_vocab  # None: the heads score the full vocabulary
@@ -56,7 +54,7 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, root, context, sampling: Sampling | None, generator) -> DraftTree:
-        refuse_sampled_trim(self.name, self.keep_above, sampling)
+        self.cut.refuse_sampling(self.name, sampling)
         param = next(self.heads.parameters())
         logits = self.runs(self.last_hidden.to(param.device, param.dtype)).float()  # (K, V)
         device = context.device
@@ -69,7 +67,7 @@ class MedusaDrafter(Drafter):
             tokens = self.vocab.to_target(tokens)
             probs = None if probs is None else self.vocab.scatter(probs)
         tree = DraftTree(tokens.to(device), self.parents.to(device), self.depths.to(device), probs)
-        return confident_subtree(tree, node_probs.to(device), self.keep_above)
+        return confident_subtree(tree, node_probs.to(device), self.cut)
 
 
 class TargetAdapter(TextEnum):
