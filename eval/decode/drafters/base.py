@@ -113,9 +113,6 @@ class TreeCut:
         return top_nodes(path_scores, parents, budget)
 
 
-NO_CUT = TreeCut()
-
-
 def keep_confident(tree: DraftTree, path_scores: torch.Tensor, cut: TreeCut, budget: int) -> DraftTree:
     """A greedy tree cut by `cut` below `budget` (`path_scores` (n,): each node's path log-probability)."""
     keep = cut.nodes(path_scores.tolist(), tree.parents.tolist(), budget, path_scores.dtype)

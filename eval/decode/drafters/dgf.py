@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.decode.drafters.base import (NO_CUT, TREE_BUDGET, Drafter, Sampling, TreeCut, check_open_unit,
-                                                  check_sizes, draw_children)
+from draftsmith.eval.decode.drafters.base import (TREE_BUDGET, Drafter, Sampling, TreeCut, check_open_unit, check_sizes,
+                                                  draw_children)
 from draftsmith.eval.decode.drafters.prior import CANDIDATES, CandidatePrior, refuse_sampled_prior, reranked
 from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
@@ -333,7 +333,7 @@ class Growth:
             self.fed_features[node] = feature
         self.fed += len(nodes)
 
-    def tree(self, greedy: bool, cut: TreeCut = NO_CUT) -> DraftTree:
+    def tree(self, greedy: bool, cut: TreeCut) -> DraftTree:
         """The grown tree; greedy trees keep the `budget` best nodes (EAGLE-2's re-ranking), then those `cut` keeps
         (base.TreeCut: a confident round verifies a wide tree, a doubtful one a narrow one)."""
         rows = torch.cat(self.rows) if self.rows else None
