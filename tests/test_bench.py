@@ -333,6 +333,22 @@ def test_bench_writes_each_conversation_and_a_rerun_continues(tiny_pair, prompts
         run_benchmark(config, target=target, draft=draft, progress=False)
 
 
+def test_a_labelled_method_is_one_row_under_its_label(tiny_pair, prompts_file, tmp_path):
+    """A config's label names the method's row, its JSON key and its state; bench.md gives the spec behind it."""
+    target, draft = tiny_pair
+    cascade = "cascade:drafters=[(ngram:min_n=2), (lm-chain:budget=3)]"
+    config = BenchConfig(methods=[parse_method("plain"), parse_method({"method": cascade, "label": "lookup, else LM"})],
+                         suites=[f"jsonl:{prompts_file}"], num_prompts=2, max_new_tokens=8,
+                         output_dir=str(tmp_path / "run"), backend="eager")
+    results = run_benchmark(config, target=target, draft=draft, progress=False)
+    write_outputs(results, config)
+    entry = results["summary"]["lookup, else LM"]
+    assert entry["mismatches"] == [] and entry["tau"] >= 1.0 and "lookup, else LM" in results["policies"]
+    assert results["config"]["methods"][1] == {"method": cascade, "label": "lookup, else LM"}
+    markdown = (tmp_path / "run" / "bench.md").read_text()
+    assert "| lookup, else LM | eager |" in markdown and f"- **lookup, else LM**: `{cascade}`" in markdown
+
+
 def test_a_refused_bench_does_not_block_the_corrected_rerun(tiny_pair, prompts_file, tmp_path):
     """A run refused at its input (no conversation finished: the header alone) leaves nothing to keep, so the
     corrected command starts afresh instead of being told to pass --overwrite."""

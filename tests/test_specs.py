@@ -97,3 +97,48 @@ def test_feature_drafter_dtype_option():
     assert parse_method("dgf").options.dtype is None
     with pytest.raises(ValueError, match="dtype"):
         parse_method("dgf:dtype=float16")
+
+
+def test_a_labelled_method_reads_back_and_keeps_its_spec(tmp_path):
+    """`{method: ..., label: ...}` shows a long spec as a short table label; the printed config reads back, a
+    YAML anchor repeats one drafter in several composites, and the mapping form's label is its compact spec."""
+    from draftsmith.config import config_to_dict, load_config
+    from draftsmith.eval.bench.run import BenchConfig
+
+    path = tmp_path / "bench.yaml"
+    path.write_text("methods:\n"
+                    "  - method: {cascade: {drafters: ['ngram:min_n=3,budget=8', &tree 'dgf:depth=4,topk=3']}}\n"
+                    "    label: lookup on 3-grams, else the tree\n"
+                    "  - cascade: {drafters: ['ngram:min_n=2', *tree]}\n"
+                    "  - {method: 'ngram:min_n=3'}\n")
+    config = load_config(BenchConfig, path)
+    labelled, mapped, bare = config.methods[2:]
+    assert str(labelled) == "lookup on 3-grams, else the tree"
+    assert labelled.text == "cascade:drafters=[(ngram:min_n=3,budget=8), (dgf:depth=4,topk=3)]"
+    assert str(mapped) == "cascade:drafters=[(ngram:min_n=2), (dgf:depth=4,topk=3)]"
+    assert str(parse_method(str(mapped))) == str(mapped) and str(bare) == "ngram:min_n=3" and bare.text is None
+    assert labelled.options.drafters[1] == mapped.options.drafters[1]
+    written = config_to_dict(config)["methods"]
+    assert written[2] == {"method": labelled.text, "label": labelled.label}
+    again = tmp_path / "again.yaml"
+    again.write_text(json.dumps({"methods": written}))
+    assert load_config(BenchConfig, again).methods == config.methods
+    sized = parse_method({"method": "ngram:n=2", "label": "lookup"}).replace(budget=5)  # a budget sweep's point
+    assert (sized.label, sized.text, sized.options.budget) == ("lookup:budget=5", "ngram:n=2,budget=5", 5)
+
+
+@pytest.mark.parametrize("methods,words", [
+    ("[ngram, ngram]", "'ngram' is listed twice"),
+    ("[{method: ngram, label: plain}]", "'plain' is listed twice"),
+    ("[{method: ngram, label: 'a | b'}]", "methods[0].label: 'a | b': give one line"),
+    ("[{method: ngram, lable: x}]", "unknown key 'lable' beside `method`"),
+    ("[{method: 'ngram:nn=2', label: x}]", "methods[0].method: method 'ngram:nn=2'"),
+])
+def test_a_method_label_is_one_short_line_shown_once(tmp_path, methods, words):
+    from draftsmith.config import ConfigError, load_config
+    from draftsmith.eval.bench.run import BenchConfig
+
+    path = tmp_path / "bench.yaml"
+    path.write_text(f"methods: {methods}\n")
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(BenchConfig, path)

@@ -10,6 +10,7 @@ A method spec names a table entry and sets its options, parsed once by the stric
     minions:drafters=[(lm-chain:every=2),ngram]   a list of methods in brackets
     union:drafters=[(dgf:depth=3,topk=1,budget=3),(ngram:budget=6)]   two trees in one verify
     cascade:drafters=[(ngram:min_n=2),dgf]   lookup on a repeat, else the trained drafter
+    {method: <either form>, label: lookup, else DFlash}   a short label for the tables (YAML)
 
 Composite methods (pipeline, dovetail, hcmp, minions, union, cascade) receive the drafters the table
 built for their nested specs; ARCA profiles rebuild the profiled drafter at the chosen budget from its
@@ -95,13 +96,35 @@ def parse_compact(text: str, options_cls: type) -> dict:
     return raw
 
 
+def compact_text(name: str, raw: Any) -> str:
+    """The compact form of a mapping-form spec: `{cascade: {drafters: [ngram, {dgf: {depth: 4}}]}}` ->
+    `cascade:drafters=[(ngram), (dgf:depth=4)]`."""
+    def value_text(value: Any) -> str:
+        if isinstance(value, list):
+            return "[" + ", ".join(f"({value_text(item)})" for item in value) + "]"
+        if isinstance(value, Mapping) and len(value) == 1:
+            (inner, options), = value.items()
+            return compact_text(str(inner), options)
+        if isinstance(value, Mapping) and "method" in value:
+            return value_text(value["method"])
+        return str(value)
+    options = ",".join(f"{key}={value_text(value)}" for key, value in (raw or {}).items())
+    return name + (":" + options if options else "")
+
+
+LABEL_KEYS = {"method", "label"}
+LABEL_REFUSED = ("|", "\n", "`")  # a label is one cell of a Markdown table
+
+
 @dataclass(frozen=True)
 class MethodSpec(Parsable):
-    """A parsed method spec: the table entry's name, its typed options, and the label it is shown as."""
+    """A parsed method spec: the table entry's name, its typed options, and the label it is shown as
+    (its spec text unless the config gave it a label; `text` then keeps the spec it reads back from)."""
 
     name: str
     options: Any
     label: str
+    text: str | None = None
 
     @classmethod
     def entry(cls, name: str, path: str) -> "MethodEntry":
@@ -122,12 +145,29 @@ class MethodSpec(Parsable):
             except ConfigError as err:
                 raise ConfigError(f"{path}: method {value!r}: {err}") from None
             return cls._build(name, entry, raw, value.strip(), path)
+        if isinstance(value, Mapping) and "method" in value:
+            return cls.labelled(value, path)
         if isinstance(value, Mapping) and len(value) == 1:
             (name, raw), = value.items()
             entry = cls.entry(str(name), path)
-            label = str(name) + (":" + ",".join(f"{k}={v}" for k, v in (raw or {}).items()) if raw else "")
-            return cls._build(str(name), entry, raw or {}, label, path)
-        raise ConfigError(f"{path}: a method is `name[:key=value,...]` or a one-key mapping, got {value!r}")
+            return cls._build(str(name), entry, raw or {}, compact_text(str(name), raw), path)
+        raise ConfigError(f"{path}: a method is `name[:key=value,...]`, a one-key mapping or "
+                          f"{{method: ..., label: ...}}, got {value!r}")
+
+    @classmethod
+    def labelled(cls, value: Mapping, path: str) -> "MethodSpec":
+        """`{method: <spec>, label: <short text>}`: the spec shown in every table as its label."""
+        unknown = sorted(set(map(str, value)) - LABEL_KEYS)
+        if unknown:
+            raise ConfigError(f"{path}: unknown key {unknown[0]!r} beside `method` (keys: label, method)")
+        spec = cls.from_config(value["method"], f"{path}.method")
+        label = value.get("label")
+        if label is None:
+            return spec
+        label = str(label).strip()
+        if not label or any(mark in label for mark in LABEL_REFUSED):
+            raise ConfigError(f"{path}.label: {label!r}: give one line of text without |, ` or a line break")
+        return cls(spec.name, spec.options, label, spec.text or spec.label)
 
     @classmethod
     def _build(cls, name: str, entry: "MethodEntry", raw: Any, label: str, path: str) -> "MethodSpec":
@@ -141,11 +181,16 @@ class MethodSpec(Parsable):
         """The same method with some options changed (e.g. another budget); the label says so."""
         options = dataclasses.replace(self.options, **changes)
         extra = ",".join(f"{key}={value}" for key, value in changes.items())
-        label = self.label + ("," if ":" in self.label else ":") + extra
-        return type(self)(self.name, options, label)
+
+        def extended(text: str) -> str:
+            return text + ("," if ":" in text else ":") + extra
+        return type(self)(self.name, options, extended(self.label), self.text and extended(self.text))
 
     def __str__(self) -> str:
         return self.label
+
+    def to_config(self) -> Any:
+        return {"method": self.text, "label": self.label} if self.text else self.label
 
     def __hash__(self) -> int:  # options are plain dataclasses: equal specs have equal names and labels
         return hash((self.name, self.label))

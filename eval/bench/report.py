@@ -162,9 +162,17 @@ def format_table(results: dict) -> str:
     """Markdown: the summary table, then (for several suites / turns / categories) breakdowns, the compiled
     engines, and the run's settings and machine."""
     summary = results["summary"]
-    return "\n".join(summary_lines(results) + breakdown_lines(summary) + verify_width_lines(summary)
-                     + prefill_lines(results) + policy_lines(results) + compile_lines(results)
-                     + ["", run_line(results)])
+    return "\n".join(summary_lines(results) + label_lines(results) + breakdown_lines(summary)
+                     + verify_width_lines(summary) + prefill_lines(results) + policy_lines(results)
+                     + compile_lines(results) + ["", run_line(results)])
+
+
+def label_lines(results: dict) -> list[str]:
+    """The spec behind each label the config gave a method ({method: ..., label: ...})."""
+    labelled = [entry for entry in results["config"].get("methods") or [] if isinstance(entry, dict)]
+    if not labelled:
+        return []
+    return ["", "Labelled methods:", ""] + [f"- **{entry['label']}**: `{entry['method']}`" for entry in labelled]
 
 
 def prefill_lines(results: dict) -> list[str]:

@@ -84,6 +84,16 @@ def default_methods(target: str) -> list[MethodSpec]:
     return [parse_method(spec) for spec in specs]
 
 
+def check_labels(methods: list[MethodSpec]) -> None:
+    """Every method is one row of each table and one key of bench.json: a label shown twice is refused."""
+    seen: set[str] = set()
+    for spec in methods:
+        if spec.label in seen:
+            raise ConfigError(f"methods: {spec.label!r} is listed twice; drop one or give it another `label` "
+                              "({method: ..., label: ...} in the YAML config)")
+        seen.add(spec.label)
+
+
 @dataclass
 class BenchConfig(PromptSettings):
     target: str = option(DEFAULT_TARGET, "the target: registry name, model directory, hub id or tiny:<family>")
@@ -116,6 +126,7 @@ class BenchConfig(PromptSettings):
             self.methods.insert(0, PLAIN)  # the reference for losslessness and speedup
         if self.backend is Backend.COMPILED and PLAIN_COMPILED not in self.methods:
             self.methods.insert(1, PLAIN_COMPILED)  # the compiled methods' reference
+        check_labels(self.methods)
         refuse_unread(self, compile_unread(lambda c: not uses_compiled(c), "read by backend=compiled or a method "
                                                                             "on the compiled engine"))
         if self.backend is Backend.COMPILED and self.budget_limit + 1 > max(self.compile.buckets):
