@@ -277,7 +277,7 @@ def run_conversation(state: BenchState, suite: str, conv, bar) -> None:
         bar.update(1)
         row = state.rows[-1]
         bar.set_postfix_str(f"{suite} t{turn} " + " ".join(
-            f"{spec.name}={row[str(spec)]['tokens_per_s']:.1f}" for spec in state.methods))
+            f"{spec.label if spec.text else spec.name}={row[str(spec)]['tokens_per_s']:.1f}" for spec in state.methods))
         if turn < turns:
             if state.config.temperature > 0 or reference is None:
                 greedy = DecodeConfig(max_new_tokens=state.config.max_new_tokens)
