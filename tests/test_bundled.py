@@ -77,8 +77,9 @@ def test_bench_defaults_add_the_bundled_drafter_alone_and_in_the_cascade(tiny_bu
     target, _, _ = tiny_bundle
     assert [m.label for m in bench.default_methods("tiny-bundled")] == ["plain", "ngram", "dgf", "cascade"]
     assert [m.label for m in bench.default_methods("tiny:llama")] == ["plain", "ngram"]
-    cascade = build_spec("cascade", target)  # lookup on a repeated 2-gram, else the bundled drafter
+    cascade = build_spec("cascade", target)  # lookup on a repeated 3-gram, 8 tokens, else the bundled drafter
     assert [type(d).__name__ for d in cascade.drafters] == ["NgramDrafter", "DGFDrafter"]
+    assert (cascade.drafters[0].min_ngram, cascade.drafters[0].budget) == (3, 8)
     prompt = torch.tensor([[3, 5, 7, 9, 3, 5, 7, 9, 3, 5]])
     config = DecodeConfig(max_new_tokens=16, budget_limit=16)
     plain = SpeculativeDecoder(target, None, config).generate(prompt).tokens

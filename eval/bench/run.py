@@ -79,7 +79,7 @@ def uses_compiled(config: "BenchConfig") -> bool:
 
 def default_methods(target: str) -> list[MethodSpec]:
     """plain, prompt lookup (training-free) and the drafter bundled for the target if any (trained here), alone
-    and in the cascade (lookup on a repeated 2-gram, else the drafter); the compiled backend adds plain-compiled."""
+    and in the cascade (lookup on a repeated 3-gram, else the drafter); the compiled backend adds plain-compiled."""
     specs = ["plain", "ngram"] + (["dgf", "cascade"] if has_bundled_drafter(target) else [])
     return [parse_method(spec) for spec in specs]
 
