@@ -17,7 +17,7 @@ END=$(date +%s)
   echo
   echo "\`bash scripts/install.sh && python -m draftsmith.eval.bench\` with an empty \`DRAFTSMITH_CACHE\`"
   echo "(model conversion and every compiled graph built in the run; packages already installed),"
-  echo "$(nproc) cores ($(lscpu | sed -n 's/^Model name: *//p'), $(python -c 'from draftsmith.eval.latency import cpu_isa; print(cpu_isa())')), $(date -u +%F)."
+  echo "$(nproc) cores ($(lscpu | sed -n 's/^Model name: *//p'), $(python -c 'from draftsmith.eval.documents import cpu_isa; print(cpu_isa())')), $(date -u +%F)."
   echo "Wall time: install $((AFTER_INSTALL - START)) s, bench $((END - AFTER_INSTALL)) s, total $((END - START)) s."
   echo
   echo '```'
