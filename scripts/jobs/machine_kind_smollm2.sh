@@ -81,6 +81,7 @@ STEPS=(
   "arca_profile|$FAMILIES/arca_profile_medusa1_10m.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA acceptance=measured output=$FAMILIES/arca_profile_medusa1_10m.json"
   "arca_profile_regen|$FAMILIES/arca_profile_medusa1_regen_int8.json|0|quiet python -m draftsmith.eval.arca_profile drafter=medusa:$MEDUSA_REGEN,weights=int8 \"backends=[compiled]\" acceptance=measured output=$FAMILIES/arca_profile_medusa1_regen_int8.json"
   "families_table_latest|$FAMILIES/families_table_latest/bench.json|0|with_kind_profile eval/configs/families_table_latest_smollm2.yaml results/drafter_families_zen4/arca_profile_medusa1_regen_int8.json $FAMILIES/families_table_latest $FAMILIES/arca_profile_medusa1_regen_int8.json"
+  "families_table_dflash40m|$FAMILIES/families_table_dflash40m/bench.json|0|with_kind_profile eval/configs/families_table_dflash40m_smollm2.yaml results/drafter_families_zen4/arca_profile_medusa1_regen_int8.json $FAMILIES/families_table_dflash40m $FAMILIES/arca_profile_medusa1_regen_int8.json"
   "medusa_weights|$FAMILIES/medusa_weights/bench.json|0|with_kind_profile eval/configs/medusa_weights_smollm2.yaml $ZEN4_ARCA""_greedy_int8_rows.json $FAMILIES/medusa_weights"
   "medusa_regen|$FAMILIES/medusa_regen/bench.json|0|quiet $BENCH --config eval/configs/medusa_regen_smollm2.yaml output_dir=$FAMILIES/medusa_regen"
   "student_regen|$FAMILIES/student_regen/bench.json|0|quiet $BENCH --config eval/configs/student_regen_smollm2.yaml output_dir=$FAMILIES/student_regen"
