@@ -66,9 +66,10 @@ def main(argv: list[str]) -> str:
     path = Path(argv[0])
     try:
         results = json.loads(path.read_text())
-        results["per_prompt"], results["summary"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError) as error:
         raise UserError(f"{path}: not an eval.bench result ({type(error).__name__}: {error})") from None
+    if not isinstance(results, dict) or not {"per_prompt", "summary"} <= results.keys():
+        raise UserError(f"{path}: not an eval.bench result (no per_prompt and summary)")
     line = compare_run(results, argv[1], argv[2]).line(argv[1], argv[2])
     print(line)
     return line

@@ -209,6 +209,16 @@ class MethodSpec(Parsable):
         return self.name + (":" + text if text else "")
 
 
+def check_labels(methods: list[MethodSpec]) -> None:
+    """Every method is one row of each table and one key of the results: a label shown twice is refused."""
+    seen: set[str] = set()
+    for spec in methods:
+        if spec.label in seen:
+            raise ConfigError(f"methods names a method twice: {spec.label!r} is listed twice; drop one or give it "
+                              "another `label` ({method: ..., label: ...} in the YAML config)")
+        seen.add(spec.label)
+
+
 def parse_method(value: Any, path: str = "method") -> MethodSpec:
     return MethodSpec.from_config(value, path)
 

@@ -53,8 +53,8 @@ from draftsmith.eval.bench.progress import Progress
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, PREFIX_CACHE, DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
 from draftsmith.eval.documents import cpu_isa, cpu_model, memory_stall_seconds
-from draftsmith.eval.bench.methods import (PLAIN, PLAIN_COMPILED, BuildContext, MethodSpec, build_method, lookup,
-                                          methods_help, parse_method)
+from draftsmith.eval.bench.methods import (PLAIN, PLAIN_COMPILED, BuildContext, MethodSpec, build_method, check_labels,
+                                          lookup, methods_help, parse_method)
 from draftsmith.eval.prompts import (PromptSettings, category_of, check_suites, num_turns, select_conversations,
                                     turn_input_ids)
 from draftsmith.eval.bench.report import format_table, log_wandb, write_plots
@@ -82,16 +82,6 @@ def default_methods(target: str) -> list[MethodSpec]:
     and in the cascade (lookup on a repeated 3-gram, else the drafter); the compiled backend adds plain-compiled."""
     specs = ["plain", "ngram"] + (["dgf", "cascade"] if has_bundled_drafter(target) else [])
     return [parse_method(spec) for spec in specs]
-
-
-def check_labels(methods: list[MethodSpec]) -> None:
-    """Every method is one row of each table and one key of bench.json: a label shown twice is refused."""
-    seen: set[str] = set()
-    for spec in methods:
-        if spec.label in seen:
-            raise ConfigError(f"methods: {spec.label!r} is listed twice; drop one or give it another `label` "
-                              "({method: ..., label: ...} in the YAML config)")
-        seen.add(spec.label)
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import Callable, ClassVar, Literal
 
 import torch
 
-from draftsmith.config import ConfigError, check_config, config_to_dict, option
+from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.data.chat import prompt_ids
-from draftsmith.eval.bench.methods import MethodSpec, parse_method
+from draftsmith.eval.bench.methods import MethodSpec, check_labels, parse_method
 from draftsmith.eval.bench.run import WARMUP_MESSAGES, BenchConfig, carryover_balanced, mean_ci, run_benchmark
 from draftsmith.eval.documents import cpu_isa, cpu_model, parse_document_command, write_document
 from draftsmith.eval.prompts import (PromptSettings, check_suites, num_turns, prompt_options, select_conversations,
@@ -59,9 +59,7 @@ class EngineBenchConfig(PromptSettings):
     def __post_init__(self) -> None:
         check_config(self)
         check_suites(self.suites)
-        labels = [str(spec) for spec in self.methods]
-        if len(set(labels)) != len(labels):
-            raise ConfigError(f"methods: {labels} names a method twice")
+        check_labels(self.methods)
         if self.plain not in self.methods:
             self.methods.insert(0, self.plain)
 
