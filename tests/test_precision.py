@@ -81,6 +81,33 @@ def test_a_draft_lm_on_the_int8_kernels_with_bf16_activations_keeps_decoding_los
     assert result.tokens == plain.tokens and result.stats.verify_forwards < 24
 
 
+def test_a_draft_lms_weights_option_stores_its_weights_on_the_kernels_under_its_own_activations():
+    """lm-chain:...,weights=int8: int8 weights on the batch-invariant kernels under the draft LM's float32 (or bf16)
+    activations; with precision=int8-weights, or where no such kernels run, refused in one line."""
+    compiled = CompileSettings()
+    assert draft_lm_storage(DraftPrecision.FLOAT32, Backend.COMPILED, compiled, WeightPrecision.INT8) == (
+        DraftPrecision.FLOAT32, replace(compiled, weights=WeightPrecision.INT8, head=None))
+    assert draft_lm_storage(DraftPrecision.BFLOAT16, Backend.COMPILED, compiled, WeightPrecision.W8A8)[1].weights is (
+        WeightPrecision.W8A8)
+    with pytest.raises(ConfigError, match="both set how the draft LM's weights are stored"):
+        draft_lm_storage(DraftPrecision.INT8_WEIGHTS, Backend.COMPILED, compiled, WeightPrecision.INT8)
+    with pytest.raises(ConfigError, match="weights=int8 is read by the compiled backend's batch-invariant"):
+        draft_lm_storage(DraftPrecision.FLOAT32, Backend.EAGER, compiled, WeightPrecision.INT8, "lm-chain")
+    assert parse_method("lm-chain:budget=4,weights=int8").options.weights is WeightPrecision.INT8
+
+
+def test_a_float32_draft_lm_on_the_int8_kernels_keeps_decoding_lossless():
+    target = TargetModel(tiny_model("llama", seed=1, num_layers=3), tokenizer=None)
+    draft = invariant_model(tiny_model("llama", seed=1, num_layers=1), WeightPrecision.INT8)
+    assert {m.packed.dtype for m in draft.modules() if isinstance(m, InvariantLinear)} == {torch.int8}
+    assert next(draft.parameters()).dtype == torch.float32
+    prompt = repetitive_prompt(2)
+    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
+    result = SpeculativeDecoder(target, LMDrafter(draft, mode="chain", budget=3),
+                                DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert result.tokens == plain.tokens and result.stats.verify_forwards < 24
+
+
 def test_a_feature_block_or_medusa_drafters_weights_option_sets_its_kernels_precision():
     """dgf:/dflash:/medusa:...,weights=int8: the drafter's engine stores int8 weights on the batch-invariant kernels
     (the run's settings otherwise); refused in one line where no such kernels run."""

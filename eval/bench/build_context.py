@@ -17,12 +17,28 @@ from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab, with_sliced_head
 
 
-def draft_lm_storage(precision: DraftPrecision, backend: Backend,
-                     settings: CompileSettings) -> tuple[DraftPrecision, CompileSettings]:
+def require_invariant_kernels(what: str, option_text: str, backend: Backend, settings: CompileSettings) -> None:
+    """An option only the compiled backend's batch-invariant kernels read is refused in one line elsewhere."""
+    if not settings.runs_invariant_kernels(backend):
+        raise ConfigError(f"{what}: {option_text} is read by the compiled backend's batch-invariant kernels only "
+                          f"(backend={backend.value}, compile.kernels={settings.kernels.value}); drop it or use "
+                          "backend=compiled with compile.kernels=invariant")
+
+
+def draft_lm_storage(precision: DraftPrecision, backend: Backend, settings: CompileSettings,
+                     weights: WeightPrecision | None = None,
+                     what: str = "draft LM") -> tuple[DraftPrecision, CompileSettings]:
     """(the precision a draft LM's copy is converted to, the compile settings of its engine). Weight-only int8 on
     the batch-invariant kernels is their own int8 weights under a bf16 copy (a quarter of the fp32 weight stream,
     through the kernels every compiled step uses; a drafter reads its head's every logit, so the target's `head`
-    is not its); elsewhere torch's weight-only int8 kernel."""
+    is not its); elsewhere torch's weight-only int8 kernel. `weights` stores the weights of a float32 or bfloat16
+    copy on those kernels (int8 under float32 activations: for a CPU without a bf16 dot product)."""
+    if weights is not None:
+        if precision not in (DraftPrecision.FLOAT32, DraftPrecision.BFLOAT16):
+            raise ConfigError(f"{what}: weights={weights.value} and precision={precision.value} both set how the "
+                              "draft LM's weights are stored; give weights= with precision=float32 or bfloat16")
+        require_invariant_kernels(what, f"weights={weights.value}", backend, settings)
+        return precision, replace(settings, weights=weights, head=None)
     if precision is DraftPrecision.INT8_WEIGHTS and settings.runs_invariant_kernels(backend):
         return DraftPrecision.BFLOAT16, replace(settings, weights=WeightPrecision.INT8, head=None)
     return precision, settings
@@ -65,11 +81,11 @@ class BuildContext:
 
     def small_model(self, model: str | None, every: int | None, what: str, vocab: DraftVocab | None = None,
                     precision: DraftPrecision = DraftPrecision.FLOAT32,
-                    shared_width: bool | None = None) -> TargetModel:
+                    shared_width: bool | None = None, weights: WeightPrecision | None = None) -> TargetModel:
         """The LM of an LM drafter under the run's backend: every N-th target layer, a named model, or the
         run's draft; with `vocab`, that model with its LM head sliced to the draft vocabulary; in `precision`
-        (int8 runs eager whatever the run's backend; see draft_lm_storage for int8-weights); compiled with the
-        run's settings, or with `shared_width` in their place when given."""
+        (int8 runs eager whatever the run's backend; see draft_lm_storage for int8-weights and `weights`); compiled
+        with the run's settings, or with `shared_width` in their place when given."""
         base = self._small_base(model, every, what)
         if vocab is not None:
             key = (id(base.model), vocab.digest())
@@ -81,7 +97,7 @@ class BuildContext:
             raise ConfigError(f"{what}: shared_width is read by the compiled backend only, and this draft LM runs "
                               f"eager (backend={self.backend.value}, precision={precision.value}); drop it")
         settings = self.settings if shared_width is None else replace(self.settings, shared_width=shared_width)
-        stored, settings = draft_lm_storage(precision, backend, settings)
+        stored, settings = draft_lm_storage(precision, backend, settings, weights, what)
         if stored is not DraftPrecision.FLOAT32:
             key = (id(base.model), stored)
             if key not in self.models:

@@ -30,7 +30,7 @@ import yaml
 
 from draftsmith.config import ConfigError, Parsable, config_from_dict, option
 from draftsmith.data.ngram_prior import NgramPrior
-from draftsmith.eval.bench.build_context import BuildContext
+from draftsmith.eval.bench.build_context import BuildContext, require_invariant_kernels
 from draftsmith.eval.decode.decoder import DrafterMethod, Method
 from draftsmith.eval.decode.drafters.base import CHAIN_BUDGET, TREE_BUDGET, Drafter
 from draftsmith.eval.decode.drafters.dgf import DGF_DEPTH, DGF_TOPK, drafter_tree, load_dgf_drafter, same_weights
@@ -269,6 +269,10 @@ DRAFTER_DTYPE_HELP = ("the drafter's arithmetic (bfloat16 halves the weights a d
 DRAFTER_WEIGHTS_HELP = ("the drafter's stored weights on the compiled backend's batch-invariant kernels: model (in "
                         "its dtype) | int8 (weight-only, a scale per output row: a quarter of fp32's weight stream) | "
                         "w8a8 (int8 weights and inputs, float32 drafters); null: the run's compile.weights")
+LM_WEIGHTS_HELP = ("the draft LM's stored weights on the compiled backend's batch-invariant kernels, its arithmetic "
+                   "in `precision` (float32 or bfloat16): model | int8 (weight-only, a scale per output row: a quarter "
+                   "of fp32's weight stream; under float32 activations where the CPU has no bf16 dot product) | w8a8 "
+                   "(float32 draft LMs); null: as `precision` says")
 PRECISION_HELP = ("the draft LM's arithmetic: float32 | bfloat16 | int8 (dynamic, eager) | int8-weights (weight-only "
                   "int8, bf16 activations: the batch-invariant kernels' int8 on the compiled backend); the target "
                   "verifies in its own dtype")
@@ -279,6 +283,7 @@ class LMChainOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round", ge=1)
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
     shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
+    weights: WeightPrecision | None = option(None, LM_WEIGHTS_HELP)
     model: str | None = option(None, "draft LM (registry name / dir); null: the run's draft")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM instead", ge=1)
     vocab: str | None = option(None, LM_VOCAB_HELP)
@@ -291,6 +296,7 @@ class LMParallelOptions:
     budget: int = option(CHAIN_BUDGET, "draft tokens per round, all from one forward (budget - 1 mask tokens)", ge=1)
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
     shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
+    weights: WeightPrecision | None = option(None, LM_WEIGHTS_HELP)
     model: str | None = option(None, "a parallel (PARD) draft LM, with config.pard_token; null: the run's draft")
     vocab: str | None = option(None, LM_VOCAB_HELP)
 
@@ -300,6 +306,7 @@ class LMTreeOptions:
     budget: int = option(TREE_BUDGET, "draft nodes per round (the best by cumulative log-probability)", ge=1)
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
     shared_width: bool | None = option(None, SHARED_WIDTH_HELP)
+    weights: WeightPrecision | None = option(None, LM_WEIGHTS_HELP)
     depth: int = option(LM_TREE.depth, "tree depth", ge=1)
     topk: int = option(LM_TREE.topk, "children per expanded node", ge=1)
     beam: int | None = option(None, "nodes expanded per level (null: topk)", ge=1)
@@ -476,7 +483,7 @@ def build_plain_compiled(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision, o.shared_width)
+    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision, o.shared_width, o.weights)
     drafter = LMDrafter(lm, mode="chain", budget=o.budget, name=spec.label, vocab=vocab, stop_below=o.stop_below)
     return DrafterMethod(drafter, spec.label)
 
@@ -484,14 +491,14 @@ def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
 def build_lm_parallel(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, None, spec.label, vocab, o.precision, o.shared_width)
+    lm = ctx.small_model(o.model, None, spec.label, vocab, o.precision, o.shared_width, o.weights)
     return DrafterMethod(LMDrafter(lm, mode="parallel", budget=o.budget, name=spec.label, vocab=vocab), spec.label)
 
 
 def build_lm_tree(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision, o.shared_width)
+    lm = ctx.small_model(o.model, o.every, spec.label, vocab, o.precision, o.shared_width, o.weights)
     drafter = LMDrafter(lm, mode="tree", budget=o.budget, depth=o.depth, topk=o.topk, beam=o.beam, name=spec.label,
                         vocab=vocab)
     return DrafterMethod(drafter, spec.label)
@@ -518,10 +525,7 @@ def drafter_settings(spec: MethodSpec, ctx: BuildContext) -> CompileSettings:
     weights = spec.options.weights
     if weights is None:
         return ctx.settings
-    if not ctx.settings.runs_invariant_kernels(ctx.backend):
-        raise ConfigError(f"{spec.label}: weights={weights.value} is read by the compiled backend's batch-invariant "
-                          f"kernels only (backend={ctx.backend.value}, compile.kernels={ctx.settings.kernels.value}); "
-                          "drop it or use backend=compiled with compile.kernels=invariant")
+    require_invariant_kernels(spec.label, f"weights={weights.value}", ctx.backend, ctx.settings)
     return replace(ctx.settings, weights=weights)
 
 
