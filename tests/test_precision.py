@@ -93,7 +93,9 @@ def test_a_draft_lms_weights_option_stores_its_weights_on_the_kernels_under_its_
         draft_lm_storage(DraftPrecision.INT8_WEIGHTS, Backend.COMPILED, compiled, WeightPrecision.INT8)
     with pytest.raises(ConfigError, match="weights=int8 is read by the compiled backend's batch-invariant"):
         draft_lm_storage(DraftPrecision.FLOAT32, Backend.EAGER, compiled, WeightPrecision.INT8, "lm-chain")
-    assert parse_method("lm-chain:budget=4,weights=int8").options.weights is WeightPrecision.INT8
+    for spec in ("lm-chain:budget=4,weights=int8", "lm-tree:weights=int8", "lm-parallel:weights=int8",
+                 "llmcad:weights=int8"):
+        assert parse_method(spec).options.weights is WeightPrecision.INT8
 
 
 def test_a_float32_draft_lm_on_the_int8_kernels_keeps_decoding_lossless():

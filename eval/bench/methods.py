@@ -392,6 +392,7 @@ class LLMCadOptions(LLMCadConfig):
     model: str | None = option(None, "draft LM (registry name / dir); null: the run's draft, else every=3")
     every: int | None = option(None, "use every N-th layer of the target as the draft LM", ge=1)
     precision: DraftPrecision = option(DraftPrecision.FLOAT32, PRECISION_HELP)
+    weights: WeightPrecision | None = option(None, LM_WEIGHTS_HELP)
     vocab: str | None = option(None, LM_VOCAB_HELP)
 
 
@@ -576,7 +577,7 @@ def build_llmcad(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
     every = o.every if (o.every is not None or o.model is not None or ctx.draft is not None) else 3
     vocab = ctx.vocab(o.vocab)
-    lm = ctx.small_model(o.model, every, spec.label, vocab, o.precision)
+    lm = ctx.small_model(o.model, every, spec.label, vocab, o.precision, weights=o.weights)
     config = LLMCadConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(LLMCadConfig)})
     return DrafterMethod(LLMCadDrafter(lm, config=config, name=spec.label, vocab=vocab), spec.label)
 

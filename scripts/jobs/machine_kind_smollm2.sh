@@ -103,6 +103,7 @@ STEPS=(
   "lookup_combined|$FAMILIES/lookup_combined/bench.json|0|quiet $BENCH --config eval/configs/lookup_combined_smollm2.yaml output_dir=$FAMILIES/lookup_combined"
   "lookup_bundled|$FAMILIES/lookup_bundled/bench.json|0|quiet $BENCH --config eval/configs/lookup_bundled_smollm2.yaml output_dir=$FAMILIES/lookup_bundled"
   "lookup_longer|$FAMILIES/lookup_longer/bench.json|0|quiet $BENCH --config eval/configs/lookup_longer_smollm2.yaml output_dir=$FAMILIES/lookup_longer"
+  "student_activations|$FAMILIES/student_activations/bench.json|0|quiet $BENCH --config eval/configs/student_activations_smollm2.yaml output_dir=$FAMILIES/student_activations"
   "dflash_budget|$FAMILIES/dflash_budget/bench.json|0|quiet $BENCH --config eval/configs/dflash_budget_smollm2.yaml output_dir=$FAMILIES/dflash_budget"
   "medusa_bench|$FAMILIES/medusa_bench/bench.json|0|quiet $BENCH --config eval/configs/medusa_bench_smollm2.yaml output_dir=$FAMILIES/medusa_bench"
   "block_student_bench|$FAMILIES/block_student_bench/bench.json|0|quiet $BENCH --config eval/configs/block_student_bench_smollm2.yaml output_dir=$FAMILIES/block_student_bench"
