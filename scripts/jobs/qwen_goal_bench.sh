@@ -6,7 +6,8 @@
 # process of its own. Levers beside the protocol's methods:
 #   CHAIN4=1 (default)  the off-the-shelf 0.5B as a chain of 4 with its full 151,936-token head (the "before" row)
 #   INT8=1              the same chain and cascade with the 0.5B's weights in int8 on the batch-invariant kernels
-#                       under float32 activations (`weights=int8`: a quarter of its weight stream)
+#                       under float32 activations (`weights=int8`: a quarter of its weight stream; the AVX2 EPYC's
+#                       choice); INT8=bfloat16 under bf16 activations (`precision=int8-weights`, for AVX512-BF16)
 #   HF=1                HF's assisted generation with transformers' defaults for the assistant (up to 20 tokens a
 #                       round, stopped by its confidence threshold)
 # The bench writes progress.jsonl per conversation: a rerun with the same settings continues where it stopped
@@ -21,8 +22,13 @@ VOCAB=drafters/qwen2.5-coder_vocab_32768
 [ -f $VOCAB/draft_vocab.safetensors ] || bash scripts/jobs/vocab_qwen.sh
 EXTRA=()  # the protocol's methods (eval/configs/goal_bench_qwen15.yaml), plus the levers asked for
 [ "${CHAIN4:-1}" = 1 ] && EXTRA+=("lm-chain:budget=4")
-INT8_CHAIN="lm-chain:budget=8,vocab=$VOCAB,stop_below=0.3,weights=int8"
-[ "${INT8:-0}" = 1 ] && EXTRA+=("$INT8_CHAIN" "cascade:drafters=[(ngram:min_n=2), ($INT8_CHAIN)]")
+case "${INT8:-0}" in
+  0) INT8_CHAIN= ;;
+  1) INT8_CHAIN="lm-chain:budget=8,vocab=$VOCAB,stop_below=0.3,weights=int8" ;;
+  bfloat16) require_avx512_bf16; INT8_CHAIN="lm-chain:budget=8,vocab=$VOCAB,stop_below=0.3,precision=int8-weights" ;;
+  *) echo "error: INT8=$INT8: give 1 (float32 activations) or bfloat16" >&2; exit 2 ;;
+esac
+[ -n "$INT8_CHAIN" ] && EXTRA+=("$INT8_CHAIN" "cascade:drafters=[(ngram:min_n=2), ($INT8_CHAIN)]")
 [ "${HF:-0}" = 1 ] && EXTRA+=("hf-assisted")
 build_qwen15
 if [ ${#EXTRA[@]} -gt 0 ]; then
