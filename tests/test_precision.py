@@ -68,12 +68,14 @@ def test_int8_weights_on_the_compiled_kernels_are_their_own_int8_under_a_bf16_co
     assert draft_lm_storage(DraftPrecision.BFLOAT16, Backend.COMPILED, compiled) == (DraftPrecision.BFLOAT16, compiled)
 
 
-def test_a_draft_lm_on_the_int8_kernels_with_bf16_activations_keeps_decoding_lossless():
-    model = tiny_model("llama", seed=1, num_layers=3)
-    target = TargetModel(model, tokenizer=None)
-    draft = invariant_model(with_precision(tiny_model("llama", seed=1, num_layers=1), DraftPrecision.BFLOAT16),
+@pytest.mark.parametrize("activations", [DraftPrecision.BFLOAT16, DraftPrecision.FLOAT32])
+def test_a_draft_lm_on_the_int8_kernels_keeps_decoding_lossless(activations):
+    """precision=int8-weights (bf16 activations) and weights=int8 (the draft LM's float32 ones)."""
+    target = TargetModel(tiny_model("llama", seed=1, num_layers=3), tokenizer=None)
+    draft = invariant_model(with_precision(tiny_model("llama", seed=1, num_layers=1), activations),
                             WeightPrecision.INT8)
     assert {m.packed.dtype for m in draft.modules() if isinstance(m, InvariantLinear)} == {torch.int8}
+    assert next(draft.parameters()).dtype == getattr(torch, activations.value)
     prompt = repetitive_prompt(2)
     plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
     result = SpeculativeDecoder(target, LMDrafter(draft, mode="chain", budget=3),
@@ -96,18 +98,6 @@ def test_a_draft_lms_weights_option_stores_its_weights_on_the_kernels_under_its_
     for spec in ("lm-chain:budget=4,weights=int8", "lm-tree:weights=int8", "lm-parallel:weights=int8",
                  "llmcad:weights=int8"):
         assert parse_method(spec).options.weights is WeightPrecision.INT8
-
-
-def test_a_float32_draft_lm_on_the_int8_kernels_keeps_decoding_lossless():
-    target = TargetModel(tiny_model("llama", seed=1, num_layers=3), tokenizer=None)
-    draft = invariant_model(tiny_model("llama", seed=1, num_layers=1), WeightPrecision.INT8)
-    assert {m.packed.dtype for m in draft.modules() if isinstance(m, InvariantLinear)} == {torch.int8}
-    assert next(draft.parameters()).dtype == torch.float32
-    prompt = repetitive_prompt(2)
-    plain = SpeculativeDecoder(target, None, DecodeConfig(max_new_tokens=24)).generate(prompt)
-    result = SpeculativeDecoder(target, LMDrafter(draft, mode="chain", budget=3),
-                                DecodeConfig(max_new_tokens=24)).generate(prompt)
-    assert result.tokens == plain.tokens and result.stats.verify_forwards < 24
 
 
 def test_a_feature_block_or_medusa_drafters_weights_option_sets_its_kernels_precision():
