@@ -68,6 +68,7 @@ STEPS=(
   "goal_float32|$ENGINE/goal_bench/bench.json|0|quiet $BENCH --config eval/configs/goal_bench_smollm2.yaml output_dir=$ENGINE/goal_bench"
   "goal_w8a8|$ENGINE/goal_bench_w8a8/bench.json|0|quiet $BENCH --config eval/configs/goal_bench_w8a8_smollm2.yaml output_dir=$ENGINE/goal_bench_w8a8"
   "goal_bfloat16|$ENGINE/goal_bench_bfloat16/bench.json|1|quiet $BENCH --config eval/configs/goal_bench_smollm2.yaml dtype=bfloat16 output_dir=$ENGINE/goal_bench_bfloat16"
+  "goal_cells|$ENGINE/goal_cells/bench.json|0|quiet $BENCH --config eval/configs/goal_cells_smollm2.yaml output_dir=$ENGINE/goal_cells"
   "tree_sizes_int8|$ENGINE/tree_sizes_int8/bench.json|0|quiet $BENCH --config eval/configs/tree_sizes_int8_smollm2.yaml output_dir=$ENGINE/tree_sizes_int8"
   "draft_sizes_int8|$ENGINE/draft_sizes_int8/bench.json|0|quiet $BENCH --config eval/configs/draft_sizes_int8_smollm2.yaml output_dir=$ENGINE/draft_sizes_int8"
   "engines|-|0|engines"
