@@ -58,7 +58,9 @@ class PadSource(TextEnum):
 class SelfDraftConfig:
     # The defaults: the best measured on the compiled CPU engine (a forward of at most 9 tokens: the root, 2 candidates
     # of 2 tokens, 2 branches of 2; results/drafter_families_zen4 "Self-Draft's settings"); the paper's GPU setting
-    # (N = 6 branches, G = 4) verifies ~25 tokens a forward, which costs a CPU ~1.6 target steps.
+    # (N = 6 branches, G = 4) verifies ~25 tokens a forward, which costs a CPU ~1.6 target steps. On the AVX2 EPYC,
+    # where a forward of 3 tokens already costs 1.28 steps, forwards of 3-5 (grams of 2, one branch) were no better:
+    # 0.91-1.01x against this default's 0.97x (results/drafter_families_epyc_avx2, "Self-Draft's narrow settings").
     branches: int = option(2, "N draft branches (the paper uses 6 on a GPU)", ge=0)
     length: int = option(2, "L, maximum branch length", ge=1)
     gram: int = option(3, "G, global gram length (key token + G - 1 continuation tokens; the paper's 4)", ge=2)
