@@ -22,13 +22,16 @@ VOCAB=drafters/qwen2.5-coder_vocab_32768
 [ -f $VOCAB/draft_vocab.safetensors ] || bash scripts/jobs/vocab_qwen.sh
 EXTRA=()  # the protocol's methods (eval/configs/goal_bench_qwen15.yaml), plus the levers asked for
 [ "${CHAIN4:-1}" = 1 ] && EXTRA+=("lm-chain:budget=4")
-case "${INT8:-0}" in
-  0) INT8_CHAIN= ;;
-  1) INT8_CHAIN="lm-chain:budget=8,vocab=$VOCAB,stop_below=0.3,weights=int8" ;;
-  bfloat16) require_avx512_bf16; INT8_CHAIN="lm-chain:budget=8,vocab=$VOCAB,stop_below=0.3,precision=int8-weights" ;;
+case "${INT8:-0}" in  # how the int8 chain stores the 0.5B (otherwise the protocol's chain)
+  0) INT8_STORAGE= ;;
+  1) INT8_STORAGE=weights=int8 ;;
+  bfloat16) require_avx512_bf16; INT8_STORAGE=precision=int8-weights ;;
   *) echo "error: INT8=$INT8: give 1 (float32 activations) or bfloat16" >&2; exit 2 ;;
 esac
-[ -n "$INT8_CHAIN" ] && EXTRA+=("$INT8_CHAIN" "cascade:drafters=[(ngram:min_n=2), ($INT8_CHAIN)]")
+if [ -n "$INT8_STORAGE" ]; then
+  INT8_CHAIN="lm-chain:budget=8,vocab=$VOCAB,stop_below=0.3,$INT8_STORAGE"
+  EXTRA+=("$INT8_CHAIN" "cascade:drafters=[(ngram:min_n=2), ($INT8_CHAIN)]")
+fi
 [ "${HF:-0}" = 1 ] && EXTRA+=("hf-assisted")
 build_qwen15
 if [ ${#EXTRA[@]} -gt 0 ]; then
