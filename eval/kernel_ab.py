@@ -58,6 +58,7 @@ class StepPart(TextEnum):
 class KernelIsa(TextEnum):
     """The kernels' instruction sets (batch_invariant.cpp's ISA_NAMES), forced through DRAFTSMITH_KERNEL_ISA."""
 
+    AVX512_AMX = "avx512_amx"
     AVX512_BF16 = "avx512_bf16"
     AVX512 = "avx512"
     AVX2 = "avx2"

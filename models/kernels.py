@@ -166,7 +166,7 @@ def register_fakes() -> None:
 
 
 def kernel_isa() -> str:
-    """The instruction set the kernels run with on this machine (avx512_bf16, avx512, avx2 or scalar)."""
+    """The instruction set the kernels run with on this machine (avx512_amx, avx512_bf16, avx512, avx2 or scalar)."""
     return load_kernels().kernel_isa()
 
 
@@ -227,7 +227,8 @@ class InvariantLinear(nn.Module):
 # head alone, cold, medians: results/engine_kernels_zen4/greedy_head_rows/): int8 0.63 / 0.67 / 0.89 / 1.17 / 1.28 /
 # 2.25 ms at 1 / 4 / 6 / 8 / 9 / 16 rows, bf16 1.20 / 1.22 / 1.30 / 1.34 / 1.35 / 1.75 (10th percentiles cross at 8):
 # the int8 copy streams half the bytes and its multiply-adds fit under its stream up to about 8 rows.
-GREEDY_BF16_FROM_ROWS = {"avx512_bf16": 8}
+# With AMX the head's copies are read as with AVX-512 BF16 (its tiles take the linear layers' bf16 weights only).
+GREEDY_BF16_FROM_ROWS = {"avx512_bf16": 8, "avx512_amx": 8}
 
 
 class GreedyHead(nn.Module):

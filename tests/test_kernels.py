@@ -36,7 +36,7 @@ from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab
 
 load_kernels()
-ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
+ISAS = ["scalar", "avx2", "avx512", "avx512_bf16", "avx512_amx"]
 AVAILABLE_ISAS = ISAS[:ISAS.index(kernel_isa()) + 1]
 
 

@@ -3,11 +3,15 @@
 // registered as the torch ops draftsmith::linear, draftsmith::linear_i8 and draftsmith::attention. Each output
 // element is reduced in one fixed order whatever the number of rows (a decode step, a verify of 64 tokens), so a
 // speculative verify computes exactly what one-token steps compute.
-// The instruction set (AVX-512 with BF16, AVX-512, AVX2 + FMA, scalar) is chosen once at load time from the CPU,
-// or from DRAFTSMITH_KERNEL_ISA; the kernels are written once (invariant_impl.h) and compiled per set.
+// The instruction set (AVX-512 with AMX tiles, AVX-512 with BF16, AVX-512, AVX2 + FMA, scalar) is chosen once at load
+// time from the CPU, or from DRAFTSMITH_KERNEL_ISA; the kernels are written once (invariant_impl.h) and compiled per
+// set. With AMX, bfloat16 weights go through its tiles (isa_amx below), everything else as with AVX-512 BF16.
 #include <torch/extension.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -353,18 +357,123 @@ inline V vdpbf16(V acc, uint32_t pair, const uint16_t* w) {
 }  // namespace isa_avx512_bf16
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace isa_amx {
+// A linear layer with bfloat16 weights and inputs on AMX: tdpbf16ps accumulates each element of a 16 x 16 float32
+// tile from its own row of inputs and column of weights, 32 inputs (16 pairs) an instruction, whatever the tile's other
+// rows hold. Every call pads its rows to 16 and its inputs to a multiple of 32 with zeros and sweeps the inputs in
+// order, so each output element is reduced by the same instructions in the same order at any row count. The weights
+// are the bf16 panels every instruction set reads (PANEL columns, inputs in pairs): a tile of 16 pairs x 16 columns is
+// 16 rows of 64 bytes, 192 bytes apart. Three tiles of columns make a panel; a task is a panel, its rows in blocks
+// of 16 (a verify of up to 16 tokens reads each weight once).
+constexpr int64_t ROWS = 16, PAIRS = 16, COLUMNS = 16;
+constexpr int64_t PANEL = isa_scalar::PANEL, PANEL_TILES = PANEL / COLUMNS;
+static_assert(PANEL_TILES == 3, "three column tiles a panel (tiles 0-2 accumulate, 3 the inputs, 4-6 the weights)");
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every thread loads the tile shapes on each call: other libraries (oneDNN's bf16 matmuls) load their own on the same
+// threads in between.
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Rows b*16 .. b*16+15 of a panel's three column tiles: inputs `a` (16 rows of `padded` inputs), weights `panel`
+// (its whole tiles of pairs, then `tail`: the last part-tile zero-padded), the sums stored to `sums` (3 x 16 x 16).
+inline void panel_rows(const uint16_t* a, int64_t padded, const uint16_t* panel, const uint16_t* tail, int64_t whole,
+                       int64_t steps, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  constexpr int64_t stride = PANEL * 2 * sizeof(uint16_t);  // bytes from one pair row of the panel to the next
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* w = s < whole ? panel + s * PAIRS * PANEL * 2 : tail;
+    _tile_loadd(3, a + s * PAIRS * 2, padded * int64_t(sizeof(uint16_t)));
+    _tile_loadd(4, w, stride);
+    _tile_loadd(5, w + COLUMNS * 2, stride);
+    _tile_loadd(6, w + 2 * COLUMNS * 2, stride);
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_dpbf16ps(2, 3, 6);
+  }
+  _tile_stored(0, sums, COLUMNS * sizeof(float));
+  _tile_stored(1, sums + ROWS * COLUMNS, COLUMNS * sizeof(float));
+  _tile_stored(2, sums + 2 * ROWS * COLUMNS, COLUMNS * sizeof(float));
+}
+
+// y (M, N) = x (M, K) . W^T (+ bias), bf16 in and out, W packed in bf16 panels.
+void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
+                 uint16_t* out) {
+  const int64_t pairs = (K + 1) / 2, steps = (pairs + PAIRS - 1) / PAIRS, whole = pairs / PAIRS;
+  const int64_t padded = steps * PAIRS * 2, blocks = (M + ROWS - 1) / ROWS;
+  const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = pairs * PANEL * 2;
+  std::vector<uint16_t> a(size_t(blocks * ROWS * padded), 0);  // the inputs, zero-padded to whole tiles
+  for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * padded, x + m * K, size_t(K) * sizeof(uint16_t));
+#pragma omp parallel if (panels > 1)
+  {
+    configure_tiles();
+    alignas(64) uint16_t tail[PAIRS * PANEL * 2];
+    alignas(64) float sums[PANEL_TILES * ROWS * COLUMNS];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const uint16_t* panel = packed + p * panel_size;
+      if (whole < steps) {
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, panel + whole * PAIRS * PANEL * 2, size_t((pairs - whole * PAIRS) * PANEL * 2) * 2);
+      }
+      const int64_t columns = std::min<int64_t>(PANEL, N - p * PANEL);
+      for (int64_t b = 0; b < blocks; ++b) {
+        panel_rows(a.data() + b * ROWS * padded, padded, panel, tail, whole, steps, sums);
+        const int64_t rows = std::min<int64_t>(ROWS, M - b * ROWS);
+        for (int64_t r = 0; r < rows; ++r) {
+          uint16_t* row = out + (b * ROWS + r) * N + p * PANEL;
+          for (int64_t c = 0; c < columns; ++c) {
+            float value = sums[(c / COLUMNS) * ROWS * COLUMNS + r * COLUMNS + c % COLUMNS];
+            if (bias) value += bias[p * PANEL + c];
+            row[c] = float_to_bf16(value);
+          }
+        }
+      }
+    }
+    _tile_release();  // the tiles' state back to its initial one (a cheaper context switch)
+  }
+}
+
+// AMX tiles with bf16 products, and this process allowed to use them (Linux asks each process to request the
+// tiles' state: arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
+bool usable() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool tiles = edx & (1u << 24), bf16 = edx & (1u << 22);
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return tiles && bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+}  // namespace isa_amx
+#pragma GCC pop_options
+
 // ---- dispatch and registration ----------------------------------------------------------------------------------
 namespace {
 
-enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
-const char* ISA_NAMES[] = {"scalar", "avx2", "avx512", "avx512_bf16"};
+enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3, Avx512Amx = 4 };
+const char* ISA_NAMES[] = {"scalar", "avx2", "avx512", "avx512_bf16", "avx512_amx"};
 
 Isa detect_isa() {
   __builtin_cpu_init();
   bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
-  Isa best = avx512 ? (bf16 ? Isa::Avx512Bf16 : Isa::Avx512)
+  Isa best = avx512 ? (bf16 ? (isa_amx::usable() ? Isa::Avx512Amx : Isa::Avx512Bf16) : Isa::Avx512)
                     : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::Avx2 : Isa::Scalar);
   const char* forced = std::getenv("DRAFTSMITH_KERNEL_ISA");
   if (forced && *forced) {
@@ -382,6 +491,7 @@ Isa isa() {
 
 #define DISPATCH_ISA(...)                                          \
   switch (isa()) {                                                  \
+    case Isa::Avx512Amx:  /* AMX: bf16 linear layers in isa_amx, the rest as AVX-512 BF16 */ \
     case Isa::Avx512Bf16: { using namespace isa_avx512_bf16; __VA_ARGS__; break; } \
     case Isa::Avx512: { using namespace isa_avx512; __VA_ARGS__; break; }  \
     case Isa::Avx2: { using namespace isa_avx2; __VA_ARGS__; break; }      \
@@ -444,6 +554,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
     run_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, s, b, out.data_ptr<float>());
   else if (wt == at::kChar)
     run_linear(xb(), M, K, packed.data_ptr<int8_t>(), N, s, b, ob());
+  else if (isa() == Isa::Avx512Amx)
+    isa_amx::linear_bf16(xb(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, b, ob());
   else
     run_linear(xb(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, s, b, ob());
   return out;
