@@ -360,16 +360,19 @@ inline V vdpbf16(V acc, uint32_t pair, const uint16_t* w) {
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace isa_amx {
-// A linear layer with bfloat16 weights and inputs on AMX: tdpbf16ps accumulates each element of a 16 x 16 float32
-// tile from its own row of inputs and column of weights, 32 inputs (16 pairs) an instruction, whatever the tile's other
-// rows hold. Every call pads its rows to 16 and its inputs to a multiple of 32 with zeros and sweeps the inputs in
-// order, so each output element is reduced by the same instructions in the same order at any row count. The weights
+// A linear layer with bfloat16 weights and inputs on AMX: tdpbf16ps accumulates each element of a (up to) 16 x 16
+// float32 tile from its own row of inputs and column of weights, 32 inputs (16 pairs) an instruction, whatever the
+// tile's other rows hold or how many it has. Every call pads its inputs to a multiple of 32 with zeros and sweeps them
+// in order, so each output element is reduced by the same instructions in the same order at any row count. The weights
 // are the bf16 panels every instruction set reads (PANEL columns, inputs in pairs): a tile of 16 pairs x 16 columns is
 // 16 rows of 64 bytes, 192 bytes apart. Three tiles of columns make a panel; a task is a panel, its rows in blocks
 // of 16 (a verify of up to 16 tokens reads each weight once).
 constexpr int64_t ROWS = 16, PAIRS = 16, COLUMNS = 16;
 constexpr int64_t PANEL = isa_scalar::PANEL, PANEL_TILES = PANEL / COLUMNS;
 static_assert(PANEL_TILES == 3, "three column tiles a panel (tiles 0-2 accumulate, 3 the inputs, 4-6 the weights)");
+// One row's tile products take ~50 cycles a step against ~400 for its 3 KB of weights from memory, and the tile loads
+// alone keep too few lines in flight: each step requests the weights this many steps (12 KB) ahead.
+constexpr int64_t AHEAD_STEPS = 4;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -380,10 +383,12 @@ struct alignas(64) TileConfig {
 
 // Every thread loads the tile shapes on each call: other libraries (oneDNN's bf16 matmuls) load their own on the same
 // threads in between.
-inline void configure_tiles() {
+// `rows` rows of inputs and sums (tiles 0-3; the weights' tiles 4-6 always 16 pairs): a tile row holds one row's
+// products whatever the tile's other rows, so fewer rows only skip loading and multiplying rows of zeros.
+inline void configure_tiles(int rows) {
   TileConfig config;
   for (int t = 0; t < 7; ++t) {
-    config.rows[t] = 16;
+    config.rows[t] = uint8_t(t < 4 ? rows : 16);
     config.bytes_per_row[t] = 64;
   }
   _tile_loadconfig(&config);
@@ -399,6 +404,9 @@ inline void panel_rows(const uint16_t* a, int64_t padded, const uint16_t* panel,
   constexpr int64_t stride = PANEL * 2 * sizeof(uint16_t);  // bytes from one pair row of the panel to the next
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* w = s < whole ? panel + s * PAIRS * PANEL * 2 : tail;
+    // the weights AHEAD_STEPS steps on requested into L2 (past the panel: the next panel, the thread's next task)
+    const char* ahead = reinterpret_cast<const char*>(panel + (s + AHEAD_STEPS) * PAIRS * PANEL * 2);
+    for (int64_t line = 0; line < PAIRS * stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
     _tile_loadd(3, a + s * PAIRS * 2, padded * int64_t(sizeof(uint16_t)));
     _tile_loadd(4, w, stride);
     _tile_loadd(5, w + COLUMNS * 2, stride);
@@ -422,7 +430,7 @@ void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed
   for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * padded, x + m * K, size_t(K) * sizeof(uint16_t));
 #pragma omp parallel if (panels > 1)
   {
-    configure_tiles();
+    int configured = 0;  // the rows the tiles are shaped for (0: not yet on this call)
     alignas(64) uint16_t tail[PAIRS * PANEL * 2];
     alignas(64) float sums[PANEL_TILES * ROWS * COLUMNS];
 #pragma omp for schedule(static)
@@ -434,8 +442,9 @@ void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed
       }
       const int64_t columns = std::min<int64_t>(PANEL, N - p * PANEL);
       for (int64_t b = 0; b < blocks; ++b) {
-        panel_rows(a.data() + b * ROWS * padded, padded, panel, tail, whole, steps, sums);
         const int64_t rows = std::min<int64_t>(ROWS, M - b * ROWS);
+        if (rows != configured) configure_tiles(configured = int(rows));
+        panel_rows(a.data() + b * ROWS * padded, padded, panel, tail, whole, steps, sums);
         for (int64_t r = 0; r < rows; ++r) {
           uint16_t* row = out + (b * ROWS + r) * N + p * PANEL;
           for (int64_t c = 0; c < columns; ++c) {
@@ -468,20 +477,28 @@ namespace {
 enum class Isa { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3, Avx512Amx = 4 };
 const char* ISA_NAMES[] = {"scalar", "avx2", "avx512", "avx512_bf16", "avx512_amx"};
 
-Isa detect_isa() {
+// The most this CPU runs (AMX where the process may use its tiles).
+Isa supported_isa() {
   __builtin_cpu_init();
   bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
-  Isa best = avx512 ? (bf16 ? (isa_amx::usable() ? Isa::Avx512Amx : Isa::Avx512Bf16) : Isa::Avx512)
-                    : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::Avx2 : Isa::Scalar);
+  return avx512 ? (bf16 ? (isa_amx::usable() ? Isa::Avx512Amx : Isa::Avx512Bf16) : Isa::Avx512)
+                : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::Avx2 : Isa::Scalar);
+}
+
+// The default is the best but AMX, which only DRAFTSMITH_KERNEL_ISA=avx512_amx picks: on the Xeon its bf16 linear
+// layers cost a one-row step 15-25% more than the pair dot products (16 rows about half of theirs), so a bf16
+// target's plain decoding is faster without it (results/engine_kernels_xeon/kernel_ab/).
+Isa detect_isa() {
+  const Isa best = supported_isa();
   const char* forced = std::getenv("DRAFTSMITH_KERNEL_ISA");
   if (forced && *forced) {
     for (int i = 0; i <= int(best); ++i)
       if (std::string(forced) == ISA_NAMES[i]) return Isa(i);
     TORCH_CHECK(false, "DRAFTSMITH_KERNEL_ISA=", forced, ": this CPU runs at most ", ISA_NAMES[int(best)]);
   }
-  return best;
+  return std::min(best, Isa::Avx512Bf16);
 }
 
 Isa isa() {
@@ -670,6 +687,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 std::string kernel_isa() { return ISA_NAMES[int(isa())]; }
+std::vector<std::string> available_isas() {  // every set DRAFTSMITH_KERNEL_ISA may name here, lowest first
+  std::vector<std::string> names;
+  for (int i = 0; i <= int(supported_isa()); ++i) names.push_back(ISA_NAMES[i]);
+  return names;
+}
 
 }  // namespace
 
@@ -687,4 +709,7 @@ TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
   m.impl("greedy_head", &greedy_head);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) { module.def("kernel_isa", &kernel_isa); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("kernel_isa", &kernel_isa);
+  module.def("available_isas", &available_isas);
+}
