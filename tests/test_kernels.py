@@ -26,8 +26,8 @@ from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.errors import UserError
 from draftsmith.config import ConfigError
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, WeightPrecision,
-                                       available_isas, frozen_linear, invariant_model, kernel_isa, load_kernels,
-                                       pack_weight, quantize_int8)
+                                       available_isas, frozen_linear, invariant_model, load_kernels, pack_weight,
+                                       quantize_int8)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -36,8 +36,7 @@ from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab
 
 load_kernels()
-ISAS = ["scalar", "avx2", "avx512", "avx512_bf16", "avx512_amx"]
-AVAILABLE_ISAS = available_isas()
+AVAILABLE_ISAS = available_isas()  # scalar, avx2, avx512, avx512_bf16, avx512_amx: as far as this CPU goes
 
 
 def reference_linear(x, weight, scale, bias):

@@ -381,10 +381,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every thread loads the tile shapes on each call: other libraries (oneDNN's bf16 matmuls) load their own on the same
-// threads in between.
-// `rows` rows of inputs and sums (tiles 0-3; the weights' tiles 4-6 always 16 pairs): a tile row holds one row's
-// products whatever the tile's other rows, so fewer rows only skip loading and multiplying rows of zeros.
+// Tiles of `rows` rows of inputs and sums (0-3; the weights' 4-6 always 16 pairs): a tile row holds one row's products
+// whatever the tile's other rows, so fewer rows only skip loading and multiplying rows of zeros. Each thread loads the
+// shapes on every call (and where a call's last block has fewer rows): other libraries (oneDNN's bf16 matmuls) load
+// their own on the same threads in between.
 inline void configure_tiles(int rows) {
   TileConfig config;
   for (int t = 0; t < 7; ++t) {
