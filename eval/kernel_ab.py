@@ -37,6 +37,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.documents import cpu_model, parse_document_command, write_document
 from draftsmith.eval.roofline import head_dim, model_linears
 from draftsmith.models import kernels
+from draftsmith.models.kernels import KernelIsa
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.registry import resolve_model_path
 
@@ -53,16 +54,6 @@ class StepPrecision(TextEnum):
 class StepPart(TextEnum):
     LINEARS = "linears"  # every Linear of the decoder and the LM head
     ATTENTION = "attention"  # every layer's attention over the cache
-
-
-class KernelIsa(TextEnum):
-    """The kernels' instruction sets (batch_invariant.cpp's ISA_NAMES), forced through DRAFTSMITH_KERNEL_ISA."""
-
-    AVX512_AMX = "avx512_amx"
-    AVX512_BF16 = "avx512_bf16"
-    AVX512 = "avx512"
-    AVX2 = "avx2"
-    SCALAR = "scalar"
 
 
 # activations' dtype and the InvariantLinear's stored weights, per precision

@@ -167,6 +167,35 @@ def register_fakes() -> None:
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
 
 
+class KernelIsa(TextEnum):
+    """The kernels' instruction sets (batch_invariant.cpp's ISA_NAMES): DRAFTSMITH_KERNEL_ISA picks one for a process,
+    kernels_on for some calls of it."""
+
+    AVX512_AMX = "avx512_amx"
+    AVX512_BF16 = "avx512_bf16"
+    AVX512 = "avx512"
+    AVX2 = "avx2"
+    SCALAR = "scalar"
+
+
+@contextlib.contextmanager
+def kernels_on(isa: KernelIsa | None):
+    """The kernels run with `isa` inside the block (None: as they do), then with the set they ran with before. Every
+    set reads the same packed weights, so a model built under one runs under another (a baseline timed on other
+    kernels in the same run); one this CPU lacks is refused with one line."""
+    if isa is None:
+        yield
+        return
+    module = load_kernels()
+    if str(isa) not in module.available_isas():
+        raise UserError(f"kernel_isa={isa}: this CPU runs {', '.join(module.available_isas())}")
+    previous = module.set_kernel_isa(str(isa))
+    try:
+        yield
+    finally:
+        module.set_kernel_isa(previous)
+
+
 def kernel_isa() -> str:
     """The instruction set the kernels run with on this machine (avx512_bf16, avx512, avx2 or scalar; avx512_amx
     where DRAFTSMITH_KERNEL_ISA asks for it)."""

@@ -349,6 +349,31 @@ def test_a_labelled_method_is_one_row_under_its_label(tiny_pair, prompts_file, t
     assert "| lookup, else LM | eager |" in markdown and f"- **lookup, else LM**: `{cascade}`" in markdown
 
 
+def test_a_plain_baseline_on_other_kernels_in_the_same_run(tiny_pair, prompts_file, tmp_path):
+    """kernel_isa: the run's methods on one instruction set, `plain-compiled:kernel_isa=<set>` a second plain baseline
+    on another, interleaved: the lossless check stays against the run's own plain-compiled, the baseline's tokens
+    are compared but not required to agree, and the headline is against the fastest plain."""
+    target, draft = tiny_pair
+    default = kernel_isa()
+    baseline = f"plain-compiled:kernel_isa={default}"
+    config = BenchConfig(methods=[parse_method(spec) for spec in [baseline, "lm-chain:budget=3"]], kernel_isa="scalar",
+                         suites=[f"jsonl:{prompts_file}"], num_prompts=2, max_new_tokens=8,
+                         output_dir=str(tmp_path / "run"), **FAST_COMPILE)
+    results = run_benchmark(config, target=target, draft=draft, progress=False)
+    write_outputs(results, config)
+    summary = results["summary"]
+    assert results["machine"]["kernel_isa"] == "scalar" and kernel_isa() == default  # the run's set, then back
+    assert summary["lm-chain:budget=3"]["mismatches"] == [] and summary[baseline]["mismatches"] == []
+    assert summary[baseline]["kernel_isa"] == default and isinstance(summary[baseline]["other_kernels_differ"], list)
+    rates = {label: summary[label]["tokens_per_s"] for label in ("plain", "plain-compiled", baseline)}
+    assert summary["lm-chain:budget=3"]["headline_baseline"] == max(rates, key=rates.get)
+    assert f"| {baseline} | compiled |" in (tmp_path / "run" / "bench.md").read_text()
+    with pytest.raises(ConfigError, match="kernel_isa='scalar' is not read here"):
+        BenchConfig(methods=[parse_method("plain")], backend="eager", kernel_isa="scalar")
+    with pytest.raises(ConfigError, match="kernel_isa: scalar is read by the batch-invariant kernels only"):
+        BenchConfig(kernel_isa="scalar", compile=CompileSettings(kernels="inductor"))
+
+
 def test_a_refused_bench_does_not_block_the_corrected_rerun(tiny_pair, prompts_file, tmp_path):
     """A run refused at its input (no conversation finished: the header alone) leaves nothing to keep, so the
     corrected command starts afresh instead of being told to pass --overwrite."""

@@ -25,9 +25,9 @@ from draftsmith.models.compiled import CompiledEngine, CompileSettings
 from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.errors import UserError
 from draftsmith.config import ConfigError
-from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, WeightPrecision,
-                                       available_isas, frozen_linear, invariant_model, load_kernels, pack_weight,
-                                       quantize_int8)
+from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, KernelIsa, WeightPrecision,
+                                       available_isas, frozen_linear, invariant_model, kernel_isa, kernels_on,
+                                       load_kernels, pack_weight, quantize_int8)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -135,6 +135,30 @@ def test_w8a8_is_the_same_bits_on_every_instruction_set():
         assert result.returncode == 0, result.stderr[-2000:]
         digests.add(result.stdout.split()[-1])
     assert len(digests) == 1, digests
+
+
+def test_kernels_on_runs_some_calls_on_another_instruction_set_in_the_same_process():
+    """kernels_on: the calls inside run another set (the same packed weights: its own outputs, as a fresh process
+    forced to it computes them), the set before is back after; one this CPU lacks is refused in one line."""
+    default = kernel_isa()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(77, 130)
+    x = torch.randn(5, 77)
+    module = InvariantLinear(linear, WeightPrecision.MODEL)
+    before = module(x)
+    with kernels_on(KernelIsa.SCALAR):
+        assert kernel_isa() == "scalar"
+        scalar = module(x)
+    assert kernel_isa() == default and torch.equal(module(x), before)
+    assert (scalar - before).abs().max() <= 1e-5 * before.abs().max()
+    with kernels_on(None):
+        assert kernel_isa() == default
+    missing = [isa for isa in KernelIsa if str(isa) not in AVAILABLE_ISAS]
+    if missing:
+        with pytest.raises(UserError, match=f"kernel_isa={missing[0]}: this CPU runs scalar"):
+            with kernels_on(missing[0]):
+                pass
+    assert kernel_isa() == default
 
 
 def test_w8a8_refuses_a_bfloat16_model_in_one_line():

@@ -51,7 +51,7 @@ from draftsmith.eval.policies.selfdraft import SelfDraftConfig, SelfDraftPolicy
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import WeightPrecision
+from draftsmith.models.kernels import KernelIsa, WeightPrecision
 from draftsmith.models.precision import DraftPrecision
 from draftsmith.models.target import resolve_dtype
 from draftsmith.models.trees import LM_TREE, MEDUSA_BUDGET
@@ -239,6 +239,14 @@ def inner_drafter(method: Method, what: str) -> Drafter:
 @dataclass
 class NoOptions:
     pass
+
+
+@dataclass
+class PlainCompiledOptions:
+    kernel_isa: KernelIsa | None = option(None, "the batch-invariant kernels' instruction set (null: the run's, and "
+                                          "this is the compiled methods' lossless reference); another set times a "
+                                          "second plain baseline in the same run, its tokens compared, not required "
+                                          "to agree (other arithmetic)")
 
 
 @dataclass
@@ -478,7 +486,9 @@ def build_loop_plain(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 
 def build_plain_compiled(spec: MethodSpec, ctx: BuildContext) -> Method:
-    return DrafterMethod(None, spec.label, backend=Backend.COMPILED)
+    if spec.options.kernel_isa is not None:
+        require_invariant_kernels(spec.label, f"kernel_isa={spec.options.kernel_isa}", Backend.COMPILED, ctx.settings)
+    return DrafterMethod(None, spec.label, backend=Backend.COMPILED, kernel_isa=spec.options.kernel_isa)
 
 
 def build_lm_chain(spec: MethodSpec, ctx: BuildContext) -> Method:
@@ -670,8 +680,8 @@ METHODS: dict[str, MethodEntry] = {
     "plain": MethodEntry(NoOptions, build_plain, "HF generate of the target (the reference and baseline)"),
     "hf-assisted": MethodEntry(AssistedOptions, build_assisted, "HF assisted generation with a draft LM (the peer)"),
     "loop-plain": MethodEntry(NoOptions, build_loop_plain, "our decoder loop without a drafter, the run's backend"),
-    "plain-compiled": MethodEntry(NoOptions, build_plain_compiled, "our loop without a drafter on the compiled "
-                                                                   "backend (the compiled plain baseline)",
+    "plain-compiled": MethodEntry(PlainCompiledOptions, build_plain_compiled, "our loop without a drafter on the "
+                                  "compiled backend (the compiled plain baseline)",
                                   may_compile=True),
     "lm-chain": MethodEntry(LMChainOptions, build_lm_chain, "a small LM drafts a chain"),
     "lm-tree": MethodEntry(LMTreeOptions, build_lm_tree, "a small LM drafts an EAGLE-2-style dynamic tree"),

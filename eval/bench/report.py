@@ -237,6 +237,10 @@ def summary_lines(results: dict) -> list[str]:
         depths = " ".join(f"{v:.2f}" for v in entry["depth_acceptance"].values()) or "-"
         if sampled:
             lossless = "sampled (not compared)"
+        elif "other_kernels_differ" in entry:  # a plain baseline on other kernels: another arithmetic
+            differ = len(entry["other_kernels_differ"])
+            lossless = f"baseline on {entry['kernel_isa']}: " + (f"{differ} prompts differ" if differ else
+                                                                 "same tokens")
         else:
             lossless = "yes" if not entry["mismatches"] else f"NO ({len(entry['mismatches'])} prompts)"
         draft = "-" if not entry.get("draft_ms_per_round") else \

@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.config import (ConfigError, check_config, command_parser, config_to_dict, option, parse_command,
-                               refuse_unread, section)
+from draftsmith.config import (ConfigError, Unread, check_config, command_parser, config_to_dict, option,
+                               parse_command, refuse_unread, section)
 from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.bench.progress import Progress
@@ -61,7 +61,7 @@ from draftsmith.eval.bench.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write
 from draftsmith.models.bundled import DEFAULT_TARGET, has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread
-from draftsmith.models.kernels import loaded_isa
+from draftsmith.models.kernels import KernelIsa, kernels_on, loaded_isa
 from draftsmith.models.engine import Backend, sync
 from draftsmith.models.precision import weight_count
 from draftsmith.models.target import TargetModel, dtype_name
@@ -101,6 +101,10 @@ class BenchConfig(PromptSettings):
     backend: Backend = option(Backend.COMPILED, "engine of our methods: compiled (static shapes, AOT-compiled "
                                                 "graphs, cached on disk) or eager")
     compile: CompileSettings = section(CompileSettings, "the compiled backend's buckets, KV capacity, autotuning")
+    kernel_isa: KernelIsa | None = option(None, "the batch-invariant kernels' instruction set for the run (null: the "
+                                          "CPU's default or DRAFTSMITH_KERNEL_ISA's; avx512_amx: bf16 linear layers "
+                                          "on AMX tiles); `plain-compiled:kernel_isa=<set>` times a plain baseline "
+                                          "on another set in the same run")
     strict: bool = option(False, "stop at the first output that differs from plain greedy")
     output_dir: str | None = option(None, "where bench.json, bench.md and the plots go (null: print only)")
     plots: bool = option(True, "PNG plots in output_dir")
@@ -117,8 +121,13 @@ class BenchConfig(PromptSettings):
         if self.backend is Backend.COMPILED and PLAIN_COMPILED not in self.methods:
             self.methods.insert(1, PLAIN_COMPILED)  # the compiled methods' reference
         check_labels(self.methods)
+        if self.kernel_isa is not None and not self.compile.runs_invariant_kernels(Backend.COMPILED):
+            raise ConfigError(f"kernel_isa: {self.kernel_isa} is read by the batch-invariant kernels only "
+                              f"(compile.kernels={self.compile.kernels.value}); drop it or set "
+                              "compile.kernels=invariant")
         refuse_unread(self, compile_unread(lambda c: not uses_compiled(c), "read by backend=compiled or a method "
-                                                                            "on the compiled engine"))
+                                                                            "on the compiled engine")
+                      + [Unread("kernel_isa", lambda c: not uses_compiled(c), "read by the compiled engine's kernels")])
         if self.backend is Backend.COMPILED and self.budget_limit + 1 > max(self.compile.buckets):
             raise ConfigError(f"budget_limit: {self.budget_limit} plus the root must fit the largest compiled bucket "
                               f"({max(self.compile.buckets)}); lower budget_limit or add a bucket")
@@ -158,13 +167,15 @@ def memory_stalls(loop_start: float, stall_start: float | None) -> dict:
 
 
 def timed_run(method: Method, target: TargetModel, config: DecodeConfig, input_ids: torch.Tensor):
-    """(tokens, seconds, stats) of one method on one prompt."""
-    decoder = method.make_decoder(target, config)
-    sync(target.device)
-    start = time.perf_counter()
-    result = decoder.generate(input_ids.to(target.device))
-    sync(target.device)
-    return result.tokens, time.perf_counter() - start, result.stats
+    """(tokens, seconds, stats) of one method on one prompt (on its own kernels' instruction set, where it names
+    one)."""
+    with kernels_on(method.kernel_isa):
+        decoder = method.make_decoder(target, config)
+        sync(target.device)
+        start = time.perf_counter()
+        result = decoder.generate(input_ids.to(target.device))
+        sync(target.device)
+        return result.tokens, time.perf_counter() - start, result.stats
 
 
 @dataclass
@@ -194,12 +205,17 @@ def build_methods(config: BenchConfig, context: BuildContext) -> dict[MethodSpec
 
 
 def check_lossless(state: BenchState, spec: MethodSpec, tokens: list[int], references: dict, where: str) -> None:
-    """Compare a method's greedy tokens with the plain run of its own backend; a mismatch is loud."""
-    backend = state.backend_of(state.methods[spec])
+    """Compare a method's greedy tokens with the plain run of its own backend; a mismatch is loud. A plain baseline on
+    other kernels computes in another order: where its tokens differ it is recorded quietly (the summary's
+    other_kernels_differ), not as a lossless method's mismatch."""
+    method = state.methods[spec]
+    backend = state.backend_of(method)
     reference = references.get(backend)
     if state.config.temperature > 0 or reference is None or tokens == reference:
         return
     state.runs[spec]["mismatches"].append(where)
+    if method.kernel_isa is not None:
+        return
     tqdm.write(f"!!! MISMATCH: {spec} output differs from {REFERENCE[backend]} greedy on {where} !!!")
     if state.config.strict:
         raise UserError(f"{spec} is not lossless on {where} (strict=true)")
@@ -308,9 +324,10 @@ def speedup_entry(runs: list[dict], baseline: list[dict], sampled: bool, total_s
 
 
 def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool,
-              compiled_runs: list[dict] | None = None) -> dict:
+              compiled_runs: list[dict] | None = None, other_baselines: dict[str, list[dict]] | None = None) -> dict:
     """Totals of one method over some prompt runs, with its speedup against plain (HF eager), against
-    plain-compiled when the run has it, and the headline speedup against the faster of the two."""
+    plain-compiled when the run has it, and the headline speedup against the fastest of them and of the plain
+    baselines on other kernels (`other_baselines`: label -> runs)."""
     total_s = sum(run["seconds"] for run in runs)
     total_tokens = sum(run["tokens"] for run in runs)
     stats = DecodeStats()
@@ -334,22 +351,29 @@ def aggregate(runs: list[dict], plain_runs: list[dict] | None, sampled: bool,
         entry["target_step_ms"] = step_ms  # one plain decoding step of the target
         if entry["draft_ms_per_round"] is not None:
             entry["draft_step_ratio"] = entry["draft_ms_per_round"] / step_ms
-    add_headline(entry, runs, plain_runs, compiled_runs, sampled, total_s)
+    add_headline(entry, runs, plain_runs, compiled_runs, sampled, total_s, other_baselines or {})
     return entry
 
 
-def add_headline(entry: dict, runs: list[dict], plain_runs, compiled_runs, sampled: bool, total_s: float) -> None:
-    """speedup_compiled (vs plain-compiled) and the headline: the speedup against the faster baseline."""
+def add_headline(entry: dict, runs: list[dict], plain_runs, compiled_runs, sampled: bool, total_s: float,
+                 other_baselines: dict[str, list[dict]]) -> None:
+    """speedup_compiled (vs plain-compiled) and the headline: the speedup against the fastest baseline."""
     if not plain_runs:
         return
     entry.update(headline_baseline=str(PLAIN), headline_speedup=entry["speedup"])
-    if not compiled_runs:
-        return
-    versus = speedup_entry(runs, compiled_runs, sampled, total_s, entry["tokens_per_s"])
-    entry.update(speedup_compiled=versus["speedup"], speedup_compiled_ci95=versus["speedup_ci95"])
     rate = lambda rs: sum(r["tokens"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-12)  # noqa: E731
-    if rate(compiled_runs) > rate(plain_runs):
-        entry.update(headline_baseline=str(PLAIN_COMPILED), headline_speedup=versus["speedup"])
+    fastest = rate(plain_runs)
+    if compiled_runs:
+        versus = speedup_entry(runs, compiled_runs, sampled, total_s, entry["tokens_per_s"])
+        entry.update(speedup_compiled=versus["speedup"], speedup_compiled_ci95=versus["speedup_ci95"])
+        if rate(compiled_runs) > fastest:
+            fastest = rate(compiled_runs)
+            entry.update(headline_baseline=str(PLAIN_COMPILED), headline_speedup=versus["speedup"])
+    for label, baseline in other_baselines.items():
+        if rate(baseline) > fastest:
+            fastest = rate(baseline)
+            versus = speedup_entry(runs, baseline, sampled, total_s, entry["tokens_per_s"])
+            entry.update(headline_baseline=label, headline_speedup=versus["speedup"])
 
 
 def add_verify_ratios(entry: dict, step_runs: list[dict] | None) -> None:
@@ -379,13 +403,17 @@ def summarize(state: BenchState) -> dict:
     sampled = state.config.temperature > 0
     plain_runs = state.runs[PLAIN]["runs"]
     compiled = state.runs.get(PLAIN_COMPILED, {}).get("runs")
+    others = {str(spec): state.runs[spec]["runs"] for spec, method in state.methods.items()
+              if method.kernel_isa is not None}  # plain baselines on other kernels
     summary = {}
     for spec, record in state.runs.items():
         runs = record["runs"]
-        entry = aggregate(runs, plain_runs, sampled, compiled)
+        entry = aggregate(runs, plain_runs, sampled, compiled, others)
         backend = state.backend_of(state.methods[spec])
         entry.update(mismatches=record["mismatches"], family=spec.family(),
                      budget=method_budget(state.methods[spec], spec), backend=backend)
+        if (isa := state.methods[spec].kernel_isa) is not None:  # not a lossless method: another arithmetic
+            entry.update(kernel_isa=isa, mismatches=[], other_kernels_differ=record["mismatches"])
         step_runs = state.runs.get(REFERENCE[backend], {}).get("runs")  # one plain step of the same backend
         if step_runs and entry["draft_ms_per_round"] is not None:
             entry["target_step_ms"] = 1000 * sum(r["seconds"] for r in step_runs) / max(
@@ -397,7 +425,9 @@ def summarize(state: BenchState) -> dict:
             for value in dict.fromkeys(run[key] for run in runs):
                 index = [i for i, run in enumerate(runs) if run[key] == value]
                 entry[group][str(value)] = aggregate([runs[i] for i in index], [plain_runs[i] for i in index],
-                                                     sampled, [compiled[i] for i in index] if compiled else None)
+                                                     sampled, [compiled[i] for i in index] if compiled else None,
+                                                     {label: [other[i] for i in index] for label, other in
+                                                      others.items()})
         if spec == PLAIN:
             for sub in [entry, *(sub for group in GROUPS for sub in entry[group].values())]:
                 sub["tau"] = 1.0
@@ -477,6 +507,13 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     `target` / `draft`: already-loaded TargetModels (e.g. tiny in-process models in tests); else
     loaded from config.target / config.draft. With an output_dir, each finished conversation is
     written to progress.jsonl and a re-run of the same config continues from it (eval.bench_progress)."""
+    with kernels_on(config.kernel_isa):
+        return run_interleaved(config, target, draft, progress, overwrite)
+
+
+def run_interleaved(config: BenchConfig, target: TargetModel | None, draft: TargetModel | None, progress: bool,
+                    overwrite: bool) -> dict:
+    """run_benchmark on the run's kernels."""
     check_bench_parts(config, target, draft)
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target, draft = load_models(config, target, draft)

@@ -38,6 +38,7 @@ from draftsmith.eval.decode.drafters.base import Drafter, InputError, NoDrafter,
 from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
 from draftsmith.eval.decode.verify import greedy_path, verify_greedy, verify_sampling
 from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import KernelIsa
 from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 
@@ -400,6 +401,7 @@ class Method:
     name = "method"
     drafter: Drafter | None = None
     backend: Backend | None = None  # the engine this method's target needs (None: the run's backend)
+    kernel_isa: KernelIsa | None = None  # the batch-invariant kernels' instruction set it runs on (None: the run's)
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig):
         raise NotImplementedError
@@ -419,8 +421,9 @@ class Method:
 class DrafterMethod(Method):
     """A drafter run by the SpeculativeDecoder (None: our loop without a drafter)."""
 
-    def __init__(self, drafter: Drafter | None, name: str, backend: Backend | None = None):
-        self.drafter, self.name, self.backend = drafter, name, backend
+    def __init__(self, drafter: Drafter | None, name: str, backend: Backend | None = None,
+                 kernel_isa: KernelIsa | None = None):
+        self.drafter, self.name, self.backend, self.kernel_isa = drafter, name, backend, kernel_isa
 
     def make_decoder(self, target: TargetModel, config: DecodeConfig) -> SpeculativeDecoder:
         return SpeculativeDecoder(target, self.drafter, config, self.kept_prompt(config))

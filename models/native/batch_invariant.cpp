@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -501,9 +502,18 @@ Isa detect_isa() {
   return std::min(best, Isa::Avx512Bf16);
 }
 
+// The instruction set the kernels run with: detect_isa()'s until set_kernel_isa picks another (a bench timing a
+// baseline on other kernels in the same run). Every set reads the same packed weights (int8 ones are flipped at load
+// where a set takes them unsigned), so a switch between calls changes only which code computes them.
+std::atomic<int> chosen_isa{-1};
+
 Isa isa() {
-  static const Isa chosen = detect_isa();
-  return chosen;
+  int chosen = chosen_isa.load(std::memory_order_relaxed);
+  if (chosen < 0) {
+    chosen = int(detect_isa());
+    chosen_isa.store(chosen, std::memory_order_relaxed);
+  }
+  return Isa(chosen);
 }
 
 #define DISPATCH_ISA(...)                                          \
@@ -687,6 +697,18 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 std::string kernel_isa() { return ISA_NAMES[int(isa())]; }
+
+// Run the kernels with `name` (one of available_isas) from the next call on; returns the set they ran with.
+std::string set_kernel_isa(const std::string& name) {
+  const Isa best = supported_isa();
+  for (int i = 0; i <= int(best); ++i) {
+    if (name != ISA_NAMES[i]) continue;
+    const std::string previous = kernel_isa();
+    chosen_isa.store(i, std::memory_order_relaxed);
+    return previous;
+  }
+  TORCH_CHECK(false, "kernels ", name, ": this CPU runs at most ", ISA_NAMES[int(best)]);
+}
 std::vector<std::string> available_isas() {  // every set DRAFTSMITH_KERNEL_ISA may name here, lowest first
   std::vector<std::string> names;
   for (int i = 0; i <= int(supported_isa()); ++i) names.push_back(ISA_NAMES[i]);
@@ -712,4 +734,5 @@ TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("kernel_isa", &kernel_isa);
   module.def("available_isas", &available_isas);
+  module.def("set_kernel_isa", &set_kernel_isa);
 }

@@ -24,6 +24,7 @@ case $KIND in
   *) SHORT=$KIND ;;
 esac
 BF16=$(grep -q -w avx512_bf16 /proc/cpuinfo && echo 1 || echo 0)  # the bf16 steps only where the CPU computes in it
+AMX=$(grep -q -w amx_bf16 /proc/cpuinfo && echo 1 || echo 0)  # the AMX steps where it has the tiles
 ROOF=results/roofline/$KIND
 ENGINE=results/engine_kernels_$SHORT
 FAMILIES=results/drafter_families_$SHORT
@@ -60,7 +61,8 @@ with_kind_profile() {  # bench config $1, which names the Zen 4's ARCA profile $
   quiet $BENCH --config "$config" output_dir="$3"
 }
 
-# name | output (done when it exists; "-": a set-up step, a no-op when done) | needs bf16 (1) or not (0) | command
+# name | output (done when it exists; "-": a set-up step, a no-op when done) | needs bf16 (1), AMX (amx) or not (0) |
+# command
 STEPS=(
   "roofline_float32|$ROOF""_float32.json|0|quiet python -m draftsmith.eval.roofline medusa=$MEDUSA output=$ROOF""_float32.json"
   "roofline_w8a8|$ROOF""_w8a8.json|0|quiet python -m draftsmith.eval.roofline medusa=$MEDUSA compile.weights=w8a8 output=$ROOF""_w8a8.json"
@@ -68,6 +70,7 @@ STEPS=(
   "goal_float32|$ENGINE/goal_bench/bench.json|0|quiet $BENCH --config eval/configs/goal_bench_smollm2.yaml output_dir=$ENGINE/goal_bench"
   "goal_w8a8|$ENGINE/goal_bench_w8a8/bench.json|0|quiet $BENCH --config eval/configs/goal_bench_w8a8_smollm2.yaml output_dir=$ENGINE/goal_bench_w8a8"
   "goal_bfloat16|$ENGINE/goal_bench_bfloat16/bench.json|1|quiet $BENCH --config eval/configs/goal_bench_smollm2.yaml dtype=bfloat16 output_dir=$ENGINE/goal_bench_bfloat16"
+  "goal_bfloat16_amx|$ENGINE/goal_bench_bfloat16_amx_two_plains/bench.json|amx|quiet $BENCH --config eval/configs/goal_bench_bfloat16_amx_smollm2.yaml output_dir=$ENGINE/goal_bench_bfloat16_amx_two_plains"
   "goal_cells|$ENGINE/goal_cells/bench.json|0|quiet $BENCH --config eval/configs/goal_cells_smollm2.yaml output_dir=$ENGINE/goal_cells"
   "tree_sizes_int8|$ENGINE/tree_sizes_int8/bench.json|0|quiet $BENCH --config eval/configs/tree_sizes_int8_smollm2.yaml output_dir=$ENGINE/tree_sizes_int8"
   "draft_sizes_int8|$ENGINE/draft_sizes_int8/bench.json|0|quiet $BENCH --config eval/configs/draft_sizes_int8_smollm2.yaml output_dir=$ENGINE/draft_sizes_int8"
@@ -129,6 +132,7 @@ for step in "${STEPS[@]}"; do
   IFS='|' read -r name output needs command <<< "$step"
   chosen "$name" || continue
   if [ "$needs" = 1 ] && [ "$BF16" = 0 ]; then state="not-here (no AVX-512 BF16)"
+  elif [ "$needs" = amx ] && [ "$AMX" = 0 ]; then state="not-here (no AMX)"
   elif [ "$output" = - ]; then state=set-up
   elif [ -e "$output" ]; then state=done
   else state=to-do; fi
