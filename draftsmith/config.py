@@ -307,6 +307,8 @@ def config_to_dict(cfg: Any) -> dict:
 def _raw_value(value: Any) -> Any:
     if isinstance(value, Parsable):
         return value.to_config()
+    if isinstance(value, TextEnum):
+        return value.value  # its text, as the config gave it
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _raw_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):

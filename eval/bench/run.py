@@ -507,6 +507,7 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
     `target` / `draft`: already-loaded TargetModels (e.g. tiny in-process models in tests); else
     loaded from config.target / config.draft. With an output_dir, each finished conversation is
     written to progress.jsonl and a re-run of the same config continues from it (eval.bench_progress)."""
+    check_bench_parts(config, target, draft)
     with kernels_on(config.kernel_isa):
         return run_interleaved(config, target, draft, progress, overwrite)
 
@@ -514,7 +515,6 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
 def run_interleaved(config: BenchConfig, target: TargetModel | None, draft: TargetModel | None, progress: bool,
                     overwrite: bool) -> dict:
     """run_benchmark on the run's kernels."""
-    check_bench_parts(config, target, draft)
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target, draft = load_models(config, target, draft)
     check_sizes(config, target)
