@@ -15,9 +15,8 @@ A model's packed weights live in one arena on transparent huge pages, in the ord
 
 The extension is built once per machine (torch.utils.cpp_extension, ~40 s; `python -m draftsmith.models.kernels
 build`, which scripts/install.sh runs) into $DRAFTSMITH_CACHE/kernels/<source digest>; the instruction set is
-picked at load time (AVX-512 with BF16, AVX-512, AVX2 + FMA, scalar; DRAFTSMITH_KERNEL_ISA forces a lower one, or
-avx512_amx where the CPU has AMX tiles: linear layers with bfloat16 weights on its tiles, the rest as with AVX-512
-BF16; opt-in, as its one-row step costs more).
+picked at load time (AVX-512 with AMX tiles: linear layers with bfloat16 weights on its tiles, the rest as with
+AVX-512 BF16; AVX-512 with BF16, AVX-512, AVX2 + FMA, scalar; DRAFTSMITH_KERNEL_ISA forces a lower one).
 Where it cannot build, `KernelsUnavailable` says so in one line and `compile.kernels=inductor` runs the stock
 kernels instead.
 """
@@ -197,8 +196,8 @@ def kernels_on(isa: KernelIsa | None):
 
 
 def kernel_isa() -> str:
-    """The instruction set the kernels run with on this machine (avx512_bf16, avx512, avx2 or scalar; avx512_amx
-    where DRAFTSMITH_KERNEL_ISA asks for it)."""
+    """The instruction set the kernels run with in this process (avx512_amx, avx512_bf16, avx512, avx2 or scalar: the
+    best this CPU runs, or DRAFTSMITH_KERNEL_ISA's, or kernels_on's inside its block)."""
     return load_kernels().kernel_isa()
 
 

@@ -488,9 +488,11 @@ Isa supported_isa() {
                 : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::Avx2 : Isa::Scalar);
 }
 
-// The default is the best but AMX, which only DRAFTSMITH_KERNEL_ISA=avx512_amx picks: on the Xeon its bf16 linear
-// layers cost a one-row step 15-25% more than the pair dot products (16 rows about half of theirs), so a bf16
-// target's plain decoding is faster without it (results/engine_kernels_xeon/kernel_ab/).
+// The default is the best this CPU runs, AMX included: on the Xeon a bf16 target's plain decoding on the tiles was
+// level with the pair dot products' in the goal bench that timed both interleaved (0.990x per prompt turn, 0.94-1.05;
+// the kernel A/Bs of noisier hours had its one-row step 0-25% slower), and its verify costs a third of theirs at 8-9
+// rows, so its best method ran 1.75x over the faster plain (results/engine_kernels_xeon/README.md).
+// DRAFTSMITH_KERNEL_ISA=avx512_bf16 keeps the pair dot products.
 Isa detect_isa() {
   const Isa best = supported_isa();
   const char* forced = std::getenv("DRAFTSMITH_KERNEL_ISA");
@@ -499,7 +501,7 @@ Isa detect_isa() {
       if (std::string(forced) == ISA_NAMES[i]) return Isa(i);
     TORCH_CHECK(false, "DRAFTSMITH_KERNEL_ISA=", forced, ": this CPU runs at most ", ISA_NAMES[int(best)]);
   }
-  return std::min(best, Isa::Avx512Bf16);
+  return best;
 }
 
 // The instruction set the kernels run with: detect_isa()'s until set_kernel_isa picks another (a bench timing a
