@@ -361,15 +361,13 @@ def add_headline(entry: dict, runs: list[dict], plain_runs, compiled_runs, sampl
     if not plain_runs:
         return
     entry.update(headline_baseline=str(PLAIN), headline_speedup=entry["speedup"])
-    rate = lambda rs: sum(r["tokens"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-12)  # noqa: E731
-    fastest = rate(plain_runs)
     if compiled_runs:
         versus = speedup_entry(runs, compiled_runs, sampled, total_s, entry["tokens_per_s"])
         entry.update(speedup_compiled=versus["speedup"], speedup_compiled_ci95=versus["speedup_ci95"])
-        if rate(compiled_runs) > fastest:
-            fastest = rate(compiled_runs)
-            entry.update(headline_baseline=str(PLAIN_COMPILED), headline_speedup=versus["speedup"])
-    for label, baseline in other_baselines.items():
+    rate = lambda rs: sum(r["tokens"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-12)  # noqa: E731
+    baselines = {str(PLAIN_COMPILED): compiled_runs, **other_baselines} if compiled_runs else other_baselines
+    fastest = rate(plain_runs)
+    for label, baseline in baselines.items():
         if rate(baseline) > fastest:
             fastest = rate(baseline)
             versus = speedup_entry(runs, baseline, sampled, total_s, entry["tokens_per_s"])

@@ -493,15 +493,17 @@ Isa supported_isa() {
 // the kernel A/Bs of noisier hours had its one-row step 0-25% slower), and its verify costs a third of theirs at 8-9
 // rows, so its best method ran 1.75x over the faster plain (results/engine_kernels_xeon/README.md).
 // DRAFTSMITH_KERNEL_ISA=avx512_bf16 keeps the pair dot products.
-Isa detect_isa() {
+// The set `name` names, refused in one line (`what`: where the name came from) where this CPU does not run it.
+Isa named_isa(const std::string& name, const char* what) {
   const Isa best = supported_isa();
+  for (int i = 0; i <= int(best); ++i)
+    if (name == ISA_NAMES[i]) return Isa(i);
+  TORCH_CHECK(false, what, name, ": this CPU runs at most ", ISA_NAMES[int(best)]);
+}
+
+Isa detect_isa() {
   const char* forced = std::getenv("DRAFTSMITH_KERNEL_ISA");
-  if (forced && *forced) {
-    for (int i = 0; i <= int(best); ++i)
-      if (std::string(forced) == ISA_NAMES[i]) return Isa(i);
-    TORCH_CHECK(false, "DRAFTSMITH_KERNEL_ISA=", forced, ": this CPU runs at most ", ISA_NAMES[int(best)]);
-  }
-  return best;
+  return forced && *forced ? named_isa(forced, "DRAFTSMITH_KERNEL_ISA=") : supported_isa();
 }
 
 // The instruction set the kernels run with: detect_isa()'s until set_kernel_isa picks another (a bench timing a
@@ -702,14 +704,10 @@ std::string kernel_isa() { return ISA_NAMES[int(isa())]; }
 
 // Run the kernels with `name` (one of available_isas) from the next call on; returns the set they ran with.
 std::string set_kernel_isa(const std::string& name) {
-  const Isa best = supported_isa();
-  for (int i = 0; i <= int(best); ++i) {
-    if (name != ISA_NAMES[i]) continue;
-    const std::string previous = kernel_isa();
-    chosen_isa.store(i, std::memory_order_relaxed);
-    return previous;
-  }
-  TORCH_CHECK(false, "kernels ", name, ": this CPU runs at most ", ISA_NAMES[int(best)]);
+  const Isa chosen = named_isa(name, "kernels ");
+  const std::string previous = kernel_isa();
+  chosen_isa.store(int(chosen), std::memory_order_relaxed);
+  return previous;
 }
 std::vector<std::string> available_isas() {  // every set DRAFTSMITH_KERNEL_ISA may name here, lowest first
   std::vector<std::string> names;
