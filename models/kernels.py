@@ -29,6 +29,7 @@ import hashlib
 import io
 import itertools
 import mmap
+import os
 from pathlib import Path
 
 import torch
@@ -141,9 +142,18 @@ def load_kernels(verbose: bool = False):
         first = " ".join(str(err).split())[:140]
         raise KernelsUnavailable(f"the batch-invariant kernels did not build here ({first}); run with "
                                  "compile.kernels=inductor") from err
+    check_forced_isa(module)
     register_fakes()
     _MODULE = module
     return module
+
+
+def check_forced_isa(module) -> None:
+    """DRAFTSMITH_KERNEL_ISA, where set, names a set this CPU runs (else one line now, not an error from the first
+    op call deep in a model)."""
+    forced = os.environ.get("DRAFTSMITH_KERNEL_ISA", "")
+    if forced and forced not in module.available_isas():
+        raise UserError(f"DRAFTSMITH_KERNEL_ISA={forced}: this CPU runs {', '.join(module.available_isas())}")
 
 
 def register_fakes() -> None:

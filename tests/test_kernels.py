@@ -137,6 +137,15 @@ def test_w8a8_is_the_same_bits_on_every_instruction_set():
     assert len(digests) == 1, digests
 
 
+def test_an_unknown_forced_instruction_set_is_one_line():
+    """DRAFTSMITH_KERNEL_ISA naming a set this CPU does not run is refused when the kernels load, in one line."""
+    script = "from draftsmith.models.kernels import load_kernels; load_kernels()"
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "DRAFTSMITH_KERNEL_ISA": "avx1024"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "DRAFTSMITH_KERNEL_ISA=avx1024: this CPU runs scalar, " in result.stderr
+
+
 def test_kernels_on_runs_some_calls_on_another_instruction_set_in_the_same_process():
     """kernels_on: the calls inside run another set (the same packed weights: its own outputs, as a fresh process
     forced to it computes them), the set before is back after; one this CPU lacks is refused in one line."""

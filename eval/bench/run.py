@@ -49,6 +49,7 @@ from draftsmith.config import (ConfigError, Unread, check_config, command_parser
                                parse_command, refuse_unread, section)
 from draftsmith.data.chat import prompt_ids
 from draftsmith.errors import UserError, exit_with
+from draftsmith.eval.bench.build_context import require_invariant_kernels
 from draftsmith.eval.bench.progress import Progress
 from draftsmith.eval.decode.decoder import BUDGET_LIMIT, PREFIX_CACHE, DecodeConfig, DecodeStats, Method
 from draftsmith.eval.decode.drafters.base import check_types
@@ -121,10 +122,8 @@ class BenchConfig(PromptSettings):
         if self.backend is Backend.COMPILED and PLAIN_COMPILED not in self.methods:
             self.methods.insert(1, PLAIN_COMPILED)  # the compiled methods' reference
         check_labels(self.methods)
-        if self.kernel_isa is not None and not self.compile.runs_invariant_kernels(Backend.COMPILED):
-            raise ConfigError(f"kernel_isa: {self.kernel_isa} is read by the batch-invariant kernels only "
-                              f"(compile.kernels={self.compile.kernels.value}); drop it or set "
-                              "compile.kernels=invariant")
+        if self.kernel_isa is not None:
+            require_invariant_kernels("kernel_isa", str(self.kernel_isa), Backend.COMPILED, self.compile)
         refuse_unread(self, compile_unread(lambda c: not uses_compiled(c), "read by backend=compiled or a method "
                                                                             "on the compiled engine")
                       + [Unread("kernel_isa", lambda c: not uses_compiled(c), "read by the compiled engine's kernels")])
