@@ -312,6 +312,12 @@ inline void store_rows(const V acc[][PANEL_VECTORS], OT* out, int64_t column, in
 }
 
 template <typename OT>
+inline void store_rows_of(const V acc[][PANEL_VECTORS], int64_t M, OT* out, int64_t column, int64_t N,
+                          const float* scale, const float* bias) {
+  for (int64_t r = 0; r < M; ++r) store_row<PANEL_VECTORS>(out + r * N, acc[r], column, N, scale, bias);
+}
+
+template <typename OT>
 inline void store_wide(const WidePlan& plan, const WideAccumulators& acc, OT* out, int64_t column, int64_t N,
                        const float* scale, const float* bias) {
   for (int64_t quad = 0; quad < plan.quads; ++quad)
@@ -341,6 +347,36 @@ void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int
   }
 }
 
+// AVX-512, float32 weights, more rows than one pass of the tile takes (a verify of 10-64 rows): a task per panel, its
+// passes (near-equal row counts <= TILE_ROWS) over chunks of WIDE_CHUNK inputs, so a chunk comes from memory in the
+// first pass and from L1 in the others (not the whole panel from L2), and every pass requests its share of the next
+// chunk. The accumulators wait in L1 between chunks (stored and reloaded exactly: each element's sum still runs over
+// k in order). In every alternation of eval.kernel_ab on the Xeon, a step of linear layers against a one-row one: 10
+// rows 1.42-1.48 -> 1.31-1.34, 16 rows 1.57-1.63 -> 1.48-1.54, 32 rows 2.24-2.28 -> 2.15-2.23, 8 rows (one pass,
+// unchanged) 1.18-1.22 (results/engine_kernels_xeon/kernel_ab/float32_chunked_passes).
+template <typename XT, typename OT>
+void chunked_passes_kernel(const XT* x, int64_t M, int64_t K, const float* packed, int64_t N, const float* scale,
+                           const float* bias, OT* out, int64_t panels, int64_t panel_size) {
+#pragma omp parallel for schedule(static) if (panels > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const float* panel = packed + p * panel_size;
+    const int64_t passes = passes_of<TILE_ROWS>(M);
+    const int64_t stride = PANEL * int64_t(sizeof(float)) / passes;
+    V acc[WIDE_UP_TO][PANEL_VECTORS];
+    for (int64_t m = 0; m < M; ++m)
+      for (int v = 0; v < PANEL_VECTORS; ++v) acc[m][v] = vzero();
+    for (int64_t k0 = 0; k0 < K; k0 += WIDE_CHUNK) {
+      const int64_t k1 = std::min<int64_t>(K, k0 + WIDE_CHUNK);
+      const char* next = reinterpret_cast<const char*>(panel + k1 * PANEL);  // the chunk after this one
+      in_passes<TILE_ROWS>(M, [&](auto rows, int64_t m, int64_t pass) {
+        const Ahead ahead{next + (pass * (k1 - k0) - k0) * stride, stride};
+        wide_sweep<decltype(rows)::value, PANEL_VECTORS>(x + m * K, K, panel, k0, k1, 0, acc + m, ahead);
+      });
+    }
+    store_rows_of(acc, M, out, p * PANEL, N, scale, bias);
+  }
+}
+
 // y (M, N) = x (M, K) . W^T (+ per-column scale, + bias), W packed in panels of PANEL columns. Threads take
 // contiguous runs of tasks, so each streams its weights in order.
 template <typename XT, typename WT, typename OT>
@@ -359,6 +395,17 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
       return;
     }
     if (M == 1) return wide_linear_kernel(x, M, K, packed, N, scale, bias, out, panels, panel_size);
+  }
+  if constexpr (VL == 16 && std::is_same_v<WT, float>) {
+    if (M > TILE_ROWS) {  // groups of near-equal row counts up to WIDE_UP_TO
+      const int64_t groups = (M + WIDE_UP_TO - 1) / WIDE_UP_TO;
+      for (int64_t group = 0, m = 0; group < groups; ++group) {
+        const int64_t rows = (M - m) / (groups - group);
+        chunked_passes_kernel(x + m * K, rows, K, packed, N, scale, bias, out + m * N, panels, panel_size);
+        m += rows;
+      }
+      return;
+    }
   }
   const int64_t subs = PANEL_VECTORS / TILE_VECTORS;
   const int64_t tasks = panels * subs;
