@@ -44,6 +44,11 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept qui
   return uint16_t(bits >> 16);
 }
 
+// Whether an AVX-512 float32 linear layer of more rows than one pass of the tile takes runs its passes over chunks of
+// each panel held in L1 (invariant_impl.h's chunked_passes_kernel) rather than over whole panels: where the kernels
+// run with AMX (defined with the dispatch below). The same bits either way; only the speed differs by CPU.
+bool float32_chunked_passes();
+
 // Cephes' single-precision exp polynomial, shared by every instruction set.
 constexpr float EXP_HI = 88.3f, EXP_LO = -87.3f, LOG2E = 1.44269504088896341f;
 constexpr float EXP_C1 = 0.693359375f, EXP_C2 = -2.12194440e-4f;
@@ -519,6 +524,12 @@ Isa isa() {
   }
   return Isa(chosen);
 }
+
+// On the Xeon (AMX) the chunks made a verify of 10 / 16 rows 8-10% / 4-12% cheaper in every alternation of
+// eval.kernel_ab (results/engine_kernels_xeon/kernel_ab/float32_chunked_passes); on the Zen 4 (AVX-512 BF16, no AMX),
+// FMA-bound at 14-16 rows, their loop cost 0.5-2 ms a step there and no width gained in both of its stream's modes
+// (results/engine_kernels_zen4/README.md, kernel_ab_two_pass_chunks).
+bool float32_chunked_passes() { return isa() == Isa::Avx512Amx; }
 
 #define DISPATCH_ISA(...)                                          \
   switch (isa()) {                                                  \

@@ -16,7 +16,8 @@
 constexpr int PANEL = 48;  // output columns per packed weight panel (kernels.py's PANEL)
 constexpr int PANEL_VECTORS = PANEL / VL;
 // The register tile: TILE_ROWS rows x TILE_VECTORS vectors of accumulators (AVX-512: 9 x 3 of 32 registers, so a
-// verify of up to 9 rows streams each weight once, in one pass; AVX2: 4 x 3, all 16).
+// verify of up to 9 rows streams each weight once, in one pass, and more rows take passes of up to 9, over whole
+// panels or, in float32 on a CPU with AMX, over chunks of them: chunked_passes_kernel; AVX2: 4 x 3, all 16).
 constexpr int TILE_VECTORS = VL == 1 ? 4 : 3;
 constexpr int TILE_ROWS = VL == 16 ? 9 : VL == 8 ? 4 : 2;
 // Where that tile is narrower than a panel (AVX2: 3 of its 6 vectors), half-panel tasks read each panel row's 192
@@ -347,10 +348,10 @@ void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int
   }
 }
 
-// AVX-512, float32 weights, more rows than one pass of the tile takes (a verify of 10-64 rows): a task per panel, its
-// passes (near-equal row counts <= TILE_ROWS) over chunks of WIDE_CHUNK inputs, so a chunk comes from memory in the
-// first pass and from L1 in the others (not the whole panel from L2), and every pass requests its share of the next
-// chunk. The accumulators wait in L1 between chunks (stored and reloaded exactly: each element's sum still runs over
+// AVX-512, float32 weights, more rows than one pass of the tile takes (a verify of 10-64 rows), where
+// float32_chunked_passes() (the CPU has AMX; batch_invariant.cpp says why): a task per panel, its passes (near-equal
+// row counts <= TILE_ROWS) over chunks of WIDE_CHUNK inputs, so a chunk comes from memory in the first pass and from
+// L1 in the others (not the whole panel from L2), and every pass requests its share of the next chunk. The accumulators wait in L1 between chunks (stored and reloaded exactly: each element's sum still runs over
 // k in order). In every alternation of eval.kernel_ab on the Xeon, a step of linear layers against a one-row one: 10
 // rows 1.42-1.48 -> 1.31-1.34, 16 rows 1.57-1.63 -> 1.48-1.54, 32 rows 2.24-2.28 -> 2.15-2.23, 8 rows (one pass,
 // unchanged) 1.18-1.22 (results/engine_kernels_xeon/kernel_ab/float32_chunked_passes).
@@ -397,7 +398,7 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
     if (M == 1) return wide_linear_kernel(x, M, K, packed, N, scale, bias, out, panels, panel_size);
   }
   if constexpr (VL == 16 && std::is_same_v<WT, float>) {
-    if (M > TILE_ROWS) {  // groups of near-equal row counts up to WIDE_UP_TO
+    if (M > TILE_ROWS && float32_chunked_passes()) {  // groups of near-equal row counts up to WIDE_UP_TO
       const int64_t groups = (M + WIDE_UP_TO - 1) / WIDE_UP_TO;
       for (int64_t group = 0, m = 0; group < groups; ++group) {
         const int64_t rows = (M - m) / (groups - group);
