@@ -148,12 +148,18 @@ def load_kernels(verbose: bool = False):
     return module
 
 
+def require_available_isa(module, name: str, what: str) -> None:
+    """`name` is an instruction set this CPU runs, else one line (`what`: the option that named it)."""
+    if name not in module.available_isas():
+        raise UserError(f"{what}={name}: this CPU runs {', '.join(module.available_isas())}")
+
+
 def check_forced_isa(module) -> None:
     """DRAFTSMITH_KERNEL_ISA, where set, names a set this CPU runs (else one line now, not an error from the first
     op call deep in a model)."""
     forced = os.environ.get("DRAFTSMITH_KERNEL_ISA", "")
-    if forced and forced not in module.available_isas():
-        raise UserError(f"DRAFTSMITH_KERNEL_ISA={forced}: this CPU runs {', '.join(module.available_isas())}")
+    if forced:
+        require_available_isa(module, forced, "DRAFTSMITH_KERNEL_ISA")
 
 
 def register_fakes() -> None:
@@ -196,8 +202,7 @@ def kernels_on(isa: KernelIsa | None):
         yield
         return
     module = load_kernels()
-    if str(isa) not in module.available_isas():
-        raise UserError(f"kernel_isa={isa}: this CPU runs {', '.join(module.available_isas())}")
+    require_available_isa(module, str(isa), "kernel_isa")
     previous = module.set_kernel_isa(str(isa))
     try:
         yield

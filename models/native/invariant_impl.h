@@ -306,25 +306,19 @@ inline void wide_passes(const XT* x, const WidePlan& plan, int64_t K, const WT* 
   }
 }
 
-template <int ROWS, typename OT>
-inline void store_rows(const V acc[][PANEL_VECTORS], OT* out, int64_t column, int64_t N, const float* scale,
-                       const float* bias) {
-  for (int r = 0; r < ROWS; ++r) store_row<PANEL_VECTORS>(out + r * N, acc[r], column, N, scale, bias);
-}
-
 template <typename OT>
-inline void store_rows_of(const V acc[][PANEL_VECTORS], int64_t M, OT* out, int64_t column, int64_t N,
-                          const float* scale, const float* bias) {
-  for (int64_t r = 0; r < M; ++r) store_row<PANEL_VECTORS>(out + r * N, acc[r], column, N, scale, bias);
+inline void store_rows(const V acc[][PANEL_VECTORS], int64_t rows, OT* out, int64_t column, int64_t N,
+                       const float* scale, const float* bias) {
+  for (int64_t r = 0; r < rows; ++r) store_row<PANEL_VECTORS>(out + r * N, acc[r], column, N, scale, bias);
 }
 
 template <typename OT>
 inline void store_wide(const WidePlan& plan, const WideAccumulators& acc, OT* out, int64_t column, int64_t N,
                        const float* scale, const float* bias) {
   for (int64_t quad = 0; quad < plan.quads; ++quad)
-    store_rows<QUAD_ROWS>(acc.quads[quad], out + quad * QUAD_ROWS * N, column, N, scale, bias);
-  if (plan.pair) store_rows<WIDE_TILE_ROWS>(acc.pair, out + plan.pair_row() * N, column, N, scale, bias);
-  if (plan.triple) store_rows<TRIPLE_ROWS>(acc.triple, out + plan.triple_row() * N, column, N, scale, bias);
+    store_rows(acc.quads[quad], QUAD_ROWS, out + quad * QUAD_ROWS * N, column, N, scale, bias);
+  if (plan.pair) store_rows(acc.pair, WIDE_TILE_ROWS, out + plan.pair_row() * N, column, N, scale, bias);
+  if (plan.triple) store_rows(acc.triple, TRIPLE_ROWS, out + plan.triple_row() * N, column, N, scale, bias);
 }
 
 template <typename XT, typename WT, typename OT>
@@ -351,18 +345,18 @@ void wide_linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int
 // AVX-512, float32 weights, more rows than one pass of the tile takes (a verify of 10-64 rows), where
 // float32_chunked_passes() (the CPU has AMX; batch_invariant.cpp says why): a task per panel, its passes (near-equal
 // row counts <= TILE_ROWS) over chunks of WIDE_CHUNK inputs, so a chunk comes from memory in the first pass and from
-// L1 in the others (not the whole panel from L2), and every pass requests its share of the next chunk. The accumulators wait in L1 between chunks (stored and reloaded exactly: each element's sum still runs over
-// k in order). In every alternation of eval.kernel_ab on the Xeon, a step of linear layers against a one-row one: 10
+// L1 in the others (not the whole panel from L2), and every pass requests its share of the next chunk. The
+// accumulators wait in L1 between chunks (stored and reloaded exactly: each element's sum still runs over k in
+// order). In every alternation of eval.kernel_ab on the Xeon, a step of linear layers against a one-row one: 10
 // rows 1.42-1.48 -> 1.31-1.34, 16 rows 1.57-1.63 -> 1.48-1.54, 32 rows 2.24-2.28 -> 2.15-2.23, 8 rows (one pass,
 // unchanged) 1.18-1.22 (results/engine_kernels_xeon/kernel_ab/float32_chunked_passes).
 template <typename XT, typename OT>
 void chunked_passes_kernel(const XT* x, int64_t M, int64_t K, const float* packed, int64_t N, const float* scale,
                            const float* bias, OT* out, int64_t panels, int64_t panel_size) {
+  const int64_t stride = PANEL * int64_t(sizeof(float)) / passes_of<TILE_ROWS>(M);  // a pass's share of a chunk
 #pragma omp parallel for schedule(static) if (panels > 1)
   for (int64_t p = 0; p < panels; ++p) {
     const float* panel = packed + p * panel_size;
-    const int64_t passes = passes_of<TILE_ROWS>(M);
-    const int64_t stride = PANEL * int64_t(sizeof(float)) / passes;
     V acc[WIDE_UP_TO][PANEL_VECTORS];
     for (int64_t m = 0; m < M; ++m)
       for (int v = 0; v < PANEL_VECTORS; ++v) acc[m][v] = vzero();
@@ -374,7 +368,19 @@ void chunked_passes_kernel(const XT* x, int64_t M, int64_t K, const float* packe
         wide_sweep<decltype(rows)::value, PANEL_VECTORS>(x + m * K, K, panel, k0, k1, 0, acc + m, ahead);
       });
     }
-    store_rows_of(acc, M, out, p * PANEL, N, scale, bias);
+    store_rows(acc, M, out, p * PANEL, N, scale, bias);
+  }
+}
+
+// run(m, rows) for the rows of M in groups of near-equal counts up to WIDE_UP_TO (the wide and chunked kernels'
+// accumulators hold that many rows).
+template <typename Run>
+inline void in_row_groups(int64_t M, const Run& run) {
+  const int64_t groups = (M + WIDE_UP_TO - 1) / WIDE_UP_TO;
+  for (int64_t group = 0, m = 0; group < groups; ++group) {
+    const int64_t rows = (M - m) / (groups - group);
+    run(m, rows);
+    m += rows;
   }
 }
 
@@ -386,26 +392,18 @@ void linear_kernel(const XT* x, int64_t M, int64_t K, const WT* packed, int64_t 
   const int64_t panels = (N + PANEL - 1) / PANEL;
   const int64_t panel_size = std::is_same_v<WT, uint16_t> ? ((K + 1) / 2) * PANEL * 2 : K * PANEL;
   if constexpr (WIDE_ROWS > 0) {
-    if constexpr (std::is_same_v<WT, float>) {  // every row count: groups of near-equal counts up to WIDE_UP_TO
-      const int64_t groups = (M + WIDE_UP_TO - 1) / WIDE_UP_TO;
-      for (int64_t group = 0, m = 0; group < groups; ++group) {
-        const int64_t rows = (M - m) / (groups - group);
+    if constexpr (std::is_same_v<WT, float>) {  // every row count
+      return in_row_groups(M, [&](int64_t m, int64_t rows) {
         wide_linear_kernel(x + m * K, rows, K, packed, N, scale, bias, out + m * N, panels, panel_size);
-        m += rows;
-      }
-      return;
+      });
     }
     if (M == 1) return wide_linear_kernel(x, M, K, packed, N, scale, bias, out, panels, panel_size);
   }
   if constexpr (VL == 16 && std::is_same_v<WT, float>) {
-    if (M > TILE_ROWS && float32_chunked_passes()) {  // groups of near-equal row counts up to WIDE_UP_TO
-      const int64_t groups = (M + WIDE_UP_TO - 1) / WIDE_UP_TO;
-      for (int64_t group = 0, m = 0; group < groups; ++group) {
-        const int64_t rows = (M - m) / (groups - group);
+    if (M > TILE_ROWS && float32_chunked_passes()) {
+      return in_row_groups(M, [&](int64_t m, int64_t rows) {
         chunked_passes_kernel(x + m * K, rows, K, packed, N, scale, bias, out + m * N, panels, panel_size);
-        m += rows;
-      }
-      return;
+      });
     }
   }
   const int64_t subs = PANEL_VECTORS / TILE_VECTORS;

@@ -3,16 +3,15 @@ shapes (576 x 576, 576 x 1536, 1536 x 576; 1.3-3.5 MB, inside L2 or near it) cal
 rows, beside torch's own fp32 Linear (oneDNN) on the same shapes. The step's bound counts the weight stream and the
 FLOPs at the machine's large-matmul peak; this measures the FLOP rate the tile reaches at a verify's row counts,
 which is what a verify costs once its weights are streamed. Best of 3 trials of `reps` calls, 2 threads.
-    python scripts/jobs/tile_rate_probe.py [output.json]
+    python scripts/jobs/tile_rate_probe.py [output.json]   (a markdown table beside it)
 """
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from draftsmith.eval.documents import cpu_model
+from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.models.kernels import kernel_isa, load_kernels, pack_weight
 
 SHAPES = [(576, 576, 400), (576, 1536, 150), (1536, 576, 150)]  # (inputs K, outputs N, calls a trial)
@@ -47,17 +46,14 @@ def main(argv: list[str]) -> None:
                 onednn = best_seconds(lambda: linear(x), reps)
                 rows.append({"inputs": k, "outputs": n, "rows": m, "tile_gflops": 2 * m * k * n / tile / 1e9,
                              "torch_gflops": 2 * m * k * n / onednn / 1e9})
-    print(f"float32 GFLOPS with the weights in cache on {cpu_model()} (kernels {kernel_isa()}, 2 threads)\n")
-    print("| shape | " + " | ".join(f"{m} rows" for m in ROWS) + " |")
-    print("|---|" + "---|" * len(ROWS))
+    lines = [f"float32 GFLOPS with the weights in cache on {cpu_model()} (kernels {kernel_isa()}, 2 threads)", "",
+             "| shape | " + " | ".join(f"{m} rows" for m in ROWS) + " |", "|---|" + "---|" * len(ROWS)]
     for k, n, _ in SHAPES:
         cells = [r for r in rows if (r["inputs"], r["outputs"]) == (k, n)]
-        print(f"| {k} x {n}: tile / torch | "
-              + " | ".join(f"{r['tile_gflops']:.0f} / {r['torch_gflops']:.0f}" for r in cells) + " |")
-    if len(argv) > 1:
-        Path(argv[1]).write_text(json.dumps({"cpu": cpu_model(), "kernel_isa": kernel_isa(), "rows": rows},
-                                            indent=1) + "\n")
-        print(f"\nwrote {argv[1]}")
+        lines.append(f"| {k} x {n}: tile / torch | "
+                     + " | ".join(f"{r['tile_gflops']:.0f} / {r['torch_gflops']:.0f}" for r in cells) + " |")
+    document = {"cpu": cpu_model(), "kernel_isa": kernel_isa(), "rows": rows}
+    write_document(Path(argv[1]) if len(argv) > 1 else None, document, "\n".join(lines))
 
 
 if __name__ == "__main__":
