@@ -130,11 +130,16 @@ def machine_roofs() -> dict:
     return roofs
 
 
+SPLIT_PRODUCTS = 4  # bf16 products per float32 multiply-add of split_bf16 layers (x_hi, x_lo times w_hi, w_lo)
+
+
 def throughput_of(roofs: dict, dtype: torch.dtype, linears: list) -> float:
     """The best measured rate (GFLOPS, or GOPS for int8 x int8 layers) for these layers: torch's GEMM or the
-    invariant kernel's."""
-    if any(m.quantizes_inputs for m in linears):
+    invariant kernel's (split_bf16: the bf16 rate over its four products a multiply-add)."""
+    if any(m.precision is WeightPrecision.W8A8 for m in linears):
         return max(roofs["int8_gops"], roofs["kernel_int8_gops"])
+    if any(m.precision is WeightPrecision.SPLIT_BF16 for m in linears):
+        return roofs["bfloat16_gflops"] / SPLIT_PRODUCTS
     if dtype == torch.float32:
         return max(roofs["float32_gflops"], roofs["kernel_float32_gflops"])
     return roofs["bfloat16_gflops"]

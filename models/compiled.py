@@ -86,9 +86,11 @@ class CompileSettings:
                               "(models/kernels.py: a verify computes exactly what one-token steps compute); inductor: "
                               "the stock graph (not batch-invariant)")
     weights: WeightPrecision = option(WeightPrecision.MODEL, "the target's stored weights: model (its dtype), int8 "
-                                      "(weight-only, a scale per output row) or w8a8 (int8 weights, and each input "
-                                      "row quantized to int8 as it arrives: integer dot products; float32 models); "
-                                      "invariant kernels only")
+                                      "(weight-only, a scale per output row), w8a8 (int8 weights, and each input "
+                                      "row quantized to int8 as it arrives: integer dot products; float32 models) "
+                                      "or split_bf16 (float32 weights and inputs as bf16 (hi, lo) pairs, every "
+                                      "product of the halves summed in float32 on AMX tiles: a verify costs about a "
+                                      "step; float32 models, AMX CPUs); invariant kernels only")
     head: HeadLogits | None = option(None, "the LM head of greedy decoding's forwards: greedy (int8 or bf16 copies "
                                      "streamed, the logits that could be the largest recomputed exactly: the exact "
                                      "argmax from a quarter to half of a float32 head's bytes; invariant kernels, "
@@ -102,7 +104,7 @@ class CompileSettings:
             raise ConfigError(f"weights: {self.weights} runs on the invariant kernels only (set kernels=invariant)")
         if self.head is HeadLogits.GREEDY and not self.greedy_head_applies:
             raise ConfigError("head: greedy streams int8 / bf16 copies of a head in the model's own weights: it needs "
-                              "kernels=invariant and weights=model")
+                              "kernels=invariant and weights=model or split_bf16")
         self.buckets = sorted(set(self.buckets))
         if not self.buckets:
             raise ConfigError("buckets: give at least one input size")
@@ -111,8 +113,9 @@ class CompileSettings:
 
     @property
     def greedy_head_applies(self) -> bool:
-        """Whether the greedy head can serve these settings (the invariant kernels, the model's own weights)."""
-        return self.kernels is Kernels.INVARIANT and self.weights is WeightPrecision.MODEL
+        """Whether the greedy head can serve these settings (the invariant kernels, the model's own weights or their
+        split_bf16 pairs: the head's exact argmax is of its float32 rows either way)."""
+        return self.kernels is Kernels.INVARIANT and self.weights in (WeightPrecision.MODEL, WeightPrecision.SPLIT_BF16)
 
     def greedy_head(self, dtype: torch.dtype) -> bool:
         """Whether greedy decoding's forwards on a model in `dtype` read the greedy head: as `head` says, by default

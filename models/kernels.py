@@ -68,6 +68,10 @@ class WeightPrecision(TextEnum):
     # scale per block, as llama.cpp's q8_0), then exact integer dot products (AVX-512 VNNI where the CPU has it);
     # float32 activations between the layers
     W8A8 = "w8a8"
+    # float32 weights as (hi, lo) bfloat16 pairs in their 4 bytes and float32 inputs split so as they arrive, every
+    # product of the 16-bit-significand halves summed in float32 on AMX tiles (draftsmith::linear_split): a verify
+    # costs about one step's stream; each product is within ~2^-16 of float32's (float32 models, AMX CPUs)
+    SPLIT_BF16 = "split_bf16"
 
     @property
     def label(self) -> str:
@@ -83,14 +87,23 @@ class HeadLogits(TextEnum):
 
 
 WEIGHT_LABELS = {WeightPrecision.MODEL: "", WeightPrecision.INT8: "int8 weights",
-                 WeightPrecision.W8A8: "w8a8 (int8 weights and inputs)"}
+                 WeightPrecision.W8A8: "w8a8 (int8 weights and inputs)",
+                 WeightPrecision.SPLIT_BF16: "split bf16 (float32 as bf16 pairs, AMX)"}
+FLOAT32_INPUTS = (WeightPrecision.W8A8, WeightPrecision.SPLIT_BF16)  # precisions that take float32 inputs only
 
 
 def check_activations(precision: WeightPrecision, dtype: torch.dtype) -> None:
-    """w8a8 quantizes float32 inputs; a model in another dtype is refused in one line."""
-    if precision is WeightPrecision.W8A8 and dtype != torch.float32:
-        raise UserError(f"weights=w8a8 quantizes float32 inputs and this model runs in {str(dtype).split('.')[-1]}: "
+    """w8a8 and split_bf16 take float32 inputs; a model in another dtype is refused in one line."""
+    if precision in FLOAT32_INPUTS and dtype != torch.float32:
+        raise UserError(f"weights={precision} takes float32 inputs and this model runs in {str(dtype).split('.')[-1]}: "
                         "use dtype=float32, or weights=int8 (weight-only) for a bfloat16 model")
+
+
+def check_precision_runs(precision: WeightPrecision) -> None:
+    """split_bf16 runs on AMX tiles only; elsewhere (or with the kernels forced lower) one line says so."""
+    if precision is WeightPrecision.SPLIT_BF16 and kernel_isa() != KernelIsa.AVX512_AMX:
+        raise UserError(f"weights=split_bf16 runs on AMX tiles and the kernels here run {kernel_isa()}: use "
+                        "weights=model (float32)")
 
 
 def source_digest() -> str:
@@ -173,6 +186,10 @@ def register_fakes() -> None:
     def _linear_i8_fake(x, packed, scale, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("draftsmith::linear_split")
+    def _linear_split_fake(x, packed, bias, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake("draftsmith::greedy_head")
     def _greedy_head_fake(x, packed, scale, weight):
         return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
@@ -243,6 +260,15 @@ def pack_weight(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
 INT8_QUAD = 4  # inputs per int8 x int8 dot product (invariant_impl.h's QUAD)
 
 
+def split_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) float32 weight -> (N, 2K) bfloat16: each weight as its pair (hi, lo), hi = bf16(w), lo = bf16(w - hi)
+    (16 of float32's 24 significand bits, in its 4 bytes), the layout draftsmith::linear_split packs as bf16 pairs."""
+    weight = weight.detach().float()
+    high = weight.to(torch.bfloat16)
+    low = (weight - high.float()).to(torch.bfloat16)
+    return torch.stack([high, low], dim=-1).view(weight.shape[0], 2 * weight.shape[1])
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight, float32 scale per output row): symmetric, round to nearest."""
     weight = weight.detach().float()
@@ -252,24 +278,29 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class InvariantLinear(nn.Module):
     """A Linear computed by the batch-invariant kernels, its weight packed once: draftsmith::linear for the model's
-    dtype and weight-only int8 (with scales), draftsmith::linear_i8 for w8a8 (int8 quads with scales)."""
+    dtype and weight-only int8 (with scales), draftsmith::linear_i8 for w8a8 (int8 quads with scales),
+    draftsmith::linear_split for split_bf16 ((hi, lo) bf16 pairs)."""
 
     def __init__(self, linear: nn.Linear, precision: WeightPrecision = WeightPrecision.MODEL):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         scale = None
-        if precision is not WeightPrecision.MODEL:
+        self.precision = precision
+        if precision is WeightPrecision.SPLIT_BF16:
+            weight = split_bf16(weight)
+        elif precision is not WeightPrecision.MODEL:
             weight, scale = quantize_int8(weight)
-        self.quantizes_inputs = precision is WeightPrecision.W8A8
-        self.register_buffer("packed", pack_weight(weight, INT8_QUAD if self.quantizes_inputs else None))
+        self.register_buffer("packed", pack_weight(weight, INT8_QUAD if precision is WeightPrecision.W8A8 else None))
         self.register_buffer("scale", scale)
         # float32 once here: the kernel adds the bias in float32, so no call converts it again
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantizes_inputs:
+        if self.precision is WeightPrecision.W8A8:
             return torch.ops.draftsmith.linear_i8(x, self.packed, self.scale, self.bias, self.out_features)
+        if self.precision is WeightPrecision.SPLIT_BF16:
+            return torch.ops.draftsmith.linear_split(x, self.packed, self.bias, self.out_features)
         return torch.ops.draftsmith.linear(x, self.packed, self.scale, self.bias, self.out_features)
 
 
@@ -468,6 +499,7 @@ def invariant_model(model: nn.Module, precision: WeightPrecision = WeightPrecisi
     its own, a drafter's head, and gathers them all once)."""
     check_activations(precision, next(model.parameters()).dtype)
     load_kernels()
+    check_precision_runs(precision)
     register_attention()
     referenced = [value for module in model.modules() for value in vars(module).values()
                   if isinstance(value, nn.Module)]  # modules held outside the tree (a drafter's target embedding)

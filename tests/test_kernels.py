@@ -1,9 +1,10 @@
 """The batch-invariant kernels (models/kernels.py, models/native/): exact against a float64 reference within the
 precision's rounding, and row-for-row identical whatever the number of rows, the precision, the shape, the thread
 count and the instruction set; attention identical wherever a row's visible keys lie in the cache; a model on them
-verifies exactly what one-token steps compute, eager and compiled, in float32, bfloat16, int8 weights and w8a8 (int8
-weights and inputs, exact against an integer reference on every instruction set); the greedy head's argmax is the
-exact logits' argmax, near ties included, at any width and on every instruction set."""
+verifies exactly what one-token steps compute, eager and compiled, in float32, bfloat16, int8 weights, w8a8 (int8
+weights and inputs, exact against an integer reference on every instruction set) and split_bf16 (AMX: float32 as bf16
+pairs, within float32's sums of the halves' exact products); the greedy head's argmax is the exact logits' argmax, near
+ties included, at any width and on every instruction set."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from draftsmith.errors import UserError
 from draftsmith.config import ConfigError
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, KernelIsa, WeightPrecision,
                                        available_isas, frozen_linear, invariant_model, kernel_isa, kernels_on,
-                                       load_kernels, pack_weight, quantize_int8)
+                                       load_kernels, pack_weight, quantize_int8, split_bf16)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -36,6 +37,8 @@ from draftsmith.models.target import TargetModel
 from draftsmith.models.vocab import DraftVocab
 
 load_kernels()
+ON_AMX = kernel_isa() == KernelIsa.AVX512_AMX
+needs_amx = pytest.mark.skipif(not ON_AMX, reason="split_bf16 runs on AMX tiles only")
 AVAILABLE_ISAS = available_isas()  # scalar, avx2, avx512, avx512_bf16, avx512_amx: as far as this CPU goes
 
 
@@ -117,6 +120,53 @@ def test_w8a8_linear_matches_reference_and_is_batch_invariant(rows, n, k, bias, 
         assert torch.equal(module(x[start:stop]), full[start:stop])
 
 
+def halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    high = t.to(torch.bfloat16)
+    return high.double(), (t - high.float()).to(torch.bfloat16).double()
+
+
+@needs_amx
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), n=st.integers(1, 200), k=st.integers(1, 300), bias=st.booleans(),
+       seed=st.integers(0, 99))
+def test_split_bf16_linear_matches_reference_and_is_batch_invariant(rows, n, k, bias, seed):
+    """float32 as (hi, lo) bf16 pairs: the sum of the halves' exact products in float64 up to float32's rounding of
+    the sums, within ~2^-16 of the float32 product, and a row the same bits whatever the rows."""
+    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=bias)
+    torch.nn.init.normal_(linear.weight, generator=generator)
+    x = torch.randn(rows, k, generator=generator) * 3
+    x[rows // 2] = 0
+    module = InvariantLinear(linear, WeightPrecision.SPLIT_BF16)
+    assert module.packed.dtype == torch.bfloat16 and module.packed.numel() == pack_weight(linear.weight).numel() * 2
+    full = module(x)
+    (x_hi, x_lo), (w_hi, w_lo) = halves(x), halves(linear.weight.detach())
+    expected = (x_hi + x_lo) @ (w_hi + w_lo).T + (linear.bias.double() if bias else 0)
+    magnitude = x.double().abs() @ linear.weight.double().abs().T + 1e-6
+    assert ((full.double() - expected).abs() / magnitude).max() <= (k + 2) * 2.0 ** -24
+    exact = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
+    assert ((full.double() - exact).abs() / magnitude).max() <= 2.0 ** -15
+    for start, stop in [(0, 1), (rows - 1, rows), (0, rows // 2 + 1)]:
+        assert torch.equal(module(x[start:stop]), full[start:stop])
+
+
+def test_split_bf16_weights_hold_sixteen_significant_bits_in_four_bytes():
+    weight = torch.randn(5, 7)
+    pairs = split_bf16(weight)
+    assert pairs.dtype == torch.bfloat16 and pairs.shape == (5, 14)
+    rebuilt = pairs[:, 0::2].double() + pairs[:, 1::2].double()
+    assert ((rebuilt - weight.double()).abs() <= weight.double().abs() * 2.0 ** -16).all()
+
+
+def test_split_bf16_is_one_line_off_amx_and_for_a_bfloat16_model():
+    model = tiny_model("llama", seed=1, num_layers=1)
+    with kernels_on(KernelIsa.SCALAR), pytest.raises(UserError, match="split_bf16 runs on AMX tiles and the kernels "
+                                                                      "here run scalar"):
+        invariant_model(model, WeightPrecision.SPLIT_BF16)
+    with pytest.raises(UserError, match="weights=split_bf16 takes float32 inputs"):
+        invariant_model(model.bfloat16(), WeightPrecision.SPLIT_BF16)
+
+
 def test_w8a8_is_the_same_bits_on_every_instruction_set():
     """The integer block sums are exact and their float sums in one order: every instruction set this CPU runs
     (forced in a fresh process) gives the same output bits, rows alone or together."""
@@ -171,7 +221,7 @@ def test_kernels_on_runs_some_calls_on_another_instruction_set_in_the_same_proce
 
 
 def test_w8a8_refuses_a_bfloat16_model_in_one_line():
-    with pytest.raises(UserError, match="w8a8 quantizes float32 inputs"):
+    with pytest.raises(UserError, match="weights=w8a8 takes float32 inputs"):
         invariant_model(tiny_model("llama", seed=1, num_layers=1).bfloat16(), WeightPrecision.W8A8)
 
 
@@ -477,7 +527,9 @@ def test_joined_projections_are_bit_identical_to_separate_ones(family, bias, dty
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, WeightPrecision.MODEL),
                                              (torch.bfloat16, WeightPrecision.MODEL),
                                              (torch.float32, WeightPrecision.INT8),
-                                             (torch.float32, WeightPrecision.W8A8)])
+                                             (torch.float32, WeightPrecision.W8A8),
+                                             pytest.param(torch.float32, WeightPrecision.SPLIT_BF16,
+                                                          marks=needs_amx)])
 def test_model_verify_equals_steps_eager(family, dtype, precision):
     """A stock HF model on the invariant kernels: a 7-token forward over a cache gives exactly the logits of seven
     one-token forwards, and the original model is left as it was."""
@@ -497,7 +549,8 @@ def test_model_verify_equals_steps_eager(family, dtype, precision):
 
 
 @pytest.mark.parametrize("dtype,weights", [(torch.float32, "model"), (torch.bfloat16, "model"),
-                                           (torch.float32, "int8"), (torch.float32, "w8a8")])
+                                           (torch.float32, "int8"), (torch.float32, "w8a8"),
+                                           pytest.param(torch.float32, "split_bf16", marks=needs_amx)])
 def test_compiled_verify_equals_steps(tmp_path, dtype, weights):
     """Through the compiled engine (one shared-width AOTInductor graph calling the ops): a verify of 6 tokens, a
     prompt chunk and one-token steps agree bit for bit."""

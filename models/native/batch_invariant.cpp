@@ -387,14 +387,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles of `rows` rows of inputs and sums (0-3; the weights' 4-6 always 16 pairs): a tile row holds one row's products
-// whatever the tile's other rows, so fewer rows only skip loading and multiplying rows of zeros. Each thread loads the
-// shapes on every call (and where a call's last block has fewer rows): other libraries (oneDNN's bf16 matmuls) load
-// their own on the same threads in between.
+constexpr int LOW_INPUTS = 7;  // the tile of a split linear layer's low input halves (linear_split)
+
+// Tiles of `rows` rows of inputs and sums (0-3 and 7; the weights' 4-6 always 16 pairs): a tile row holds one row's
+// products whatever the tile's other rows, so fewer rows only skip loading and multiplying rows of zeros. Each thread
+// loads the shapes on every call (and where a call's last block has fewer rows): other libraries (oneDNN's bf16
+// matmuls) load their own on the same threads in between.
 inline void configure_tiles(int rows) {
   TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = uint8_t(t < 4 ? rows : 16);
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = uint8_t(t < 4 || t == LOW_INPUTS ? rows : 16);
     config.bytes_per_row[t] = 64;
   }
   _tile_loadconfig(&config);
@@ -402,38 +404,46 @@ inline void configure_tiles(int rows) {
 
 // Rows b*16 .. b*16+15 of a panel's three column tiles: inputs `a` (16 rows of `padded` inputs), weights `panel`
 // (its whole tiles of pairs, then `tail`: the last part-tile zero-padded), the sums stored to `sums` (3 x 16 x 16).
-inline void panel_rows(const uint16_t* a, int64_t padded, const uint16_t* panel, const uint16_t* tail, int64_t whole,
-                       int64_t steps, float* sums) {
+// With `low` (linear_split's low input halves, laid out as `a`), each weight tile is multiplied by both, `a` first.
+inline void panel_rows(const uint16_t* a, const uint16_t* low, int64_t padded, const uint16_t* panel,
+                       const uint16_t* tail, int64_t whole, int64_t steps, float* sums) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   constexpr int64_t stride = PANEL * 2 * sizeof(uint16_t);  // bytes from one pair row of the panel to the next
+  const int64_t row_bytes = padded * int64_t(sizeof(uint16_t));
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* w = s < whole ? panel + s * PAIRS * PANEL * 2 : tail;
     // the weights AHEAD_STEPS steps on requested into L2 (past the panel: the next panel, the thread's next task)
     const char* ahead = reinterpret_cast<const char*>(panel + (s + AHEAD_STEPS) * PAIRS * PANEL * 2);
     for (int64_t line = 0; line < PAIRS * stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
-    _tile_loadd(3, a + s * PAIRS * 2, padded * int64_t(sizeof(uint16_t)));
+    _tile_loadd(3, a + s * PAIRS * 2, row_bytes);
     _tile_loadd(4, w, stride);
     _tile_loadd(5, w + COLUMNS * 2, stride);
     _tile_loadd(6, w + 2 * COLUMNS * 2, stride);
     _tile_dpbf16ps(0, 3, 4);
     _tile_dpbf16ps(1, 3, 5);
     _tile_dpbf16ps(2, 3, 6);
+    if (low) {
+      _tile_loadd(7, low + s * PAIRS * 2, row_bytes);  // (tile 7: LOW_INPUTS; the intrinsics take literals)
+      _tile_dpbf16ps(0, 7, 4);
+      _tile_dpbf16ps(1, 7, 5);
+      _tile_dpbf16ps(2, 7, 6);
+    }
   }
   _tile_stored(0, sums, COLUMNS * sizeof(float));
   _tile_stored(1, sums + ROWS * COLUMNS, COLUMNS * sizeof(float));
   _tile_stored(2, sums + 2 * ROWS * COLUMNS, COLUMNS * sizeof(float));
 }
 
-// y (M, N) = x (M, K) . W^T (+ bias), bf16 in and out, W packed in bf16 panels.
-void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
-                 uint16_t* out) {
-  const int64_t pairs = (K + 1) / 2, steps = (pairs + PAIRS - 1) / PAIRS, whole = pairs / PAIRS;
-  const int64_t padded = steps * PAIRS * 2, blocks = (M + ROWS - 1) / ROWS;
+// Every panel's rows through the tiles: `a` (and `low`: linear_split) the inputs laid out for them (blocks of 16 rows
+// of `padded`), `store(row, panel, sums of its tile row with the column stride COLUMNS, columns)` writes one row's
+// outputs of a panel.
+template <typename Store>
+void tile_panels(const uint16_t* a, const uint16_t* low, int64_t padded, int64_t M, int64_t pairs,
+                 const uint16_t* packed, int64_t N, Store store) {
+  const int64_t steps = (pairs + PAIRS - 1) / PAIRS, whole = pairs / PAIRS, blocks = (M + ROWS - 1) / ROWS;
   const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = pairs * PANEL * 2;
-  std::vector<uint16_t> a(size_t(blocks * ROWS * padded), 0);  // the inputs, zero-padded to whole tiles
-  for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * padded, x + m * K, size_t(K) * sizeof(uint16_t));
 #pragma omp parallel if (panels > 1)
   {
     int configured = 0;  // the rows the tiles are shaped for (0: not yet on this call)
@@ -450,19 +460,62 @@ void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t rows = std::min<int64_t>(ROWS, M - b * ROWS);
         if (rows != configured) configure_tiles(configured = int(rows));
-        panel_rows(a.data() + b * ROWS * padded, padded, panel, tail, whole, steps, sums);
-        for (int64_t r = 0; r < rows; ++r) {
-          uint16_t* row = out + (b * ROWS + r) * N + p * PANEL;
-          for (int64_t c = 0; c < columns; ++c) {
-            float value = sums[(c / COLUMNS) * ROWS * COLUMNS + r * COLUMNS + c % COLUMNS];
-            if (bias) value += bias[p * PANEL + c];
-            row[c] = float_to_bf16(value);
-          }
-        }
+        panel_rows(a + b * ROWS * padded, low ? low + b * ROWS * padded : nullptr, padded, panel, tail, whole, steps,
+                   sums);
+        for (int64_t r = 0; r < rows; ++r) store(b * ROWS + r, p, sums + r * COLUMNS, columns);
       }
     }
     _tile_release();  // the tiles' state back to its initial one (a cheaper context switch)
   }
+}
+
+// Output column c of a panel's tile row (its sums start at `row_sums`; the column tiles ROWS x COLUMNS apart).
+inline float tile_sum(const float* row_sums, int64_t c) {
+  return row_sums[(c / COLUMNS) * ROWS * COLUMNS + c % COLUMNS];
+}
+
+// y (M, N) = x (M, K) . W^T (+ bias), bf16 in and out, W packed in bf16 panels.
+void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
+                 uint16_t* out) {
+  const int64_t pairs = (K + 1) / 2, padded = (pairs + PAIRS - 1) / PAIRS * PAIRS * 2;
+  std::vector<uint16_t> a(size_t((M + ROWS - 1) / ROWS * ROWS * padded), 0);  // zero-padded to whole tiles
+  for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * padded, x + m * K, size_t(K) * sizeof(uint16_t));
+  tile_panels(a.data(), nullptr, padded, M, pairs, packed, N, [&](int64_t m, int64_t p, const float* sums, int64_t n) {
+    uint16_t* row = out + m * N + p * PANEL;
+    for (int64_t c = 0; c < n; ++c) {
+      float value = tile_sum(sums, c);
+      if (bias) value += bias[p * PANEL + c];
+      row[c] = float_to_bf16(value);
+    }
+  });
+}
+
+// y (M, N) = x (M, K) . W^T (+ bias) in float32 from split bfloat16 products: each weight is stored as the pair
+// (hi, lo), hi = bf16(w), lo = bf16(w - hi) (kernels.py's split_bf16, 4 bytes: fp32's stream), and each input as it
+// arrives as (hi, hi) and (lo, lo), so the two tile products of a pair add x_hi (w_hi + w_lo) + x_lo (w_hi + w_lo):
+// every product of (16-bit-significand x) (16-bit-significand w), exact, summed in float32 (JAX's bf16_3x keeps three
+// of these four). Each element reduced in one order at any row count, as linear_bf16; 16 rows cost a tile's pass,
+// about as one row does (the weights stream once; results/roofline/intel_xeon_split_bf16).
+void linear_split(const float* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
+                  float* out) {
+  const int64_t padded = (K + PAIRS - 1) / PAIRS * PAIRS * 2, cells = (M + ROWS - 1) / ROWS * ROWS * padded;
+  std::vector<uint16_t> high(size_t(cells), 0), low(size_t(cells), 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const float value = x[m * K + k];
+      const uint16_t h = float_to_bf16(value);
+      const uint16_t l = std::isfinite(value) ? float_to_bf16(value - bf16_to_float(h)) : 0;
+      high[m * padded + 2 * k] = high[m * padded + 2 * k + 1] = h;
+      low[m * padded + 2 * k] = low[m * padded + 2 * k + 1] = l;
+    }
+  auto store = [&](int64_t m, int64_t p, const float* sums, int64_t n) {
+    float* row = out + m * N + p * PANEL;
+    for (int64_t c = 0; c < n; ++c) {
+      row[c] = tile_sum(sums, c);
+      if (bias) row[c] += bias[p * PANEL + c];
+    }
+  };
+  tile_panels(high.data(), low.data(), padded, M, K, packed, N, store);
 }
 
 // AMX tiles with bf16 products, and this process allowed to use them (Linux asks each process to request the
@@ -603,6 +656,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return out;
 }
 
+// A float32 linear layer from split bfloat16 products on AMX tiles (isa_amx::linear_split); `packed` holds each
+// weight as its (hi, lo) bf16 pair, in bf16 panels of 2K inputs.
+at::Tensor linear_split(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                        int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "draftsmith::linear_split runs on the CPU");
+  TORCH_CHECK(isa() == Isa::Avx512Amx, "draftsmith::linear_split runs on AMX tiles and the kernels run ",
+              ISA_NAMES[int(isa())]);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "draftsmith::linear_split: inputs must be float32");
+  const int64_t K = x.size(-1), N = out_features;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.numel() == packed_elements(2 * K, N, 2),
+              "draftsmith::linear_split: the packed (hi, lo) weight does not match ", K, " inputs and ", N, " outputs");
+  at::Tensor xc, out;
+  int64_t M;
+  std::tie(xc, out, M) = linear_io(x, N);
+  if (M == 0) return out;
+  const at::Tensor bias_f = floats_of(bias);
+  isa_amx::linear_split(xc.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N,
+                        bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>());
+  return out;
+}
+
 at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "draftsmith::linear_i8 runs on the CPU");
@@ -733,6 +808,7 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scaling) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int out_features) -> Tensor");
   m.def("greedy_head(Tensor x, Tensor packed, Tensor scale, Tensor weight) -> Tensor");
+  m.def("linear_split(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
@@ -740,6 +816,7 @@ TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
   m.impl("attention", &attention);
   m.impl("linear_i8", &linear_i8);
   m.impl("greedy_head", &greedy_head);
+  m.impl("linear_split", &linear_split);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
