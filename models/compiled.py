@@ -89,8 +89,9 @@ class CompileSettings:
                                       "(weight-only, a scale per output row), w8a8 (int8 weights, and each input "
                                       "row quantized to int8 as it arrives: integer dot products; float32 models) "
                                       "or split_bf16 (float32 weights and inputs as bf16 (hi, lo) pairs, every "
-                                      "product of the halves summed in float32 on AMX tiles: a verify costs about a "
-                                      "step; float32 models, AMX CPUs); invariant kernels only")
+                                      "product of the halves summed in float32 on AMX tiles: a verify of 16 costs ~1.3 "
+                                      "of its steps, but its step is slower than float32's on the Xeon measured; "
+                                      "float32 models, AMX CPUs); invariant kernels only")
     head: HeadLogits | None = option(None, "the LM head of greedy decoding's forwards: greedy (int8 or bf16 copies "
                                      "streamed, the logits that could be the largest recomputed exactly: the exact "
                                      "argmax from a quarter to half of a float32 head's bytes; invariant kernels, "

@@ -70,7 +70,8 @@ class WeightPrecision(TextEnum):
     W8A8 = "w8a8"
     # float32 weights as (hi, lo) bfloat16 pairs in their 4 bytes and float32 inputs split so as they arrive, every
     # product of the 16-bit-significand halves summed in float32 on AMX tiles (draftsmith::linear_split): a verify
-    # costs about one step's stream; each product is within ~2^-16 of float32's (float32 models, AMX CPUs)
+    # of 16 costs ~1.3 of its steps, its step more than float32's on the Xeon (results/roofline/README.md); each
+    # product within ~2^-16 of float32's (float32 models, AMX CPUs)
     SPLIT_BF16 = "split_bf16"
 
     @property
