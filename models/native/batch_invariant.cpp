@@ -48,6 +48,9 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept qui
 // each panel held in L1 (invariant_impl.h's chunked_passes_kernel) rather than over whole panels: where the kernels
 // run with AMX (defined with the dispatch below). The same bits either way; only the speed differs by CPU.
 bool float32_chunked_passes();
+// How many rows of a verify AVX-512 attention takes a task at most, each key and value read once for all of them (AVX2
+// always takes two): defined with the dispatch below.
+int avx512_attention_rows();
 
 // Cephes' single-precision exp polynomial, shared by every instruction set.
 constexpr float EXP_HI = 88.3f, EXP_LO = -87.3f, LOG2E = 1.44269504088896341f;
@@ -583,6 +586,12 @@ Isa isa() {
 // FMA-bound at 14-16 rows, their loop cost 0.5-2 ms a step there and no width gained in both of its stream's modes
 // (results/engine_kernels_zen4/README.md, kernel_ab_two_pass_chunks).
 bool float32_chunked_passes() { return isa() == Isa::Avx512Amx; }
+
+// With AMX (the Xeon) four: 30 layers' attention of 4 / 8 / 16 rows over 2,000 cached keys 1.2-1.4x faster than one row
+// a task, over 256 keys 1.1x, the settings interleaved in one process (results/engine_kernels_xeon/kernel_ab/README.md;
+// eight no better than four, two in between). One on the Zen 4, where four rows a task were slower in two of three
+// alternations of eval.kernel_ab (results/engine_kernels_zen4/kernel_ab/attention_four_rows).
+int avx512_attention_rows() { return isa() == Isa::Avx512Amx ? 4 : 1; }
 
 #define DISPATCH_ISA(...)                                          \
   switch (isa()) {                                                  \

@@ -823,9 +823,8 @@ void combine_blocks(const float* partial, int64_t blocks, int64_t stride, int64_
 
 // The rows a task takes together on a fixed path: as many as fit the score tile's registers (a row's HEADS
 // accumulators, the key's CHUNKS vectors), at most ATTENTION_ROWS. AVX2: two rows of 3 heads of 64 (6 + 8 of 16
-// registers). AVX-512 keeps one row a task: four rows a task were slower in two of three alternations on the Zen 4
-// (eval.kernel_ab "parts=[attention]", results/engine_kernels_zen4/kernel_ab/attention_four_rows).
-constexpr int ATTENTION_ROWS = VL == 8 ? 2 : 1;
+// registers). AVX-512: up to four where avx512_attention_rows() says so (the Xeon), else one (batch_invariant.cpp).
+constexpr int ATTENTION_ROWS = VL == 8 ? 2 : 4;
 
 constexpr int rows_per_task(int heads, int chunks) {
   int rows = ATTENTION_ROWS;
@@ -863,7 +862,8 @@ inline bool has_fixed_path(int64_t heads, int64_t D) {
 }
 
 inline int fixed_path_rows(int64_t heads, int64_t D) {
-  return has_fixed_path(heads, D) ? rows_per_task(int(heads), int(D / VL)) : 1;
+  const int most = VL == 16 ? avx512_attention_rows() : ATTENTION_ROWS;
+  return has_fixed_path(heads, D) ? std::min(most, rows_per_task(int(heads), int(D / VL))) : 1;
 }
 
 // One block of `count` rows (their first `shared` keys the same) for `heads` query heads of one kv head: a fixed path
@@ -913,8 +913,8 @@ struct AttentionTask {
 // out (B, W, Hq, D) contiguous. First each row's visible keys; then tasks (batch, kv head, rows, head block, key
 // block), a head block being every query head of the kv head (one head where that leaves fewer tasks than the
 // threads, or where the shape has no fixed path for them together), and the rows a group of consecutive rows on a
-// fixed path (fixed_path_rows; one row where groups would leave fewer than two tasks a thread); then the rows of
-// more than one key block combine their partials.
+// fixed path (fixed_path_rows; halved while the groups, times the longest row's key blocks, would leave fewer than
+// two tasks a thread); then the rows of more than one key block combine their partials.
 template <typename T>
 void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T* v, const int64_t* kv_strides,
                       const float* mask, const int64_t* mask_strides, int64_t B, int64_t Hq, int64_t Hkv, int64_t W,
@@ -933,7 +933,8 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
   const int64_t head_blocks = grouped_tasks >= threads && has_fixed_path(groups, D) ? 1 : groups;
   const int64_t heads = groups / head_blocks;
   int64_t task_rows = head_blocks == 1 ? fixed_path_rows(groups, D) : 1;
-  if (task_rows > 1 && B * Hkv * ((W + task_rows - 1) / task_rows) < 2 * threads) task_rows = 1;
+  while (task_rows > 1 && B * Hkv * ((W + task_rows - 1) / task_rows) * most_blocks < 2 * threads)
+    task_rows = (task_rows + 1) / 2;
   std::vector<AttentionTask> tasks;
   tasks.reserve(size_t(grouped_tasks * head_blocks));
   for (int64_t b = 0; b < B; ++b)
