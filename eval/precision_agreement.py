@@ -5,9 +5,10 @@ own, over a bench's first-turn plain outputs.
     python -m draftsmith.eval.precision_agreement bench=<a float32 bench.json> output=<dir>/precision_agreement.json
 
 Every precision is the stock model on the batch-invariant kernels (models/kernels.py), one forward per sequence:
-float32 (the reference), bfloat16, weight-only int8 (float32 activations, and under bfloat16 ones), and w8a8 (int8
-weights, each input row quantized to int8). Speculative decoding is lossless against the target in whichever
-precision it runs; this says how far that target is from the float32 model, a different question.
+float32 (the reference), bfloat16, weight-only int8 (float32 activations, and under bfloat16 ones), w8a8 (int8
+weights, each input row quantized to int8), and on AMX CPUs float32 as split bf16 pairs. Speculative decoding is
+lossless against the target in whichever precision it runs; this says how far that target is from the float32 model,
+a different question.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.documents import parse_document_command, write_document
 from draftsmith.eval.drafter_top1 import first_turn_sequences
 from draftsmith.models.artifacts import read_json
-from draftsmith.models.kernels import WeightPrecision, invariant_model
+from draftsmith.models.kernels import KernelIsa, WeightPrecision, invariant_model, kernel_isa
 from draftsmith.models.target import TargetModel
 
 # (label, dtype, stored weights) of each precision compared with the float32 reference
@@ -31,6 +32,12 @@ PRECISIONS = (("bfloat16", torch.bfloat16, WeightPrecision.MODEL),
               ("int8 weights", torch.float32, WeightPrecision.INT8),
               ("int8 weights, bfloat16 activations", torch.bfloat16, WeightPrecision.INT8),
               ("w8a8", torch.float32, WeightPrecision.W8A8))
+SPLIT_BF16 = ("split bf16 (AMX)", torch.float32, WeightPrecision.SPLIT_BF16)  # where the kernels have AMX tiles
+
+
+def precisions_here() -> tuple:
+    """PRECISIONS, and float32 as split bf16 pairs where the kernels run on AMX tiles."""
+    return PRECISIONS + ((SPLIT_BF16,) if kernel_isa() == KernelIsa.AVX512_AMX else ())
 
 
 @dataclass
@@ -69,7 +76,7 @@ def measure(results: dict, base: TargetModel) -> dict[str, dict[str, dict]]:
 
     reference = log_probs(invariant_model(base.model))
     document = {}
-    for label, dtype, weights in PRECISIONS:
+    for label, dtype, weights in precisions_here():
         converted = base.model if dtype == base.dtype else copy.deepcopy(base.model).to(dtype)  # (base unchanged)
         model = invariant_model(converted, weights)
         document[label] = {suite: agreement(reference[suite], other)
@@ -83,7 +90,8 @@ def format_agreement(document: dict) -> str:
              f"first-turn plain outputs of {document['bench']}: top-1 agreement (KL(float32 || it), nats).", "",
              "| precision | " + " | ".join(suites) + " |", "|---|" + "---|" * len(suites)]
     for label, per_suite in document["precisions"].items():
-        cells = " | ".join(f"{e['top1_agreement']:.3f} ({e['kl']:.4f})" for e in per_suite.values())
+        # (a KL at float32's noise can read a hair below zero: shown as 0)
+        cells = " | ".join(f"{e['top1_agreement']:.3f} ({max(e['kl'], 0.0):.4f})" for e in per_suite.values())
         lines.append(f"| {label} | {cells} |")
     return "\n".join(lines)
 

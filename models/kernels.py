@@ -1,7 +1,8 @@
 """Batch-invariant CPU kernels (models/native/batch_invariant.cpp) and the model surgery that runs a stock HF
 model on them: every Linear becomes an `InvariantLinear` (weights packed once, in float32, bfloat16, weight-only
-int8, or w8a8: int8 weights times inputs quantized to int8 in blocks of 32 as they arrive, exact integer dot
-products) and attention goes through `draftsmith::attention`, registered in transformers' attention table.
+int8, w8a8: int8 weights times inputs quantized to int8 in blocks of 32 as they arrive, exact integer dot products,
+or on AMX float32 as split bf16 pairs) and attention goes through `draftsmith::attention`, registered in
+transformers' attention table.
 
 Why: a verify of w tokens must compute, row for row, exactly what w one-token steps compute, or a near-tie flips a
 speculative output away from the target's own plain output. Stock kernels (oneDNN, inductor's GEMM templates,

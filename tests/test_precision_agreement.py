@@ -10,7 +10,7 @@ from conftest import tiny_target_for
 from draftsmith.errors import run_main
 from draftsmith.eval.bench.methods import parse_method
 from draftsmith.eval.bench.run import BenchConfig, run_benchmark
-from draftsmith.eval.precision_agreement import PRECISIONS, agreement, main, measure
+from draftsmith.eval.precision_agreement import agreement, main, measure, precisions_here
 from draftsmith.models.target import TargetModel
 
 
@@ -33,7 +33,7 @@ def test_every_precision_per_suite_on_a_bench(smol_tokenizer, tmp_path):
     results = json.loads(json.dumps(run_benchmark(config, target=target, progress=False), default=str))
     before = {name: tensor.clone() for name, tensor in target.model.state_dict().items()}
     document = measure(results, target)
-    assert list(document) == [label for label, _, _ in PRECISIONS]
+    assert list(document) == [label for label, _, _ in precisions_here()]
     for per_suite in document.values():
         entry = per_suite[f"jsonl:{prompts}"]
         assert entry["positions"] == 2 * 8 and 0.0 <= entry["top1_agreement"] <= 1.0 and entry["kl"] >= -1e-6
