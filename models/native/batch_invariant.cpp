@@ -507,7 +507,8 @@ void linear_split(const float* x, int64_t M, int64_t K, const uint16_t* packed, 
     for (int64_t k = 0; k < K; ++k) {
       const float value = x[m * K + k];
       const uint16_t h = float_to_bf16(value);
-      const uint16_t l = std::isfinite(value) ? float_to_bf16(value - bf16_to_float(h)) : 0;
+      const float rounded = bf16_to_float(h);  // (inf where x is, or rounds up to it: no low half then)
+      const uint16_t l = std::isfinite(rounded) ? float_to_bf16(value - rounded) : 0;
       high[m * padded + 2 * k] = high[m * padded + 2 * k + 1] = h;
       low[m * padded + 2 * k] = low[m * padded + 2 * k + 1] = l;
     }
