@@ -142,7 +142,7 @@ def test_split_bf16_linear_matches_reference_and_is_batch_invariant(rows, n, k, 
     full = module(x)
     (x_hi, x_lo), (w_hi, w_lo) = halves(x), halves(linear.weight.detach())
     expected = (x_hi + x_lo) @ (w_hi + w_lo).T + (linear.bias.double() if bias else 0)
-    magnitude = x.double().abs() @ linear.weight.double().abs().T + 1e-6
+    magnitude = x.double().abs() @ linear.weight.double().abs().T + (linear.bias.double().abs() if bias else 0) + 1e-6
     assert ((full.double() - expected).abs() / magnitude).max() <= (k + 2) * 2.0 ** -24
     exact = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
     assert ((full.double() - exact).abs() / magnitude).max() <= 2.0 ** -15
