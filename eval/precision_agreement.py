@@ -24,7 +24,7 @@ from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.documents import parse_document_command, write_document
 from draftsmith.eval.drafter_top1 import first_turn_sequences
 from draftsmith.models.artifacts import read_json
-from draftsmith.models.kernels import KernelIsa, WeightPrecision, invariant_model, kernel_isa
+from draftsmith.models.kernels import WeightPrecision, invariant_model, precision_runs_here
 from draftsmith.models.target import TargetModel
 
 # (label, dtype, stored weights) of each precision compared with the float32 reference
@@ -37,7 +37,7 @@ SPLIT_BF16 = ("split bf16 (AMX)", torch.float32, WeightPrecision.SPLIT_BF16)  # 
 
 def precisions_here() -> tuple:
     """PRECISIONS, and float32 as split bf16 pairs where the kernels run on AMX tiles."""
-    return PRECISIONS + ((SPLIT_BF16,) if kernel_isa() == KernelIsa.AVX512_AMX else ())
+    return PRECISIONS + ((SPLIT_BF16,) if precision_runs_here(WeightPrecision.SPLIT_BF16) else ())
 
 
 @dataclass

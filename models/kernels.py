@@ -101,9 +101,14 @@ def check_activations(precision: WeightPrecision, dtype: torch.dtype) -> None:
                         "use dtype=float32, or weights=int8 (weight-only) for a bfloat16 model")
 
 
+def precision_runs_here(precision: WeightPrecision) -> bool:
+    """Whether the kernels run `precision` as they are loaded: split_bf16 on AMX tiles only, the others everywhere."""
+    return precision is not WeightPrecision.SPLIT_BF16 or kernel_isa() == KernelIsa.AVX512_AMX
+
+
 def check_precision_runs(precision: WeightPrecision) -> None:
     """split_bf16 runs on AMX tiles only; elsewhere (or with the kernels forced lower) one line says so."""
-    if precision is WeightPrecision.SPLIT_BF16 and kernel_isa() != KernelIsa.AVX512_AMX:
+    if not precision_runs_here(precision):
         raise UserError(f"weights=split_bf16 runs on AMX tiles and the kernels here run {kernel_isa()}: use "
                         "weights=model (float32)")
 

@@ -405,8 +405,9 @@ inline void configure_tiles(int rows) {
   _tile_loadconfig(&config);
 }
 
-// Rows b*16 .. b*16+15 of a panel's three column tiles: inputs `a` (16 rows of `padded` inputs), weights `panel`
-// (its whole tiles of pairs, then `tail`: the last part-tile zero-padded), the sums stored to `sums` (3 x 16 x 16).
+// Rows b*16 .. b*16+15 of a panel's three column tiles: inputs `a` (the block's rows of `padded` inputs), weights
+// `panel` (its whole tiles of pairs, then `tail`: the last part-tile zero-padded), the sums stored to `sums` (3 x 16
+// x 16).
 // With `low` (linear_split's low input halves, laid out as `a`), each weight tile is multiplied by both, `a` first.
 inline void panel_rows(const uint16_t* a, const uint16_t* low, int64_t padded, const uint16_t* panel,
                        const uint16_t* tail, int64_t whole, int64_t steps, float* sums) {
@@ -439,13 +440,18 @@ inline void panel_rows(const uint16_t* a, const uint16_t* low, int64_t padded, c
   _tile_stored(2, sums + 2 * ROWS * COLUMNS, COLUMNS * sizeof(float));
 }
 
-// Every panel's rows through the tiles: `a` (and `low`: linear_split) the inputs laid out for them (blocks of 16 rows
-// of `padded`), `store(row, panel, sums of its tile row with the column stride COLUMNS, columns)` writes one row's
-// outputs of a panel.
+// bf16 elements of an input row laid out for the tiles over `pairs` input pairs: whole steps of PAIRS pairs, the last
+// zero-padded. A call's rows are M such rows (a block's tiles load only its own rows: none past the last).
+inline int64_t padded_row(int64_t pairs) { return (pairs + PAIRS - 1) / PAIRS * PAIRS * 2; }
+
+// Every panel's rows through the tiles: `a` (and `low`: linear_split) the inputs laid out for them (M rows of
+// padded_row(pairs)), `store(row, panel, sums of its tile row with the column stride COLUMNS, columns)` writes one
+// row's outputs of a panel.
 template <typename Store>
-void tile_panels(const uint16_t* a, const uint16_t* low, int64_t padded, int64_t M, int64_t pairs,
-                 const uint16_t* packed, int64_t N, Store store) {
+void tile_panels(const uint16_t* a, const uint16_t* low, int64_t M, int64_t pairs, const uint16_t* packed, int64_t N,
+                 Store store) {
   const int64_t steps = (pairs + PAIRS - 1) / PAIRS, whole = pairs / PAIRS, blocks = (M + ROWS - 1) / ROWS;
+  const int64_t padded = padded_row(pairs);
   const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = pairs * PANEL * 2;
 #pragma omp parallel if (panels > 1)
   {
@@ -480,10 +486,10 @@ inline float tile_sum(const float* row_sums, int64_t c) {
 // y (M, N) = x (M, K) . W^T (+ bias), bf16 in and out, W packed in bf16 panels.
 void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
                  uint16_t* out) {
-  const int64_t pairs = (K + 1) / 2, padded = (pairs + PAIRS - 1) / PAIRS * PAIRS * 2;
-  std::vector<uint16_t> a(size_t((M + ROWS - 1) / ROWS * ROWS * padded), 0);  // zero-padded to whole tiles
+  const int64_t pairs = (K + 1) / 2, padded = padded_row(pairs);
+  std::vector<uint16_t> a(size_t(M * padded), 0);
   for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * padded, x + m * K, size_t(K) * sizeof(uint16_t));
-  tile_panels(a.data(), nullptr, padded, M, pairs, packed, N, [&](int64_t m, int64_t p, const float* sums, int64_t n) {
+  tile_panels(a.data(), nullptr, M, pairs, packed, N, [&](int64_t m, int64_t p, const float* sums, int64_t n) {
     uint16_t* row = out + m * N + p * PANEL;
     for (int64_t c = 0; c < n; ++c) {
       float value = tile_sum(sums, c);
@@ -501,8 +507,8 @@ void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed
 // about as one row does (the weights stream once; results/roofline/intel_xeon_split_bf16).
 void linear_split(const float* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
                   float* out) {
-  const int64_t padded = (K + PAIRS - 1) / PAIRS * PAIRS * 2, cells = (M + ROWS - 1) / ROWS * ROWS * padded;
-  std::vector<uint16_t> high(size_t(cells), 0), low(size_t(cells), 0);
+  const int64_t padded = padded_row(K);
+  std::vector<uint16_t> high(size_t(M * padded), 0), low(size_t(M * padded), 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) {
       const float value = x[m * K + k];
@@ -519,7 +525,7 @@ void linear_split(const float* x, int64_t M, int64_t K, const uint16_t* packed, 
       if (bias) row[c] += bias[p * PANEL + c];
     }
   };
-  tile_panels(high.data(), low.data(), padded, M, K, packed, N, store);
+  tile_panels(high.data(), low.data(), M, K, packed, N, store);
 }
 
 // AMX tiles with bf16 products, and this process allowed to use them (Linux asks each process to request the

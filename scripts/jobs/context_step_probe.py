@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.eval.documents import cpu_model, write_document
-from draftsmith.eval.latency import mt_bench_context, time_forward
+from draftsmith.eval.latency import interleaved_seconds, mt_bench_context, time_forward
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import kernel_isa
@@ -33,14 +33,9 @@ def measure() -> dict:
         target.forward(mt_bench_context(base.tokenizer, context), cache)
         caches[context] = (cache, target.cache_length(cache))
     generator = torch.Generator().manual_seed(0)
-    seconds = {(context, width): [] for context in CONTEXTS for width in WIDTHS}
-    for round_index in range(WARMUP + ROUNDS):
-        for context, (cache, past) in caches.items():
-            for width in WIDTHS:
-                elapsed = time_forward(target, cache, past, width, generator)
-                if round_index >= WARMUP:
-                    seconds[(context, width)].append(elapsed)
-    return seconds
+    keys = [(context, width) for context in CONTEXTS for width in WIDTHS]
+    return interleaved_seconds(lambda key: time_forward(target, *caches[key[0]], key[1], generator), keys, ROUNDS,
+                               WARMUP)
 
 
 def main(argv: list[str]) -> None:

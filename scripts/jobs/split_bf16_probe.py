@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 
 from draftsmith.eval.documents import cpu_model, write_document
+from draftsmith.eval.latency import interleaved_seconds
 from draftsmith.models.kernels import KernelIsa, kernel_isa, load_kernels, pack_weight, split_bf16
 
 INPUTS, OUTPUTS, LAYERS = 576, 1536, 60
 ROWS = [1, 4, 8, 16]
 PLACEMENTS = {"stream": (OUTPUTS, LAYERS, 25), "L3": (OUTPUTS, 1, 300), "L2": (INPUTS, 1, 600)}  # (N, layers, rounds)
+WARMUP = 2  # rounds untimed
 
 
 def precisions(weights: list[torch.Tensor]) -> dict:
@@ -33,17 +35,19 @@ def precisions(weights: list[torch.Tensor]) -> dict:
 
 
 def timed(layers: dict, rounds: int, generator: torch.Generator) -> dict:
-    """(precision, rows) -> median ms of one pass over its packed layers."""
+    """(precision, rows) -> median ms of one pass over its packed layers (the first WARMUP rounds untimed)."""
     inputs = {m: torch.randn(m, INPUTS, generator=generator) for m in ROWS}
-    seconds = {(name, m): [] for name in layers for m in ROWS}
-    for _ in range(rounds):
-        for m in ROWS:
-            for name, (packed, call) in layers.items():
-                start = time.perf_counter()
-                for p in packed:
-                    call(inputs[m], p)
-                seconds[(name, m)].append(time.perf_counter() - start)
-    return {key: statistics.median(values[2:]) * 1e3 for key, values in seconds.items()}
+
+    def pass_seconds(key: tuple[str, int]) -> float:
+        (packed, call), x = layers[key[0]], inputs[key[1]]
+        start = time.perf_counter()
+        for p in packed:
+            call(x, p)
+        return time.perf_counter() - start
+
+    keys = [(name, m) for m in ROWS for name in layers]
+    seconds = interleaved_seconds(pass_seconds, keys, rounds - WARMUP, WARMUP)
+    return {key: statistics.median(values) * 1e3 for key, values in seconds.items()}
 
 
 def main(argv: list[str]) -> None:
