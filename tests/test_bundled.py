@@ -86,6 +86,26 @@ def test_bench_defaults_add_the_bundled_drafter_alone_and_in_the_cascade(tiny_bu
     assert SpeculativeDecoder(target, cascade, config).generate(prompt).tokens == plain
 
 
+def test_the_bare_cascade_drafts_with_the_int8_tree_where_the_invariant_kernels_run(tiny_bundle):
+    """On the compiled engine's batch-invariant kernels the bare cascade's drafter is the bundled drafter as an 8-node
+    tree on int8 weights (elsewhere its export's chain, above); its output is still plain's."""
+    from draftsmith.eval.bench.methods import BuildContext, build_method
+    from draftsmith.models.kernels import WeightPrecision
+    from draftsmith.models.engine import Backend
+
+    target, _, _ = tiny_bundle
+    cascade = build_method("cascade", BuildContext(target, backend=Backend.COMPILED)).drafter
+    lookup, tree = cascade.drafters
+    assert (lookup.min_ngram, lookup.budget) == (3, 8)
+    assert (tree.depth, tree.topk, tree.budget, tree.stop_below, tree.cut.keep_above) == (6, 2, 8, 0.2, 0.1)
+    assert any(getattr(m, "precision", None) is WeightPrecision.INT8 for m in tree.engine.runs.modules())
+    compiled = target.with_backend(Backend.COMPILED)
+    prompt = torch.tensor([[3, 5, 7, 9, 3, 5, 7, 9, 3, 5]])
+    config = DecodeConfig(max_new_tokens=16, budget_limit=16)
+    plain = SpeculativeDecoder(compiled, None, config).generate(prompt).tokens
+    assert SpeculativeDecoder(compiled, cascade, config).generate(prompt).tokens == plain
+
+
 def test_no_bundled_drafter_is_one_clear_line(tiny_bundle, monkeypatch):
     target, root, _ = tiny_bundle
     with pytest.raises(UserError, match="no drafter is bundled for target 'other'; bundled drafters: tiny-bundled"):

@@ -53,6 +53,7 @@ class BuildContext:
     draft: TargetModel | None = None
     backend: Backend = Backend.EAGER
     settings: CompileSettings = field(default_factory=CompileSettings)
+    greedy: bool = True  # the run decodes at temperature 0 (methods whose defaults differ under sampling read it)
     models: dict = field(default_factory=dict)
     engines: dict = field(default_factory=dict)  # (id(module), backend) -> TargetModel
     drafter_engines: list = field(default_factory=list)  # feature drafters' own engines (built with them)

@@ -423,10 +423,19 @@ def default_union_drafters() -> list:
 # EPYC the 3-gram, 8-token lookup was faster in front of each drafter it was tried with: 1.015-1.031x per prompt turn,
 # results/drafter_families_epyc_avx2/lookup_bundled/).
 CASCADE_LOOKUP = "ngram:min_n=3,budget=8"
+# Its drafter in a greedy run on the batch-invariant kernels: the bundled drafter as an 8-node dynamic tree on int8
+# weights, trimmed by path probability. After this lookup it led the export's chain in one interleaved run per kind:
+# 1.93x against 1.77x on the Xeon, 1.70x against 1.59x on the AVX2 EPYC (results/drafter_families_*/lookup_bundled;
+# on the Zen 4, after lookup on 2-grams, 2.03x against 1.85x: drafter_families_zen4). Elsewhere (eager, inductor,
+# or sampling, where a tree is not trimmed) the bundled drafter as its export's chain on the run's weights.
+CASCADE_TREE = "dgf:depth=6,topk=2,budget=8,stop_below=0.2,keep_above=0.1,weights=int8"
+CASCADE_CHAIN = "dgf"
 
 
-def default_cascade_drafters() -> list:
-    return [MethodSpec.from_config(CASCADE_LOOKUP), MethodSpec.from_config("dgf")]
+def default_cascade_drafters(ctx: BuildContext) -> list[MethodSpec]:
+    """The bare cascade's drafters: lookup, else the bundled drafter (its int8 tree where it is measured fastest)."""
+    tree = ctx.greedy and ctx.settings.runs_invariant_kernels(ctx.backend)
+    return [MethodSpec.from_config(CASCADE_LOOKUP), MethodSpec.from_config(CASCADE_TREE if tree else CASCADE_CHAIN)]
 
 
 @dataclass
@@ -438,9 +447,10 @@ class UnionOptions:
 
 @dataclass
 class CascadeOptions:
-    drafters: list[MethodSpec] = option(factory=default_cascade_drafters,
-                                        help="sub-drafters asked in order (default: prompt lookup on a repeated "
-                                             "3-gram, 8 tokens, else the bundled dgf)")
+    drafters: list[MethodSpec] | None = option(None, f"sub-drafters asked in order; null: prompt lookup "
+                                               f"({CASCADE_LOOKUP}), else the bundled drafter: ({CASCADE_TREE}) "
+                                               f"in a greedy run on the batch-invariant kernels, ({CASCADE_CHAIN}) "
+                                               "elsewhere")
 
 
 @dataclass
@@ -612,7 +622,10 @@ def build_union(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 
 def build_cascade(spec: MethodSpec, ctx: BuildContext) -> Method:
-    drafters = sub_drafters(spec, spec.options.drafters, ctx)
+    subs = spec.options.drafters
+    if subs is None:
+        subs = default_cascade_drafters(ctx)
+    drafters = sub_drafters(spec, subs, ctx)
     return DrafterMethod(UnionDrafter(drafters, "first", name=spec.label), spec.label)
 
 

@@ -520,7 +520,7 @@ def run_interleaved(config: BenchConfig, target: TargetModel | None, draft: Targ
         print(note, flush=True)
     records = [(suite, conv) for suite in config.suites
                for conv in select_conversations(suite, config.num_prompts, config.seed)]
-    context = BuildContext(target, draft, config.backend, config.compile)
+    context = BuildContext(target, draft, config.backend, config.compile, greedy=config.temperature == 0)
     methods = build_methods(config, context)
     context.check_draft_read()
     for method in methods.values():
