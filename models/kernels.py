@@ -316,8 +316,10 @@ class InvariantLinear(nn.Module):
 # head alone, cold, medians: results/engine_kernels_zen4/greedy_head_rows/): int8 0.63 / 0.67 / 0.89 / 1.17 / 1.28 /
 # 2.25 ms at 1 / 4 / 6 / 8 / 9 / 16 rows, bf16 1.20 / 1.22 / 1.30 / 1.34 / 1.35 / 1.75 (10th percentiles cross at 8):
 # the int8 copy streams half the bytes and its multiply-adds fit under its stream up to about 8 rows.
-# With AMX the head's copies are read as with AVX-512 BF16 (its tiles take the linear layers' bf16 weights only).
-GREEDY_BF16_FROM_ROWS = {"avx512_bf16": 8, "avx512_amx": 8}
+# With AMX the bf16 copy runs on the tiles, nearly flat in the rows (the Xeon, the same probe with real hidden states,
+# results/engine_kernels_xeon/greedy_head_rows/): bf16 2.25 / 2.60 / 2.69 / 2.98 ms at 1 / 8 / 10 / 16 rows, int8
+# 1.34 / 2.33 / 3.08 / 4.37, so the tiles from 10 rows (that Xeon's pair dot products: 2.80 / 4.54 / 5.37 / 7.73).
+GREEDY_BF16_FROM_ROWS = {"avx512_bf16": 8, "avx512_amx": 10}
 
 
 class GreedyHead(nn.Module):

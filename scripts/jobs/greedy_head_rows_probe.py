@@ -1,6 +1,7 @@
 """What SmolLM2-135M-Instruct's greedy head (models.kernels.GreedyHead, as the compiled float32 engine places it)
 costs at 1-16 rows from each of its copies (int8 rows; bf16 rows where the CPU has a bf16 dot product), cold as in
-the decode loop (a 256 MB read before each call evicts it, as the decoder layers' stream does), on final hidden states
+the decode loop (a 640 MB read before each call evicts it, as the decoder layers' stream does; more than the
+largest L3 these machines report, the Xeon's 300 MB), on final hidden states
 of a real prompt; widths and copies interleaved, 60 calls each, median and 10th percentile. Says whether the rows cost
 less apart (GreedyHead.rows_apart, read by a greedy verify: models.engine.GreedyRows) and from how many rows the bf16
 copy costs less (GREEDY_BF16_FROM_ROWS). Prints a table; writes JSON where an output path is given.
@@ -18,7 +19,7 @@ from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.compiled import placed_greedy_head
 from draftsmith.models.target import TargetModel
 
-WIDTHS, CALLS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16), 60
+WIDTHS, CALLS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16), 60
 
 
 @torch.inference_mode()
@@ -28,7 +29,7 @@ def main() -> None:
     head = placed_greedy_head(base.model.get_output_embeddings())
     ids = load_prompts("mt-bench", 1, 0, base.tokenizer)[0]["input_ids"]
     final = base.model(ids, output_hidden_states=True).hidden_states[-1][0]  # after the final norm: the head's input
-    evict = torch.ones(64 * 1024 * 1024)
+    evict = torch.ones(160 * 1024 * 1024)
     copies = {name: copy for name, copy in (("int8", head.packed), ("bf16", head.packed_bf16)) if copy is not None}
     times = {(name, width): [] for name in copies for width in WIDTHS}
     for call in range(CALLS):
