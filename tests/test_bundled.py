@@ -88,7 +88,7 @@ def test_bench_defaults_add_the_bundled_drafter_alone_and_in_the_cascade(tiny_bu
 
 def test_the_bare_cascade_drafts_with_the_int8_tree_where_the_invariant_kernels_run(tiny_bundle):
     """On the compiled engine's batch-invariant kernels the bare cascade's drafter is the bundled drafter as an 8-node
-    tree on int8 weights (elsewhere its export's chain, above); its output is still plain's."""
+    tree on int8 weights (elsewhere, and when sampling, its export's chain); its output is still plain's."""
     from draftsmith.eval.bench.methods import BuildContext, build_method
     from draftsmith.models.kernels import WeightPrecision
     from draftsmith.models.engine import Backend
@@ -99,6 +99,10 @@ def test_the_bare_cascade_drafts_with_the_int8_tree_where_the_invariant_kernels_
     assert (lookup.min_ngram, lookup.budget) == (3, 8)
     assert (tree.depth, tree.topk, tree.budget, tree.stop_below, tree.cut.keep_above) == (6, 2, 8, 0.2, 0.1)
     assert any(getattr(m, "precision", None) is WeightPrecision.INT8 for m in tree.engine.runs.modules())
+    sampled = build_method("cascade", BuildContext(target, backend=Backend.COMPILED, greedy=False)).drafter
+    chain = sampled.drafters[1]  # sampling keeps every drawn node: the export's tree, untrimmed, on the run's weights
+    assert chain.cut.keep_above is None and not any(getattr(m, "precision", None) is WeightPrecision.INT8
+                                                    for m in chain.engine.runs.modules())
     compiled = target.with_backend(Backend.COMPILED)
     prompt = torch.tensor([[3, 5, 7, 9, 3, 5, 7, 9, 3, 5]])
     config = DecodeConfig(max_new_tokens=16, budget_limit=16)
