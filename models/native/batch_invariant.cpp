@@ -483,30 +483,24 @@ inline float tile_sum(const float* row_sums, int64_t c) {
   return row_sums[(c / COLUMNS) * ROWS * COLUMNS + c % COLUMNS];
 }
 
-// y (M, N) = x (M, K) . W^T (+ bias), bf16 in and out, W packed in bf16 panels.
+inline void store_output(float* p, float value) { *p = value; }
+inline void store_output(uint16_t* p, float value) { *p = float_to_bf16(value); }
+
+// y (M, N) = x (M, K) . W^T (+ bias), bf16 inputs, W packed in bf16 panels; out bf16 (a bf16 model's linear layer) or
+// float32 (the greedy head's bf16 copy).
+template <typename OT>
 void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
-                 uint16_t* out) {
+                 OT* out) {
   const int64_t pairs = (K + 1) / 2, padded = padded_row(pairs);
   std::vector<uint16_t> a(size_t(M * padded), 0);
   for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * padded, x + m * K, size_t(K) * sizeof(uint16_t));
   tile_panels(a.data(), nullptr, M, pairs, packed, N, [&](int64_t m, int64_t p, const float* sums, int64_t n) {
-    uint16_t* row = out + m * N + p * PANEL;
+    OT* row = out + m * N + p * PANEL;
     for (int64_t c = 0; c < n; ++c) {
       float value = tile_sum(sums, c);
       if (bias) value += bias[p * PANEL + c];
-      row[c] = float_to_bf16(value);
+      store_output(row + c, value);
     }
-  });
-}
-
-// y (M, N) = x (M, K) . W^T in float32, bf16 inputs and weights (the greedy head's bf16 copy; W packed in bf16 panels).
-void linear_bf16_floats(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, float* out) {
-  const int64_t pairs = (K + 1) / 2, padded = padded_row(pairs);
-  std::vector<uint16_t> a(size_t(M * padded), 0);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * padded, x + m * K, size_t(K) * sizeof(uint16_t));
-  tile_panels(a.data(), nullptr, M, pairs, packed, N, [&](int64_t m, int64_t p, const float* sums, int64_t n) {
-    float* row = out + m * N + p * PANEL;
-    for (int64_t c = 0; c < n; ++c) row[c] = tile_sum(sums, c);
   });
 }
 
@@ -626,6 +620,16 @@ void run_linear(const XT* x, int64_t M, int64_t K, const WT* w, int64_t N, const
   DISPATCH_ISA(linear_kernel<XT, WT, OT>(x, M, K, w, N, scale, bias, out))
 }
 
+// A linear layer of bf16 weights and inputs: on AMX tiles where the kernels run them, else the pair dot products.
+template <typename OT>
+void run_linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias,
+                     OT* out) {
+  if (isa() == Isa::Avx512Amx)
+    isa_amx::linear_bf16(x, M, K, w, N, bias, out);
+  else
+    run_linear(x, M, K, w, N, nullptr, bias, out);
+}
+
 // Elements of a weight packed in panels of PANEL columns, K in groups of `group` inputs (1; bf16 pairs: 2; int8 x int8
 // quads: QUAD), padded with zeros (kernels.py's pack_weight).
 int64_t packed_elements(int64_t K, int64_t N, int64_t group) {
@@ -676,10 +680,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
     run_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, s, b, out.data_ptr<float>());
   else if (wt == at::kChar)
     run_linear(xb(), M, K, packed.data_ptr<int8_t>(), N, s, b, ob());
-  else if (isa() == Isa::Avx512Amx)
-    isa_amx::linear_bf16(xb(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, b, ob());
   else
-    run_linear(xb(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, s, b, ob());
+    run_linear_bf16(xb(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, b, ob());
   return out;
 }
 
@@ -760,12 +762,8 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   float* o = out.data_ptr<float>();
   if (pt == at::kBFloat16) {
     const at::Tensor rounded = xc.to(at::kBFloat16);
-    const auto* xr = reinterpret_cast<const uint16_t*>(rounded.data_ptr());
-    const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-    if (isa() == Isa::Avx512Amx)  // the tiles: at 16 rows 4.2-5.8 ms against the pair dot products' 7.7 (Xeon)
-      isa_amx::linear_bf16_floats(xr, M, K, w, N, o);
-    else
-      run_linear(xr, M, K, w, N, nullptr, nullptr, o);
+    run_linear_bf16(reinterpret_cast<const uint16_t*>(rounded.data_ptr()), M, K,
+                    reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, nullptr, o);
   } else if (xt == at::kFloat) {
     run_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, s, nullptr, o);
   } else {
