@@ -632,10 +632,10 @@ class CompiledEngine(BucketGraphs):
 
 
 def placed_greedy_head(linear: nn.Linear) -> GreedyHead:
-    """The greedy head of an LM head (`linear`), its int8 and bf16 copies in a weight arena of their own (huge
+    """The greedy head of an LM head (`linear`), its int8 and wide copies in a weight arena of their own (huge
     pages)."""
     head = GreedyHead(linear)
-    names = [name for name in ("packed", "packed_bf16") if getattr(head, name) is not None]
+    names = [name for name in ("packed", "packed_wide") if getattr(head, name) is not None]
     for name, placed in zip(names, arena_zeros([getattr(head, name) for name in names])):
         setattr(head, name, placed.copy_(getattr(head, name)))
     return head

@@ -311,31 +311,45 @@ class InvariantLinear(nn.Module):
         return torch.ops.draftsmith.linear(x, self.packed, self.scale, self.bias, self.out_features)
 
 
-# From how many rows the greedy head's approximate logits come from bfloat16 weights and inputs instead of int8
-# weights, per instruction set (absent: int8 at every width). With a bf16 dot product (Zen 4, 2 threads, SmolLM2's
-# head alone, cold, medians: results/engine_kernels_zen4/greedy_head_rows/): int8 0.63 / 0.67 / 0.89 / 1.17 / 1.28 /
-# 2.25 ms at 1 / 4 / 6 / 8 / 9 / 16 rows, bf16 1.20 / 1.22 / 1.30 / 1.34 / 1.35 / 1.75 (10th percentiles cross at 8):
-# the int8 copy streams half the bytes and its multiply-adds fit under its stream up to about 8 rows.
-# With AMX the bf16 copy runs on the tiles, nearly flat in the rows (the Xeon, the same probe with real hidden states,
-# results/engine_kernels_xeon/greedy_head_rows/): bf16 2.25 / 2.60 / 2.69 / 2.98 ms at 1 / 8 / 10 / 16 rows, int8
-# 1.34 / 2.33 / 3.08 / 4.37, so the tiles from 10 rows (that Xeon's pair dot products: 2.80 / 4.54 / 5.37 / 7.73).
-GREEDY_BF16_FROM_ROWS = {"avx512_bf16": 8, "avx512_amx": 10}
+class WideCopy(TextEnum):
+    """The greedy head's copy for a forward of several rows."""
+    BF16 = "bf16"  # the head's rows rounded to bf16, on the bf16 dot products (half a float32 head's bytes)
+    INT8_PAIRS = "int8 pairs"  # the int8 rows in input pairs, widened to bf16 on AMX tiles (a quarter of its bytes)
+
+
+# From how many rows the greedy head's approximate logits come from its wide copy instead of the int8 rows on vector
+# multiply-adds, and which copy, per instruction set (absent: int8 at every width). With a bf16 dot product (Zen 4, 2
+# threads, SmolLM2's head alone, cold, medians: results/engine_kernels_zen4/greedy_head_rows/): int8 0.63 / 0.67 /
+# 0.89 / 1.17 / 1.28 / 2.25 ms at 1 / 4 / 6 / 8 / 9 / 16 rows, bf16 1.20 / 1.22 / 1.30 / 1.34 / 1.35 / 1.75 (10th
+# percentiles cross at 8): the int8 copy streams half the bytes and its multiply-adds fit under its stream up to
+# about 8 rows. With AMX the tiles are nearly flat in the rows, and the int8 rows widened to bf16 on the way in stream
+# half the bf16 copy's bytes (the Xeon, the same probe, results/engine_kernels_xeon/greedy_head_rows/): int8 pairs
+# 2.65 / 3.44 / 3.53 / 4.22 ms at 1 / 8 / 9 / 16 rows, bf16 3.41 / 4.07 / 4.21 / 4.65, int8 on multiply-adds 1.95 /
+# 3.55 / 3.91 / 6.78: the pairs from 9 rows.
+GREEDY_WIDE = {"avx512_bf16": (8, WideCopy.BF16), "avx512_amx": (9, WideCopy.INT8_PAIRS)}
+
+
+def wide_copy(wide: WideCopy, weight: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """The greedy head's wide copy, packed: bf16 rows in pairs, or its int8 rows (`quantized`) in pairs."""
+    return pack_weight(weight.to(torch.bfloat16)) if wide is WideCopy.BF16 else pack_weight(quantized, 2)
 
 
 class GreedyHead(nn.Module):
-    """An LM head for greedy decoding: logits whose argmax is the argmax of the exact logits, from a quarter (few rows)
-    or half (more rows: GREEDY_BF16_FROM_ROWS) of a float32 head's bytes (draftsmith::greedy_head).
+    """An LM head for greedy decoding: logits whose argmax is the argmax of the exact logits, from a quarter or (a wide
+    copy of bf16 rows) half of a float32 head's bytes (draftsmith::greedy_head).
 
     Approximate logits a_j come from the head's rows rounded to int8 (a scale s_j = max|w_j| / 127 per row, round to
-    nearest), or, where a bf16 dot product exists and the forward has several rows, from rows and inputs rounded to
-    bfloat16. Either way |a_j - x . w_j| <= s_j * sum_k |x_k| * (1/2 + 127 (K + 2) 2^-24): an int8 weight is within
-    s_j / 2 of its float; a bf16 product within 2^-8 |x_k w_jk| <= 2^-8 127 s_j |x_k|; the rest bounds the float32
-    sums. Every row j whose upper bound reaches the largest lower bound could hold the largest exact logit; each is
-    recomputed in float64 (the inputs in a fixed order: its value does not depend on what else the forward holds)
-    and replaces a_j. On SmolLM2 a few rows of 49,152 are recomputed a token. So the greedy token is the exact
-    logits' argmax (float64 to float32, ties to the first) whatever the width and the approximation: batch-invariant
-    in float32 and bfloat16 (and within one approximation each row's logits are the same bits at any width). The
-    other logits are approximations: sampling reads the model's head."""
+    nearest), or, where the forward has GREEDY_WIDE's rows, from its wide copy: rows and inputs rounded to bfloat16, or
+    (AMX) the int8 rows times inputs rounded to bfloat16. |a_j - x . w_j| <= s_j * sum_k |x_k| * (c + 127 (K + 2)
+    2^-24): an int8 weight is within s_j / 2 of its float (c = 1/2); a bf16 product within 2^-8 |x_k w_jk| <= 2^-8 127
+    s_j |x_k| (c = 1/2 covers it); an int8 weight times a bf16 input adds 2^-9 127 s_j |x_k| (c = 1/2 + 127/512); the
+    rest bounds the float32 sums. Every row j whose upper bound reaches the largest lower bound could hold the
+    largest exact logit; each is recomputed in float64 (the inputs in a fixed order: its value does not depend on what
+    else the forward holds) and replaces a_j. On SmolLM2 a few rows of 49,152 are recomputed a token (means 6 and 15 at
+    c = 1/2 and 3/4 over 250 MT-Bench positions). So the greedy token is the exact logits' argmax (float64 to float32,
+    ties to the first) whatever the width and the approximation: batch-invariant in float32 and bfloat16 (and within
+    one approximation each row's logits are the same bits at any width). The other logits are approximations: sampling
+    reads the model's head."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -343,10 +357,9 @@ class GreedyHead(nn.Module):
             raise UserError("the greedy head takes an LM head without a bias")
         weight = linear.weight.detach()
         quantized, scale = quantize_int8(weight)
-        self.bf16_from_rows = GREEDY_BF16_FROM_ROWS.get(kernel_isa())
+        self.wide_from_rows, wide = GREEDY_WIDE.get(kernel_isa(), (None, None))
         self.register_buffer("packed", pack_weight(quantized))
-        self.register_buffer("packed_bf16", None if self.bf16_from_rows is None else
-                             pack_weight(weight.to(torch.bfloat16)))
+        self.register_buffer("packed_wide", None if wide is None else wide_copy(wide, weight, quantized))
         self.register_buffer("scale", scale)
         self.register_buffer("weight", weight.contiguous())  # the model's own rows (tied to the embedding: shared)
 
@@ -357,13 +370,13 @@ class GreedyHead(nn.Module):
         multiply-adds at the float32 rate (the AVX2 EPYC, SmolLM2's head, cold: 1.34 / 1.90 / 3.19 / 6.16 ms at
         1 / 2 / 4 / 8 rows, scripts/jobs/greedy_head_rows_probe.py), and a greedy verify reads only its accepted
         path's rows (tau of them: a chain of 3's head 3.5 -> 2.1 ms a round there). With a bf16 dot product (AVX-512
-        BF16) the int8 copy's rows fit under its stream up to GREEDY_BF16_FROM_ROWS and the bf16 copy's beyond: together
+        BF16) the int8 copy's rows fit under its stream up to GREEDY_WIDE's rows and the wide copy's beyond: together
         (the Zen 4: 4 rows 0.67 ms together, a chain of 3's tau ~2.1 rows apart ~1.3 ms)."""
-        return self.bf16_from_rows is None
+        return self.wide_from_rows is None
 
     def copy_for(self, rows: int) -> torch.Tensor:
         """The packed copy a forward of `rows` rows streams."""
-        return self.packed_bf16 if self.bf16_from_rows is not None and rows >= self.bf16_from_rows else self.packed
+        return self.packed_wide if self.wide_from_rows is not None and rows >= self.wide_from_rows else self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

@@ -385,10 +385,14 @@ def test_every_instruction_set_is_batch_invariant(isa):
         # two passes up to 18)
         "w = torch.randn(301, 77, generator=g); w[1::2] = w[::2][:150]; x = torch.randn(12, 77, generator=g)\n"
         "exact = (x.double() @ w.double().T).float().argmax(-1); q8, s = quantize_int8(w)\n"
-        "for p in (pack_weight(q8), pack_weight(w.bfloat16())):\n"
+        "amx = kernel_isa() == 'avx512_amx'; pairs = pack_weight(q8, 2)\n"
+        "for p in [pack_weight(q8), pack_weight(w.bfloat16())] + ([pairs] if amx else []):\n"
         "    full = torch.ops.draftsmith.greedy_head(x, p, s, w); assert torch.equal(full.argmax(-1), exact)\n"
         "    for r in range(12): assert torch.equal(torch.ops.draftsmith.greedy_head(x[r:r + 1], p, s, w), "
         "full[r:r + 1])\n"
+        "if not amx:\n"  # the int8 pairs are the tiles' copy: refused elsewhere
+        "    try: torch.ops.draftsmith.greedy_head(x, pairs, s, w); raise AssertionError('ran')\n"
+        "    except RuntimeError as error: assert 'AMX tiles' in str(error), error\n"
         "q, k, v = torch.randn(1, 4, 6, 40, generator=g), torch.randn(1, 2, 50, 40, generator=g), "
         "torch.randn(1, 2, 50, 40, generator=g)\n"
         "mask = torch.zeros(1, 1, 6, 50); mask[..., 45:] = torch.finfo(torch.float32).min\n"
@@ -437,12 +441,13 @@ def exact_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @given(rows=st.integers(2, 20), n=st.integers(2, 400), k=st.integers(1, 300),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99))
 def test_greedy_head_argmax_is_the_exact_argmax_at_any_width(rows, n, k, dtype, seed):
-    """Both approximations (int8 weights; bf16 weights and inputs) give the exact argmax, and a row is the same bits
-    whatever the rows beside it."""
+    """Every approximation (int8 weights; bf16 weights and inputs; on AMX int8 weights in pairs times bf16 inputs)
+    gives the exact argmax, and a row is the same bits whatever the rows beside it."""
     weight, x = near_tie_head(n, k, rows, dtype, seed)
     quantized, scale = quantize_int8(weight.float())
     expected = exact_argmax(x, weight)
-    for packed in (pack_weight(quantized), pack_weight(weight.to(torch.bfloat16))):
+    pairs = [pack_weight(quantized, 2)] if kernel_isa() == "avx512_amx" else []
+    for packed in [pack_weight(quantized), pack_weight(weight.to(torch.bfloat16)), *pairs]:
         full = torch.ops.draftsmith.greedy_head(x, packed, scale, weight)
         assert full.dtype == torch.float32 and full.shape == (rows, n)
         assert torch.equal(full.argmax(-1), expected)
@@ -452,8 +457,8 @@ def test_greedy_head_argmax_is_the_exact_argmax_at_any_width(rows, n, k, dtype, 
 
 
 def test_greedy_head_module_switches_copies_by_width_and_keeps_the_argmax():
-    """GreedyHead: int8 for one row, bf16 from GREEDY_BF16_FROM_ROWS where a bf16 dot exists; every width's argmax
-    the exact one; an LM head with a bias is refused in one line."""
+    """GreedyHead: int8 for one row, its wide copy from GREEDY_WIDE's rows where a bf16 dot exists; every width's
+    argmax the exact one; an LM head with a bias is refused in one line."""
     weight, x = near_tie_head(300, 64, 12, torch.float32, seed=3)
     head = GreedyHead(frozen_linear(weight))
     expected = exact_argmax(x, weight)

@@ -380,8 +380,8 @@ constexpr int64_t ROWS = 16, PAIRS = 16, COLUMNS = 16;
 constexpr int64_t PANEL = isa_scalar::PANEL, PANEL_TILES = PANEL / COLUMNS;
 static_assert(PANEL_TILES == 3, "three column tiles a panel (tiles 0-2 accumulate, 3 the inputs, 4-6 the weights)");
 // One row's tile products take ~50 cycles a step against ~400 for its 3 KB of weights from memory, and the tile loads
-// alone keep too few lines in flight: each step requests the weights this many steps (12 KB) ahead.
-constexpr int64_t AHEAD_STEPS = 4;
+// alone keep too few lines in flight: each step requests the weights this many bytes (4 steps of bf16) ahead.
+constexpr int64_t AHEAD_BYTES = 12288;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -405,22 +405,37 @@ inline void configure_tiles(int rows) {
   _tile_loadconfig(&config);
 }
 
+// A step's weights as the tiles read them: bf16 pairs as stored, or int8 pairs (the greedy head's int8 copy in pairs)
+// widened to bf16 in `buffer` first: exact, |q| <= 127 needs 7 significand bits.
+inline const uint16_t* step_weights(const uint16_t* stored, uint16_t*) { return stored; }
+inline const uint16_t* step_weights(const int8_t* stored, uint16_t* buffer) {
+  for (int64_t i = 0; i < PAIRS * PANEL * 2; i += 32) {
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(stored + i))));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(stored + i + 16))));
+    _mm512_store_si512(buffer + i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  }
+  return buffer;
+}
+
 // Rows b*16 .. b*16+15 of a panel's three column tiles: inputs `a` (the block's rows of `padded` inputs), weights
 // `panel` (its whole tiles of pairs, then `tail`: the last part-tile zero-padded), the sums stored to `sums` (3 x 16
 // x 16).
 // With `low` (linear_split's low input halves, laid out as `a`), each weight tile is multiplied by both, `a` first.
-inline void panel_rows(const uint16_t* a, const uint16_t* low, int64_t padded, const uint16_t* panel,
-                       const uint16_t* tail, int64_t whole, int64_t steps, float* sums) {
+template <typename WT>
+inline void panel_rows(const uint16_t* a, const uint16_t* low, int64_t padded, const WT* panel, const WT* tail,
+                       int64_t whole, int64_t steps, float* sums) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
-  constexpr int64_t stride = PANEL * 2 * sizeof(uint16_t);  // bytes from one pair row of the panel to the next
+  constexpr int64_t stride = PANEL * 2 * sizeof(uint16_t);  // bytes from one pair row of the tiles' weights to the next
+  constexpr int64_t step_bytes = PAIRS * PANEL * 2 * sizeof(WT), ahead_steps = AHEAD_BYTES / step_bytes;
+  alignas(64) uint16_t widened[std::is_same_v<WT, uint16_t> ? 1 : PAIRS * PANEL * 2];
   const int64_t row_bytes = padded * int64_t(sizeof(uint16_t));
   for (int64_t s = 0; s < steps; ++s) {
-    const uint16_t* w = s < whole ? panel + s * PAIRS * PANEL * 2 : tail;
-    // the weights AHEAD_STEPS steps on requested into L2 (past the panel: the next panel, the thread's next task)
-    const char* ahead = reinterpret_cast<const char*>(panel + (s + AHEAD_STEPS) * PAIRS * PANEL * 2);
-    for (int64_t line = 0; line < PAIRS * stride; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    // the weights AHEAD_BYTES on requested into L2 (past the panel: the next panel, the thread's next task)
+    const char* ahead = reinterpret_cast<const char*>(panel + (s + ahead_steps) * PAIRS * PANEL * 2);
+    for (int64_t line = 0; line < step_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    const uint16_t* w = step_weights(s < whole ? panel + s * PAIRS * PANEL * 2 : tail, widened);
     _tile_loadd(3, a + s * PAIRS * 2, row_bytes);
     _tile_loadd(4, w, stride);
     _tile_loadd(5, w + COLUMNS * 2, stride);
@@ -447,8 +462,8 @@ inline int64_t padded_row(int64_t pairs) { return (pairs + PAIRS - 1) / PAIRS * 
 // Every panel's rows through the tiles: `a` (and `low`: linear_split) the inputs laid out for them (M rows of
 // padded_row(pairs)), `store(row, panel, sums of its tile row with the column stride COLUMNS, columns)` writes one
 // row's outputs of a panel.
-template <typename Store>
-void tile_panels(const uint16_t* a, const uint16_t* low, int64_t M, int64_t pairs, const uint16_t* packed, int64_t N,
+template <typename WT, typename Store>
+void tile_panels(const uint16_t* a, const uint16_t* low, int64_t M, int64_t pairs, const WT* packed, int64_t N,
                  Store store) {
   const int64_t steps = (pairs + PAIRS - 1) / PAIRS, whole = pairs / PAIRS, blocks = (M + ROWS - 1) / ROWS;
   const int64_t padded = padded_row(pairs);
@@ -456,14 +471,15 @@ void tile_panels(const uint16_t* a, const uint16_t* low, int64_t M, int64_t pair
 #pragma omp parallel if (panels > 1)
   {
     int configured = 0;  // the rows the tiles are shaped for (0: not yet on this call)
-    alignas(64) uint16_t tail[PAIRS * PANEL * 2];
+    alignas(64) WT tail[PAIRS * PANEL * 2];
     alignas(64) float sums[PANEL_TILES * ROWS * COLUMNS];
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-      const uint16_t* panel = packed + p * panel_size;
+      const WT* panel = packed + p * panel_size;
       if (whole < steps) {
         std::memset(tail, 0, sizeof(tail));
-        std::memcpy(tail, panel + whole * PAIRS * PANEL * 2, size_t((pairs - whole * PAIRS) * PANEL * 2) * 2);
+        std::memcpy(tail, panel + whole * PAIRS * PANEL * 2,
+                    size_t((pairs - whole * PAIRS) * PANEL * 2) * sizeof(WT));
       }
       const int64_t columns = std::min<int64_t>(PANEL, N - p * PANEL);
       for (int64_t b = 0; b < blocks; ++b) {
@@ -487,10 +503,11 @@ inline void store_output(float* p, float value) { *p = value; }
 inline void store_output(uint16_t* p, float value) { *p = float_to_bf16(value); }
 
 // y (M, N) = x (M, K) . W^T (+ bias), bf16 inputs, W packed in bf16 panels; out bf16 (a bf16 model's linear layer) or
-// float32 (the greedy head's bf16 copy).
-template <typename OT>
-void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
-                 OT* out) {
+// float32 (the greedy head's bf16 copy). With int8 weights in pairs (WT int8_t: the greedy head's int8 copy as the
+// tiles take it), each output times its `scale`.
+template <typename WT, typename OT>
+void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const WT* packed, int64_t N, const float* scale,
+                 const float* bias, OT* out) {
   const int64_t pairs = (K + 1) / 2, padded = padded_row(pairs);
   std::vector<uint16_t> a(size_t(M * padded), 0);
   for (int64_t m = 0; m < M; ++m) std::memcpy(a.data() + m * padded, x + m * K, size_t(K) * sizeof(uint16_t));
@@ -498,6 +515,7 @@ void linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed
     OT* row = out + m * N + p * PANEL;
     for (int64_t c = 0; c < n; ++c) {
       float value = tile_sum(sums, c);
+      if (scale) value *= scale[p * PANEL + c];
       if (bias) value += bias[p * PANEL + c];
       store_output(row + c, value);
     }
@@ -625,7 +643,7 @@ template <typename OT>
 void run_linear_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias,
                      OT* out) {
   if (isa() == Isa::Avx512Amx)
-    isa_amx::linear_bf16(x, M, K, w, N, bias, out);
+    isa_amx::linear_bf16(x, M, K, w, N, nullptr, bias, out);
   else
     run_linear(x, M, K, w, N, nullptr, bias, out);
 }
@@ -729,8 +747,9 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }
 
 // The greedy head (invariant_impl.h's greedy_head_rows): approximate logits from int8 weights (`scale` their scale per
-// row) or from bfloat16 weights and inputs (on AMX tiles where the kernels run them), then the columns that could be
-// the largest recomputed exactly.
+// row), from bfloat16 weights and inputs (on AMX tiles where the kernels run them), or on AMX tiles from int8 weights
+// in pairs (packed 4-D: (panels, K / 2, PANEL, 2)) widened to bf16 times inputs rounded to bf16; then the columns that
+// could be the largest recomputed exactly.
 at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && weight.device().is_cpu(),
@@ -741,10 +760,14 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(-1),
               "draftsmith::greedy_head: the weight must be a contiguous (N, K) matrix over the inputs");
   const int64_t K = x.size(-1), N = weight.size(0);
+  const bool int8_pairs = pt == at::kChar && packed.dim() == 4;  // (panels, K / 2, PANEL, 2): the tiles' int8 copy
   TORCH_CHECK((pt == at::kChar || pt == at::kBFloat16) && packed.is_contiguous() &&
-              packed.numel() == packed_elements(K, N, pt == at::kBFloat16 ? 2 : 1),
+              packed.numel() == packed_elements(K, N, pt == at::kBFloat16 || int8_pairs ? 2 : 1),
               "draftsmith::greedy_head: the packed int8 or bfloat16 weight does not match ", K, " inputs and ", N,
               " outputs");
+  TORCH_CHECK(!int8_pairs || isa() == Isa::Avx512Amx,
+              "draftsmith::greedy_head: int8 weights in pairs run on AMX tiles and the kernels here run ",
+              ISA_NAMES[int(isa())]);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
               "draftsmith::greedy_head: the int8 scale per output (max |w| / 127)");
   at::Tensor xc = x.contiguous();
@@ -755,15 +778,20 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   if (M == 0) return out;
   // |exact - a[j]| <= scale[j] * sum|x| * (1/2 + 127 (K + 2) u), u = 2^-24: int8 weights are within scale / 2 of the
   // exact ones; bfloat16 weights and inputs within 2^-9 of each, so a product within 2^-8 |x w| <= 2^-8 127 scale |x|
-  // (< 1/2); the rest is the float32 sums and the scale's product. Taken with room: 130 for 127, a factor 1 + 2^-16,
-  // and each sum's rounding counted twice (2u: AMX tiles sum in an order of their own, rounding as they do).
-  const double error = (0.5 + 260.0 * double(K + 2) / double(1 << 24)) * (1.0 + 1.0 / (1 << 16));
+  // (< 1/2); the rest is the float32 sums and the scale's product. Int8 weights times bf16 inputs (the tiles' int8
+  // copy): scale / 2 from the weight and 2^-9 |x| 127 scale from the input, both. Taken with room: 130 for 127, a factor
+  // 1 + 2^-16, and each sum's rounding counted twice (2u: AMX tiles sum in an order of their own, rounding as they do).
+  const double rounded_inputs = int8_pairs ? 130.0 / 512.0 : 0.0;
+  const double error = (0.5 + rounded_inputs + 260.0 * double(K + 2) / double(1 << 24)) * (1.0 + 1.0 / (1 << 16));
   const float* s = scale.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  if (pt == at::kBFloat16) {
+  if (pt == at::kBFloat16 || int8_pairs) {
     const at::Tensor rounded = xc.to(at::kBFloat16);
-    run_linear_bf16(reinterpret_cast<const uint16_t*>(rounded.data_ptr()), M, K,
-                    reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, nullptr, o);
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(rounded.data_ptr());
+    if (int8_pairs)
+      isa_amx::linear_bf16(xb, M, K, packed.data_ptr<int8_t>(), N, s, nullptr, o);
+    else
+      run_linear_bf16(xb, M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, nullptr, o);
   } else if (xt == at::kFloat) {
     run_linear(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, s, nullptr, o);
   } else {
