@@ -57,6 +57,8 @@ def classify(name: str, shapes: list, vocab: int) -> str:
     lowered = name.lower()
     if "scaled_dot_product" in lowered or "attention" in lowered:
         return "attention"
+    if "greedy_head" in lowered:  # the compiled engine's LM head in greedy decoding (models.kernels.GreedyHead)
+        return "lm_head"
     gemm = any(key in lowered for key in ("gemm", "linear", "aten::mm", "aten::addmm", "aten::bmm", "_mm"))
     if not gemm:
         return "other_kernels"

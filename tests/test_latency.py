@@ -52,6 +52,7 @@ def test_classify_names_the_lm_head_and_attention():
     assert forward_profile.classify("aten::addmm", [[48], [8, 48], [48, 48]], 96) == "gemm"
     assert forward_profile.classify("graph_0_gemm_m8n96k48_cpp_fused", [], 96) == "lm_head"
     assert forward_profile.classify("aten::_scaled_dot_product_flash_attention_for_cpu", [], 96) == "attention"
+    assert forward_profile.classify("draftsmith::greedy_head", [[1, 8, 576]], 96) == "lm_head"  # greedy decoding's head
     assert forward_profile.classify("graph_0_cpp_fused_add_mean_mul_pow_rsqrt", [], 96) == "other_kernels"
     # the batch-invariant kernels: weights packed (panels, K, 48); the head's panels cover the vocabulary
     assert forward_profile.classify("draftsmith::linear", [[1, 1, 48], [2, 48, 48], [], [], []], 96) == "lm_head"

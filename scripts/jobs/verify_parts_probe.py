@@ -1,0 +1,86 @@
+"""Where a verify's time goes, width by width, in one process: the compiled float32 greedy forward of SmolLM2-135M over
+256 cached tokens, each width's forward profiled (torch.profiler, the package built with kernel profiling) in turn,
+widths interleaved so the machine's minute-to-minute rate hits every width alike. Sums each op's self time by part:
+the linear layers (draftsmith::linear), the greedy head (draftsmith::greedy_head), attention (draftsmith::attention),
+inductor's generated kernels (norms, rotary and the cache write, SiLU, residuals), allocations (aten::empty) and the
+rest of the profiled wall time (dispatch, the profiler's own cost, and what the ops' events leave out), beside the
+same forward's wall time unprofiled. Prints a table; writes JSON and the table
+beside it where an output path is given.
+    scripts/jobs/quiet.sh python scripts/jobs/verify_parts_probe.py [output.json]
+"""
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from draftsmith.eval.documents import cpu_model
+from draftsmith.eval.latency import forward_seconds, mt_bench_context
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import kernel_isa
+from draftsmith.models.target import TargetModel
+
+WIDTHS, ROUNDS, WARMUP, CONTEXT = (1, 4, 8, 9, 12, 16), 12, 2, 256
+PARTS = {"draftsmith::linear": "linear layers", "draftsmith::greedy_head": "greedy head",
+         "draftsmith::attention": "attention", "aten::empty": "allocations"}
+ORDER = ("linear layers", "greedy head", "attention", "generated kernels", "allocations", "other ops", "rest")
+
+
+def part_of(name: str) -> str:
+    return PARTS.get(name, "generated kernels" if name.startswith("graph_") else "other ops")
+
+
+def profiled_parts(target: TargetModel, cache, past: int, width: int) -> dict[str, float]:
+    """Milliseconds per part of one forward of `width` random tokens (the cache restored afterwards)."""
+    ids = torch.randint(0, target.model.get_output_embeddings().out_features, (1, width))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = forward_seconds(target, cache, ids)
+    target.truncate(cache, past)
+    parts = collections.Counter()
+    for event in prof.events():
+        parts[part_of(event.name)] += event.self_cpu_time_total / 1000
+    parts["rest"] = 1000 * wall - sum(parts.values())
+    unprofiled = forward_seconds(target, cache, ids)
+    target.truncate(cache, past)
+    return {"unprofiled": 1000 * unprofiled, "wall": 1000 * wall, **parts}
+
+
+@torch.inference_mode()
+def main() -> None:
+    torch.set_num_threads(2)
+    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
+    target = base.with_backend(Backend.COMPILED, CompileSettings(buckets=list(WIDTHS), capacity=1024,
+                                                                 kernel_profile=True))
+    target.prepare(WIDTHS)
+    cache = target.new_cache(CONTEXT + max(WIDTHS))
+    target.forward(mt_bench_context(base.tokenizer, CONTEXT), cache)
+    past = target.cache_length(cache)
+    runs = {width: [] for width in WIDTHS}
+    for round_ in range(WARMUP + ROUNDS):
+        for width in WIDTHS:
+            parts = profiled_parts(target, cache, past, width)
+            if round_ >= WARMUP:
+                runs[width].append(parts)
+    table = {width: {key: statistics.median(run.get(key, 0.0) for run in rows) for key in ("unprofiled", "wall", *ORDER)}
+             for width, rows in runs.items()}
+    head = (f"{cpu_model()} (kernels {kernel_isa()}, 2 threads), {CONTEXT} cached tokens, medians of {ROUNDS} "
+            "profiled forwards and as many unprofiled, ms")
+    lines = [head, "", "| w | unprofiled | T(w)/T(1) | profiled | " + " | ".join(ORDER) + " |",
+             "|---|---|---|---|" + "---|" * len(ORDER)]
+    for width, row in table.items():
+        ratio = row["unprofiled"] / table[WIDTHS[0]]["unprofiled"]
+        lines.append(f"| {width} | {row['unprofiled']:.1f} | {ratio:.2f} | {row['wall']:.1f} | "
+                     + " | ".join(f"{row[key]:.2f}" for key in ORDER) + " |")
+    print("\n".join(lines))
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(json.dumps({"cpu": cpu_model(), "kernel_isa": str(kernel_isa()), "context": CONTEXT,
+                                                 "rounds": ROUNDS, "ms": table}, indent=1))
+        Path(sys.argv[1]).with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
