@@ -357,9 +357,9 @@ class GreedyHead(nn.Module):
             raise UserError("the greedy head takes an LM head without a bias")
         weight = linear.weight.detach()
         quantized, scale = quantize_int8(weight)
-        self.wide_from_rows, wide = GREEDY_WIDE.get(kernel_isa(), (None, None))
+        self.wide_from_rows, self.wide = GREEDY_WIDE.get(kernel_isa(), (None, None))
         self.register_buffer("packed", pack_weight(quantized))
-        self.register_buffer("packed_wide", None if wide is None else wide_copy(wide, weight, quantized))
+        self.register_buffer("packed_wide", None if self.wide is None else wide_copy(self.wide, weight, quantized))
         self.register_buffer("scale", scale)
         self.register_buffer("weight", weight.contiguous())  # the model's own rows (tied to the embedding: shared)
 
@@ -375,8 +375,12 @@ class GreedyHead(nn.Module):
         return self.wide_from_rows is None
 
     def copy_for(self, rows: int) -> torch.Tensor:
-        """The packed copy a forward of `rows` rows streams."""
-        return self.packed_wide if self.wide_from_rows is not None and rows >= self.wide_from_rows else self.packed
+        """The packed copy a forward of `rows` rows streams: the int8 one where the kernels now run an instruction set
+        that does not read the wide one (the int8 pairs are the AMX tiles': kernels_on, a bench's kernel_isa=)."""
+        wide = self.wide_from_rows is not None and rows >= self.wide_from_rows
+        if wide and self.wide is WideCopy.INT8_PAIRS and kernel_isa() != KernelIsa.AVX512_AMX:
+            return self.packed
+        return self.packed_wide if wide else self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

@@ -466,6 +466,9 @@ def test_greedy_head_module_switches_copies_by_width_and_keeps_the_argmax():
     assert torch.equal(head(x).argmax(-1), expected)
     with pytest.raises(UserError, match="without a bias"):
         GreedyHead(torch.nn.Linear(8, 5))
+    for lower in [isa for isa in AVAILABLE_ISAS if isa != KernelIsa.AVX512_AMX][-1:]:  # the kernels switched below
+        with kernels_on(KernelIsa(lower)):  # the head built on AMX tiles' copies still runs (its int8 copy)
+            assert torch.equal(head(x).argmax(-1), expected)
 
 
 def test_invariant_linear_module_keeps_shape_and_bias():
