@@ -1,0 +1,67 @@
+"""In-process A/B of the greedy head's wide copy on AMX: the bf16 rows from 10 rows (`bf16 from 10`) against the int8
+rows in pairs widened on the tiles from 9 rows (`int8 pairs from 9`, models.kernels.GREEDY_WIDE). SmolLM2-135M-Instruct
+float32 on the compiled engine, plain decoding and the bundled drafter with int8 weights as its dynamic tree (verifies
+of up to 9 rows), MT-Bench first turns, 128 new tokens; per prompt both arms in alternating order, each arm's speedup
+over its own plain. Same tokens in every arm and method (checked). AMX CPUs only.
+    scripts/jobs/quiet.sh python scripts/jobs/greedy_wide_ab.py [float32] [prompts] [output.json]
+"""
+import json
+import sys
+
+import torch
+from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates
+
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
+from draftsmith.eval.documents import cpu_model
+from draftsmith.eval.prompts import load_prompts
+from draftsmith.models.bundled import bundled_drafter
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import KernelIsa, WeightPrecision, WideCopy, arena_zeros, kernel_isa, wide_copy
+from draftsmith.models.target import TargetModel
+
+ARMS = ("bf16 from 10", "int8 pairs from 9")
+
+
+def arm_setter(head):
+    """set_arm for the target's greedy head: both wide copies held, each arm's copy and row count put in place."""
+    bf16 = wide_copy(WideCopy.BF16, head.weight, torch.empty(0))
+    bf16 = arena_zeros([bf16])[0].copy_(bf16)  # a weight arena of its own, as placed_greedy_head places the others
+    copies = {ARMS[0]: (WideCopy.BF16, 10, bf16), ARMS[1]: (WideCopy.INT8_PAIRS, 9, head.packed_wide)}
+
+    def set_arm(arm: str) -> None:
+        head.wide, head.wide_from_rows, head.packed_wide = copies[arm]
+    return set_arm
+
+
+@torch.inference_mode()
+def main(argv: list[str]) -> None:
+    name, count, output = ab_arguments(argv, "greedy_wide_ab.py")
+    if name != "float32" or kernel_isa() != KernelIsa.AVX512_AMX:
+        sys.exit("error: the int8 pairs are the AMX tiles' copy of a float32 target's greedy head: float32 on AMX")
+    torch.set_num_threads(2)
+    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
+    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    path = bundled_drafter("smollm2-135m-instruct")
+    config = DecodeConfig(max_new_tokens=128)
+    drafter = load_dgf_drafter(path, target, backend=Backend.COMPILED,
+                               settings=CompileSettings(weights=WeightPrecision.INT8), **GOAL_TREE)
+    decoders = {"plain": SpeculativeDecoder(target, None, config), "tree": SpeculativeDecoder(target, drafter, config)}
+    prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
+    for decoder in decoders.values():
+        decoder.generate(prompts[0])  # warm-up: loads every package
+    rate = alternating_rates(prompts, ARMS, arm_setter(target.engine.greedy_head), decoders)
+    speedup = {arm: rate[arm, "tree"] / rate[arm, "plain"] for arm in ARMS}
+    result = {"machine": cpu_model(), "prompts": count, "speedup": speedup,
+              "tokens_per_s": {f"{arm} {method}": value for (arm, method), value in rate.items()}}
+    print(f"float32, {count} MT-Bench first turns, tokens/s (same tokens in every arm and method):")
+    for arm in ARMS:
+        print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 tree {rate[arm, 'tree']:.2f} ({speedup[arm]:.3f}x)")
+    if output:
+        with open(output, "w") as handle:
+            json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
