@@ -1,5 +1,5 @@
 // What the hardware allows a verify's linear layers: a 512 MB stream (each of 2 threads its half) with F fused
-// multiply-adds per 64-byte line loaded (F = 0, 8, 16: a float32 verify of F rows multiplies each weight F times),
+// multiply-adds per vector of each 64-byte line loaded (AVX-512: one vector a line; AVX2: two) (F = 0, 8, 16: a float32 verify of F rows multiplies each weight F times),
 // with the line requested DIST lines ahead (HINT 0: into L1, 1: into L2) and without, and the same multiply-adds over
 // 256 KB in cache (their compute alone, scaled to the stream's lines). Best of 7 each; one JSON line per F.
 //   stream_overlap_probe DIST HINT
@@ -15,27 +15,57 @@
 static size_t distance = 192;
 static int hint = 0;
 
+// A 64-byte line as the vector registers take it: one AVX-512 vector, or two AVX2 ones (a multiply-add a line is one
+// instruction per vector of it).
+#ifdef __AVX512F__
+using V = __m512;
+constexpr int PER_LINE = 1;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset1(float x) { return _mm512_set1_ps(x); }
+inline V vload(const float* p) { return _mm512_load_ps(p); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+#else
+using V = __m256;
+constexpr int PER_LINE = 2;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset1(float x) { return _mm256_set1_ps(x); }
+inline V vload(const float* p) { return _mm256_load_ps(p); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(V a) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, a);
+  float total = 0;
+  for (float lane : lanes) total += lane;
+  return total;
+}
+#endif
+
 template <int F, bool AHEAD>
 float sweep(const float* buffer, size_t lines) {
   float total = 0;
 #pragma omp parallel num_threads(2) reduction(+ : total)
   {
     const size_t per = lines / 2, first = omp_get_thread_num() * per, last = first + per;
-    __m512 acc[8], x[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps(), x[i] = _mm512_set1_ps(1.0f + i * 1e-3f);
+    V acc[8], x[8];
+    for (int i = 0; i < 8; ++i) acc[i] = vzero(), x[i] = vset1(1.0f + i * 1e-3f);
     for (size_t line = first; line < last; ++line) {
       if (AHEAD) {
         const char* ahead = reinterpret_cast<const char*>(buffer + (line + distance) * 16);
         if (hint == 0) _mm_prefetch(ahead, _MM_HINT_T0);
         else _mm_prefetch(ahead, _MM_HINT_T1);
       }
-      const __m512 w = _mm512_load_ps(buffer + line * 16);
+      for (int part = 0; part < PER_LINE; ++part) {
+        const V w = vload(buffer + line * 16 + part * (16 / PER_LINE));
 #pragma GCC unroll 32
-      for (int f = 0; f < F; ++f) acc[f % 8] = _mm512_fmadd_ps(w, x[f % 8], acc[f % 8]);
-      if (F == 0) acc[0] = _mm512_add_ps(acc[0], w);
+        for (int f = 0; f < F; ++f) acc[f % 8] = vfma(w, x[f % 8], acc[f % 8]);
+        if (F == 0) acc[0] = vadd(acc[0], w);
+      }
     }
-    for (int i = 1; i < 8; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
-    total += _mm512_reduce_add_ps(acc[0]);
+    for (int i = 1; i < 8; ++i) acc[0] = vadd(acc[0], acc[i]);
+    total += vsum(acc[0]);
   }
   return total;
 }

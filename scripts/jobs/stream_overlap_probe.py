@@ -1,6 +1,6 @@
 """What this machine allows a float32 verify's linear layers: how much of F multiply-adds per weight line hides under
-a weight stream (scripts/jobs/stream_overlap_probe.cpp, built here with g++ -O3 -march=native -fopenmp; AVX-512
-CPUs). For F = 0, 8, 16 (a verify of F rows) it times a 512 MB stream on 2 threads, with each line requested ahead
+a weight stream (scripts/jobs/stream_overlap_probe.cpp, built here with g++ -O3 -march=native -fopenmp; AVX-512 or AVX2:
+there F multiply-adds on each of a line's two vectors). For F = 0, 8, 16 (a verify of F rows) it times a 512 MB stream on 2 threads, with each line requested ahead
 (into L1 at 96 / 192 / 384 / 768 lines, into L2 at 192) and without, and the multiply-adds alone over data in cache;
 settings interleaved over 7 rounds, medians. T(F)/T(0) within one setting is the floor a verify's linear layers can
 reach on this machine with this access pattern (one load a line, F multiply-adds on it). Prints a table; writes JSON
