@@ -324,9 +324,11 @@ class WideCopy(TextEnum):
 # percentiles cross at 8): the int8 copy streams half the bytes and its multiply-adds fit under its stream up to
 # about 8 rows. With AMX the tiles are nearly flat in the rows, and the int8 rows widened to bf16 on the way in stream
 # half the bf16 copy's bytes (the Xeon, the same probe, results/engine_kernels_xeon/greedy_head_rows/): int8 pairs
-# 2.65 / 3.44 / 3.53 / 4.22 ms at 1 / 8 / 9 / 16 rows, bf16 3.41 / 4.07 / 4.21 / 4.65, int8 on multiply-adds 1.95 /
-# 3.55 / 3.91 / 6.78: the pairs from 9 rows.
-GREEDY_WIDE = {"avx512_bf16": (8, WideCopy.BF16), "avx512_amx": (9, WideCopy.INT8_PAIRS)}
+# 2.78 / 3.41 / 3.62 / 3.77 / 4.47 ms at 1 / 7 / 8 / 9 / 16 rows, bf16 3.19 / 3.84 / 3.93 / 3.97 / 4.65, int8 on
+# multiply-adds 1.79 / 3.55 / 3.91 / 4.31 / 7.59 (crossing at 7). Decoding with the bundled drafter's int8 tree
+# (scripts/jobs/greedy_wide_ab.py, two runs): the pairs from 9 rows 3.4-3.8% faster than the bf16 copy from 10, from
+# 7 rows 7.2-7.8% faster than from 9: the pairs from 7.
+GREEDY_WIDE = {"avx512_bf16": (8, WideCopy.BF16), "avx512_amx": (7, WideCopy.INT8_PAIRS)}
 
 
 def wide_copy(wide: WideCopy, weight: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """In-process A/B of the greedy head's wide copy on AMX: the bf16 rows from 10 rows (`bf16 from 10`) against the int8
-rows in pairs widened on the tiles from 9 rows (`int8 pairs from 9`, models.kernels.GREEDY_WIDE). SmolLM2-135M-Instruct
+rows in pairs widened on the tiles from GREEDY_WIDE's rows (models.kernels). SmolLM2-135M-Instruct
 float32 on the compiled engine, plain decoding and the bundled drafter with int8 weights as its dynamic tree (verifies
 of up to 9 rows), MT-Bench first turns, 128 new tokens; per prompt both arms in alternating order, each arm's speedup
-over its own plain. Same tokens in every arm and method (checked). AMX CPUs only.
-    scripts/jobs/quiet.sh python scripts/jobs/greedy_wide_ab.py [float32] [prompts] [output.json]
+over its own plain. Same tokens in every arm and method (checked). AMX CPUs only. With `rows`, the first arm is the
+int8 pairs from that many rows instead (where the pairs should start).
+    scripts/jobs/quiet.sh python scripts/jobs/greedy_wide_ab.py [float32] [prompts] [output.json] [rows]
 """
 import json
 import sys
@@ -21,22 +22,20 @@ from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import KernelIsa, WeightPrecision, WideCopy, arena_zeros, kernel_isa, wide_copy
 from draftsmith.models.target import TargetModel
 
-ARMS = ("bf16 from 10", "int8 pairs from 9")
-
-
-def arm_setter(head):
-    """set_arm for the target's greedy head: both wide copies held, each arm's copy and row count put in place."""
+def arm_copies(head, rows: int | None) -> dict[str, tuple]:
+    """{arm: (wide copy, from rows, packed copy)}: the bf16 copy from 10 rows (or the int8 pairs from `rows`), and the
+    int8 pairs from GREEDY_WIDE's rows."""
+    pairs = {f"int8 pairs from {head.wide_from_rows}": (WideCopy.INT8_PAIRS, head.wide_from_rows, head.packed_wide)}
+    if rows is not None:
+        return {f"int8 pairs from {rows}": (WideCopy.INT8_PAIRS, rows, head.packed_wide)} | pairs
     bf16 = wide_copy(WideCopy.BF16, head.weight, torch.empty(0))
     bf16 = arena_zeros([bf16])[0].copy_(bf16)  # a weight arena of its own, as placed_greedy_head places the others
-    copies = {ARMS[0]: (WideCopy.BF16, 10, bf16), ARMS[1]: (WideCopy.INT8_PAIRS, 9, head.packed_wide)}
-
-    def set_arm(arm: str) -> None:
-        head.wide, head.wide_from_rows, head.packed_wide = copies[arm]
-    return set_arm
+    return {"bf16 from 10": (WideCopy.BF16, 10, bf16)} | pairs
 
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
+    rows = int(argv.pop()) if len(argv) == 4 and argv[3].isdigit() else None
     name, count, output = ab_arguments(argv, "greedy_wide_ab.py")
     if name != "float32" or kernel_isa() != KernelIsa.AVX512_AMX:
         sys.exit("error: the int8 pairs are the AMX tiles' copy of a float32 target's greedy head: float32 on AMX")
@@ -51,12 +50,17 @@ def main(argv: list[str]) -> None:
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     for decoder in decoders.values():
         decoder.generate(prompts[0])  # warm-up: loads every package
-    rate = alternating_rates(prompts, ARMS, arm_setter(target.engine.greedy_head), decoders)
-    speedup = {arm: rate[arm, "tree"] / rate[arm, "plain"] for arm in ARMS}
+    head, copies = target.engine.greedy_head, arm_copies(target.engine.greedy_head, rows)
+    arms = tuple(copies)
+
+    def set_arm(arm: str) -> None:
+        head.wide, head.wide_from_rows, head.packed_wide = copies[arm]
+    rate = alternating_rates(prompts, arms, set_arm, decoders)
+    speedup = {arm: rate[arm, "tree"] / rate[arm, "plain"] for arm in arms}
     result = {"machine": cpu_model(), "prompts": count, "speedup": speedup,
               "tokens_per_s": {f"{arm} {method}": value for (arm, method), value in rate.items()}}
     print(f"float32, {count} MT-Bench first turns, tokens/s (same tokens in every arm and method):")
-    for arm in ARMS:
+    for arm in arms:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 tree {rate[arm, 'tree']:.2f} ({speedup[arm]:.3f}x)")
     if output:
         with open(output, "w") as handle:
