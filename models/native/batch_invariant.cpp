@@ -779,8 +779,9 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   // |exact - a[j]| <= scale[j] * sum|x| * (1/2 + 127 (K + 2) u), u = 2^-24: int8 weights are within scale / 2 of the
   // exact ones; bfloat16 weights and inputs within 2^-9 of each, so a product within 2^-8 |x w| <= 2^-8 127 scale |x|
   // (< 1/2); the rest is the float32 sums and the scale's product. Int8 weights times bf16 inputs (the tiles' int8
-  // copy): scale / 2 from the weight and 2^-9 |x| 127 scale from the input, both. Taken with room: 130 for 127, a factor
-  // 1 + 2^-16, and each sum's rounding counted twice (2u: AMX tiles sum in an order of their own, rounding as they do).
+  // copy): scale / 2 from the weight and 2^-9 |x| 127 scale from the input, both. Taken with room: 130 for 127, a
+  // factor 1 + 2^-16, and each sum's rounding counted twice (2u: AMX tiles sum in an order of their own, rounding as
+  // they do).
   const double rounded_inputs = int8_pairs ? 130.0 / 512.0 : 0.0;
   const double error = (0.5 + rounded_inputs + 260.0 * double(K + 2) / double(1 << 24)) * (1.0 + 1.0 / (1 << 16));
   const float* s = scale.data_ptr<float>();

@@ -1,5 +1,6 @@
 """What the in-process A/B scripts share: their arguments, [float32 | bfloat16] [prompts] [output.json], checked in
-one line each (an existing output file is refused: nothing is overwritten), their alternating loop and the goal
+one line each (an existing output file is refused: nothing is overwritten; new_output, which the probes beside them
+call too), their alternating loop and the goal
 bench's dynamic tree of the bundled drafter."""
 import sys
 import time
@@ -17,10 +18,15 @@ def ab_arguments(argv: list[str], script: str) -> tuple[str, int, str | None]:
     """(dtype name, prompts, output path or None) of `argv`, or exit with the usage line of `script`."""
     if len(argv) > 3 or (argv and argv[0] not in DTYPES) or (len(argv) > 1 and not argv[1].isdigit()):
         sys.exit(f"usage: python scripts/jobs/{script} [{' | '.join(DTYPES)}] [prompts] [output.json]")
-    if len(argv) > 2 and Path(argv[2]).exists():
-        sys.exit(f"error: {argv[2]} exists: give a new output path (nothing is overwritten)")
     return (argv[0] if argv else "float32", int(argv[1]) if len(argv) > 1 else 12,
-            argv[2] if len(argv) > 2 else None)
+            new_output(argv[2] if len(argv) > 2 else None))
+
+
+def new_output(path: str | None) -> str | None:
+    """`path` (None: no output), or exit in one line where it exists: nothing is overwritten."""
+    if path is not None and Path(path).exists():
+        sys.exit(f"error: {path} exists: give a new output path (nothing is overwritten)")
+    return path
 
 
 def alternating_rates(prompts: list, arms: tuple[str, ...], set_arm: Callable[[str], None],

@@ -44,7 +44,8 @@ def main() -> None:
             start = time.perf_counter()
             torch.ops.draftsmith.greedy_head(rows, copies[name], head.scale, head.weight)
             times[name, width].append(time.perf_counter() - start)
-    print(f"{cpu_model()}: the greedy head, cold (rows_apart: {head.rows_apart}, wide copy from {head.wide_from_rows} rows)")
+    print(f"{cpu_model()}: the greedy head, cold (rows_apart: {head.rows_apart}, "
+          f"wide copy from {head.wide_from_rows} rows)")
     table = {f"{name} {width}": {"median_ms": 1000 * statistics.median(seconds),
                                   "p10_ms": 1000 * sorted(seconds)[CALLS // 10]}
              for (name, width), seconds in times.items()}

@@ -35,7 +35,9 @@ def arm_copies(head, rows: int | None) -> dict[str, tuple]:
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
-    rows = int(argv.pop()) if len(argv) == 4 and argv[3].isdigit() else None
+    if len(argv) == 4 and not argv[3].isdigit():
+        sys.exit("usage: python scripts/jobs/greedy_wide_ab.py [float32] [prompts] [output.json] [rows]")
+    rows = int(argv.pop()) if len(argv) == 4 else None
     name, count, output = ab_arguments(argv, "greedy_wide_ab.py")
     if name != "float32" or kernel_isa() != KernelIsa.AVX512_AMX:
         sys.exit("error: the int8 pairs are the AMX tiles' copy of a float32 target's greedy head: float32 on AMX")

@@ -1,7 +1,8 @@
 // What the hardware allows a verify's linear layers: a 512 MB stream (each of 2 threads its half) with F fused
-// multiply-adds per vector of each 64-byte line loaded (AVX-512: one vector a line; AVX2: two) (F = 0, 8, 16: a float32 verify of F rows multiplies each weight F times),
-// with the line requested DIST lines ahead (HINT 0: into L1, 1: into L2) and without, and the same multiply-adds over
-// 256 KB in cache (their compute alone, scaled to the stream's lines). Best of 7 each; one JSON line per F.
+// multiply-adds per vector of each 64-byte line loaded (AVX-512: one vector a line; AVX2: two) (F = 0, 8, 16: a
+// float32 verify of F rows multiplies each weight F times), with the line requested DIST lines ahead (HINT 0: into
+// L1, 1: into L2) and without, and the same multiply-adds over 256 KB in cache (their compute alone, scaled to the
+// stream's lines). Best of 7 each; one JSON line per F.
 //   stream_overlap_probe DIST HINT
 #include <immintrin.h>
 #include <omp.h>

@@ -1,18 +1,22 @@
 """What this machine allows a float32 verify's linear layers: how much of F multiply-adds per weight line hides under
-a weight stream (scripts/jobs/stream_overlap_probe.cpp, built here with g++ -O3 -march=native -fopenmp; AVX-512 or AVX2:
-there F multiply-adds on each of a line's two vectors). For F = 0, 8, 16 (a verify of F rows) it times a 512 MB stream on 2 threads, with each line requested ahead
-(into L1 at 96 / 192 / 384 / 768 lines, into L2 at 192) and without, and the multiply-adds alone over data in cache;
-settings interleaved over 7 rounds, medians. T(F)/T(0) within one setting is the floor a verify's linear layers can
-reach on this machine with this access pattern (one load a line, F multiply-adds on it). Prints a table; writes JSON
-and the table beside it where an output path is given.
+a weight stream (scripts/jobs/stream_overlap_probe.cpp, built here with g++ -O3 -march=native -fopenmp; AVX-512 or
+AVX2: there F multiply-adds on each of a line's two vectors). For F = 0, 8, 16 (a verify of F rows) it times a 512 MB
+stream on 2 threads, with each line requested ahead (into L1 at 96 / 192 / 384 / 768 lines, into L2 at 192) and
+without, and the multiply-adds alone over data in cache; settings interleaved over 7 rounds, medians. T(F)/T(0)
+within one setting is the floor a verify's linear layers can reach on this machine with this access pattern (one
+load a line, F multiply-adds on it). Prints a table; writes JSON and the table beside it where an output path is
+given (an existing one is refused).
     scripts/jobs/quiet.sh python scripts/jobs/stream_overlap_probe.py [output.json]
 """
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from ab_arguments import new_output
 
 from draftsmith.eval.documents import cpu_model
 
@@ -28,14 +32,16 @@ def build(directory: Path) -> Path:
 
 
 def main() -> None:
+    output = new_output(sys.argv[1] if len(sys.argv) > 1 else None)
     with tempfile.TemporaryDirectory() as directory:
         binary = build(Path(directory))
         runs: dict[tuple, list[dict]] = {setting: [] for setting in SETTINGS}
         for _ in range(ROUNDS):
             for distance, hint in SETTINGS:
-                output = subprocess.run([str(binary), str(distance), str(hint)], check=True, capture_output=True,
-                                        text=True, env={"OMP_PROC_BIND": "close"}).stdout
-                runs[distance, hint].append({row["fmas_per_line"]: row for row in map(json.loads, output.splitlines())})
+                printed = subprocess.run([str(binary), str(distance), str(hint)], check=True, capture_output=True,
+                                         text=True, env={**os.environ, "OMP_PROC_BIND": "close"}).stdout
+                rows = map(json.loads, printed.splitlines())
+                runs[distance, hint].append({row["fmas_per_line"]: row for row in rows})
     table = {}
     for (distance, hint), rounds in runs.items():
         label = f"{distance} lines ahead into {'L1' if hint == 0 else 'L2'}"
@@ -52,9 +58,9 @@ def main() -> None:
         lines.append(f"| {label} | {t[0]:.1f} | {t[8]:.1f} | {t[16]:.1f} | {t[8] / t[0]:.2f} | {t[16] / t[0]:.2f} | "
                      f"{row[8]['compute_ms']:.1f} / {row[16]['compute_ms']:.1f} |")
     print("\n".join(lines))
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(json.dumps({"cpu": cpu_model(), "rounds": ROUNDS, "ms": table}, indent=1))
-        Path(sys.argv[1]).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    if output:
+        Path(output).write_text(json.dumps({"cpu": cpu_model(), "rounds": ROUNDS, "ms": table}, indent=1))
+        Path(output).with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ the linear layers (draftsmith::linear), the greedy head (draftsmith::greedy_head
 inductor's generated kernels (norms, rotary and the cache write, SiLU, residuals), allocations (aten::empty) and the
 rest of the profiled wall time (dispatch, the profiler's own cost, and what the ops' events leave out), beside the
 same forward's wall time unprofiled. Prints a table; writes JSON and the table
-beside it where an output path is given.
+beside it where an output path is given (an existing one is refused).
     scripts/jobs/quiet.sh python scripts/jobs/verify_parts_probe.py [output.json]
 """
 import collections
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from ab_arguments import new_output
 from torch.profiler import ProfilerActivity, profile
 
 from draftsmith.eval.documents import cpu_model
@@ -51,6 +52,7 @@ def profiled_parts(target: TargetModel, cache, past: int, width: int) -> dict[st
 
 @torch.inference_mode()
 def main() -> None:
+    output = new_output(sys.argv[1] if len(sys.argv) > 1 else None)
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
     target = base.with_backend(Backend.COMPILED, CompileSettings(buckets=list(WIDTHS), capacity=1024,
@@ -65,7 +67,8 @@ def main() -> None:
             parts = profiled_parts(target, cache, past, width)
             if round_ >= WARMUP:
                 runs[width].append(parts)
-    table = {width: {key: statistics.median(run.get(key, 0.0) for run in rows) for key in ("unprofiled", "wall", *ORDER)}
+    keys = ("unprofiled", "wall", *ORDER)
+    table = {width: {key: statistics.median(run.get(key, 0.0) for run in rows) for key in keys}
              for width, rows in runs.items()}
     head = (f"{cpu_model()} (kernels {kernel_isa()}, 2 threads), {CONTEXT} cached tokens, medians of {ROUNDS} "
             "profiled forwards and as many unprofiled, ms")
@@ -76,10 +79,10 @@ def main() -> None:
         lines.append(f"| {width} | {row['unprofiled']:.1f} | {ratio:.2f} | {row['wall']:.1f} | "
                      + " | ".join(f"{row[key]:.2f}" for key in ORDER) + " |")
     print("\n".join(lines))
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(json.dumps({"cpu": cpu_model(), "kernel_isa": str(kernel_isa()), "context": CONTEXT,
+    if output:
+        Path(output).write_text(json.dumps({"cpu": cpu_model(), "kernel_isa": str(kernel_isa()), "context": CONTEXT,
                                                  "rounds": ROUNDS, "ms": table}, indent=1))
-        Path(sys.argv[1]).with_suffix(".md").write_text("\n".join(lines) + "\n")
+        Path(output).with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
