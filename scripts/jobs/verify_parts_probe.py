@@ -4,8 +4,10 @@ widths interleaved so the machine's minute-to-minute rate hits every width alike
 the linear layers (draftsmith::linear), the greedy head (draftsmith::greedy_head), attention (draftsmith::attention),
 inductor's generated kernels (norms, rotary and the cache write, SiLU, residuals), allocations (aten::empty) and the
 rest of the profiled wall time (dispatch, the profiler's own cost, and what the ops' events leave out), beside the
-same forward's wall time unprofiled. Prints a table; writes JSON and the table
-beside it where an output path is given (an existing one is refused).
+same forward's wall time unprofiled and the wall time of the package built without the kernels' profiling (the
+engine's own: the profiling build's records cost ~8 ms a forward on the Xeon, flat in the width; T(w)/T(1) is of this
+one). Prints a table; writes JSON and the table beside it where an output path is given (an existing one is
+refused).
     scripts/jobs/quiet.sh python scripts/jobs/verify_parts_probe.py [output.json]
 """
 import collections
@@ -35,9 +37,8 @@ def part_of(name: str) -> str:
     return PARTS.get(name, "generated kernels" if name.startswith("graph_") else "other ops")
 
 
-def profiled_parts(target: TargetModel, cache, past: int, width: int) -> dict[str, float]:
-    """Milliseconds per part of one forward of `width` random tokens (the cache restored afterwards)."""
-    ids = torch.randint(0, target.model.get_output_embeddings().out_features, (1, width))
+def profiled_parts(target: TargetModel, cache, past: int, ids: torch.Tensor) -> dict[str, float]:
+    """Milliseconds per part of one forward of `ids` (the cache restored afterwards)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         wall = forward_seconds(target, cache, ids)
     target.truncate(cache, past)
@@ -50,33 +51,47 @@ def profiled_parts(target: TargetModel, cache, past: int, width: int) -> dict[st
     return {"unprofiled": 1000 * unprofiled, "wall": 1000 * wall, **parts}
 
 
+def engine_ms(target: TargetModel, cache, past: int, ids: torch.Tensor) -> float:
+    """Milliseconds of one forward of `ids` (the cache restored afterwards)."""
+    seconds = forward_seconds(target, cache, ids)
+    target.truncate(cache, past)
+    return 1000 * seconds
+
+
+def compiled_with_cache(base: TargetModel, kernel_profile: bool) -> tuple[TargetModel, object, int]:
+    """The compiled target (its kernels profiled or not), a cache holding the context, and the context's length."""
+    target = base.with_backend(Backend.COMPILED, CompileSettings(buckets=list(WIDTHS), capacity=1024,
+                                                                 kernel_profile=kernel_profile))
+    target.prepare(WIDTHS)
+    cache = target.new_cache(CONTEXT + max(WIDTHS))
+    target.forward(mt_bench_context(base.tokenizer, CONTEXT), cache)
+    return target, cache, target.cache_length(cache)
+
+
 @torch.inference_mode()
 def main() -> None:
     output = new_output(sys.argv[1] if len(sys.argv) > 1 else None)
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    target = base.with_backend(Backend.COMPILED, CompileSettings(buckets=list(WIDTHS), capacity=1024,
-                                                                 kernel_profile=True))
-    target.prepare(WIDTHS)
-    cache = target.new_cache(CONTEXT + max(WIDTHS))
-    target.forward(mt_bench_context(base.tokenizer, CONTEXT), cache)
-    past = target.cache_length(cache)
+    profiled, engine = compiled_with_cache(base, True), compiled_with_cache(base, False)
+    vocab = base.model.get_output_embeddings().out_features
     runs = {width: [] for width in WIDTHS}
     for round_ in range(WARMUP + ROUNDS):
         for width in WIDTHS:
-            parts = profiled_parts(target, cache, past, width)
+            ids = torch.randint(0, vocab, (1, width))
+            parts = profiled_parts(*profiled, ids) | {"engine": engine_ms(*engine, ids)}
             if round_ >= WARMUP:
                 runs[width].append(parts)
-    keys = ("unprofiled", "wall", *ORDER)
+    keys = ("engine", "unprofiled", "wall", *ORDER)
     table = {width: {key: statistics.median(run.get(key, 0.0) for run in rows) for key in keys}
              for width, rows in runs.items()}
-    head = (f"{cpu_model()} (kernels {kernel_isa()}, 2 threads), {CONTEXT} cached tokens, medians of {ROUNDS} "
-            "profiled forwards and as many unprofiled, ms")
-    lines = [head, "", "| w | unprofiled | T(w)/T(1) | profiled | " + " | ".join(ORDER) + " |",
-             "|---|---|---|---|" + "---|" * len(ORDER)]
+    head = (f"{cpu_model()} (kernels {kernel_isa()}, 2 threads), {CONTEXT} cached tokens, medians of {ROUNDS}: the "
+            "engine's package (T(w)), the profiling build unprofiled and profiled (its parts), ms")
+    lines = [head, "", "| w | T(w) | T(w)/T(1) | profiling build | profiled | " + " | ".join(ORDER) + " |",
+             "|---|---|---|---|---|" + "---|" * len(ORDER)]
     for width, row in table.items():
-        ratio = row["unprofiled"] / table[WIDTHS[0]]["unprofiled"]
-        lines.append(f"| {width} | {row['unprofiled']:.1f} | {ratio:.2f} | {row['wall']:.1f} | "
+        ratio = row["engine"] / table[WIDTHS[0]]["engine"]
+        lines.append(f"| {width} | {row['engine']:.1f} | {ratio:.2f} | {row['unprofiled']:.1f} | {row['wall']:.1f} | "
                      + " | ".join(f"{row[key]:.2f}" for key in ORDER) + " |")
     print("\n".join(lines))
     if output:
