@@ -276,6 +276,19 @@ def split_bf16(weight: torch.Tensor) -> torch.Tensor:
     return torch.stack([high, low], dim=-1).view(weight.shape[0], 2 * weight.shape[1])
 
 
+QUAD_COLUMNS, QUAD_STEP = 16, 64  # an AMX int8 tile's columns and the inputs a tile step takes
+
+
+def pack_quads(quantized: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 rows -> the AMX int8 tiles' column tiles (ceil(N/16), K'/4, 16, 4), K' = K padded to 64: each tile
+    of 16 columns one contiguous stream, its inputs in quads (the greedy head's INT8_QUADS copy). Padding is zero."""
+    n, k = quantized.shape
+    tiles, padded = -(-n // QUAD_COLUMNS), -(-k // QUAD_STEP) * QUAD_STEP
+    out = quantized.new_zeros((tiles * QUAD_COLUMNS, padded))
+    out[:n, :k] = quantized
+    return out.view(tiles, QUAD_COLUMNS, padded // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight, float32 scale per output row): symmetric, round to nearest."""
     weight = weight.detach().float()
@@ -315,6 +328,12 @@ class WideCopy(TextEnum):
     """The greedy head's copy for a forward of several rows."""
     BF16 = "bf16"  # the head's rows rounded to bf16, on the bf16 dot products (half a float32 head's bytes)
     INT8_PAIRS = "int8 pairs"  # the int8 rows in input pairs, widened to bf16 on AMX tiles (a quarter of its bytes)
+    INT8_QUADS = "int8 quads"  # the int8 rows in column tiles, times the inputs' two int8 halves on AMX int8 tiles
+
+    @property
+    def amx_only(self) -> bool:
+        """Whether only AMX tiles read this copy (elsewhere the head reads its int8 rows)."""
+        return self is not WideCopy.BF16
 
 
 # From how many rows the greedy head's approximate logits come from its wide copy instead of the int8 rows on vector
@@ -322,18 +341,18 @@ class WideCopy(TextEnum):
 # threads, SmolLM2's head alone, cold, medians: results/engine_kernels_zen4/greedy_head_rows/): int8 0.63 / 0.67 /
 # 0.89 / 1.17 / 1.28 / 2.25 ms at 1 / 4 / 6 / 8 / 9 / 16 rows, bf16 1.20 / 1.22 / 1.30 / 1.34 / 1.35 / 1.75 (10th
 # percentiles cross at 8): the int8 copy streams half the bytes and its multiply-adds fit under its stream up to
-# about 8 rows. With AMX the tiles are nearly flat in the rows, and the int8 rows widened to bf16 on the way in stream
-# half the bf16 copy's bytes (the Xeon, the same probe, results/engine_kernels_xeon/greedy_head_rows/): int8 pairs
-# 2.78 / 3.41 / 3.62 / 3.77 / 4.47 ms at 1 / 7 / 8 / 9 / 16 rows, bf16 3.19 / 3.84 / 3.93 / 3.97 / 4.65, int8 on
-# multiply-adds 1.79 / 3.55 / 3.91 / 4.31 / 7.59 (crossing at 7). Decoding with the bundled drafter's int8 tree
-# (scripts/jobs/greedy_wide_ab.py, two runs): the pairs from 9 rows 3.4-3.8% faster than the bf16 copy from 10, from
-# 7 rows 7.2-7.8% faster than from 9: the pairs from 7.
-GREEDY_WIDE = {"avx512_bf16": (8, WideCopy.BF16), "avx512_amx": (7, WideCopy.INT8_PAIRS)}
+# about 8 rows. With AMX (the Xeon, the same probe, results/engine_kernels_xeon/greedy_head_rows/) the int8 rows in
+# column tiles times the inputs' int8 halves, summed in integers, cost less than every other copy at every width:
+# 1.27 / 1.45 / 1.51 / 2.01 ms at 1 / 4 / 8 / 16 rows, int8 on multiply-adds 1.35 / 1.65 / 2.57 / 4.82, int8 pairs
+# widened to bf16 1.84 / 2.32 / 2.56 / 2.78 (nothing widened, no float sums): the quads from one row.
+GREEDY_WIDE = {"avx512_bf16": (8, WideCopy.BF16), "avx512_amx": (1, WideCopy.INT8_QUADS)}
 
 
 def wide_copy(wide: WideCopy, weight: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
-    """The greedy head's wide copy, packed: bf16 rows in pairs, or its int8 rows (`quantized`) in pairs."""
-    return pack_weight(weight.to(torch.bfloat16)) if wide is WideCopy.BF16 else pack_weight(quantized, 2)
+    """The greedy head's wide copy, packed: bf16 rows in pairs, or its int8 rows (`quantized`) in pairs or quads."""
+    if wide is WideCopy.BF16:
+        return pack_weight(weight.to(torch.bfloat16))
+    return pack_weight(quantized, 2) if wide is WideCopy.INT8_PAIRS else pack_quads(quantized)
 
 
 class GreedyHead(nn.Module):
@@ -342,10 +361,12 @@ class GreedyHead(nn.Module):
 
     Approximate logits a_j come from the head's rows rounded to int8 (a scale s_j = max|w_j| / 127 per row, round to
     nearest), or, where the forward has GREEDY_WIDE's rows, from its wide copy: rows and inputs rounded to bfloat16, or
-    (AMX) the int8 rows times inputs rounded to bfloat16. |a_j - x . w_j| <= s_j * sum_k |x_k| * (c + 127 (K + 2)
-    2^-24): an int8 weight is within s_j / 2 of its float (c = 1/2); a bf16 product within 2^-8 |x_k w_jk| <= 2^-8 127
-    s_j |x_k| (c = 1/2 covers it); an int8 weight times a bf16 input adds 2^-9 127 s_j |x_k| (c = 1/2 + 127/512); the
-    rest bounds the float32 sums. Every row j whose upper bound reaches the largest lower bound could hold the
+    (AMX) the int8 rows times inputs rounded to bfloat16 or times the inputs as X = round(x / s_x), s_x = max|x| /
+    (127 * 128), in two int8 halves (X = 128 hi + lo) summed in integers. |a_j - x . w_j| <= s_j * sum_k |x_k| * (c +
+    127 (K + 2) 2^-24): an int8 weight is within s_j / 2 of its float (c = 1/2); a bf16 product within 2^-8 |x_k w_jk|
+    <= 2^-8 127 s_j |x_k| (c = 1/2 covers it); an int8 weight times a bf16 input adds 2^-9 127 s_j |x_k| (c = 1/2 +
+    127/512); the rest bounds the float32 sums. The int8 halves add s_j * 64 K s_x instead (|x_k - s_x X_k| <= 0.504
+    s_x, |q_jk| <= 127). Every row j whose upper bound reaches the largest lower bound could hold the
     largest exact logit; each is recomputed in float64 (the inputs in a fixed order: its value does not depend on what
     else the forward holds) and replaces a_j. On SmolLM2 a few rows of 49,152 are recomputed a token (means 6 and 15 at
     c = 1/2 and 3/4 over 250 MT-Bench positions). So the greedy token is the exact logits' argmax (float64 to float32,
@@ -378,9 +399,10 @@ class GreedyHead(nn.Module):
 
     def copy_for(self, rows: int) -> torch.Tensor:
         """The packed copy a forward of `rows` rows streams: the int8 one where the kernels now run an instruction set
-        that does not read the wide one (the int8 pairs are the AMX tiles': kernels_on, a bench's kernel_isa=)."""
+        that does not read the wide one (the int8 pairs and quads are the AMX tiles': kernels_on, a bench's
+        kernel_isa=)."""
         wide = self.wide_from_rows is not None and rows >= self.wide_from_rows
-        if wide and self.wide is WideCopy.INT8_PAIRS and kernel_isa() != KernelIsa.AVX512_AMX:
+        if wide and self.wide.amx_only and kernel_isa() != KernelIsa.AVX512_AMX:
             return self.packed
         return self.packed_wide if wide else self.packed
 

@@ -28,7 +28,7 @@ from draftsmith.errors import UserError
 from draftsmith.config import ConfigError
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, KernelIsa, WeightPrecision,
                                        available_isas, frozen_linear, invariant_model, kernel_isa, kernels_on,
-                                       load_kernels, pack_weight, quantize_int8, split_bf16)
+                                       load_kernels, pack_quads, pack_weight, quantize_int8, split_bf16)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -367,7 +367,7 @@ def test_every_instruction_set_is_batch_invariant(isa):
     """Each instruction set this CPU runs (forced through DRAFTSMITH_KERNEL_ISA in a fresh process)."""
     script = (
         "import torch\n"
-        "from draftsmith.models.kernels import load_kernels, kernel_isa, pack_weight, quantize_int8\n"
+        "from draftsmith.models.kernels import load_kernels, kernel_isa, pack_quads, pack_weight, quantize_int8\n"
         f"load_kernels(); assert kernel_isa() == {isa!r}, kernel_isa()\n"
         "g = torch.Generator().manual_seed(0)\n"
         "for dtype in (torch.float32, torch.bfloat16, torch.int8):\n"
@@ -385,13 +385,13 @@ def test_every_instruction_set_is_batch_invariant(isa):
         # two passes up to 18)
         "w = torch.randn(301, 77, generator=g); w[1::2] = w[::2][:150]; x = torch.randn(12, 77, generator=g)\n"
         "exact = (x.double() @ w.double().T).float().argmax(-1); q8, s = quantize_int8(w)\n"
-        "amx = kernel_isa() == 'avx512_amx'; pairs = pack_weight(q8, 2)\n"
-        "for p in [pack_weight(q8), pack_weight(w.bfloat16())] + ([pairs] if amx else []):\n"
+        "amx = kernel_isa() == 'avx512_amx'; tiles = [pack_weight(q8, 2), pack_quads(q8)]\n"
+        "for p in [pack_weight(q8), pack_weight(w.bfloat16())] + (tiles if amx else []):\n"
         "    full = torch.ops.draftsmith.greedy_head(x, p, s, w); assert torch.equal(full.argmax(-1), exact)\n"
         "    for r in range(12): assert torch.equal(torch.ops.draftsmith.greedy_head(x[r:r + 1], p, s, w), "
         "full[r:r + 1])\n"
-        "if not amx:\n"  # the int8 pairs are the tiles' copy: refused elsewhere
-        "    try: torch.ops.draftsmith.greedy_head(x, pairs, s, w); raise AssertionError('ran')\n"
+        "for p in ([] if amx else tiles):\n"  # the int8 pairs and quads are the tiles' copies: refused elsewhere
+        "    try: torch.ops.draftsmith.greedy_head(x, p, s, w); raise AssertionError('ran')\n"
         "    except RuntimeError as error: assert 'AMX tiles' in str(error), error\n"
         "q, k, v = torch.randn(1, 4, 6, 40, generator=g), torch.randn(1, 2, 50, 40, generator=g), "
         "torch.randn(1, 2, 50, 40, generator=g)\n"
@@ -441,13 +441,14 @@ def exact_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @given(rows=st.integers(2, 20), n=st.integers(2, 400), k=st.integers(1, 300),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99))
 def test_greedy_head_argmax_is_the_exact_argmax_at_any_width(rows, n, k, dtype, seed):
-    """Every approximation (int8 weights; bf16 weights and inputs; on AMX int8 weights in pairs times bf16 inputs)
-    gives the exact argmax, and a row is the same bits whatever the rows beside it."""
+    """Every approximation (int8 weights; bf16 weights and inputs; on AMX int8 weights in pairs times bf16 inputs, and
+    in quads times the inputs' int8 halves) gives the exact argmax, and a row is the same bits whatever the rows
+    beside it."""
     weight, x = near_tie_head(n, k, rows, dtype, seed)
     quantized, scale = quantize_int8(weight.float())
     expected = exact_argmax(x, weight)
-    pairs = [pack_weight(quantized, 2)] if kernel_isa() == "avx512_amx" else []
-    for packed in [pack_weight(quantized), pack_weight(weight.to(torch.bfloat16)), *pairs]:
+    tiles = [pack_weight(quantized, 2), pack_quads(quantized)] if kernel_isa() == "avx512_amx" else []
+    for packed in [pack_weight(quantized), pack_weight(weight.to(torch.bfloat16)), *tiles]:
         full = torch.ops.draftsmith.greedy_head(x, packed, scale, weight)
         assert full.dtype == torch.float32 and full.shape == (rows, n)
         assert torch.equal(full.argmax(-1), expected)

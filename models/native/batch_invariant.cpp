@@ -367,7 +367,7 @@ inline V vdpbf16(V acc, uint32_t pair, const uint16_t* w) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace isa_amx {
 // A linear layer with bfloat16 weights and inputs on AMX: tdpbf16ps accumulates each element of a (up to) 16 x 16
 // float32 tile from its own row of inputs and column of weights, 32 inputs (16 pairs) an instruction, whatever the
@@ -551,14 +551,113 @@ void linear_split(const float* x, int64_t M, int64_t K, const uint16_t* packed, 
   tile_panels(high.data(), low.data(), M, K, packed, N, store);
 }
 
-// AMX tiles with bf16 products, and this process allowed to use them (Linux asks each process to request the
-// tiles' state: arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
+// The greedy head's approximate logits on AMX int8 tiles, nothing widened: each input row quantized to X = round(x /
+// s_x) with s_x = max|x| / QUAD_SPAN, split X = 128 hi + lo (hi in [-127, 127], lo in [-64, 64]), and both int8
+// halves multiplied by the int8 weights with tdpbssd, summed in int32 exactly: a[j] = scale[j] s_x (128 H_j + L_j), in
+// float64 and rounded once. Integer sums have no order: a row's logits are the same at any row count. The weights are
+// in column tiles (ceil(N / 16), K' / 4, 16, 4), K' = K padded to 64 with zeros: one tile's stream is contiguous.
+// |x - s_x X| <= 0.504 s_x (the rounding, and the float product x / s_x), so |exact - a[j]| <= scale[j] (sum|x| / 2 +
+// 0.504 s_x sum_k |q_jk|) <= scale[j] (sum|x| / 2 + 64 K s_x): greedy_head adds the second term per row.
+constexpr float QUAD_SPAN = 127.0f * 128.0f;
+constexpr int64_t QUAD_STEP = 64;  // inputs a tile step takes (16 quads)
+constexpr int64_t QUAD_AHEAD = 8;  // steps (1 KB each) a column tile's weights are requested ahead, into L2
+
+inline int64_t quad_padded(int64_t K) { return (K + QUAD_STEP - 1) / QUAD_STEP * QUAD_STEP; }
+
+// Row x (K) as its hi and lo int8 halves (`padded` bytes each, zero past K); returns s_x.
+inline float quantize_quad_row(const float* x, int64_t K, int64_t padded, int8_t* hi, int8_t* lo) {
+  __m512 largest = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 valid = __mmask16((1u << std::min<int64_t>(16, K - k)) - 1);
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_maskz_loadu_ps(valid, x + k)));
+  }
+  const float most = _mm512_reduce_max_ps(largest);
+  const float step = most > 0.0f && std::isfinite(most) ? most / QUAD_SPAN : 1.0f;
+  const __m512 inverse = _mm512_set1_ps(1.0f / step), span = _mm512_set1_ps(QUAD_SPAN);
+  const __m512 eighth = _mm512_set1_ps(1.0f / 128.0f), scale128 = _mm512_set1_ps(128.0f);
+  for (int64_t k = 0; k < padded; k += 16) {
+    const __mmask16 valid = __mmask16(k < K ? (1u << std::min<int64_t>(16, K - k)) - 1 : 0);
+    __m512 whole = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, x + k), inverse),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    whole = _mm512_min_ps(_mm512_max_ps(whole, _mm512_sub_ps(_mm512_setzero_ps(), span)), span);
+    const __m512 high = _mm512_roundscale_ps(_mm512_mul_ps(whole, eighth), _MM_FROUND_TO_NEAREST_INT |
+                                                                           _MM_FROUND_NO_EXC);
+    const __m512 low = _mm512_sub_ps(whole, _mm512_mul_ps(high, scale128));  // exact: integers below 2^24
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(high)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(low)));
+  }
+  return step;
+}
+
+// out[r * N + c] = scale[c] * steps[r] * (128 high + low) for a column tile's `columns` columns and `rows` rows.
+inline void quad_logits(const int32_t* high, const int32_t* low, int64_t rows, const float* steps, const float* scale,
+                        int64_t columns, float* out, int64_t N) {
+  const __mmask16 valid = __mmask16((1u << columns) - 1);
+  const __m512 scales = _mm512_maskz_loadu_ps(valid, scale);
+  const __m512d scales_low = _mm512_cvtps_pd(_mm512_castps512_ps256(scales));
+  const __m512d scales_high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(scales), 1)));
+  const __m512d times = _mm512_set1_pd(128.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i h = _mm512_loadu_si512(high + r * COLUMNS), l = _mm512_loadu_si512(low + r * COLUMNS);
+    const __m512d row_step = _mm512_set1_pd(double(steps[r]));
+    const __m512d first = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(h)), times,
+                                          _mm512_cvtepi32_pd(_mm512_castsi512_si256(l)));  // exact integers
+    const __m512d second = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(h, 1)), times,
+                                           _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(l, 1)));
+    const __m256 a = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(first, scales_low), row_step));
+    const __m256 b = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(second, scales_high), row_step));
+    _mm512_mask_storeu_ps(out + r * N, valid, _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1));
+  }
+}
+
+// out (M, N): the approximate logits of x (M, K) float32 from the int8 column tiles; `steps` gets each row's s_x.
+void greedy_quads(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N, const float* scale,
+                  float* out, float* steps) {
+  const int64_t padded = quad_padded(K), tile_steps = padded / QUAD_STEP, blocks = (M + ROWS - 1) / ROWS;
+  const int64_t tiles = (N + COLUMNS - 1) / COLUMNS, tile_size = padded * COLUMNS, step_size = QUAD_STEP * COLUMNS;
+  std::vector<int8_t> high(size_t(M * padded)), low(size_t(M * padded));
+  for (int64_t m = 0; m < M; ++m)
+    steps[m] = quantize_quad_row(x + m * K, K, padded, high.data() + m * padded, low.data() + m * padded);
+#pragma omp parallel if (tiles > 1)
+  {
+    int configured = 0;
+    alignas(64) int32_t sums[2][ROWS * COLUMNS];
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int8_t* weights = packed + t * tile_size;
+      const int64_t column = t * COLUMNS;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t rows = std::min<int64_t>(ROWS, M - b * ROWS);
+        if (rows != configured) configure_tiles(configured = int(rows));
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t s = 0; s < tile_steps; ++s) {
+          const char* ahead = reinterpret_cast<const char*>(weights + (s + QUAD_AHEAD) * step_size);
+          for (int64_t line = 0; b == 0 && line < step_size; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+          _tile_loadd(2, high.data() + b * ROWS * padded + s * QUAD_STEP, padded);
+          _tile_loadd(3, low.data() + b * ROWS * padded + s * QUAD_STEP, padded);
+          _tile_loadd(4, weights + s * step_size, COLUMNS * 4);
+          _tile_dpbssd(0, 2, 4);
+          _tile_dpbssd(1, 3, 4);
+        }
+        _tile_stored(0, sums[0], COLUMNS * sizeof(int32_t));
+        _tile_stored(1, sums[1], COLUMNS * sizeof(int32_t));
+        quad_logits(sums[0], sums[1], rows, steps + b * ROWS, scale + column, std::min<int64_t>(COLUMNS, N - column),
+                    out + b * ROWS * N + column, N);
+      }
+    }
+    _tile_release();
+  }
+}
+
+// AMX tiles with bf16 and int8 products, and this process allowed to use them (Linux asks each process to request
+// the tiles' state: arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
 bool usable() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool tiles = edx & (1u << 24), bf16 = edx & (1u << 22);
+  const bool tiles = edx & (1u << 24), bf16 = edx & (1u << 22), int8 = edx & (1u << 25);
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return tiles && bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return tiles && bf16 && int8 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 }  // namespace isa_amx
 #pragma GCC pop_options
@@ -748,8 +847,9 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Te
 
 // The greedy head (invariant_impl.h's greedy_head_rows): approximate logits from int8 weights (`scale` their scale per
 // row), from bfloat16 weights and inputs (on AMX tiles where the kernels run them), or on AMX tiles from int8 weights
-// in pairs (packed 4-D: (panels, K / 2, PANEL, 2)) widened to bf16 times inputs rounded to bf16; then the columns that
-// could be the largest recomputed exactly.
+// in pairs (packed 4-D: (panels, K / 2, PANEL, 2)) widened to bf16 times inputs rounded to bf16, or in quads of
+// column tiles ((ceil(N / 16), K' / 4, 16, 4)) times float32 inputs split into two int8 halves (isa_amx::greedy_quads);
+// then the columns that could be the largest recomputed exactly.
 at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && weight.device().is_cpu(),
@@ -760,13 +860,17 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(-1),
               "draftsmith::greedy_head: the weight must be a contiguous (N, K) matrix over the inputs");
   const int64_t K = x.size(-1), N = weight.size(0);
-  const bool int8_pairs = pt == at::kChar && packed.dim() == 4;  // (panels, K / 2, PANEL, 2): the tiles' int8 copy
+  // 4-D int8: the tiles' copies, (panels, K / 2, PANEL, 2) in pairs or (ceil(N / 16), K' / 4, 16, 4) in quads
+  const int64_t tile_group = pt == at::kChar && packed.dim() == 4 ? packed.size(3) : 0;
+  const bool int8_pairs = tile_group == 2, int8_quads = tile_group == 4;
+  const int64_t elements = int8_quads ? (N + 15) / 16 * 16 * isa_amx::quad_padded(K)
+                                      : packed_elements(K, N, pt == at::kBFloat16 || int8_pairs ? 2 : 1);
   TORCH_CHECK((pt == at::kChar || pt == at::kBFloat16) && packed.is_contiguous() &&
-              packed.numel() == packed_elements(K, N, pt == at::kBFloat16 || int8_pairs ? 2 : 1),
+              (tile_group == 0 || int8_pairs || int8_quads) && packed.numel() == elements,
               "draftsmith::greedy_head: the packed int8 or bfloat16 weight does not match ", K, " inputs and ", N,
               " outputs");
-  TORCH_CHECK(!int8_pairs || isa() == Isa::Avx512Amx,
-              "draftsmith::greedy_head: int8 weights in pairs run on AMX tiles and the kernels here run ",
+  TORCH_CHECK(tile_group == 0 || isa() == Isa::Avx512Amx,
+              "draftsmith::greedy_head: int8 weights in pairs or quads run on AMX tiles and the kernels here run ",
               ISA_NAMES[int(isa())]);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
               "draftsmith::greedy_head: the int8 scale per output (max |w| / 127)");
@@ -776,17 +880,16 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor out = at::empty(sizes, x.options().dtype(at::kFloat));
   const int64_t M = K ? xc.numel() / K : 0;
   if (M == 0) return out;
-  // |exact - a[j]| <= scale[j] * sum|x| * (1/2 + 127 (K + 2) u), u = 2^-24: int8 weights are within scale / 2 of the
-  // exact ones; bfloat16 weights and inputs within 2^-9 of each, so a product within 2^-8 |x w| <= 2^-8 127 scale |x|
-  // (< 1/2); the rest is the float32 sums and the scale's product. Int8 weights times bf16 inputs (the tiles' int8
-  // copy): scale / 2 from the weight and 2^-9 |x| 127 scale from the input, both. Taken with room: 130 for 127, a
-  // factor 1 + 2^-16, and each sum's rounding counted twice (2u: AMX tiles sum in an order of their own, rounding as
-  // they do).
-  const double rounded_inputs = int8_pairs ? 130.0 / 512.0 : 0.0;
-  const double error = (0.5 + rounded_inputs + 260.0 * double(K + 2) / double(1 << 24)) * (1.0 + 1.0 / (1 << 16));
   const float* s = scale.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  if (pt == at::kBFloat16 || int8_pairs) {
+  std::vector<float> extra;  // per row, a reach added to sum|x| times the error constant (the quads' inputs)
+  if (int8_quads) {
+    std::vector<float> steps(static_cast<size_t>(M));
+    const at::Tensor inputs = xc.to(at::kFloat);  // (bfloat16 ones exactly)
+    isa_amx::greedy_quads(inputs.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), N, s, o, steps.data());
+    extra.resize(static_cast<size_t>(M));  // 64 K s_x (isa_amx's QUAD_SPAN says why), a factor 1 + 2^-16 of room
+    for (int64_t m = 0; m < M; ++m) extra[m] = float(64.0 * double(K) * double(steps[m]) * (1.0 + 1.0 / (1 << 16)));
+  } else if (pt == at::kBFloat16 || int8_pairs) {
     const at::Tensor rounded = xc.to(at::kBFloat16);
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(rounded.data_ptr());
     if (int8_pairs)
@@ -798,11 +901,20 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   } else {
     run_linear(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, packed.data_ptr<int8_t>(), N, s, nullptr, o);
   }
+  // |exact - a[j]| <= scale[j] * sum|x| * (1/2 + 127 (K + 2) u), u = 2^-24: int8 weights are within scale / 2 of the
+  // exact ones; bfloat16 weights and inputs within 2^-9 of each, so a product within 2^-8 |x w| <= 2^-8 127 scale |x|
+  // (< 1/2); the rest is the float32 sums and the scale's product. Int8 weights times bf16 inputs (the tiles' int8
+  // pairs): scale / 2 from the weight and 2^-9 |x| 127 scale from the input, both. Taken with room: 130 for 127, a
+  // factor 1 + 2^-16, and each sum's rounding counted twice (2u: AMX tiles sum in an order of their own, rounding as
+  // they do). The quads sum in integers (exact): scale / 2 from the weight, plus `extra` from the inputs' halves.
+  const double rounded_inputs = int8_pairs ? 130.0 / 512.0 : 0.0;
+  const double error = (0.5 + rounded_inputs + 260.0 * double(K + 2) / double(1 << 24)) * (1.0 + 1.0 / (1 << 16));
+  const float* more = extra.empty() ? nullptr : extra.data();
   if (xt == at::kFloat)
-    DISPATCH_ISA(greedy_head_rows(xc.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, s, error, o))
+    DISPATCH_ISA(greedy_head_rows(xc.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, s, error, more, o))
   else
     DISPATCH_ISA(greedy_head_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K,
-                                  reinterpret_cast<const uint16_t*>(weight.data_ptr()), N, s, error, o))
+                                  reinterpret_cast<const uint16_t*>(weight.data_ptr()), N, s, error, more, o))
   return out;
 }
 

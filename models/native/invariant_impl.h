@@ -1046,17 +1046,19 @@ inline double exact_dot(const T* x, const T* w, int64_t K) {
 }
 
 // out (M, N) holds the approximate logits of x (M, K); each row's candidates are replaced by their exact values.
-// `error` is the approximation's error constant (a bound on |exact - a[j]| over scale[j] * sum |x|).
+// `error` is the approximation's error constant (a bound on |exact - a[j]| over scale[j] * sum |x|); `extra` (null:
+// none) a reach per row added to sum |x| * error (a bound's term that does not scale with sum |x|).
 template <typename T>
 void greedy_head_rows(const T* x, int64_t M, int64_t K, const T* weight, int64_t N, const float* scale, double error,
-                      float* out) {
+                      const float* extra, float* out) {
 #pragma omp parallel for schedule(static) if (M > 1)
   for (int64_t m = 0; m < M; ++m) {
     const T* row_x = x + m * K;
     float* row = out + m * N;
     double l1 = 0.0;
     for (int64_t k = 0; k < K; ++k) l1 += std::fabs(double(x_value(row_x, k)));
-    const float reach = float(l1 * error * (1.0 + 1.0 / (1 << 20)));  // rounded up, with room
+    const double more = extra ? double(extra[m]) : 0.0;
+    const float reach = float((l1 * error + more) * (1.0 + 1.0 / (1 << 20)));  // rounded up, with room
     std::vector<int64_t> columns;
     head_candidates(row, scale, reach, largest_lower_bound(row, scale, reach, N), N, columns);
     for (int64_t j : columns) row[j] = float(exact_dot(row_x, weight + j * K, K));

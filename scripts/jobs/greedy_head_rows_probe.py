@@ -1,9 +1,8 @@
 """What SmolLM2-135M-Instruct's greedy head (models.kernels.GreedyHead, as the compiled float32 engine places it)
 costs at 1-16 rows from each of its copies (int8 rows; bf16 rows where the CPU has a bf16 dot product; int8 rows in
-pairs on AMX tiles), cold as in
-the decode loop (a 640 MB read before each call evicts it, as the decoder layers' stream does; more than the
-largest L3 these machines report, the Xeon's 300 MB), on final hidden states
-of a real prompt; widths and copies interleaved, 60 calls each, median and 10th percentile. Says whether the rows cost
+pairs and in quads on AMX tiles), cold as in the decode loop (a 640 MB read before each call evicts it, as the decoder
+layers' stream does; more than the largest L3 these machines report, the Xeon's 300 MB), on final hidden states of a
+real prompt; widths and copies interleaved, 60 calls each, median and 10th percentile. Says whether the rows cost
 less apart (GreedyHead.rows_apart, read by a greedy verify: models.engine.GreedyRows) and from how many rows the wide
 copies cost less (GREEDY_WIDE). Prints a table; writes JSON where an output path is given.
     scripts/jobs/quiet.sh python scripts/jobs/greedy_head_rows_probe.py [output.json]
@@ -21,7 +20,8 @@ from draftsmith.models.compiled import placed_greedy_head
 from draftsmith.models.kernels import WideCopy, kernel_isa, quantize_int8, wide_copy
 from draftsmith.models.target import TargetModel
 
-WIDE_COPIES = {"avx512_bf16": (WideCopy.BF16,), "avx512_amx": (WideCopy.BF16, WideCopy.INT8_PAIRS)}
+WIDE_COPIES = {"avx512_bf16": (WideCopy.BF16,),
+               "avx512_amx": (WideCopy.BF16, WideCopy.INT8_PAIRS, WideCopy.INT8_QUADS)}
 WIDTHS, CALLS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16), 60
 
 

@@ -1,9 +1,9 @@
-"""In-process A/B of the greedy head's wide copy on AMX: the bf16 rows from 10 rows (`bf16 from 10`) against the int8
-rows in pairs widened on the tiles from GREEDY_WIDE's rows (models.kernels). SmolLM2-135M-Instruct
-float32 on the compiled engine, plain decoding and the bundled drafter with int8 weights as its dynamic tree (verifies
-of up to 9 rows), MT-Bench first turns, 128 new tokens; per prompt both arms in alternating order, each arm's speedup
-over its own plain. Same tokens in every arm and method (checked). AMX CPUs only. With `rows`, the first arm is the
-int8 pairs from that many rows instead (where the pairs should start).
+"""In-process A/B of the greedy head's copies on AMX: GREEDY_WIDE's (models.kernels: the int8 quads from one row)
+against the int8 rows in pairs widened on the tiles from 7 rows (`int8 pairs from 7`, its copy before the quads).
+SmolLM2-135M-Instruct float32 on the compiled engine, plain decoding and the bundled drafter with int8 weights as its
+dynamic tree (verifies of up to 9 rows), MT-Bench first turns, 128 new tokens; per prompt both arms in alternating
+order, each arm's speedup over its own plain. Same tokens in every arm and method (checked). AMX CPUs only. With
+`rows`, the first arm is the int8 pairs from that many rows instead of 7.
     scripts/jobs/quiet.sh python scripts/jobs/greedy_wide_ab.py [float32] [prompts] [output.json] [rows]
 """
 import json
@@ -19,18 +19,17 @@ from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import KernelIsa, WeightPrecision, WideCopy, arena_zeros, kernel_isa, wide_copy
+from draftsmith.models.kernels import (KernelIsa, WeightPrecision, WideCopy, arena_zeros, kernel_isa,
+                                       quantize_int8, wide_copy)
 from draftsmith.models.target import TargetModel
 
 def arm_copies(head, rows: int | None) -> dict[str, tuple]:
-    """{arm: (wide copy, from rows, packed copy)}: the bf16 copy from 10 rows (or the int8 pairs from `rows`), and the
-    int8 pairs from GREEDY_WIDE's rows."""
-    pairs = {f"int8 pairs from {head.wide_from_rows}": (WideCopy.INT8_PAIRS, head.wide_from_rows, head.packed_wide)}
-    if rows is not None:
-        return {f"int8 pairs from {rows}": (WideCopy.INT8_PAIRS, rows, head.packed_wide)} | pairs
-    bf16 = wide_copy(WideCopy.BF16, head.weight, torch.empty(0))
-    bf16 = arena_zeros([bf16])[0].copy_(bf16)  # a weight arena of its own, as placed_greedy_head places the others
-    return {"bf16 from 10": (WideCopy.BF16, 10, bf16)} | pairs
+    """{arm: (wide copy, from rows, packed copy)}: the int8 pairs from `rows` (7 when None), and GREEDY_WIDE's copy."""
+    pairs_from = 7 if rows is None else rows
+    pairs = wide_copy(WideCopy.INT8_PAIRS, head.weight, quantize_int8(head.weight)[0])
+    pairs = arena_zeros([pairs])[0].copy_(pairs)  # a weight arena of its own, as placed_greedy_head places the others
+    return {f"int8 pairs from {pairs_from}": (WideCopy.INT8_PAIRS, pairs_from, pairs),
+            f"{head.wide} from {head.wide_from_rows}": (head.wide, head.wide_from_rows, head.packed_wide)}
 
 
 @torch.inference_mode()
@@ -40,7 +39,8 @@ def main(argv: list[str]) -> None:
     rows = int(argv.pop()) if len(argv) == 4 else None
     name, count, output = ab_arguments(argv, "greedy_wide_ab.py")
     if name != "float32" or kernel_isa() != KernelIsa.AVX512_AMX:
-        sys.exit("error: the int8 pairs are the AMX tiles' copy of a float32 target's greedy head: float32 on AMX")
+        sys.exit("error: the int8 pairs and quads are the AMX tiles' copies of a float32 target's greedy head: "
+                 "float32 on AMX")
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
     target = base.with_backend(Backend.COMPILED, CompileSettings())
