@@ -556,8 +556,9 @@ void linear_split(const float* x, int64_t M, int64_t K, const uint16_t* packed, 
 // halves multiplied by the int8 weights with tdpbssd, summed in int32 exactly: a[j] = scale[j] s_x (128 H_j + L_j), in
 // float64 and rounded once. Integer sums have no order: a row's logits are the same at any row count. The weights are
 // in column tiles (ceil(N / 16), K' / 4, 16, 4), K' = K padded to 64 with zeros: one tile's stream is contiguous.
-// |x - s_x X| <= 0.504 s_x (the rounding, and the float product x / s_x), so |exact - a[j]| <= scale[j] (sum|x| / 2 +
-// 0.504 s_x sum_k |q_jk|) <= scale[j] (sum|x| / 2 + 64 K s_x): greedy_head adds the second term per row.
+// |x - s_x X| <= 0.503 s_x (the rounding; x times 1 / s_x in float32: 3 x 16256 x 2^-24), so |exact - a[j]| <=
+// scale[j] (sum|x| / 2 + 0.503 s_x sum_k |q_jk|) <= scale[j] (sum|x| / 2 + 64 K s_x) (127 x 0.503 < 64): greedy_head
+// adds the second term per row. The int32 sums hold K up to 2^31 / 127^2 (133,000 inputs).
 constexpr float QUAD_SPAN = 127.0f * 128.0f;
 constexpr int64_t QUAD_STEP = 64;  // inputs a tile step takes (16 quads)
 constexpr int64_t QUAD_AHEAD = 8;  // steps (1 KB each) a column tile's weights are requested ahead, into L2
