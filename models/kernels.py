@@ -342,9 +342,10 @@ class WideCopy(TextEnum):
 # 0.89 / 1.17 / 1.28 / 2.25 ms at 1 / 4 / 6 / 8 / 9 / 16 rows, bf16 1.20 / 1.22 / 1.30 / 1.34 / 1.35 / 1.75 (10th
 # percentiles cross at 8): the int8 copy streams half the bytes and its multiply-adds fit under its stream up to
 # about 8 rows. With AMX (the Xeon, the same probe, results/engine_kernels_xeon/greedy_head_rows/) the int8 rows in
-# column tiles times the inputs' int8 halves, summed in integers, cost less than every other copy at every width:
-# 1.27 / 1.45 / 1.51 / 2.01 ms at 1 / 4 / 8 / 16 rows, int8 on multiply-adds 1.35 / 1.65 / 2.57 / 4.82, int8 pairs
-# widened to bf16 1.84 / 2.32 / 2.56 / 2.78 (nothing widened, no float sums): the quads from one row.
+# column tiles times the inputs' int8 halves, summed in integers, cost less than every other copy at every width
+# (probe_int8_quads.json): 1.11 / 1.22 / 1.35 / 1.60 ms at 1 / 4 / 8 / 16 rows, int8 on multiply-adds 1.15 / 1.37 /
+# 1.96 / 3.82, int8 pairs widened to bf16 1.43 / 1.57 / 1.88 / 2.30 (nothing widened, no float sums): the quads from
+# one row.
 GREEDY_WIDE = {"avx512_bf16": (8, WideCopy.BF16), "avx512_amx": (1, WideCopy.INT8_QUADS)}
 
 
@@ -360,19 +361,20 @@ class GreedyHead(nn.Module):
     copy of bf16 rows) half of a float32 head's bytes (draftsmith::greedy_head).
 
     Approximate logits a_j come from the head's rows rounded to int8 (a scale s_j = max|w_j| / 127 per row, round to
-    nearest), or, where the forward has GREEDY_WIDE's rows, from its wide copy: rows and inputs rounded to bfloat16, or
-    (AMX) the int8 rows times inputs rounded to bfloat16 or times the inputs as X = round(x / s_x), s_x = max|x| /
-    (127 * 128), in two int8 halves (X = 128 hi + lo) summed in integers. |a_j - x . w_j| <= s_j * sum_k |x_k| * (c +
-    127 (K + 2) 2^-24): an int8 weight is within s_j / 2 of its float (c = 1/2); a bf16 product within 2^-8 |x_k w_jk|
-    <= 2^-8 127 s_j |x_k| (c = 1/2 covers it); an int8 weight times a bf16 input adds 2^-9 127 s_j |x_k| (c = 1/2 +
-    127/512); the rest bounds the float32 sums. The int8 halves add s_j * 64 K s_x instead (|x_k - s_x X_k| <= 0.503
-    s_x, |q_jk| <= 127). Every row j whose upper bound reaches the largest lower bound could hold the
-    largest exact logit; each is recomputed in float64 (the inputs in a fixed order: its value does not depend on what
-    else the forward holds) and replaces a_j. On SmolLM2 a few rows of 49,152 are recomputed a token (means 6 and 15 at
-    c = 1/2 and 3/4 over 250 MT-Bench positions). So the greedy token is the exact logits' argmax (float64 to float32,
+    nearest), or, where the forward has GREEDY_WIDE's rows, from its wide copy: rows and inputs rounded to bfloat16,
+    or (AMX) the int8 rows times inputs rounded to bfloat16 or times the inputs as X = round(x / s_x), s_x = max|x|
+    / (127 * 128), in two int8 halves (X = 128 hi + lo) summed in integers. |a_j - x . w_j| <= s_j * sum_k |x_k| *
+    (c + 127 (K + 2) 2^-24): an int8 weight is within s_j / 2 of its float (c = 1/2); a bf16 product within 2^-8
+    |x_k w_jk| <= 2^-8 127 s_j |x_k| (c = 1/2 covers it); an int8 weight times a bf16 input adds 2^-9 127 s_j |x_k|
+    (c = 1/2 + 127/512); the rest bounds the float32 sums. The int8 halves add s_j * 64 K s_x instead (|x_k - s_x
+    X_k| <= 0.503 s_x, |q_jk| <= 127). Every row j whose upper bound reaches the largest lower bound could hold the
+    largest exact logit; each is recomputed in float64 (the inputs in a fixed order: its value does not depend on
+    what else the forward holds) and replaces a_j. On SmolLM2 a few rows of 49,152 are recomputed a token (means 6
+    and 15 at c = 1/2 and 3/4 over 250 MT-Bench positions; 7.6 with the int8 halves:
+    scripts/jobs/greedy_candidates_probe.py). So the greedy token is the exact logits' argmax (float64 to float32,
     ties to the first) whatever the width and the approximation: batch-invariant in float32 and bfloat16 (and within
-    one approximation each row's logits are the same bits at any width). The other logits are approximations: sampling
-    reads the model's head."""
+    one approximation each row's logits are the same bits at any width). The other logits are approximations:
+    sampling reads the model's head."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -564,6 +564,8 @@ constexpr int64_t QUAD_STEP = 64;  // inputs a tile step takes (16 quads)
 constexpr int64_t QUAD_AHEAD = 8;  // steps (1 KB each) a column tile's weights are requested ahead, into L2
 
 inline int64_t quad_padded(int64_t K) { return (K + QUAD_STEP - 1) / QUAD_STEP * QUAD_STEP; }
+// The int8 bytes of the column tiles of N outputs over K inputs (kernels.py's pack_quads).
+inline int64_t quad_elements(int64_t K, int64_t N) { return (N + COLUMNS - 1) / COLUMNS * COLUMNS * quad_padded(K); }
 
 // Row x (K) as its hi and lo int8 halves (`padded` bytes each, zero past K); returns s_x.
 inline float quantize_quad_row(const float* x, int64_t K, int64_t padded, int8_t* hi, int8_t* lo) {
@@ -864,7 +866,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   // 4-D int8: the tiles' copies, (panels, K / 2, PANEL, 2) in pairs or (ceil(N / 16), K' / 4, 16, 4) in quads
   const int64_t tile_group = pt == at::kChar && packed.dim() == 4 ? packed.size(3) : 0;
   const bool int8_pairs = tile_group == 2, int8_quads = tile_group == 4;
-  const int64_t elements = int8_quads ? (N + 15) / 16 * 16 * isa_amx::quad_padded(K)
+  const int64_t elements = int8_quads ? isa_amx::quad_elements(K, N)
                                       : packed_elements(K, N, pt == at::kBFloat16 || int8_pairs ? 2 : 1);
   TORCH_CHECK((pt == at::kChar || pt == at::kBFloat16) && packed.is_contiguous() &&
               (tile_group == 0 || int8_pairs || int8_quads) && packed.numel() == elements,

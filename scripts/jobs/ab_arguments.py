@@ -1,7 +1,6 @@
 """What the in-process A/B scripts share: their arguments, [float32 | bfloat16] [prompts] [output.json], checked in
 one line each (an existing output file is refused: nothing is overwritten; new_output, which the probes beside them
-call too), their alternating loop and the goal
-bench's dynamic tree of the bundled drafter."""
+call too), their alternating loop and the goal bench's dynamic tree of the bundled drafter."""
 import sys
 import time
 from pathlib import Path

@@ -37,25 +37,22 @@ def part_of(name: str) -> str:
     return PARTS.get(name, "generated kernels" if name.startswith("graph_") else "other ops")
 
 
-def profiled_parts(target: TargetModel, cache, past: int, ids: torch.Tensor) -> dict[str, float]:
-    """Milliseconds per part of one forward of `ids` (the cache restored afterwards)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        wall = forward_seconds(target, cache, ids)
-    target.truncate(cache, past)
-    parts = collections.Counter()
-    for event in prof.events():
-        parts[part_of(event.name)] += event.self_cpu_time_total / 1000
-    parts["rest"] = 1000 * wall - sum(parts.values())
-    unprofiled = forward_seconds(target, cache, ids)
-    target.truncate(cache, past)
-    return {"unprofiled": 1000 * unprofiled, "wall": 1000 * wall, **parts}
-
-
-def engine_ms(target: TargetModel, cache, past: int, ids: torch.Tensor) -> float:
+def forward_ms(target: TargetModel, cache, past: int, ids: torch.Tensor) -> float:
     """Milliseconds of one forward of `ids` (the cache restored afterwards)."""
     seconds = forward_seconds(target, cache, ids)
     target.truncate(cache, past)
     return 1000 * seconds
+
+
+def profiled_parts(target: TargetModel, cache, past: int, ids: torch.Tensor) -> dict[str, float]:
+    """Milliseconds per part of one forward of `ids` (the cache restored afterwards)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = forward_ms(target, cache, past, ids)
+    parts = collections.Counter()
+    for event in prof.events():
+        parts[part_of(event.name)] += event.self_cpu_time_total / 1000
+    parts["rest"] = wall - sum(parts.values())
+    return {"unprofiled": forward_ms(target, cache, past, ids), "wall": wall, **parts}
 
 
 def compiled_with_cache(base: TargetModel, kernel_profile: bool) -> tuple[TargetModel, object, int]:
@@ -79,7 +76,7 @@ def main() -> None:
     for round_ in range(WARMUP + ROUNDS):
         for width in WIDTHS:
             ids = torch.randint(0, vocab, (1, width))
-            parts = profiled_parts(*profiled, ids) | {"engine": engine_ms(*engine, ids)}
+            parts = profiled_parts(*profiled, ids) | {"engine": forward_ms(*engine, ids)}
             if round_ >= WARMUP:
                 runs[width].append(parts)
     keys = ("engine", "unprofiled", "wall", *ORDER)
