@@ -58,8 +58,8 @@ from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel, invariant_drafter
 from draftsmith.models.engine import Backend, GreedyRows, TargetOutput, additive_mask, with_cache
 from draftsmith.models.kernels import (GreedyHead, HeadLogits, InvariantLinear, JoinedProjection, Kernels,
-                                      SiblingProjection, WeightPrecision, arena_zeros, invariant_attention,
-                                      invariant_model)
+                                      SiblingProjection, WeightPrecision, argmax_last, arena_zeros,
+                                      invariant_attention, invariant_model)
 from draftsmith.models.precision import Int8WeightLinear
 from draftsmith.models.registry import draftsmith_cache
 
@@ -724,9 +724,9 @@ class CompiledDGFEngine(BucketGraphs):
         on the invariant kernels) the argmax of the exact logits from a quarter of the head's bytes a row."""
         if self.greedy_head is None or input_ids.shape[1] > self.buckets[-1]:
             hidden, logits = self.forward(features, input_ids, cache, last_only=last_only)
-            return hidden, logits.argmax(-1)
+            return hidden, argmax_last(logits)
         hidden, head_inputs = self._graph(features, input_ids, cache, last_only=last_only)
-        return hidden, self.greedy_head(head_inputs).argmax(-1)
+        return hidden, argmax_last(self.greedy_head(head_inputs))
 
     def _graph(self, features: torch.Tensor, input_ids: torch.Tensor, cache: StaticKV,
                position_ids: torch.Tensor | None = None, allowed: torch.Tensor | None = None,

@@ -69,7 +69,7 @@ from transformers import AutoConfig, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from draftsmith.models.engine import EagerBuild, additive_mask, with_cache
-from draftsmith.models.kernels import WeightPrecision, gather_weights, invariant_model, invariant_rows
+from draftsmith.models.kernels import WeightPrecision, argmax_last, gather_weights, invariant_model, invariant_rows
 from draftsmith.config import TextEnum, enum_member
 from draftsmith.models.vocab import DraftHead, DraftVocab
 
@@ -497,7 +497,7 @@ class EagerDGFEngine(EagerBuild):
         """(predicted features (1, n, H), each row's most likely draft token (1, n or 1)): a causal forward whose
         reader needs only the argmax (a greedy chain)."""
         hidden, logits = self.forward(features, input_ids, cache, last_only=last_only)
-        return hidden, logits.argmax(-1)
+        return hidden, argmax_last(logits)
 
 
 def invariant_drafter(model: DGFModel, precision: WeightPrecision) -> DGFModel:

@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from draftsmith.config import TextEnum
+from draftsmith.models.kernels import argmax_last
 
 
 def _cache_keyword() -> str:
@@ -53,7 +54,7 @@ class GreedyRows:
 
     def __call__(self, row: int) -> int:
         if row not in self.tokens:
-            self.tokens[row] = int(self.head(self.final[:, row:row + 1])[0, 0].argmax())
+            self.tokens[row] = int(argmax_last(self.head(self.final[:, row:row + 1])[0, 0]))
         return self.tokens[row]
 
 

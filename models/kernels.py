@@ -201,6 +201,10 @@ def register_fakes() -> None:
     def _greedy_head_fake(x, packed, scale, weight):
         return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
+    @torch.library.register_fake("draftsmith::argmax")
+    def _argmax_fake(x):
+        return x.new_empty(x.shape[:-1], dtype=torch.long)
+
     @torch.library.register_fake("draftsmith::attention")
     def _attention_fake(q, k, v, mask, scaling):
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
@@ -248,6 +252,15 @@ def available_isas() -> list[str]:
 def loaded_isa() -> str | None:
     """kernel_isa() where this process has loaded the kernels (a run on them), else None (nothing is built)."""
     return _MODULE.kernel_isa() if _MODULE is not None else None
+
+
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1), the same indices (the first of equal values, the first NaN where any): draftsmith::argmax
+    where this process runs the kernels and x is float32 on the CPU (a greedy token from 49,152 logits in ~5 us on the
+    Xeon against torch's ~100), else torch's."""
+    if _MODULE is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] > 0:
+        return torch.ops.draftsmith.argmax(x)
+    return x.argmax(-1)
 
 
 # -- packing ------------------------------------------------------------------------------------------------------

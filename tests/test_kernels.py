@@ -27,7 +27,8 @@ from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.errors import UserError
 from draftsmith.config import ConfigError
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, KernelIsa, WeightPrecision,
-                                       available_isas, frozen_linear, invariant_model, kernel_isa, kernels_on,
+                                       argmax_last, available_isas, frozen_linear, invariant_model, kernel_isa,
+                                       kernels_on,
                                        load_kernels, pack_quads, pack_weight, quantize_int8, split_bf16)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
@@ -390,6 +391,8 @@ def test_every_instruction_set_is_batch_invariant(isa):
         "    full = torch.ops.draftsmith.greedy_head(x, p, s, w); assert torch.equal(full.argmax(-1), exact)\n"
         "    for r in range(12): assert torch.equal(torch.ops.draftsmith.greedy_head(x[r:r + 1], p, s, w), "
         "full[r:r + 1])\n"
+        "y = torch.randn(3, 49157, generator=g); y[1, 7] = y[1, 9] = 50.0; y[2, 49150] = float('nan')\n"
+        "assert torch.equal(torch.ops.draftsmith.argmax(y), y.argmax(-1))\n"
         "for p in ([] if amx else tiles):\n"  # the int8 pairs and quads are the tiles' copies: refused elsewhere
         "    try: torch.ops.draftsmith.greedy_head(x, p, s, w); raise AssertionError('ran')\n"
         "    except RuntimeError as error: assert 'AMX tiles' in str(error), error\n"
@@ -455,6 +458,28 @@ def test_greedy_head_argmax_is_the_exact_argmax_at_any_width(rows, n, k, dtype, 
         for start, stop in [(0, 1), (rows - 1, rows), (1, rows), (0, rows // 2 + 1)]:
             assert torch.equal(torch.ops.draftsmith.greedy_head(x[start:stop], packed, scale, weight),
                                full[start:stop])
+
+
+SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1.0, 1.0 + 2 ** -23)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), n=st.integers(1, 300), seed=st.integers(0, 999),
+       special=st.lists(st.tuples(st.integers(0, 10 ** 6), st.sampled_from(SPECIAL_VALUES)), max_size=6),
+       rounded=st.booleans())
+def test_argmax_last_is_torch_argmax_on_every_instruction_set(rows, n, seed, special, rounded):
+    """draftsmith::argmax picks torch.argmax's indices: the first of equal values (ties, -0.0 beside 0.0), the first
+    NaN where any, infinities, vector tails of any length, on every instruction set this CPU runs."""
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed))
+    x = x.round() if rounded else x  # ties
+    for place, value in special:
+        x.view(-1)[place % x.numel()] = value
+    expected = x.argmax(-1)
+    for isa in AVAILABLE_ISAS:
+        with kernels_on(KernelIsa(isa)):
+            assert torch.equal(argmax_last(x), expected), isa
+            assert torch.equal(argmax_last(x[0]), expected[0]), isa  # one row: a 0-d index, as torch's
+    assert torch.equal(argmax_last(x.double()), x.double().argmax(-1))  # not float32: torch's own
 
 
 def test_greedy_head_module_switches_copies_by_width_and_keeps_the_argmax():

@@ -38,7 +38,7 @@ from draftsmith.eval.decode.drafters.base import Drafter, InputError, NoDrafter,
 from draftsmith.eval.decode.tree import DraftTree, tree_attention_mask, tree_position_ids
 from draftsmith.eval.decode.verify import greedy_path, verify_greedy, verify_sampling
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import KernelIsa
+from draftsmith.models.kernels import KernelIsa, argmax_last
 from draftsmith.models.target import TargetModel, check_same_tokenizer
 
 
@@ -263,7 +263,7 @@ class Generation:
     def pick(self, logits: torch.Tensor) -> int:
         """A token from the target's logits (V,): argmax, or a draw from the warped target."""
         if self.sampling is None:
-            return int(logits.argmax())
+            return int(argmax_last(logits))
         return int(torch.multinomial(self.sampling.probs(logits), 1, generator=self.generator))
 
     @property

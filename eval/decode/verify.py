@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from draftsmith.eval.decode.tree import DraftTree
+from draftsmith.models.kernels import argmax_last
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -62,7 +63,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int
 
     logits (n+1, V). Returns (accepted node indices from depth 1 down, bonus token id).
     """
-    predicted = logits.argmax(dim=-1).tolist()  # (n+1,) target's next token per slot
+    predicted = argmax_last(logits).tolist()  # (n+1,) target's next token per slot
     return greedy_path(tree, predicted.__getitem__)
 
 

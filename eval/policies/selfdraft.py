@@ -44,6 +44,7 @@ from draftsmith.config import ConfigError, TextEnum, check_config, option
 from draftsmith.data.sources import load_source
 from draftsmith.eval.decode.decoder import DecodeConfig, DecodeResult, Generation, Method
 from draftsmith.eval.decode.tree import DraftTree, ancestor_matrix, trie
+from draftsmith.models.kernels import argmax_last
 from draftsmith.models.target import TargetModel
 
 
@@ -198,7 +199,7 @@ class SelfDraftDecoder:
     def _update_branches(self, branches: list[list[int]], branch_logits: torch.Tensor,
                          context_cache: NgramCache) -> None:
         """Branch drafts (argmax: deterministic) -> context-cache grams, then each branch grows by one."""
-        predicted = branch_logits.argmax(-1).tolist()
+        predicted = argmax_last(branch_logits).tolist()
         offset = 0
         for i, branch in enumerate(branches):
             drafts = predicted[offset: offset + len(branch)]

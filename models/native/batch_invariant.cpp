@@ -921,6 +921,17 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   return out;
 }
 
+// Each row's torch.argmax over the last axis of float32 x, as int64 (x's shape without its last axis).
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0,
+              "draftsmith::argmax: float32 values with a non-empty last axis");
+  const at::Tensor xc = x.contiguous();
+  const int64_t N = x.size(-1), M = xc.numel() / N;
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+  DISPATCH_ISA(argmax_rows(xc.data_ptr<float>(), M, N, out.data_ptr<int64_t>()))
+  return out;
+}
+
 template <typename T>
 void run_attention(const T* q, const int64_t* qs, const T* k, const T* v, const int64_t* kvs, const float* mask,
                    const int64_t* ms, int64_t B, int64_t Hq, int64_t Hkv, int64_t W, int64_t C, int64_t D,
@@ -984,6 +995,7 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("linear_i8(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int out_features) -> Tensor");
   m.def("greedy_head(Tensor x, Tensor packed, Tensor scale, Tensor weight) -> Tensor");
   m.def("linear_split(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
@@ -992,6 +1004,7 @@ TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
   m.impl("linear_i8", &linear_i8);
   m.impl("greedy_head", &greedy_head);
   m.impl("linear_split", &linear_split);
+  m.impl("argmax", &argmax);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
