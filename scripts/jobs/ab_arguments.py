@@ -1,6 +1,7 @@
 """What the in-process A/B scripts share: their arguments, [float32 | bfloat16] [prompts] [output.json], checked in
 one line each (an existing output file is refused: nothing is overwritten; new_output, which the probes beside them
-call too), their alternating loop and the goal bench's dynamic tree of the bundled drafter."""
+call too), their alternating loop, their JSON output and the goal bench's dynamic tree of the bundled drafter."""
+import json
 import sys
 import time
 from pathlib import Path
@@ -30,8 +31,11 @@ def new_output(path: str | None) -> str | None:
 
 def alternating_rates(prompts: list, arms: tuple[str, ...], set_arm: Callable[[str], None],
                       decoders: dict) -> dict[tuple[str, str], float]:
-    """Tokens/s of every (arm, method): per prompt each arm in turn (the order reversed every other prompt), each
-    running every decoder on it; every output the same tokens (checked: the arms and methods are lossless)."""
+    """Tokens/s of every (arm, method): first each decoder once on the first prompt (a warm-up: it loads every package
+    a round uses), then per prompt each arm in turn (the order reversed every other prompt), each running every decoder
+    on it; every output the same tokens (checked: the arms and methods are lossless)."""
+    for decoder in decoders.values():
+        decoder.generate(prompts[0])
     seconds = {(arm, method): 0.0 for arm in arms for method in decoders}
     tokens = dict.fromkeys(seconds, 0)
     for index, ids in enumerate(prompts):
@@ -45,3 +49,10 @@ def alternating_rates(prompts: list, arms: tuple[str, ...], set_arm: Callable[[s
                 tokens[arm, method] += len(outputs[arm, method])
         assert len({tuple(out) for out in outputs.values()}) == 1, f"prompt {index}: the outputs' tokens differ"
     return {key: tokens[key] / seconds[key] for key in seconds}
+
+
+def write_result(output: str | None, result: dict) -> None:
+    """`result` as JSON at `output` (new_output's path; None: printed only)."""
+    if output:
+        with open(output, "w") as handle:
+            json.dump(result, handle, indent=1)

@@ -6,13 +6,12 @@ turns, 128 new tokens; per prompt both arms in alternating order, each arm's spe
 argmax calls timed apart (microseconds a call, in the loop). Same tokens in every arm and method (checked).
     scripts/jobs/quiet.sh python scripts/jobs/argmax_ab.py [float32] [prompts] [output.json]
 """
-import json
 import sys
 import time
 from collections import Counter
 
 import torch
-from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates
+from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, write_result
 
 from draftsmith.eval.decode import decoder as decoder_module
 from draftsmith.eval.decode import verify
@@ -57,8 +56,6 @@ def main(argv: list[str]) -> None:
                                settings=CompileSettings(weights=WeightPrecision.INT8), **GOAL_TREE)
     decoders = {"plain": SpeculativeDecoder(target, None, config), "tree": SpeculativeDecoder(target, drafter, config)}
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
-    for decoder in decoders.values():
-        decoder.generate(prompts[0])  # warm-up: loads every package
 
     def set_arm(arm: str) -> None:
         for module in READERS:
@@ -75,9 +72,7 @@ def main(argv: list[str]) -> None:
     for arm in ARMS:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 tree {rate[arm, 'tree']:.2f} ({speedup[arm]:.3f}x); "
               f"{CALLS[arm]} calls, {per_call[arm]:.1f} us a call")
-    if output:
-        with open(output, "w") as handle:
-            json.dump(result, handle, indent=1)
+    write_result(output, result)
 
 
 if __name__ == "__main__":

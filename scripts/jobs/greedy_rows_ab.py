@@ -6,11 +6,10 @@ new tokens; per prompt both arms in alternating order, each arm's speedup over i
 arm and method (checked). The float32 target only: a bf16 target reads the model's head.
     scripts/jobs/quiet.sh python scripts/jobs/greedy_rows_ab.py [float32] [prompts] [output.json]
 """
-import json
 import sys
 
 import torch
-from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates
+from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, write_result
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -46,8 +45,6 @@ def main(argv: list[str]) -> None:
                 "tree": SpeculativeDecoder(target, load_dgf_drafter(path, target, backend=Backend.COMPILED,
                                                                     settings=int8, **GOAL_TREE), config)}
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
-    for decoder in decoders.values():
-        decoder.generate(prompts[0])  # warm-up: loads every package
     rate = alternating_rates(prompts, ARMS, set_arm, decoders)
     speedup = {f"{arm} {method}": rate[arm, method] / rate[arm, "plain"]
                for arm in ARMS for method in ("chain", "tree")}
@@ -57,9 +54,7 @@ def main(argv: list[str]) -> None:
     for arm in ARMS:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 chain of 3 {rate[arm, 'chain']:.2f} "
               f"({speedup[f'{arm} chain']:.3f}x), int8 tree {rate[arm, 'tree']:.2f} ({speedup[f'{arm} tree']:.3f}x)")
-    if output:
-        with open(output, "w") as handle:
-            json.dump(result, handle, indent=1)
+    write_result(output, result)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ order, each arm's speedup over its own plain. Same tokens in every arm and metho
 `rows`, the first arm is the int8 pairs from that many rows instead of 7.
     scripts/jobs/quiet.sh python scripts/jobs/greedy_wide_ab.py [float32] [prompts] [output.json] [rows]
 """
-import json
 import sys
 
 import torch
-from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates
+from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, write_result
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -50,8 +49,6 @@ def main(argv: list[str]) -> None:
                                settings=CompileSettings(weights=WeightPrecision.INT8), **GOAL_TREE)
     decoders = {"plain": SpeculativeDecoder(target, None, config), "tree": SpeculativeDecoder(target, drafter, config)}
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
-    for decoder in decoders.values():
-        decoder.generate(prompts[0])  # warm-up: loads every package
     head, copies = target.engine.greedy_head, arm_copies(target.engine.greedy_head, rows)
     arms = tuple(copies)
 
@@ -64,9 +61,7 @@ def main(argv: list[str]) -> None:
     print(f"float32, {count} MT-Bench first turns, tokens/s (same tokens in every arm and method):")
     for arm in arms:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 tree {rate[arm, 'tree']:.2f} ({speedup[arm]:.3f}x)")
-    if output:
-        with open(output, "w") as handle:
-            json.dump(result, handle, indent=1)
+    write_result(output, result)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,11 @@ compiled engine, the bundled drafter's chain of 3 and plain decoding, MT-Bench f
 prompt both arms in alternating order, each arm's speedup over its own plain. Same tokens in both arms (checked).
     scripts/jobs/quiet.sh python scripts/jobs/loop_overhead_ab.py [float32 | bfloat16] [prompts] [output.json]
 """
-import json
 import sys
 import types
 
 import torch
-from ab_arguments import DTYPES, ab_arguments, alternating_rates
+from ab_arguments import DTYPES, ab_arguments, alternating_rates, write_result
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -56,8 +55,6 @@ def main(argv: list[str]) -> None:
     config = DecodeConfig(max_new_tokens=128)
     decoders = {"plain": SpeculativeDecoder(target, None, config), "chain": SpeculativeDecoder(target, drafter, config)}
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
-    for decoder in decoders.values():
-        decoder.generate(prompts[0])  # warm-up: loads every package
     rate = alternating_rates(prompts, ARMS, lambda arm: set_arm(arm, (target.engine, drafter.engine), drafter),
                              decoders)
     result = {"machine": cpu_model(), "dtype": name, "prompts": count, "tokens_per_s": {f"{a} {m}": r for (a, m), r in
@@ -67,9 +64,7 @@ def main(argv: list[str]) -> None:
     for arm in ARMS:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, chain of 3 {rate[arm, 'chain']:.2f} "
               f"({result['chain_speedup'][arm]:.3f}x its plain)")
-    if output:
-        with open(output, "w") as handle:
-            json.dump(result, handle, indent=1)
+    write_result(output, result)
 
 
 if __name__ == "__main__":
