@@ -258,7 +258,7 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1), the same indices (the first of equal values, the first NaN where any): draftsmith::argmax
     where this process runs the kernels and x is float32 on the CPU (a greedy token from 49,152 logits in ~5 us on the
     Xeon against torch's ~100), else torch's."""
-    if _MODULE is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] > 0:
+    if _MODULE is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() and x.shape[-1]:
         return torch.ops.draftsmith.argmax(x)
     return x.argmax(-1)
 

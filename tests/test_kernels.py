@@ -480,6 +480,7 @@ def test_argmax_last_is_torch_argmax_on_every_instruction_set(rows, n, seed, spe
             assert torch.equal(argmax_last(x), expected), isa
             assert torch.equal(argmax_last(x[0]), expected[0]), isa  # one row: a 0-d index, as torch's
     assert torch.equal(argmax_last(x.double()), x.double().argmax(-1))  # not float32: torch's own
+    assert torch.equal(argmax_last(x[0, 0]), x[0, 0].argmax(-1))  # a 0-d value: torch's own
 
 
 def test_greedy_head_module_switches_copies_by_width_and_keeps_the_argmax():
