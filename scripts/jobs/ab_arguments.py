@@ -1,6 +1,7 @@
 """What the in-process A/B scripts share: their arguments, [float32 | bfloat16] [prompts] [output.json], checked in
 one line each (an existing output file is refused: nothing is overwritten; new_output, which the probes beside them
-call too), their alternating loop, their JSON output and the goal bench's dynamic tree of the bundled drafter."""
+call too), their alternating loop, their JSON output, the goal bench's dynamic tree of the bundled drafter and the
+float32 target decoding plain and with that tree in int8."""
 import json
 import sys
 import time
@@ -8,6 +9,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
+from draftsmith.eval.documents import cpu_model
+from draftsmith.eval.prompts import load_prompts
+from draftsmith.models.bundled import bundled_drafter
+from draftsmith.models.compiled import CompileSettings
+from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import WeightPrecision
+from draftsmith.models.target import TargetModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The bundled drafter's dynamic tree as eval/configs/goal_bench_smollm2.yaml runs it (load_dgf_drafter's keywords)
@@ -51,8 +62,23 @@ def alternating_rates(prompts: list, arms: tuple[str, ...], set_arm: Callable[[s
     return {key: tokens[key] / seconds[key] for key in seconds}
 
 
-def write_result(output: str | None, result: dict) -> None:
-    """`result` as JSON at `output` (new_output's path; None: printed only)."""
+def int8_tree_decoders(count: int) -> tuple[TargetModel, dict, list]:
+    """(SmolLM2-135M-Instruct float32 on the compiled engine, {"plain", "tree": the bundled drafter with int8 weights as
+    GOAL_TREE} decoders of 128 new tokens, the first `count` MT-Bench first turns)."""
+    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
+    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    config = DecodeConfig(max_new_tokens=128)
+    drafter = load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
+                               settings=CompileSettings(weights=WeightPrecision.INT8), **GOAL_TREE)
+    decoders = {"plain": SpeculativeDecoder(target, None, config), "tree": SpeculativeDecoder(target, drafter, config)}
+    return target, decoders, [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
+
+
+def write_result(output: str | None, prompts: int, rate: dict[tuple[str, str], float], **fields) -> None:
+    """The machine, the prompts, `fields` and every (arm, method)'s tokens/s as JSON at `output` (new_output's path;
+    None: printed only)."""
     if output:
+        result = {"machine": cpu_model(), "prompts": prompts, **fields,
+                  "tokens_per_s": {f"{arm} {method}": value for (arm, method), value in rate.items()}}
         with open(output, "w") as handle:
             json.dump(result, handle, indent=1)

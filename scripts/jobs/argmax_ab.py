@@ -11,20 +11,11 @@ import time
 from collections import Counter
 
 import torch
-from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, write_result
+from ab_arguments import ab_arguments, alternating_rates, int8_tree_decoders, write_result
 
 from draftsmith.eval.decode import decoder as decoder_module
 from draftsmith.eval.decode import verify
-from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
-from draftsmith.eval.documents import cpu_model
-from draftsmith.eval.prompts import load_prompts
 from draftsmith.models import compiled, dgf, engine, kernels
-from draftsmith.models.bundled import bundled_drafter
-from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import WeightPrecision
-from draftsmith.models.target import TargetModel
 
 READERS = (decoder_module, verify, compiled, dgf, engine)  # the modules that read greedy tokens with argmax_last
 ARMS = {"torch argmax": lambda x: x.argmax(-1), "draftsmith::argmax": kernels.argmax_last}
@@ -49,13 +40,7 @@ def main(argv: list[str]) -> None:
     if name != "float32":
         sys.exit("error: argmax_ab.py times the float32 target")
     torch.set_num_threads(2)
-    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    target = base.with_backend(Backend.COMPILED, CompileSettings())
-    config = DecodeConfig(max_new_tokens=128)
-    drafter = load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
-                               settings=CompileSettings(weights=WeightPrecision.INT8), **GOAL_TREE)
-    decoders = {"plain": SpeculativeDecoder(target, None, config), "tree": SpeculativeDecoder(target, drafter, config)}
-    prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
+    _, decoders, prompts = int8_tree_decoders(count)
 
     def set_arm(arm: str) -> None:
         for module in READERS:
@@ -65,14 +50,11 @@ def main(argv: list[str]) -> None:
     rate = alternating_rates(prompts, tuple(ARMS), set_arm, decoders)
     per_call = {arm: 1e6 * SECONDS[arm] / CALLS[arm] for arm in ARMS}
     speedup = {arm: rate[arm, "tree"] / rate[arm, "plain"] for arm in ARMS}
-    result = {"machine": cpu_model(), "prompts": count, "speedup": speedup, "us_per_call": per_call,
-              "calls": dict(CALLS),
-              "tokens_per_s": {f"{arm} {method}": value for (arm, method), value in rate.items()}}
     print(f"float32, {count} MT-Bench first turns, tokens/s (same tokens in every arm and method):")
     for arm in ARMS:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 tree {rate[arm, 'tree']:.2f} ({speedup[arm]:.3f}x); "
               f"{CALLS[arm]} calls, {per_call[arm]:.1f} us a call")
-    write_result(output, result)
+    write_result(output, count, rate, speedup=speedup, us_per_call=per_call, calls=dict(CALLS))
 
 
 if __name__ == "__main__":

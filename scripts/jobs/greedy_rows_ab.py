@@ -13,7 +13,6 @@ from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, write_resul
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
-from draftsmith.eval.documents import cpu_model
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
@@ -48,13 +47,11 @@ def main(argv: list[str]) -> None:
     rate = alternating_rates(prompts, ARMS, set_arm, decoders)
     speedup = {f"{arm} {method}": rate[arm, method] / rate[arm, "plain"]
                for arm in ARMS for method in ("chain", "tree")}
-    result = {"machine": cpu_model(), "prompts": count, "speedup": speedup,
-              "tokens_per_s": {f"{arm} {method}": value for (arm, method), value in rate.items()}}
     print(f"float32, {count} MT-Bench first turns, tokens/s (same tokens in every arm and method):")
     for arm in ARMS:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 chain of 3 {rate[arm, 'chain']:.2f} "
               f"({speedup[f'{arm} chain']:.3f}x), int8 tree {rate[arm, 'tree']:.2f} ({speedup[f'{arm} tree']:.3f}x)")
-    write_result(output, result)
+    write_result(output, count, rate, speedup=speedup)
 
 
 if __name__ == "__main__":

@@ -9,18 +9,10 @@ order, each arm's speedup over its own plain. Same tokens in every arm and metho
 import sys
 
 import torch
-from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, write_result
+from ab_arguments import ab_arguments, alternating_rates, int8_tree_decoders, write_result
 
-from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
-from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
-from draftsmith.eval.documents import cpu_model
-from draftsmith.eval.prompts import load_prompts
-from draftsmith.models.bundled import bundled_drafter
-from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import (KernelIsa, WeightPrecision, WideCopy, arena_zeros, kernel_isa,
-                                       quantize_int8, wide_copy)
-from draftsmith.models.target import TargetModel
+from draftsmith.models.kernels import KernelIsa, WideCopy, arena_zeros, kernel_isa, quantize_int8, wide_copy
+
 
 def arm_copies(head, rows: int | None) -> dict[str, tuple]:
     """{arm: (wide copy, from rows, packed copy)}: the int8 pairs from `rows` (7 when None), and GREEDY_WIDE's copy."""
@@ -41,14 +33,7 @@ def main(argv: list[str]) -> None:
         sys.exit("error: the int8 pairs and quads are the AMX tiles' copies of a float32 target's greedy head: "
                  "float32 on AMX")
     torch.set_num_threads(2)
-    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    target = base.with_backend(Backend.COMPILED, CompileSettings())
-    path = bundled_drafter("smollm2-135m-instruct")
-    config = DecodeConfig(max_new_tokens=128)
-    drafter = load_dgf_drafter(path, target, backend=Backend.COMPILED,
-                               settings=CompileSettings(weights=WeightPrecision.INT8), **GOAL_TREE)
-    decoders = {"plain": SpeculativeDecoder(target, None, config), "tree": SpeculativeDecoder(target, drafter, config)}
-    prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
+    target, decoders, prompts = int8_tree_decoders(count)
     head, copies = target.engine.greedy_head, arm_copies(target.engine.greedy_head, rows)
     arms = tuple(copies)
 
@@ -56,12 +41,10 @@ def main(argv: list[str]) -> None:
         head.wide, head.wide_from_rows, head.packed_wide = copies[arm]
     rate = alternating_rates(prompts, arms, set_arm, decoders)
     speedup = {arm: rate[arm, "tree"] / rate[arm, "plain"] for arm in arms}
-    result = {"machine": cpu_model(), "prompts": count, "speedup": speedup,
-              "tokens_per_s": {f"{arm} {method}": value for (arm, method), value in rate.items()}}
     print(f"float32, {count} MT-Bench first turns, tokens/s (same tokens in every arm and method):")
     for arm in arms:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 tree {rate[arm, 'tree']:.2f} ({speedup[arm]:.3f}x)")
-    write_result(output, result)
+    write_result(output, count, rate, speedup=speedup)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from ab_arguments import DTYPES, ab_arguments, alternating_rates, write_result
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
-from draftsmith.eval.documents import cpu_model
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
@@ -57,14 +56,12 @@ def main(argv: list[str]) -> None:
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     rate = alternating_rates(prompts, ARMS, lambda arm: set_arm(arm, (target.engine, drafter.engine), drafter),
                              decoders)
-    result = {"machine": cpu_model(), "dtype": name, "prompts": count, "tokens_per_s": {f"{a} {m}": r for (a, m), r in
-                                                                                   rate.items()},
-              "chain_speedup": {arm: rate[arm, "chain"] / rate[arm, "plain"] for arm in ARMS}}
+    chain_speedup = {arm: rate[arm, "chain"] / rate[arm, "plain"] for arm in ARMS}
     print(f"{name}, {count} MT-Bench first turns, tokens/s (same tokens in both arms):")
     for arm in ARMS:
         print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, chain of 3 {rate[arm, 'chain']:.2f} "
-              f"({result['chain_speedup'][arm]:.3f}x its plain)")
-    write_result(output, result)
+              f"({chain_speedup[arm]:.3f}x its plain)")
+    write_result(output, count, rate, dtype=name, chain_speedup=chain_speedup)
 
 
 if __name__ == "__main__":
