@@ -155,6 +155,47 @@ class CompileUnavailable(UserError):
     """The compiled backend cannot run here (no compiler, an unsupported model); use backend=eager."""
 
 
+# transformers' rotary types whose cos and sin depend on more than the position (on the sequence's length)
+DYNAMIC_ROTARY = frozenset({"dynamic", "longrope"})
+
+
+class RotaryTables(nn.Module):
+    """The cos and sin of each of a cache's `capacity` positions from a model's own rotary embedding, computed once
+    (eager, float32, cast to the forward's dtype as the embedding casts them). A compiled forward reads its rows'
+    instead of computing them: inductor inlines the rotary's cos and sin into every layer's rotary kernel (SmolLM2:
+    30 cos and sin computations of each element a forward)."""
+
+    def __init__(self, rotary: nn.Module, capacity: int, device: torch.device):
+        super().__init__()
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, device=device), torch.arange(capacity, device=device)[None])
+        self.register_buffer("cos", cos[0].float().contiguous())  # (capacity, head_dim)
+        self.register_buffer("sin", sin[0].float().contiguous())
+
+    @staticmethod
+    def of(model: nn.Module, capacity: int) -> RotaryTables | None:
+        """Tables for `model`'s rotary embedding (its `rotary_emb`), None where it has none or a dynamic one."""
+        rotary = getattr(model, "rotary_emb", None)
+        if rotary is None or getattr(rotary, "rope_type", "default") in DYNAMIC_ROTARY:
+            return None
+        return RotaryTables(rotary, capacity, next(model.parameters()).device)
+
+    def rows(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of each position in `position_ids` (1, b): (1, b, head_dim) in x's dtype."""
+        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
+
+    @contextlib.contextmanager
+    def replacing(self, rotary: nn.Module):
+        """Inside, `rotary`'s forwards (x, position_ids) return the tables' rows (a hook on the stock module)."""
+        def hook(module, args, kwargs, output):
+            return self.rows(args[0] if args else kwargs["x"], args[1] if len(args) > 1 else kwargs["position_ids"])
+        handle = rotary.register_forward_hook(hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
 class StepModule(nn.Module):
     """One forward of the stock model's decoder over a StaticCache whose tensors are this module's inputs; the LM
     head stays outside the graph (CompiledEngine applies it to the rows that need logits: a prompt's last only).
@@ -169,11 +210,13 @@ class StepModule(nn.Module):
         super().__init__()
         self.decoder = model.get_decoder()
         self.cache = cache
+        self.rotary = RotaryTables.of(self.decoder, cache.get_max_length())
 
     def forward(self, input_ids, position_ids, mask, past, *kv):
         point_cache(self.cache, past, kv)
-        out = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                           **with_cache(self.cache), use_cache=True, output_hidden_states=True)
+        with self.rotary.replacing(self.decoder.rotary_emb) if self.rotary else contextlib.nullcontext():
+            out = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                               **with_cache(self.cache), use_cache=True, output_hidden_states=True)
         return torch.stack(out.hidden_states)
 
 
@@ -193,11 +236,13 @@ class DGFStepModule(nn.Module):
         model._need_target()
         self.model, self.cache = model, cache
         self.embedding = model._embed
+        self.rotary = RotaryTables.of(model, cache.get_max_length())
 
     def forward(self, features, input_ids, position_ids, mask, past, *kv):
         point_cache(self.cache, past, kv)
         hidden = self.model.fusion(features, self.embedding(input_ids).to(features.dtype))
-        position_embeddings = self.model.rotary_emb(hidden, position_ids)
+        position_embeddings = (self.rotary.rows(hidden, position_ids) if self.rotary
+                               else self.model.rotary_emb(hidden, position_ids))
         for layer in self.model.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, **with_cache(self.cache),
                            use_cache=True, position_embeddings=position_embeddings)

@@ -127,6 +127,7 @@ def build_directory() -> Path:
 
 
 _MODULE = None
+_ARGMAX_OP = False  # whether the loaded build defines draftsmith::argmax
 
 
 def use_sources(directory: Path) -> None:
@@ -141,7 +142,7 @@ def use_sources(directory: Path) -> None:
 def load_kernels(verbose: bool = False):
     """The extension module (built on first use, then loaded from the cache); registers the ops and their fake
     kernels once per process."""
-    global _MODULE
+    global _MODULE, _ARGMAX_OP
     if _MODULE is not None:
         return _MODULE
     from torch.utils import cpp_extension
@@ -164,6 +165,7 @@ def load_kernels(verbose: bool = False):
                                  "compile.kernels=inductor") from err
     check_forced_isa(module)
     register_fakes()
+    _ARGMAX_OP = hasattr(torch.ops.draftsmith, "argmax")  # (eval.kernel_ab's baseline builds may predate it)
     _MODULE = module
     return module
 
@@ -183,31 +185,20 @@ def check_forced_isa(module) -> None:
 
 
 def register_fakes() -> None:
-    """Shape functions, so torch.export / AOTInductor graphs call the ops (the package calls them at run time)."""
-
-    @torch.library.register_fake("draftsmith::linear")
-    def _linear_fake(x, packed, scale, bias, out_features):
-        return x.new_empty((*x.shape[:-1], out_features))
-
-    @torch.library.register_fake("draftsmith::linear_i8")
-    def _linear_i8_fake(x, packed, scale, bias, out_features):
-        return x.new_empty((*x.shape[:-1], out_features))
-
-    @torch.library.register_fake("draftsmith::linear_split")
-    def _linear_split_fake(x, packed, bias, out_features):
-        return x.new_empty((*x.shape[:-1], out_features))
-
-    @torch.library.register_fake("draftsmith::greedy_head")
-    def _greedy_head_fake(x, packed, scale, weight):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-    @torch.library.register_fake("draftsmith::argmax")
-    def _argmax_fake(x):
-        return x.new_empty(x.shape[:-1], dtype=torch.long)
-
-    @torch.library.register_fake("draftsmith::attention")
-    def _attention_fake(q, k, v, mask, scaling):
-        return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+    """Shape functions, so torch.export / AOTInductor graphs call the ops (the package calls them at run time); only
+    for the ops the loaded build defines (eval.kernel_ab runs this code on an older build as its baseline)."""
+    fakes = {
+        "linear": lambda x, packed, scale, bias, out_features: x.new_empty((*x.shape[:-1], out_features)),
+        "linear_i8": lambda x, packed, scale, bias, out_features: x.new_empty((*x.shape[:-1], out_features)),
+        "linear_split": lambda x, packed, bias, out_features: x.new_empty((*x.shape[:-1], out_features)),
+        "greedy_head": lambda x, packed, scale, weight: x.new_empty((*x.shape[:-1], weight.shape[0]),
+                                                                    dtype=torch.float32),
+        "argmax": lambda x: x.new_empty(x.shape[:-1], dtype=torch.long),
+        "attention": lambda q, k, v, mask, scaling: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])),
+    }
+    for name, fake in fakes.items():
+        if hasattr(torch.ops.draftsmith, name):
+            torch.library.register_fake(f"draftsmith::{name}")(fake)
 
 
 class KernelIsa(TextEnum):
@@ -258,7 +249,7 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1), the same indices (the first of equal values, the first NaN where any): draftsmith::argmax
     where this process runs the kernels and x is float32 on the CPU (a greedy token from 49,152 logits in ~11 us on
     the Xeon against torch's ~120: results/engine_kernels_xeon/argmax), else torch's."""
-    if _MODULE is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() and x.shape[-1]:
+    if _ARGMAX_OP and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() and x.shape[-1]:
         return torch.ops.draftsmith.argmax(x)
     return x.argmax(-1)
 

@@ -337,3 +337,27 @@ def test_static_kv_stacks_only_tensors_back_to_back():
     assert cache.stacked.shape == (3, 2, 8, 4) and float(cache.tensors[1][0, 0, 5].sum()) == 28.0
     assert StaticKV([torch.zeros(1, 2, 8, 4) for _ in range(3)]).stacked is None
     assert StaticKV(arena_zeros([torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 3)])).stacked is None
+
+
+def test_rotary_tables_are_the_models_own_rotary_and_the_hook_leaves_with_the_forward():
+    """A compiled step reads cos and sin from tables of every cache position (inductor would compute them inside every
+    layer's rotary kernel): the rows are the model's own rotary embedding's, bit for bit, in the forward's dtype, and
+    the stock module answers for itself again once the step's forward is over."""
+    from draftsmith.models.compiled import RotaryTables
+
+    decoder = tiny_model("llama", seed=3, num_layers=2).get_decoder()
+    rotary = decoder.rotary_emb
+    tables = RotaryTables.of(decoder, 40)
+    positions = torch.tensor([[0, 7, 7, 31, 39]])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.zeros(1, 5, 8, dtype=dtype)
+        own = rotary(x, positions)
+        with tables.replacing(rotary):
+            hooked = rotary(x, position_ids=positions)
+        for got, want in zip(hooked, own):
+            assert got.dtype == dtype and torch.equal(got, want)
+    with tables.replacing(rotary):
+        pass
+    assert not rotary._forward_hooks  # removed
+    rotary.rope_type = "dynamic"  # cos and sin that depend on the sequence's length: no tables
+    assert RotaryTables.of(decoder, 40) is None
