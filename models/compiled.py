@@ -163,7 +163,8 @@ class RotaryTables(nn.Module):
     """The cos and sin of each of a cache's `capacity` positions from a model's own rotary embedding, computed once
     (eager, float32, cast to the forward's dtype as the embedding casts them). A compiled forward reads its rows'
     instead of computing them: inductor inlines the rotary's cos and sin into every layer's rotary kernel (SmolLM2:
-    30 cos and sin computations of each element a forward)."""
+    30 cos and sin computations of each element a forward; 0.1-0.5 ms of a 17-37 ms forward at 1-16 rows on the AVX2
+    EPYC, results/engine_kernels_epyc_avx2/rotary_tables)."""
 
     def __init__(self, rotary: nn.Module, capacity: int, device: torch.device):
         super().__init__()
