@@ -3,7 +3,8 @@
 graph before the tables, built in a scratch cache). SmolLM2-135M-Instruct float32 on the kernels, 256 cached tokens
 of an MT-Bench prompt, forwards of 1 / 4 / 8 / 16 new tokens, arms and widths interleaved, medians; and whether the
 two arms' logits are the same bits.
-    scripts/jobs/quiet.sh python scripts/jobs/rotary_tables_ab.py [output.json]   (a markdown table beside it)
+    scripts/jobs/quiet.sh python scripts/jobs/rotary_tables_ab.py [output.json]   (a markdown table beside it; an
+    existing output is refused)
 """
 import statistics
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from ab_arguments import new_output
 
 from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.eval.latency import interleaved_seconds, mt_bench_context, time_forward
@@ -52,6 +54,7 @@ def measure(scratch: Path) -> tuple[dict, bool]:
 
 
 def main(argv: list[str]) -> None:
+    output = new_output(argv[1] if len(argv) > 1 else None)  # refused before the minutes of building and timing
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as scratch:
         seconds, same = measure(Path(scratch))
@@ -65,7 +68,7 @@ def main(argv: list[str]) -> None:
     document = {"cpu": cpu_model(), "kernel_isa": kernel_isa(), "target": TARGET, "context": CONTEXT,
                 "same_logits": same, "ms": {f"{arm}/{width}": value for (arm, width), value in ms.items()},
                 "seconds": {f"{arm}/{width}": values for (arm, width), values in seconds.items()}}
-    write_document(Path(argv[1]) if len(argv) > 1 else None, document, "\n".join(lines))
+    write_document(Path(output) if output else None, document, "\n".join(lines))
 
 
 if __name__ == "__main__":
