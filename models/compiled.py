@@ -310,6 +310,8 @@ def traced_code_digest(step: nn.Module) -> str:
     if any(isinstance(module, InvariantLinear) for module in step.modules()):
         sources += [inspect.getsource(cls) for cls in (InvariantLinear, JoinedProjection, SiblingProjection)]
         sources.append(inspect.getsource(invariant_attention))
+    if any(isinstance(module, RotaryTables) for module in step.modules()):
+        sources.append(inspect.getsource(RotaryTables))
     sources += [inspect.getsource(module) for module in getattr(step, "traced_sources", ())]  # a step's own model file
     return hashlib.sha256("\n".join(sources).encode()).hexdigest()[:16]
 

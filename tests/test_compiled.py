@@ -361,3 +361,15 @@ def test_rotary_tables_are_the_models_own_rotary_and_the_hook_leaves_with_the_fo
     assert not rotary._forward_hooks  # removed
     rotary.rope_type = "dynamic"  # cos and sin that depend on the sequence's length: no tables
     assert RotaryTables.of(decoder, 40) is None
+
+
+def test_a_steps_package_key_covers_the_rotary_tables_code(monkeypatch):
+    """The tables' code is traced into the packages, so it is part of their key (an edit of it builds new ones)."""
+    from draftsmith.models import compiled
+
+    model = tiny_model("llama", seed=3, num_layers=1)
+    cache, _ = compiled.static_cache(model.config, 16, lambda c: model(input_ids=torch.zeros(1, 1, dtype=torch.long),
+                                                                        cache=c, use_cache=True))
+    with_tables = compiled.traced_code_digest(compiled.StepModule(model, cache))
+    monkeypatch.setattr(compiled.RotaryTables, "of", staticmethod(lambda model, capacity: None))
+    assert compiled.traced_code_digest(compiled.StepModule(model, cache)) != with_tables
