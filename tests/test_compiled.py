@@ -366,10 +366,11 @@ def test_rotary_tables_are_the_models_own_rotary_and_the_hook_leaves_with_the_fo
 def test_a_steps_package_key_covers_the_rotary_tables_code(monkeypatch):
     """The tables' code is traced into the packages, so it is part of their key (an edit of it builds new ones)."""
     from draftsmith.models import compiled
+    from draftsmith.models.engine import with_cache
 
     model = tiny_model("llama", seed=3, num_layers=1)
     cache, _ = compiled.static_cache(model.config, 16, lambda c: model(input_ids=torch.zeros(1, 1, dtype=torch.long),
-                                                                        cache=c, use_cache=True))
+                                                                        **with_cache(c), use_cache=True))
     with_tables = compiled.traced_code_digest(compiled.StepModule(model, cache))
     monkeypatch.setattr(compiled.RotaryTables, "of", staticmethod(lambda model, capacity: None))
     assert compiled.traced_code_digest(compiled.StepModule(model, cache)) != with_tables
