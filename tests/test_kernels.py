@@ -197,6 +197,18 @@ def test_an_unknown_forced_instruction_set_is_one_line():
     assert "DRAFTSMITH_KERNEL_ISA=avx1024: this CPU runs scalar, " in result.stderr
 
 
+def test_a_forced_instruction_set_is_left_to_a_build_without_available_isas(monkeypatch):
+    """eval.kernel_ab's baseline may be a build older than available_isas: the forced set is then the build's own to
+    check (it refuses an unknown one itself), not an AttributeError at load; a current build still checks it here."""
+    from types import SimpleNamespace
+    from draftsmith.models import kernels
+
+    monkeypatch.setenv("DRAFTSMITH_KERNEL_ISA", "avx1024")
+    kernels.check_forced_isa(SimpleNamespace())  # an older build: no available_isas
+    with pytest.raises(UserError, match="DRAFTSMITH_KERNEL_ISA=avx1024: this CPU runs scalar"):
+        kernels.check_forced_isa(SimpleNamespace(available_isas=lambda: ["scalar"]))
+
+
 def test_kernels_on_runs_some_calls_on_another_instruction_set_in_the_same_process():
     """kernels_on: the calls inside run another set (the same packed weights: its own outputs, as a fresh process
     forced to it computes them), the set before is back after; one this CPU lacks is refused in one line."""
