@@ -40,6 +40,13 @@ def new_output(path: str | None) -> str | None:
     return path
 
 
+def probe_output(argv: list[str]) -> Path | None:
+    """A probe's output path, argv[1] (None where none is given: the table is only printed), or exit in one line where
+    it exists (new_output)."""
+    path = new_output(argv[1] if len(argv) > 1 else None)
+    return Path(path) if path else None
+
+
 def alternating_rates(prompts: list, arms: tuple[str, ...], set_arm: Callable[[str], None],
                       decoders: dict) -> dict[tuple[str, str], float]:
     """Tokens/s of every (arm, method): first each decoder once on the first prompt (a warm-up: it loads every package

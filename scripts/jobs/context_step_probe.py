@@ -7,10 +7,9 @@ medians, and T(1) over 2,000 tokens against T(1) over 256 (the goal: <= 1.2).
 """
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-from ab_arguments import new_output
+from ab_arguments import probe_output
 
 from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.eval.latency import interleaved_seconds, mt_bench_context, time_forward
@@ -41,7 +40,7 @@ def measure() -> dict:
 
 
 def main(argv: list[str]) -> None:
-    output = new_output(argv[1] if len(argv) > 1 else None)  # refused before the minutes of timing
+    output = probe_output(argv)  # refused before the minutes of timing
     torch.set_num_threads(2)
     seconds = measure()
     ms = {key: statistics.median(values) * 1e3 for key, values in seconds.items()}
@@ -56,7 +55,7 @@ def main(argv: list[str]) -> None:
                 "ms": {f"{context}/{width}": value for (context, width), value in ms.items()},
                 "seconds": {f"{context}/{width}": values for (context, width), values in seconds.items()},
                 "t1_ratio": ratio}
-    write_document(Path(output) if output else None, document, "\n".join(lines))
+    write_document(output, document, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from ab_arguments import new_output
+from ab_arguments import probe_output
 
 from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.eval.latency import interleaved_seconds, mt_bench_context, time_forward
@@ -54,7 +54,7 @@ def measure(scratch: Path) -> tuple[dict, bool]:
 
 
 def main(argv: list[str]) -> None:
-    output = new_output(argv[1] if len(argv) > 1 else None)  # refused before the minutes of building and timing
+    output = probe_output(argv)  # refused before the minutes of building and timing
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as scratch:
         seconds, same = measure(Path(scratch))
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
     document = {"cpu": cpu_model(), "kernel_isa": kernel_isa(), "target": TARGET, "context": CONTEXT,
                 "same_logits": same, "ms": {f"{arm}/{width}": value for (arm, width), value in ms.items()},
                 "seconds": {f"{arm}/{width}": values for (arm, width), values in seconds.items()}}
-    write_document(Path(output) if output else None, document, "\n".join(lines))
+    write_document(output, document, "\n".join(lines))
 
 
 if __name__ == "__main__":

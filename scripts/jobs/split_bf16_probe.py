@@ -9,10 +9,9 @@ hides under its weight stream.
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from ab_arguments import new_output
+from ab_arguments import probe_output
 
 from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.eval.latency import interleaved_seconds
@@ -52,7 +51,7 @@ def timed(layers: dict, rounds: int, generator: torch.Generator) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    output = new_output(argv[1] if len(argv) > 1 else None)  # an existing output is refused
+    output = probe_output(argv)  # an existing output is refused
     torch.set_num_threads(2)
     load_kernels()
     if kernel_isa() != KernelIsa.AVX512_AMX:
@@ -73,7 +72,7 @@ def main(argv: list[str]) -> None:
     ms = {placement: {f"{name}/{m}": value for (name, m), value in times.items()}
           for placement, times in results.items()}
     document = {"cpu": cpu_model(), "kernel_isa": kernel_isa(), "placements": PLACEMENTS, "ms": ms}
-    write_document(Path(output) if output else None, document, "\n".join(lines))
+    write_document(output, document, "\n".join(lines))
 
 
 if __name__ == "__main__":

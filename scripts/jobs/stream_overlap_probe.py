@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ab_arguments import new_output
+from ab_arguments import probe_output
 
-from draftsmith.eval.documents import cpu_model
+from draftsmith.eval.documents import cpu_model, write_document
 
 SETTINGS = ((96, 0), (192, 0), (384, 0), (768, 0), (192, 1))  # (lines ahead, 0: into L1, 1: into L2)
 ROUNDS = 7
@@ -32,7 +32,7 @@ def build(directory: Path) -> Path:
 
 
 def main() -> None:
-    output = new_output(sys.argv[1] if len(sys.argv) > 1 else None)
+    output = probe_output(sys.argv)
     with tempfile.TemporaryDirectory() as directory:
         binary = build(Path(directory))
         runs: dict[tuple, list[dict]] = {setting: [] for setting in SETTINGS}
@@ -57,10 +57,7 @@ def main() -> None:
         t = {f: row[f]["requested_ahead_ms"] for f in (0, 8, 16)}
         lines.append(f"| {label} | {t[0]:.1f} | {t[8]:.1f} | {t[16]:.1f} | {t[8] / t[0]:.2f} | {t[16] / t[0]:.2f} | "
                      f"{row[8]['compute_ms']:.1f} / {row[16]['compute_ms']:.1f} |")
-    print("\n".join(lines))
-    if output:
-        Path(output).write_text(json.dumps({"cpu": cpu_model(), "rounds": ROUNDS, "ms": table}, indent=1))
-        Path(output).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_document(output, {"cpu": cpu_model(), "rounds": ROUNDS, "ms": table}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,9 @@ which is what a verify costs once its weights are streamed. Best of 3 trials of 
 """
 import sys
 import time
-from pathlib import Path
 
 import torch
-from ab_arguments import new_output
+from ab_arguments import probe_output
 
 from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.models.kernels import kernel_isa, load_kernels, pack_weight
@@ -32,7 +31,7 @@ def best_seconds(call, reps: int) -> float:
 
 
 def main(argv: list[str]) -> None:
-    output = new_output(argv[1] if len(argv) > 1 else None)  # an existing output is refused
+    output = probe_output(argv)  # an existing output is refused
     torch.set_num_threads(2)
     load_kernels()
     generator = torch.Generator().manual_seed(0)
@@ -55,7 +54,7 @@ def main(argv: list[str]) -> None:
         lines.append(f"| {k} x {n}: tile / torch | "
                      + " | ".join(f"{r['tile_gflops']:.0f} / {r['torch_gflops']:.0f}" for r in cells) + " |")
     document = {"cpu": cpu_model(), "kernel_isa": kernel_isa(), "rows": rows}
-    write_document(Path(output) if output else None, document, "\n".join(lines))
+    write_document(output, document, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -11,16 +11,14 @@ refused).
     scripts/jobs/quiet.sh python scripts/jobs/verify_parts_probe.py [output.json]
 """
 import collections
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-from ab_arguments import new_output
+from ab_arguments import probe_output
 from torch.profiler import ProfilerActivity, profile
 
-from draftsmith.eval.documents import cpu_model
+from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.eval.latency import forward_seconds, mt_bench_context
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
@@ -67,7 +65,7 @@ def compiled_with_cache(base: TargetModel, kernel_profile: bool) -> tuple[Target
 
 @torch.inference_mode()
 def main() -> None:
-    output = new_output(sys.argv[1] if len(sys.argv) > 1 else None)
+    output = probe_output(sys.argv)
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
     profiled, engine = compiled_with_cache(base, True), compiled_with_cache(base, False)
@@ -90,11 +88,8 @@ def main() -> None:
         ratio = row["engine"] / table[WIDTHS[0]]["engine"]
         lines.append(f"| {width} | {row['engine']:.1f} | {ratio:.2f} | {row['unprofiled']:.1f} | {row['wall']:.1f} | "
                      + " | ".join(f"{row[key]:.2f}" for key in ORDER) + " |")
-    print("\n".join(lines))
-    if output:
-        Path(output).write_text(json.dumps({"cpu": cpu_model(), "kernel_isa": str(kernel_isa()), "context": CONTEXT,
-                                                 "rounds": ROUNDS, "ms": table}, indent=1))
-        Path(output).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_document(output, {"cpu": cpu_model(), "kernel_isa": str(kernel_isa()), "context": CONTEXT, "rounds": ROUNDS,
+                            "ms": table}, "\n".join(lines))
 
 
 if __name__ == "__main__":
