@@ -229,19 +229,6 @@ def kernels_on(isa: KernelIsa | None):
         module.set_kernel_isa(previous)
 
 
-@contextlib.contextmanager
-def attention_keys_ahead(on: bool):
-    """Inside the block each attention task requests its thread's next task's keys while it weighs its values (on) or
-    not (off), then as before: the same bits either way, only the memory's idle time differs (a probe alternating
-    both in one process)."""
-    module = load_kernels()
-    previous = module.set_attention_keys_ahead(on)
-    try:
-        yield
-    finally:
-        module.set_attention_keys_ahead(previous)
-
-
 def kernel_isa() -> str:
     """The instruction set the kernels run with in this process (avx512_amx, avx512_bf16, avx512, avx2 or scalar: the
     best this CPU runs, or DRAFTSMITH_KERNEL_ISA's, or kernels_on's inside its block)."""

@@ -27,9 +27,9 @@ from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.errors import UserError
 from draftsmith.config import ConfigError
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, KernelIsa, WeightPrecision,
-                                       argmax_last, attention_keys_ahead, available_isas, frozen_linear,
-                                       invariant_model, kernel_isa, kernels_on, load_kernels, pack_quads, pack_weight,
-                                       quantize_int8, split_bf16)
+                                       argmax_last, available_isas, frozen_linear, invariant_model, kernel_isa,
+                                       kernels_on,
+                                       load_kernels, pack_quads, pack_weight, quantize_int8, split_bf16)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -307,22 +307,6 @@ def test_long_rows_in_key_blocks_are_batch_invariant(context, groups, head_dim, 
     off them: each row alone, at one thread or two, computes exactly its row of the verify, and matches softmax."""
     q, k, v, mask = chain_inputs(8, context, 2, groups, head_dim)
     assert_rows_alone_and_softmax(q.to(dtype), k.to(dtype), v.to(dtype), mask, groups)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("context,groups,head_dim", [(2000, 3, 64), (1100, 4, 64), (700, 6, 64)])
-def test_keys_requested_ahead_change_no_bit(context, groups, head_dim, dtype):
-    """Each attention task requesting its thread's next task's keys (or not) gives the same bits, and with the
-    requests each row is still what it computes alone."""
-    q, k, v, mask = chain_inputs(6, context, 3, groups, head_dim, seed=3)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    outputs = []
-    for on in (False, True):
-        with attention_keys_ahead(on):
-            outputs.append(torch.ops.draftsmith.attention(q, k, v, mask, 0.125))
-    assert torch.equal(*outputs)
-    with attention_keys_ahead(True):
-        assert_rows_alone_and_softmax(q, k, v, mask, groups)
 
 
 def assert_rows_alone_and_softmax(q, k, v, mask, groups: int, widths: tuple[int, ...] = ()) -> None:

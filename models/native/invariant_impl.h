@@ -559,26 +559,8 @@ constexpr int64_t KEY_AHEAD = 8;
 
 inline int64_t blocks_of(int64_t visible) { return std::max<int64_t>(1, (visible + KEY_BLOCK - 1) / KEY_BLOCK); }
 
-// The keys of the thread's next task, requested into L2 while the current task weighs its values (from cache, the
-// memory idle otherwise): `n` key rows of `row_bytes` at keys + visible[i] * stride_bytes. Empty: no requests.
-struct KeysAhead {
-  const char* keys = nullptr;
-  int64_t stride_bytes = 0, row_bytes = 0;
-  const int64_t* visible = nullptr;
-  int64_t n = 0;
-
-  // The share done / total .. (done + count) / total of the next task's keys.
-  void request(int64_t done, int64_t count, int64_t total) const {
-    if (!keys || total <= 0) return;
-    const int64_t from = done * n / total, to = (done + count) * n / total;
-    for (int64_t i = from; i < to; ++i)
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(keys + visible[i] * stride_bytes + b, 0, 2);
-  }
-};
-
 struct AttentionScratch {
   std::vector<float> scores;  // per head: scores, then exps, of the block's keys (VL of slack past each)
-  KeysAhead ahead;            // the next task's keys, requested by its shared keys' weighing
 };
 
 // Where a block's result goes: the row's output (the row is one block) or its partial, per head
@@ -677,14 +659,12 @@ void weigh_run(V (*sum)[CHUNKS], const T* values, int64_t value_stride, const in
 // sum[j] += the values of keys first .. last - 1 weighted by weights[j], for SUMS (row, head) pairs.
 template <int SUMS, int CHUNKS, typename T>
 void weigh_values(V (*sum)[CHUNKS], const T* values, int64_t value_stride, const int64_t* visible, int64_t first,
-                  int64_t last, const float* const* weights, const KeysAhead& ahead = {}) {
+                  int64_t last, const float* const* weights) {
   constexpr int G = value_chunks(SUMS, CHUNKS);
-  for (int64_t run = first; run < last; run += VALUE_RUN) {
-    ahead.request(run - first, std::min(VALUE_RUN, last - run), last - first);
+  for (int64_t run = first; run < last; run += VALUE_RUN)
     for (int c0 = 0; c0 < CHUNKS; c0 += G)
       weigh_run<SUMS, CHUNKS, G>(sum, values, value_stride, visible, run, std::min(last, run + VALUE_RUN), weights,
                                  c0);
-  }
 }
 
 // One row of a task: its first query head's row, its mask row, the block's visible keys (n of them), and where the
@@ -766,7 +746,7 @@ void attend_rows(const BlockRow<T>* rows, int64_t shared, int64_t q_head_stride,
   V sum[SUMS][CHUNKS];
   for (int j = 0; j < SUMS; ++j)
     for (int c = 0; c < CHUNKS; ++c) sum[j][c] = vzero();
-  weigh_values<SUMS, CHUNKS>(sum, values, value_stride, rows[0].visible, 0, shared, scores, s.ahead);
+  weigh_values<SUMS, CHUNKS>(sum, values, value_stride, rows[0].visible, 0, shared, scores);
   for (int r = 0; r < ROWS; ++r)
     weigh_values<HEADS, CHUNKS>(sum + r * HEADS, values, value_stride, rows[r].visible, shared, rows[r].n,
                                 scores + r * HEADS);
@@ -971,58 +951,28 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
   auto partial_of = [&](int64_t r, int64_t head, int64_t block) {
     return partials.data() + ((r * Hq + head) * most_blocks + block) * partial_stride;
   };
-  // A task's rows (at most ATTENTION_ROWS) into `block_rows`; returns how many.
-  auto rows_of = [&](const AttentionTask& t, BlockRow<T>* block_rows) {
-    const int64_t first_head = t.g * groups + t.head_block * heads, first = t.block * KEY_BLOCK;
-    int count = 0;
-    for (int64_t row = t.row; row < t.row + t.rows; ++row) {
-      const int64_t r = t.b * W + row, n = counts[r];
-      if (t.block >= blocks_of(n)) continue;  // a shorter row of the group
-      const bool whole = blocks_of(n) == 1;
-      block_rows[count++] = {q + t.b * q_strides[0] + first_head * q_strides[1] + row * q_strides[2],
-                             mask + t.b * mask_strides[0] + row * mask_strides[2], visible.get() + r * C + first,
-                             std::min(KEY_BLOCK, n - first),  // >= 0
-                             {whole ? out + (r * Hq + first_head) * D : nullptr,
-                              whole ? nullptr : partial_of(r, first_head, t.block), most_blocks * partial_stride}};
-    }
-    return count;
-  };
-  auto keys_of = [&](const AttentionTask& t) { return k + t.b * kv_strides[0] + t.g * kv_strides[1]; };
-  auto run_task = [&](const AttentionTask& t, AttentionScratch& scratch) {
-    BlockRow<T> block_rows[ATTENTION_ROWS];  // (rows_per_task <= ATTENTION_ROWS)
-    const int count = rows_of(t, block_rows);
-    attend_any_shape(heads, D, block_rows, count, shared_keys(block_rows, count), q_strides[1], keys_of(t),
-                     v + t.b * kv_strides[4] + t.g * kv_strides[5], kv_strides[2], kv_strides[6], scaling, scratch);
-  };
-  // The keys of task `t`'s first row, for the task before it on the same thread to request.
-  auto ahead_of = [&](const AttentionTask& t) {
-    BlockRow<T> block_rows[ATTENTION_ROWS];
-    if (!rows_of(t, block_rows)) return KeysAhead{};
-    return KeysAhead{reinterpret_cast<const char*>(keys_of(t)), kv_strides[2] * int64_t(sizeof(T)),
-                     D * int64_t(sizeof(T)), block_rows[0].visible, block_rows[0].n};
-  };
-  const int64_t task_count = int64_t(tasks.size());
-  if (!attention_keys_ahead()) {
-#pragma omp parallel if (task_count > 1)
-    {
-      AttentionScratch scratch;
+#pragma omp parallel if (tasks.size() > 1)
+  {
+    AttentionScratch scratch;
 #pragma omp for schedule(dynamic)
-      for (int64_t i = 0; i < task_count; ++i) run_task(tasks[size_t(i)], scratch);
-    }
-  } else {
-    // Each thread claims its next task before it runs the current one (dynamic, one task ahead), so the current
-    // task's weighing can request the next one's keys.
-    std::atomic<int64_t> claimed{0};
-#pragma omp parallel if (task_count > 1)
-    {
-      AttentionScratch scratch;
-      int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
-      while (next < task_count) {
-        const int64_t current = next;
-        next = claimed.fetch_add(1, std::memory_order_relaxed);
-        scratch.ahead = next < task_count ? ahead_of(tasks[size_t(next)]) : KeysAhead{};
-        run_task(tasks[size_t(current)], scratch);
+    for (int64_t i = 0; i < int64_t(tasks.size()); ++i) {
+      const AttentionTask& t = tasks[size_t(i)];
+      const int64_t first_head = t.g * groups + t.head_block * heads, first = t.block * KEY_BLOCK;
+      BlockRow<T> block_rows[ATTENTION_ROWS];  // (rows_per_task <= ATTENTION_ROWS)
+      int count = 0;
+      for (int64_t row = t.row; row < t.row + t.rows; ++row) {
+        const int64_t r = t.b * W + row, n = counts[r];
+        if (t.block >= blocks_of(n)) continue;  // a shorter row of the group
+        const bool whole = blocks_of(n) == 1;
+        block_rows[count++] = {q + t.b * q_strides[0] + first_head * q_strides[1] + row * q_strides[2],
+                               mask + t.b * mask_strides[0] + row * mask_strides[2], visible.get() + r * C + first,
+                               std::min(KEY_BLOCK, n - first),  // >= 0
+                               {whole ? out + (r * Hq + first_head) * D : nullptr,
+                                whole ? nullptr : partial_of(r, first_head, t.block), most_blocks * partial_stride}};
       }
+      attend_any_shape(heads, D, block_rows, count, shared_keys(block_rows, count), q_strides[1],
+                       k + t.b * kv_strides[0] + t.g * kv_strides[1], v + t.b * kv_strides[4] + t.g * kv_strides[5],
+                       kv_strides[2], kv_strides[6], scaling, scratch);
     }
   }
   if (most_blocks == 1) return;
