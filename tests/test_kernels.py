@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,9 +28,9 @@ from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.errors import UserError
 from draftsmith.config import ConfigError
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, KernelIsa, WeightPrecision,
-                                       argmax_last, available_isas, frozen_linear, invariant_model, kernel_isa,
-                                       kernels_on,
-                                       load_kernels, pack_quads, pack_weight, quantize_int8, split_bf16)
+                                       argmax_last, available_isas, check_forced_isa, frozen_linear, invariant_model,
+                                       kernel_isa, kernels_on, load_kernels, pack_quads, pack_weight, quantize_int8,
+                                       split_bf16)
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -200,13 +201,10 @@ def test_an_unknown_forced_instruction_set_is_one_line():
 def test_a_forced_instruction_set_is_left_to_a_build_without_available_isas(monkeypatch):
     """eval.kernel_ab's baseline may be a build older than available_isas: the forced set is then the build's own to
     check (it refuses an unknown one itself), not an AttributeError at load; a current build still checks it here."""
-    from types import SimpleNamespace
-    from draftsmith.models import kernels
-
     monkeypatch.setenv("DRAFTSMITH_KERNEL_ISA", "avx1024")
-    kernels.check_forced_isa(SimpleNamespace())  # an older build: no available_isas
+    check_forced_isa(SimpleNamespace())  # an older build: no available_isas
     with pytest.raises(UserError, match="DRAFTSMITH_KERNEL_ISA=avx1024: this CPU runs scalar"):
-        kernels.check_forced_isa(SimpleNamespace(available_isas=lambda: ["scalar"]))
+        check_forced_isa(SimpleNamespace(available_isas=lambda: ["scalar"]))
 
 
 def test_kernels_on_runs_some_calls_on_another_instruction_set_in_the_same_process():
