@@ -51,8 +51,6 @@ bool float32_chunked_passes();
 // How many rows of a verify AVX-512 attention takes a task at most, each key and value read once for all of them (AVX2
 // always takes two): defined with the dispatch below.
 int avx512_attention_rows();
-// The keys of a block for rows that see more than KEY_BLOCK keys (a probe's run-time setting).
-int64_t attention_long_block();
 
 // Cephes' single-precision exp polynomial, shared by every instruction set.
 constexpr float EXP_HI = 88.3f, EXP_LO = -87.3f, LOG2E = 1.44269504088896341f;
@@ -727,10 +725,6 @@ bool float32_chunked_passes() { return isa() == Isa::Avx512Amx; }
 // alternations of eval.kernel_ab (results/engine_kernels_zen4/kernel_ab/attention_four_rows).
 int avx512_attention_rows() { return isa() == Isa::Avx512Amx ? 4 : 1; }
 
-std::atomic<int64_t> long_block{512};
-int64_t attention_long_block() { return long_block.load(std::memory_order_relaxed); }
-int64_t set_attention_long_block(int64_t keys) { return long_block.exchange(keys, std::memory_order_relaxed); }
-
 #define DISPATCH_ISA(...)                                          \
   switch (isa()) {                                                  \
     case Isa::Avx512Amx:  /* AMX: bf16 linear layers in isa_amx, the rest as AVX-512 BF16 */ \
@@ -1017,5 +1011,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("kernel_isa", &kernel_isa);
   module.def("available_isas", &available_isas);
   module.def("set_kernel_isa", &set_kernel_isa);
-  module.def("set_attention_long_block", &set_attention_long_block);
 }

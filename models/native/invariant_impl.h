@@ -557,11 +557,7 @@ constexpr int64_t KEY_BLOCK = 512;
 // keys are scored (requesting them into L2 instead, or not at all, was slower there).
 constexpr int64_t KEY_AHEAD = 8;
 
-inline int64_t key_block_of(int64_t visible) { return visible <= KEY_BLOCK ? KEY_BLOCK : attention_long_block(); }
-inline int64_t blocks_of(int64_t visible) {
-  const int64_t block = key_block_of(visible);
-  return std::max<int64_t>(1, (visible + block - 1) / block);
-}
+inline int64_t blocks_of(int64_t visible) { return std::max<int64_t>(1, (visible + KEY_BLOCK - 1) / KEY_BLOCK); }
 
 struct AttentionScratch {
   std::vector<float> scores;  // per head: scores, then exps, of the block's keys (VL of slack past each)
@@ -961,17 +957,16 @@ void attention_kernel(const T* q, const int64_t* q_strides, const T* k, const T*
 #pragma omp for schedule(dynamic)
     for (int64_t i = 0; i < int64_t(tasks.size()); ++i) {
       const AttentionTask& t = tasks[size_t(i)];
-      const int64_t first_head = t.g * groups + t.head_block * heads;
+      const int64_t first_head = t.g * groups + t.head_block * heads, first = t.block * KEY_BLOCK;
       BlockRow<T> block_rows[ATTENTION_ROWS];  // (rows_per_task <= ATTENTION_ROWS)
       int count = 0;
       for (int64_t row = t.row; row < t.row + t.rows; ++row) {
         const int64_t r = t.b * W + row, n = counts[r];
         if (t.block >= blocks_of(n)) continue;  // a shorter row of the group
         const bool whole = blocks_of(n) == 1;
-        const int64_t first = t.block * key_block_of(n);
         block_rows[count++] = {q + t.b * q_strides[0] + first_head * q_strides[1] + row * q_strides[2],
                                mask + t.b * mask_strides[0] + row * mask_strides[2], visible.get() + r * C + first,
-                               std::min(key_block_of(n), n - first),  // >= 0
+                               std::min(KEY_BLOCK, n - first),  // >= 0
                                {whole ? out + (r * Hq + first_head) * D : nullptr,
                                 whole ? nullptr : partial_of(r, first_head, t.block), most_blocks * partial_stride}};
       }
