@@ -128,6 +128,7 @@ def build_directory() -> Path:
 
 _MODULE = None
 _ARGMAX_OP = False  # whether the loaded build defines draftsmith::argmax
+_TOP_OP = False  # and draftsmith::top_log_probs
 
 
 def use_sources(directory: Path) -> None:
@@ -142,7 +143,7 @@ def use_sources(directory: Path) -> None:
 def load_kernels(verbose: bool = False):
     """The extension module (built on first use, then loaded from the cache); registers the ops and their fake
     kernels once per process."""
-    global _MODULE, _ARGMAX_OP
+    global _MODULE, _ARGMAX_OP, _TOP_OP
     if _MODULE is not None:
         return _MODULE
     from torch.utils import cpp_extension
@@ -166,6 +167,7 @@ def load_kernels(verbose: bool = False):
     check_forced_isa(module)
     register_fakes()
     _ARGMAX_OP = hasattr(torch.ops.draftsmith, "argmax")  # (eval.kernel_ab's baseline builds may predate it)
+    _TOP_OP = hasattr(torch.ops.draftsmith, "top_log_probs")
     _MODULE = module
     return module
 
@@ -194,6 +196,9 @@ def register_fakes() -> None:
         "greedy_head": lambda x, packed, scale, weight: x.new_empty((*x.shape[:-1], weight.shape[0]),
                                                                     dtype=torch.float32),
         "argmax": lambda x: x.new_empty(x.shape[:-1], dtype=torch.long),
+        "top_log_probs": lambda logits, k: (logits.new_empty((logits.shape[0], k)),
+                                            logits.new_empty((logits.shape[0], k), dtype=torch.long),
+                                            logits.new_empty(logits.shape[:1], dtype=torch.float64)),
         "attention": lambda q, k, v, mask, scaling: q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])),
     }
     for name, fake in fakes.items():
@@ -252,6 +257,18 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     if _ARGMAX_OP and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() and x.shape[-1]:
         return torch.ops.draftsmith.argmax(x)
     return x.argmax(-1)
+
+
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of `logits` (rows, vocabulary): its k most likely tokens' log-probabilities (float32, best first),
+    their indices, and the log of their total probability (float64, (rows,)): torch's log_softmax, topk and logsumexp.
+    draftsmith::top_log_probs where this process runs the kernels and the logits are float32 on the CPU (one call a
+    draft tree's level instead of three ops, each cold after a forward: results/engine_kernels_epyc_avx2), else
+    torch's ops (the same values up to rounding; equal values may come in another order)."""
+    if _TOP_OP and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        return torch.ops.draftsmith.top_log_probs(logits, k)
+    top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
+    return top.values, top.indices, torch.logsumexp(top.values.double(), -1)
 
 
 # -- packing ------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ from draftsmith.config import ConfigError
 from draftsmith.models.kernels import (WEIGHT_ALIGNMENT, GreedyHead, InvariantLinear, KernelIsa, WeightPrecision,
                                        argmax_last, available_isas, check_forced_isa, frozen_linear, invariant_model,
                                        kernel_isa, kernels_on, load_kernels, pack_quads, pack_weight, quantize_int8,
-                                       split_bf16)
+                                       split_bf16, top_log_probs)
+from draftsmith.models import kernels as kernels_module
 from draftsmith.models.dflash import DFlashConfig, DFlashModel
 from draftsmith.models.dgf import DGFConfig, DGFModel, invariant_drafter
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads
@@ -491,6 +493,30 @@ def test_argmax_last_is_torch_argmax_on_every_instruction_set(rows, n, seed, spe
             assert torch.equal(argmax_last(x[0]), expected[0]), isa  # one row: a 0-d index, as torch's
     assert torch.equal(argmax_last(x.double()), x.double().argmax(-1))  # not float32: torch's own
     assert torch.equal(argmax_last(x[0, 0]), x[0, 0].argmax(-1))  # a 0-d value: torch's own
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), n=st.integers(1, 300), k=st.integers(1, 12), seed=st.integers(0, 999),
+       rounded=st.booleans())
+def test_top_log_probs_are_torch_log_softmax_topk_and_logsumexp(rows, n, k, seed, rounded):
+    """draftsmith::top_log_probs (a draft tree's level in one call): each row's k best log-probabilities, best first,
+    as torch's log_softmax and topk give them, equal values with the lower index first, and the log of their total
+    probability; on every instruction set, and torch's own ops where the kernels are not loaded."""
+    k = min(k, n)
+    x = 4 * torch.randn(rows, n, generator=torch.Generator().manual_seed(seed))
+    x = x.round() if rounded else x  # ties
+    log_probs = torch.log_softmax(x.double(), -1)
+    order = sorted(range(n), key=lambda j: -x[0, j].item())[:k]  # ties: the lower index first (a stable sort)
+    for isa in AVAILABLE_ISAS:
+        with kernels_on(KernelIsa(isa)):
+            values, indices, shares = top_log_probs(x, k)
+        assert values.dtype == torch.float32 and indices.shape == (rows, k) and shares.dtype == torch.float64
+        assert indices[0].tolist() == order, isa
+        assert torch.allclose(values.double(), log_probs.gather(1, indices), atol=1e-5), isa
+        assert torch.allclose(shares, torch.logsumexp(log_probs.gather(1, indices), -1), atol=1e-5), isa
+    with mock.patch.object(kernels_module, "_TOP_OP", False):  # torch's ops: the same values
+        fallback = top_log_probs(x, k)
+    assert torch.allclose(fallback[0], values, atol=1e-5) and torch.allclose(fallback[2], shares, atol=1e-5)
 
 
 def test_greedy_head_module_switches_copies_by_width_and_keeps_the_argmax():

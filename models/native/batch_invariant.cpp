@@ -932,6 +932,21 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
+// Each row's k most likely tokens as log-probabilities, best first, their indices and the log of their total probability
+// (invariant_impl.h's top_log_probs_rows): float32 logits (M, N), 1 <= k <= N.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_log_probs(const at::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && k >= 1 && k <= logits.size(1),
+              "draftsmith::top_log_probs: float32 logits (rows, vocabulary) and 1 <= k <= vocabulary");
+  const at::Tensor xc = logits.contiguous();
+  const int64_t M = xc.size(0), N = xc.size(1);
+  at::Tensor values = at::empty({M, k}, xc.options());
+  at::Tensor indices = at::empty({M, k}, xc.options().dtype(at::kLong));
+  at::Tensor share = at::empty({M}, xc.options().dtype(at::kDouble));
+  DISPATCH_ISA(top_log_probs_rows(xc.data_ptr<float>(), M, N, int(k), values.data_ptr<float>(),
+                                  indices.data_ptr<int64_t>(), share.data_ptr<double>()))
+  return {values, indices, share};
+}
+
 template <typename T>
 void run_attention(const T* q, const int64_t* qs, const T* k, const T* v, const int64_t* kvs, const float* mask,
                    const int64_t* ms, int64_t B, int64_t Hq, int64_t Hkv, int64_t W, int64_t C, int64_t D,
@@ -996,6 +1011,7 @@ TORCH_LIBRARY(draftsmith, m) {
   m.def("greedy_head(Tensor x, Tensor packed, Tensor scale, Tensor weight) -> Tensor");
   m.def("linear_split(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("top_log_probs(Tensor logits, int k) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
@@ -1005,6 +1021,7 @@ TORCH_LIBRARY_IMPL(draftsmith, CPU, m) {
   m.impl("greedy_head", &greedy_head);
   m.impl("linear_split", &linear_split);
   m.impl("argmax", &argmax);
+  m.impl("top_log_probs", &top_log_probs);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

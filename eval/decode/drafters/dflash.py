@@ -40,7 +40,7 @@ from draftsmith.eval.decode.tree import DraftTree, tree_from_paths
 from draftsmith.models.artifacts import load_dflash
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import (WeightPrecision, frozen_linear, gather_weights, invariant_model,
+from draftsmith.models.kernels import (WeightPrecision, frozen_linear, gather_weights, invariant_model, top_log_probs,
                                       invariant_rows)
 from draftsmith.models.compiled_dflash import CompiledDFlashEngine
 from draftsmith.models.dflash import DFlashModel, EagerDFlashEngine
@@ -174,10 +174,10 @@ class DFlashDrafter(Drafter):
     def _prior_tree(self, logits: torch.Tensor, context: torch.Tensor) -> DraftTree:
         """Greedy with the prior: grown level by level from each block position's top candidates, re-ranked under
         each node given its token and its parent's (the module docstring), in Python lists: a round's few nodes."""
-        values, indices = logits.topk(min(CANDIDATES, logits.shape[-1]), -1)  # log q up to a constant a position
-        # the candidates' share of q: the re-ranked probabilities keep it, so keep_above reads as without a prior
-        shares = (torch.logsumexp(values, -1) - torch.logsumexp(logits, -1)).double().tolist()
-        values, candidates = values.double().tolist(), self._to_target(indices).tolist()
+        # log q of each position's candidates, and their share of q: the re-ranked probabilities keep it, so
+        # keep_above reads as without a prior
+        values, indices, shares = top_log_probs(logits, min(CANDIDATES, logits.shape[-1]))
+        values, candidates, shares = values.double().tolist(), self._to_target(indices).tolist(), shares.tolist()
         self.prior.extend(context)
         history = self.prior.tokens[-2:]
         frontier = [(-1, history[0], history[-1], 0.0)]  # (node, its parent's token, its own, path log-probability)

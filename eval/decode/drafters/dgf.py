@@ -46,6 +46,7 @@ from draftsmith.eval.decode.tree import DraftTree
 from draftsmith.models.artifacts import EXPORT_MANIFEST, load_dgf, read_export_manifest
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
+from draftsmith.models.kernels import top_log_probs
 from draftsmith.models.dgf import DGFModel, EagerDGFEngine
 from draftsmith.models.target import make_engine
 from draftsmith.models.trees import DGF_TREE, TreeShape
@@ -166,7 +167,7 @@ class DGFDrafter(Drafter):
         self.cut.refuse_sampling(self.name, sampling)
         growth = Growth(self.device, root_feature, self.budget, self.vocab, self.prior)
         if sampling is None:
-            growth.greedy_children([-1], torch.log_softmax(root_logits, -1)[None], [0.0], k)
+            growth.greedy_children([-1], root_logits[None], [0.0], k)
         else:
             growth.sampled_children([-1], root_logits[None], [0.0], k, sampling, generator)
         for level in range(1, depth):
@@ -177,7 +178,7 @@ class DGFDrafter(Drafter):
             best, logits = self._expand(growth, level, k, length - 1)
             base = [growth.scores[node] for node in best]
             if sampling is None:
-                growth.greedy_children(best, torch.log_softmax(logits, -1), base, k)
+                growth.greedy_children(best, logits, base, k)
             else:
                 growth.sampled_children(best, logits, base, k, sampling, generator)
         return growth.tree(sampling is None, self.cut)
@@ -187,17 +188,17 @@ class DGFDrafter(Drafter):
         log-probabilities along it; stop_below and the cut as for a tree), each level one causal
         drafter step on its parent's predicted feature: the cache holds the committed pairs and the chain so far, all
         visible."""
-        best = torch.topk(torch.log_softmax(root_logits, -1), 1)
-        tokens, scores = [target_ids(self.vocab, best.indices)], [best.values]
+        values, indices, _ = top_log_probs(root_logits[None], 1)
+        tokens, scores = [target_ids(self.vocab, indices[0])], [values[0]]
         feature = root_feature
         for _ in range(1, depth):
             if self.stop_below is not None and float(scores[-1]) < math.log(self.stop_below):
                 break
             out, logits = self.engine.forward(feature[None, None], tokens[-1][None], self.cache)
             feature = out[0, 0]
-            best = torch.topk(torch.log_softmax(logits[0, 0], -1), 1)
-            tokens.append(target_ids(self.vocab, best.indices))
-            scores.append(scores[-1] + best.values)
+            values, indices, _ = top_log_probs(logits[0], 1)
+            tokens.append(target_ids(self.vocab, indices[0]))
+            scores.append(scores[-1] + values[0])
         kept = min(len(tokens), self.budget)  # path scores fall along a chain: the nodes kept are a prefix
         if self.cut.cuts:
             kept = len(self.cut.nodes(torch.cat(scores[:kept]).tolist(), list(range(-1, kept - 1)), kept,
@@ -264,21 +265,20 @@ class Growth:
         self.scores += array("f", scores).tolist()  # float32 values
         self.depths += [1 if parent < 0 else self.depths[parent] + 1 for parent in parents]
 
-    def greedy_children(self, nodes: list[int], logp: torch.Tensor, base: list[float], k: int) -> None:
-        """The top-k children of each node (logp (n, V) its next-token log-probs, base its score); with a prior,
-        the top-k of its re-ranked candidates."""
+    def greedy_children(self, nodes: list[int], logits: torch.Tensor, base: list[float], k: int) -> None:
+        """The top-k children of each node (logits (n, V) its next-token logits, base its score), scored by their
+        log-probabilities; with a prior, the top-k of its re-ranked candidates."""
         if self.prior is not None:
-            return self._reranked_children(nodes, logp, base, k)
-        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # (n, k)
-        width, values = top.indices.shape[1], top.values.tolist()
-        self.add_level(target_ids(self.vocab, top.indices.reshape(-1)).tolist(),
+            return self._reranked_children(nodes, logits, base, k)
+        values, indices, _ = top_log_probs(logits, min(k, logits.shape[-1]))  # (n, k)
+        width, values = indices.shape[1], values.tolist()
+        self.add_level(target_ids(self.vocab, indices.reshape(-1)).tolist(),
                        [node for node in nodes for _ in range(width)],
                        [score + value for score, row in zip(base, values) for value in row])
 
-    def _reranked_children(self, nodes: list[int], logp: torch.Tensor, base: list[float], k: int) -> None:
-        top = torch.topk(logp, min(CANDIDATES, logp.shape[-1]), dim=-1)
-        shares = torch.logsumexp(top.values, -1).tolist()  # logp is normalized: the candidates' share of q
-        values, candidates = top.values.double().tolist(), target_ids(self.vocab, top.indices).tolist()
+    def _reranked_children(self, nodes: list[int], logits: torch.Tensor, base: list[float], k: int) -> None:
+        values, indices, shares = top_log_probs(logits, min(CANDIDATES, logits.shape[-1]))  # shares: of q
+        values, candidates, shares = values.double().tolist(), target_ids(self.vocab, indices).tolist(), shares.tolist()
         tokens, parents, scores = [], [], []
         for row, node in enumerate(nodes):
             before, last = self._two_tokens(node)
