@@ -12,7 +12,9 @@ speculative decoding is lossless by construction in every precision. They also r
 forward (up to 9 rows in one pass of a register tile), so a verify of a few tokens costs about one step, and attention
 reads only the keys a row sees (not the whole preallocated cache), in blocks of 512 of them that the threads share
 (a row's blocks depend only on how many keys it sees, so a long row splits the same way in a step and in a verify).
-A model's packed weights live in one arena on transparent huge pages, in the order a forward streams them.
+A model's packed weights live in one arena on transparent huge pages, in the order a forward streams them. Beside
+them, ops for the decode loop's own small steps, each one call where torch takes several ops that run cold after a
+forward: the greedy head's argmax (`argmax_last`) and a draft tree's level (`top_log_probs`).
 
 The extension is built once per machine (torch.utils.cpp_extension, ~40 s; `python -m draftsmith.models.kernels
 build`, which scripts/install.sh runs) into $DRAFTSMITH_CACHE/kernels/<source digest>; the instruction set is
