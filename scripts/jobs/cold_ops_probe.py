@@ -9,6 +9,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from ab_arguments import new_output
@@ -19,7 +20,7 @@ from draftsmith.models.kernels import kernel_isa, load_kernels, top_log_probs
 ROUNDS, STREAM_FLOATS, VOCAB, CANDIDATES = 200, 25 << 20, 8192, 10
 
 
-def sequences() -> dict[str, list[tuple[str, callable]]]:
+def sequences() -> dict[str, list[tuple[str, Callable[[], object]]]]:
     """The two ways a tree's level gets its candidates: torch's three ops (and a small tensor after), or one call."""
     logits = torch.randn(2, VOCAB)
     holder = {}
