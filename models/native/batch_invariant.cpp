@@ -932,8 +932,8 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
-// Each row's k most likely tokens as log-probabilities, best first, their indices and the log of their total probability
-// (invariant_impl.h's top_log_probs_rows): float32 logits (M, N), 1 <= k <= N.
+// Each row's k most likely tokens as log-probabilities, best first, their indices and the log of their total
+// probability (invariant_impl.h's top_log_probs_rows): float32 logits (M, N), 1 <= k <= N.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> top_log_probs(const at::Tensor& logits, int64_t k) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && k >= 1 && k <= logits.size(1),
               "draftsmith::top_log_probs: float32 logits (rows, vocabulary) and 1 <= k <= vocabulary");

@@ -1101,9 +1101,10 @@ inline void argmax_rows(const float* x, int64_t M, int64_t N, int64_t* out) {
 
 // ---- a draft tree's top log-probabilities ---------------------------------------------------------------------------
 // A drafter's next-token logits (a row of N, finite) -> its k most likely tokens as log-probabilities (x -
-// logsumexp(x)), best first (equal values: the lower index first), and the log of their total probability: what torch.log_softmax,
-// torch.topk and torch.logsumexp give in three ops a tree level (each cold after a forward has streamed the weights
-// past the caches: ~0.2 ms a level together on the AVX2 EPYC), in one pass of a few kilobytes of code.
+// logsumexp(x)), best first (equal values: the lower index first), and the log of their total probability: what
+// torch.log_softmax, torch.topk and torch.logsumexp give in three ops a tree level (each cold after a forward has
+// streamed the weights past the caches: ~0.2 ms a level together on the AVX2 EPYC), in one pass of a few kilobytes
+// of code.
 struct TopBuffer {
   std::vector<float> values;
   std::vector<int64_t> indices;
@@ -1144,7 +1145,10 @@ inline void top_log_probs_row(const float* x, int64_t N, int k, float* values, i
   int64_t j = 0;
   for (; j + VL <= N; j += VL) {
     uint32_t bits = vat_least_bits(vload(x + j), vset1(top.floor()));  // (NaN never)
-    for (; bits; bits &= bits - 1) top.offer(x[j + __builtin_ctz(bits)], j + __builtin_ctz(bits));
+    for (; bits; bits &= bits - 1) {
+      const int64_t index = j + __builtin_ctz(bits);
+      top.offer(x[index], index);
+    }
   }
   for (; j < N; ++j) top.offer(x[j], j);
   for (int i = top.count; i < k; ++i) top.values[size_t(i)] = NAN, top.indices[size_t(i)] = 0;  // (NaN rows)

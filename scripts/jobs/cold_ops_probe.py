@@ -34,7 +34,8 @@ def sequences() -> dict[str, list[tuple[str, Callable[[], object]]]]:
     torch_ops = [("log_softmax", log_softmax), ("topk", topk),
                  ("logsumexp", lambda: torch.logsumexp(holder["top"].values, -1)),
                  ("tensor", lambda: torch.tensor([[1, 2]]))]
-    one_call = [("top_log_probs", lambda: top_log_probs(logits, CANDIDATES)), ("tensor", lambda: torch.tensor([[1, 2]]))]
+    one_call = [("top_log_probs", lambda: top_log_probs(logits, CANDIDATES)),
+                ("tensor", lambda: torch.tensor([[1, 2]]))]
     return {"torch ops": torch_ops, "one call": one_call}
 
 
@@ -68,7 +69,8 @@ def main(argv: list[str]) -> None:
              "| sequence | op | after the read | warm |", "|---|---|---|---|"]
     for name, ops in sequences().items():
         for index, (op, _) in enumerate(ops):
-            lines.append(f"| {name} | {op} | {us[(name, 'after the read', index)]:.1f} | {us[(name, 'warm', index)]:.1f} |")
+            cold, warm = us[(name, "after the read", index)], us[(name, "warm", index)]
+            lines.append(f"| {name} | {op} | {cold:.1f} | {warm:.1f} |")
         totals = [sum(us[(name, state, i)] for i in range(len(ops))) for state in ("after the read", "warm")]
         lines.append(f"| {name} | **all** | **{totals[0]:.1f}** | {totals[1]:.1f} |")
     document = {"cpu": cpu_model(), "kernel_isa": kernel_isa(), "rounds": ROUNDS,
