@@ -1,9 +1,11 @@
-"""In-process A/B of how a greedy verify reads the greedy head: every row in one pass (`together`) against each row of
-the accepted path in a pass of its own, asked for as the walk goes (`apart`: models.engine.GreedyRows, the default
-where GreedyHead.rows_apart). SmolLM2-135M-Instruct float32 on the compiled engine, plain decoding and the bundled
-drafter with int8 weights as the goal bench runs it (its chain of 3 and its dynamic tree), MT-Bench first turns, 128
-new tokens; per prompt both arms in alternating order, each arm's speedup over its own plain. Same tokens in every
-arm and method (checked). The float32 target only: a bf16 target reads the model's head.
+"""In-process A/B of how a greedy verify reads the greedy head: every row in one pass (`together`), each row of the
+accepted path in a pass of its own, asked for as the walk goes (`apart`), and each such pass with the row of its
+first drafted child (`paired`: models.engine.GreedyRows with pair_next, the default where GreedyHead.rows_apart).
+SmolLM2-135M-Instruct float32 on the compiled engine, plain decoding and the bundled drafter with int8 weights as the
+goal bench runs it (its chain of 3 and its dynamic tree) and the goal cells' best method (lookup, else the DFlash
+tree: BEST), MT-Bench first turns, 128 new tokens; per prompt every arm in turn (the order reversed every other
+prompt), each arm's speedup over its own plain. Same tokens in every arm and method (checked). The float32 target
+only: a bf16 target reads the model's head.
     scripts/jobs/quiet.sh python scripts/jobs/greedy_rows_ab.py [float32] [prompts] [output.json]
 """
 import sys
@@ -11,20 +13,27 @@ import sys
 import torch
 from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, write_result
 
+from draftsmith.eval.bench.build_context import BuildContext
+from draftsmith.eval.bench.methods import build_method, inner_drafter
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.engine import Backend
+from draftsmith.models.engine import Backend, GreedyRows
 from draftsmith.models.kernels import GreedyHead, WeightPrecision
 from draftsmith.models.target import TargetModel
 
-ARMS = ("together", "apart")
+ARMS = ("together", "apart", "paired")
+METHODS = ("chain", "tree", "best")
+BEST = ("cascade:drafters=[(ngram:min_n=3,budget=8), (dflash:drafters/dflash_smollm2_human40m_then_regen/"
+        "loss_tokens_750000,vocab=models/bundled/smollm2-135m-instruct-dgf,weights=int8,budget=4,topk=3,"
+        "keep_above=0.05,prior=drafters/dflash_smollm2_human_then_regen/ngram_prior,context_weight=1.0)]")
 
 
 def set_arm(arm: str) -> None:
-    GreedyHead.rows_apart = property(lambda self: arm == "apart")
+    GreedyHead.rows_apart = property(lambda self: arm != "together")
+    GreedyRows.pair_next = arm == "paired"
 
 
 @torch.inference_mode()
@@ -42,15 +51,17 @@ def main(argv: list[str]) -> None:
                 "chain": SpeculativeDecoder(target, load_dgf_drafter(path, target, backend=Backend.COMPILED,
                                                                      settings=int8), config),
                 "tree": SpeculativeDecoder(target, load_dgf_drafter(path, target, backend=Backend.COMPILED,
-                                                                    settings=int8, **GOAL_TREE), config)}
+                                                                    settings=int8, **GOAL_TREE), config),
+                "best": SpeculativeDecoder(target, inner_drafter(build_method(BEST, BuildContext(
+                    base, backend=Backend.COMPILED)), BEST), config)}
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     rate = alternating_rates(prompts, ARMS, set_arm, decoders)
     speedup = {f"{arm} {method}": rate[arm, method] / rate[arm, "plain"]
-               for arm in ARMS for method in ("chain", "tree")}
+               for arm in ARMS for method in METHODS}
     print(f"float32, {count} MT-Bench first turns, tokens/s (same tokens in every arm and method):")
     for arm in ARMS:
-        print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, int8 chain of 3 {rate[arm, 'chain']:.2f} "
-              f"({speedup[f'{arm} chain']:.3f}x), int8 tree {rate[arm, 'tree']:.2f} ({speedup[f'{arm} tree']:.3f}x)")
+        print(f"  {arm}: plain {rate[arm, 'plain']:.2f}, " + ", ".join(
+            f"{method} {rate[arm, method]:.2f} ({speedup[f'{arm} {method}']:.3f}x)" for method in METHODS))
     write_result(output, count, rate, speedup=speedup)
 
 
