@@ -47,23 +47,14 @@ class Backend(TextEnum):
 class GreedyRows:
     """The greedy token after each row of a forward, computed when first asked for, one row a pass of `head` (an LM
     head whose argmax is exact whatever the width: models.kernels.GreedyHead). A greedy verify asks only for the
-    rows of its accepted path, each with the row it will likely ask for next (its first drafted child): where
-    `pair_next`, that row's token comes from the same pass, as a pass of two rows streams the head once (on the AVX2
-    EPYC, cold, 1.90 ms against 1.34 for one: scripts/jobs/greedy_head_rows_probe.py)."""
-
-    pair_next = True
+    rows of its accepted path."""
 
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], final: torch.Tensor):
         self.head, self.final, self.tokens = head, final, {}  # final: (1, n, H), the head's inputs
 
-    def __call__(self, row: int, then: int | None = None) -> int:
+    def __call__(self, row: int) -> int:
         if row not in self.tokens:
-            rows = [row]
-            if self.pair_next and then is not None and then not in self.tokens and then < self.final.shape[1]:
-                rows.append(then)
-            inputs = self.final[:, row:row + 1] if len(rows) == 1 else self.final[:, rows]
-            for taken, token in zip(rows, argmax_last(self.head(inputs)[0]).tolist()):
-                self.tokens[taken] = int(token)
+            self.tokens[row] = int(argmax_last(self.head(self.final[:, row:row + 1])[0, 0]))
         return self.tokens[row]
 
 

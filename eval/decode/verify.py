@@ -64,20 +64,18 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int
     logits (n+1, V). Returns (accepted node indices from depth 1 down, bonus token id).
     """
     predicted = argmax_last(logits).tolist()  # (n+1,) target's next token per slot
-    return greedy_path(tree, lambda slot, then: predicted[slot])
+    return greedy_path(tree, predicted.__getitem__)
 
 
-def greedy_path(tree: DraftTree, predicted: Callable[[int, int | None], int]) -> tuple[list[int], int]:
-    """verify_greedy's walk with `predicted(slot, then)` the target's greedy token after `slot`, asked for the slots
-    of the accepted path only, in order, each with `then`, the slot of its first drafted child (None at a leaf): the
-    slot it asks for next if that child is accepted (models.engine.GreedyRows computes just those, the two in one
-    pass)."""
+def greedy_path(tree: DraftTree, predicted: Callable[[int], int]) -> tuple[list[int], int]:
+    """verify_greedy's walk with `predicted(slot)` the target's greedy token after `slot`, asked for the slots of
+    the accepted path only, in order (models.engine.GreedyRows computes just those)."""
     tokens = tree.tokens.tolist()
     children = children_lists(tree.parents)
     accepted: list[int] = []
     slot = 0
     while True:
-        token = predicted(slot, children[slot][0] + 1 if children[slot] else None)
+        token = predicted(slot)
         match = next((c for c in children[slot] if tokens[c] == token), None)
         if match is None:
             return accepted, token

@@ -1,11 +1,11 @@
-"""In-process A/B of how a greedy verify reads the greedy head: every row in one pass (`together`), each row of the
-accepted path in a pass of its own, asked for as the walk goes (`apart`), and each such pass with the row of its
-first drafted child (`paired`: models.engine.GreedyRows with pair_next, the default where GreedyHead.rows_apart).
-SmolLM2-135M-Instruct float32 on the compiled engine, plain decoding and the bundled drafter with int8 weights as the
-goal bench runs it (its chain of 3 and its dynamic tree) and the goal cells' best method (lookup, else the DFlash
-tree: BEST), MT-Bench first turns, 128 new tokens; per prompt every arm in turn (the order reversed every other
-prompt), each arm's speedup over its own plain. Same tokens in every arm and method (checked). The float32 target
-only: a bf16 target reads the model's head.
+"""In-process A/B of how a greedy verify reads the greedy head: every row in one pass (`together`) against each row of
+the accepted path in a pass of its own, asked for as the walk goes (`apart`: models.engine.GreedyRows, the default
+where GreedyHead.rows_apart). SmolLM2-135M-Instruct float32 on the compiled engine, plain decoding and the bundled
+drafter with int8 weights as the goal bench runs it (its chain of 3 and its dynamic tree) and the goal cells' best
+method (lookup, else the DFlash tree: BEST), MT-Bench first turns, 128 new tokens; per prompt both arms in
+alternating order, each arm's speedup over its own plain. Same tokens in every arm and method (checked). The float32
+target only: a bf16 target reads the model's head. (A third arm, each pass with the row of its first drafted child,
+is in the history: commit 5dac9b4.)
     scripts/jobs/quiet.sh python scripts/jobs/greedy_rows_ab.py [float32] [prompts] [output.json]
 """
 import sys
@@ -20,11 +20,11 @@ from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.engine import Backend, GreedyRows
+from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import GreedyHead, WeightPrecision
 from draftsmith.models.target import TargetModel
 
-ARMS = ("together", "apart", "paired")
+ARMS = ("together", "apart")
 METHODS = ("chain", "tree", "best")
 BEST = ("cascade:drafters=[(ngram:min_n=3,budget=8), (dflash:drafters/dflash_smollm2_human40m_then_regen/"
         "loss_tokens_750000,vocab=models/bundled/smollm2-135m-instruct-dgf,weights=int8,budget=4,topk=3,"
@@ -32,8 +32,7 @@ BEST = ("cascade:drafters=[(ngram:min_n=3,budget=8), (dflash:drafters/dflash_smo
 
 
 def set_arm(arm: str) -> None:
-    GreedyHead.rows_apart = property(lambda self: arm != "together")
-    GreedyRows.pair_next = arm == "paired"
+    GreedyHead.rows_apart = property(lambda self: arm == "apart")
 
 
 @torch.inference_mode()
