@@ -3,6 +3,8 @@
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from conftest import repetitive_prompt, tiny_model
@@ -161,3 +163,32 @@ def test_chain_stop_below_shortens_chains_and_is_checked():
     for bad in ({"mode": "tree", "stop_below": 0.5}, {"mode": "chain", "stop_below": 1.0}):
         with pytest.raises(InputError, match="stop_below"):
             LMDrafter(model, **bad)
+
+
+def reference_continuations(context: list[int], min_ngram: int, max_ngram: int, budget: int,
+                            branches: int) -> list[list[int]]:
+    """Prompt lookup's definition, searched anew: the last n tokens (n from max_ngram down) matched against every
+    earlier window, most recent first, the distinct `budget` tokens after each match."""
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        for start in range(len(context) - 1 - n, -1, -1):
+            follow = context[start + n: start + n + budget]
+            if context[start:start + n] == context[-n:] and follow not in found:
+                found.append(follow)
+                if len(found) == branches:
+                    return found
+    return found
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 3), min_size=1, max_size=4)), min_size=1,
+                max_size=30), st.integers(1, 3), st.integers(0, 2), st.integers(1, 5), st.integers(1, 3))
+def test_prompt_lookup_index_finds_what_a_search_anew_finds(steps, min_ngram, more, budget, branches):
+    """NgramDrafter's index, kept from round to round, gives the continuations a search of the whole context gives,
+    whether the next context extends the one before (a round's tokens) or not (another request)."""
+    drafter = NgramDrafter(max_ngram=min_ngram + more, min_ngram=min_ngram, budget=budget, num_branches=branches)
+    context: list[int] = []
+    for extends, tokens in steps:
+        context = context + tokens if extends else tokens
+        expected = reference_continuations(context, min_ngram, min_ngram + more, budget, branches)
+        assert drafter.continuations(torch.tensor(context)) == expected

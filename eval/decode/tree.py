@@ -74,10 +74,14 @@ class DraftTree:
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of each node (root children = 1) from topologically ordered parents. (n,)"""
-    depths = torch.zeros_like(parents)
-    parent_list = parents.tolist()
-    for i, parent in enumerate(parent_list):
-        depths[i] = 1 if parent < 0 else depths[parent] + 1
+    return torch.tensor(depth_list(parents.tolist()), dtype=parents.dtype, device=parents.device)
+
+
+def depth_list(parents: list[int]) -> list[int]:
+    """node_depths over lists (a drafter's few nodes: no tensor op per node)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
     return depths
 
 

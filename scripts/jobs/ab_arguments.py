@@ -1,7 +1,7 @@
 """What the in-process A/B scripts share: their arguments, [float32 | bfloat16] [prompts] [output.json], checked in
 one line each (an existing output file is refused: nothing is overwritten; new_output, which the probes beside them
 call too), their alternating loop, their JSON output, the goal bench's dynamic tree of the bundled drafter and the
-float32 target decoding plain and with that tree in int8."""
+float32 target decoding plain and with that tree in int8, and the goal cells' best method."""
 import json
 import sys
 import time
@@ -23,6 +23,10 @@ from draftsmith.models.target import TargetModel
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The bundled drafter's dynamic tree as eval/configs/goal_bench_smollm2.yaml runs it (load_dgf_drafter's keywords)
 GOAL_TREE = {"depth": 6, "topk": 2, "budget": 8, "stop_below": 0.2, "keep_above": 0.1}
+# The goal cells' best method (eval/configs/goal_cells_smollm2.yaml): lookup, else the DFlash 40M + 0.75M tree
+BEST = ("cascade:drafters=[(ngram:min_n=3,budget=8), (dflash:drafters/dflash_smollm2_human40m_then_regen/"
+        "loss_tokens_750000,vocab=models/bundled/smollm2-135m-instruct-dgf,weights=int8,budget=4,topk=3,"
+        "keep_above=0.05,prior=drafters/dflash_smollm2_human_then_regen/ngram_prior,context_weight=1.0)]")
 
 
 def ab_arguments(argv: list[str], script: str) -> tuple[str, int, str | None]:

@@ -11,7 +11,7 @@ is in the history: commit 5dac9b4.)
 import sys
 
 import torch
-from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, write_result
+from ab_arguments import BEST, GOAL_TREE, ab_arguments, alternating_rates, write_result
 
 from draftsmith.eval.bench.build_context import BuildContext
 from draftsmith.eval.bench.methods import build_method, inner_drafter
@@ -26,9 +26,6 @@ from draftsmith.models.target import TargetModel
 
 ARMS = ("together", "apart")
 METHODS = ("chain", "tree", "best")
-BEST = ("cascade:drafters=[(ngram:min_n=3,budget=8), (dflash:drafters/dflash_smollm2_human40m_then_regen/"
-        "loss_tokens_750000,vocab=models/bundled/smollm2-135m-instruct-dgf,weights=int8,budget=4,topk=3,"
-        "keep_above=0.05,prior=drafters/dflash_smollm2_human_then_regen/ngram_prior,context_weight=1.0)]")
 
 
 def set_arm(arm: str) -> None:

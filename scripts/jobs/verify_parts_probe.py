@@ -7,8 +7,8 @@ rest of the profiled wall time (dispatch, the profiler's own cost, and what the 
 same forward's wall time unprofiled and the wall time of the package built without the kernels' profiling (the
 engine's own: the profiling build's records cost ~8 ms a forward on the Xeon, flat in the width; T(w)/T(1) is of this
 one). Prints a table; writes JSON and the table beside it where an output path is given (an existing one is
-refused).
-    scripts/jobs/quiet.sh python scripts/jobs/verify_parts_probe.py [output.json]
+refused). WIDTHS: comma-separated widths instead of 1,4,8,9,12,16 (the first the ratios' base).
+    scripts/jobs/quiet.sh python scripts/jobs/verify_parts_probe.py [output.json [WIDTHS]]
 """
 import collections
 import statistics
@@ -53,26 +53,36 @@ def profiled_parts(target: TargetModel, cache, past: int, ids: torch.Tensor) -> 
     return {"unprofiled": forward_ms(target, cache, past, ids), "wall": wall, **parts}
 
 
-def compiled_with_cache(base: TargetModel, kernel_profile: bool) -> tuple[TargetModel, object, int]:
+def widths_of(argv: list[str]) -> tuple[int, ...]:
+    """The widths argv[2] names (WIDTHS where none), or exit in one line."""
+    if len(argv) < 3:
+        return WIDTHS
+    if len(argv) > 3 or not all(part.isdigit() and 1 <= int(part) <= 64 for part in argv[2].split(",")):
+        sys.exit("usage: python scripts/jobs/verify_parts_probe.py [output.json [WIDTHS: e.g. 1,2,3,4, each 1-64]]")
+    return tuple(int(part) for part in argv[2].split(","))
+
+
+def compiled_with_cache(base: TargetModel, kernel_profile: bool,
+                        widths: tuple[int, ...]) -> tuple[TargetModel, object, int]:
     """The compiled target (its kernels profiled or not), a cache holding the context, and the context's length."""
-    target = base.with_backend(Backend.COMPILED, CompileSettings(buckets=list(WIDTHS), capacity=1024,
+    target = base.with_backend(Backend.COMPILED, CompileSettings(buckets=sorted(widths), capacity=1024,
                                                                  kernel_profile=kernel_profile))
-    target.prepare(WIDTHS)
-    cache = target.new_cache(CONTEXT + max(WIDTHS))
+    target.prepare(widths)
+    cache = target.new_cache(CONTEXT + max(widths))
     target.forward(mt_bench_context(base.tokenizer, CONTEXT), cache)
     return target, cache, target.cache_length(cache)
 
 
 @torch.inference_mode()
 def main() -> None:
-    output = probe_output(sys.argv)
+    output, widths = probe_output(sys.argv), widths_of(sys.argv)
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    profiled, engine = compiled_with_cache(base, True), compiled_with_cache(base, False)
+    profiled, engine = compiled_with_cache(base, True, widths), compiled_with_cache(base, False, widths)
     vocab = base.model.get_output_embeddings().out_features
-    runs = {width: [] for width in WIDTHS}
+    runs = {width: [] for width in widths}
     for round_ in range(WARMUP + ROUNDS):
-        for width in WIDTHS:
+        for width in widths:
             ids = torch.randint(0, vocab, (1, width))
             parts = profiled_parts(*profiled, ids) | {"engine": forward_ms(*engine, ids)}
             if round_ >= WARMUP:
@@ -85,7 +95,7 @@ def main() -> None:
     lines = [head, "", "| w | T(w) | T(w)/T(1) | profiling build | profiled | " + " | ".join(ORDER) + " |",
              "|---|---|---|---|---|" + "---|" * len(ORDER)]
     for width, row in table.items():
-        ratio = row["engine"] / table[WIDTHS[0]]["engine"]
+        ratio = row["engine"] / table[widths[0]]["engine"]
         lines.append(f"| {width} | {row['engine']:.1f} | {ratio:.2f} | {row['unprofiled']:.1f} | {row['wall']:.1f} | "
                      + " | ".join(f"{row[key]:.2f}" for key in ORDER) + " |")
     write_document(output, {"cpu": cpu_model(), "kernel_isa": str(kernel_isa()), "context": CONTEXT, "rounds": ROUNDS,

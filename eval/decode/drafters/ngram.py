@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.eval.decode.drafters.base import Drafter, InputError, check_sizes
-from draftsmith.eval.decode.tree import DraftTree, trie
+from draftsmith.eval.decode.tree import DraftTree, depth_list, trie
 
 
 NGRAM_BUDGET = 5  # tokens proposed after a match
@@ -27,27 +27,51 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.budget, self.num_branches = budget, num_branches
         self.name = name
+        self.index = NgramIndex(self.min_ngram, self.max_ngram)
 
     def continuations(self, context: torch.Tensor) -> list[list[int]]:
         """Up to num_branches distinct continuations, longest n-gram and most recent match first."""
+        tokens = self.index.update(context.tolist())
         found: list[list[int]] = []
-        length = context.numel()
+        length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            pattern = context[-n:]
-            windows = context[: length - 1].unfold(0, n, 1)  # (length - n, n): windows ending before the last token
-            starts = torch.nonzero((windows == pattern).all(-1)).flatten().tolist()
-            for start in reversed(starts):
-                follow = context[start + n: start + n + self.budget].tolist()
-                if follow and follow not in found:
+            for start in reversed(self.index.starts[n].get(tuple(tokens[-n:]), ())):
+                follow = tokens[start + n: start + n + self.budget]
+                if follow not in found:
                     found.append(follow)
                     if len(found) == self.num_branches:
                         return found
         return found
+
+    def forget(self) -> None:
+        self.index = NgramIndex(self.min_ngram, self.max_ngram)
 
     def propose(self, root, context, sampling, generator) -> DraftTree:
         tokens, parents = trie(self.continuations(context))
         tokens, parents = tokens[: self.budget], parents[: self.budget]  # first-seen order: parents stay in
         if not tokens:
             return DraftTree.empty(context.device)
-        return DraftTree.from_parents(torch.tensor(tokens, device=context.device),
-                                      torch.tensor(parents, device=context.device))
+        return DraftTree.from_lists(tokens, parents, depth_list(parents), device=context.device)
+
+
+class NgramIndex:
+    """Where each n-gram of a context starts, for the windows that end before its last token, kept from one round to
+    the next: a context that extends the one before is indexed from where that one ended (a few tokens a round, no
+    tensor op), any other anew."""
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.sizes = range(min_ngram, max_ngram + 1)
+        self.tokens: list[int] = []
+        self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
+
+    def update(self, tokens: list[int]) -> list[int]:
+        """Index `tokens`, the context as a list; returns them."""
+        known = len(self.tokens)
+        if known > len(tokens) or tokens[:known] != self.tokens:
+            self.starts, known = {n: {} for n in self.sizes}, 0
+        for end in range(max(known, 1), len(tokens)):  # the windows ending before the last token
+            for n, starts in self.starts.items():
+                if end >= n:
+                    starts.setdefault(tuple(tokens[end - n:end]), []).append(end - n)
+        self.tokens = tokens
+        return tokens
