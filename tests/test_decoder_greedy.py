@@ -3,9 +3,9 @@
 import time
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from conftest import repetitive_prompt, tiny_model
 from draftsmith.errors import UserError
