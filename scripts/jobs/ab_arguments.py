@@ -1,7 +1,7 @@
 """What the in-process A/B scripts share: their arguments, [float32 | bfloat16] [prompts] [output.json], checked in
 one line each (an existing output file is refused: nothing is overwritten; new_output, which the probes beside them
 call too), their alternating loop, their JSON output, the goal bench's dynamic tree of the bundled drafter and the
-float32 target decoding plain and with that tree in int8, and the goal cells' best method."""
+float32 target decoding plain and with that tree in int8, the goal cells' best method, and a bench method's drafter."""
 import json
 import sys
 import time
@@ -10,7 +10,10 @@ from typing import Callable
 
 import torch
 
+from draftsmith.eval.bench.build_context import BuildContext
+from draftsmith.eval.bench.methods import build_method, inner_drafter
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
+from draftsmith.eval.decode.drafters.base import Drafter
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
 from draftsmith.eval.documents import cpu_model
 from draftsmith.eval.prompts import load_prompts
@@ -71,6 +74,12 @@ def alternating_rates(prompts: list, arms: tuple[str, ...], set_arm: Callable[[s
                 tokens[arm, method] += len(outputs[arm, method])
         assert len({tuple(out) for out in outputs.values()}) == 1, f"prompt {index}: the outputs' tokens differ"
     return {key: tokens[key] / seconds[key] for key in seconds}
+
+
+def method_drafter(base: TargetModel, spec: str = BEST) -> Drafter:
+    """The drafter of bench method `spec` (a drafter method: lm-chain, dflash, cascade, ...) on the compiled backend,
+    built as the bench builds it for the target `base`."""
+    return inner_drafter(build_method(spec, BuildContext(base, backend=Backend.COMPILED)), spec)
 
 
 def int8_tree_decoders(count: int) -> tuple[TargetModel, dict, list]:

@@ -15,10 +15,8 @@ import time
 from collections import defaultdict
 
 import torch
-from ab_arguments import GOAL_TREE
+from ab_arguments import GOAL_TREE, method_drafter
 
-from draftsmith.eval.bench.build_context import BuildContext
-from draftsmith.eval.bench.methods import build_method, inner_drafter
 from draftsmith.eval.decode.decoder import DecodeConfig, Generation, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
 from draftsmith.eval.decode.drafters.lm import LMDrafter
@@ -109,7 +107,7 @@ def main(argv: list[str]) -> None:
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=DTYPES[precision])
     target = base.with_backend(Backend.COMPILED, CompileSettings())
     drafter = (bundled_chain_or_tree(target, precision, shape_name) if shape_name in SHAPES
-               else inner_drafter(build_method(shape_name, BuildContext(base, backend=Backend.COMPILED)), shape_name))
+               else method_drafter(base, shape_name))
     decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=128))
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     decoder.generate(prompts[0])  # warm-up: loads every package the rounds use

@@ -11,10 +11,8 @@ is in the history: commit 5dac9b4.)
 import sys
 
 import torch
-from ab_arguments import BEST, GOAL_TREE, ab_arguments, alternating_rates, write_result
+from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, method_drafter, write_result
 
-from draftsmith.eval.bench.build_context import BuildContext
-from draftsmith.eval.bench.methods import build_method, inner_drafter
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
 from draftsmith.eval.prompts import load_prompts
@@ -48,8 +46,7 @@ def main(argv: list[str]) -> None:
                                                                      settings=int8), config),
                 "tree": SpeculativeDecoder(target, load_dgf_drafter(path, target, backend=Backend.COMPILED,
                                                                     settings=int8, **GOAL_TREE), config),
-                "best": SpeculativeDecoder(target, inner_drafter(build_method(BEST, BuildContext(
-                    base, backend=Backend.COMPILED)), BEST), config)}
+                "best": SpeculativeDecoder(target, method_drafter(base), config)}
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     rate = alternating_rates(prompts, ARMS, set_arm, decoders)
     speedup = {f"{arm} {method}": rate[arm, method] / rate[arm, "plain"]

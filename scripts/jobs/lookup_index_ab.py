@@ -11,10 +11,8 @@ import sys
 import time
 
 import torch
-from ab_arguments import BEST, ab_arguments, alternating_rates, write_result
+from ab_arguments import ab_arguments, alternating_rates, method_drafter, write_result
 
-from draftsmith.eval.bench.build_context import BuildContext
-from draftsmith.eval.bench.methods import build_method, inner_drafter
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.decode.tree import DraftTree, trie
@@ -80,7 +78,7 @@ def main(argv: list[str]) -> None:
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
     target = base.with_backend(Backend.COMPILED, CompileSettings())
     config = DecodeConfig(max_new_tokens=128)
-    best = inner_drafter(build_method(BEST, BuildContext(base, backend=Backend.COMPILED)), BEST)
+    best = method_drafter(base)
     lookup = best.drafters[0]
     lookup.propose = timed_propose(lookup)
     decoders = {"plain": SpeculativeDecoder(target, None, config), "best": SpeculativeDecoder(target, best, config)}

@@ -11,11 +11,9 @@ import sys
 import time
 
 import torch
-from ab_arguments import BEST, probe_output
+from ab_arguments import BEST, method_drafter, probe_output
 from torch.profiler import ProfilerActivity, profile
 
-from draftsmith.eval.bench.build_context import BuildContext
-from draftsmith.eval.bench.methods import build_method, inner_drafter
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.eval.prompts import load_prompts
@@ -37,7 +35,7 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(2)
     base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
     target = base.with_backend(Backend.COMPILED, CompileSettings())
-    drafter = inner_drafter(build_method(spec, BuildContext(base, backend=Backend.COMPILED)), spec)
+    drafter = method_drafter(base, spec)
     decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=128))
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
     decoder.generate(prompts[0])  # loads every package a round uses
