@@ -82,11 +82,17 @@ def method_drafter(base: TargetModel, spec: str = BEST) -> Drafter:
     return inner_drafter(build_method(spec, BuildContext(base, backend=Backend.COMPILED)), spec)
 
 
+def float32_targets() -> tuple[TargetModel, TargetModel]:
+    """SmolLM2-135M-Instruct in float32: the model as loaded (a bench method's builds read it) and on the compiled
+    engine."""
+    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
+    return base, base.with_backend(Backend.COMPILED, CompileSettings())
+
+
 def int8_tree_decoders(count: int) -> tuple[TargetModel, dict, list]:
     """(SmolLM2-135M-Instruct float32 on the compiled engine, {"plain", "tree": the bundled drafter with int8 weights as
     GOAL_TREE} decoders of 128 new tokens, the first `count` MT-Bench first turns)."""
-    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    base, target = float32_targets()
     config = DecodeConfig(max_new_tokens=128)
     drafter = load_dgf_drafter(bundled_drafter("smollm2-135m-instruct"), target, backend=Backend.COMPILED,
                                settings=CompileSettings(weights=WeightPrecision.INT8), **GOAL_TREE)

@@ -11,7 +11,8 @@ is in the history: commit 5dac9b4.)
 import sys
 
 import torch
-from ab_arguments import GOAL_TREE, ab_arguments, alternating_rates, method_drafter, write_result
+from ab_arguments import (GOAL_TREE, ab_arguments, alternating_rates, float32_targets, method_drafter,
+                          write_result)
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.dgf import load_dgf_drafter
@@ -20,7 +21,6 @@ from draftsmith.models.bundled import bundled_drafter
 from draftsmith.models.compiled import CompileSettings
 from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import GreedyHead, WeightPrecision
-from draftsmith.models.target import TargetModel
 
 ARMS = ("together", "apart")
 METHODS = ("chain", "tree", "best")
@@ -36,8 +36,7 @@ def main(argv: list[str]) -> None:
     if name != "float32":
         sys.exit("error: the greedy head serves float32 targets: run with float32")
     torch.set_num_threads(2)
-    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    base, target = float32_targets()
     int8 = CompileSettings(weights=WeightPrecision.INT8)
     path = bundled_drafter("smollm2-135m-instruct")
     config = DecodeConfig(max_new_tokens=128)

@@ -11,15 +11,12 @@ import sys
 import time
 
 import torch
-from ab_arguments import ab_arguments, alternating_rates, method_drafter, write_result
+from ab_arguments import ab_arguments, alternating_rates, float32_targets, method_drafter, write_result
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.decode.tree import DraftTree, trie
 from draftsmith.eval.prompts import load_prompts
-from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.engine import Backend
-from draftsmith.models.target import TargetModel
 
 ARMS = ("search", "index")
 SECONDS = {arm: 0.0 for arm in ARMS}
@@ -75,8 +72,7 @@ def main(argv: list[str]) -> None:
     if name != "float32":
         sys.exit("error: the goal cells run a float32 target: run with float32")
     torch.set_num_threads(2)
-    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    base, target = float32_targets()
     config = DecodeConfig(max_new_tokens=128)
     best = method_drafter(base)
     lookup = best.drafters[0]

@@ -11,16 +11,13 @@ import sys
 import time
 
 import torch
-from ab_arguments import BEST, method_drafter, probe_output
+from ab_arguments import BEST, float32_targets, method_drafter, probe_output
 from torch.profiler import ProfilerActivity, profile
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.documents import cpu_model, write_document
 from draftsmith.eval.prompts import load_prompts
-from draftsmith.models.compiled import CompileSettings
-from draftsmith.models.engine import Backend
 from draftsmith.models.kernels import kernel_isa
-from draftsmith.models.target import TargetModel
 
 SHOWN = 25  # ops in the table (the JSON has every op)
 
@@ -33,8 +30,7 @@ def main(argv: list[str]) -> None:
     spec = argv[2] if len(argv) > 2 else BEST
     count = int(argv[3]) if len(argv) > 3 else 4
     torch.set_num_threads(2)
-    base = TargetModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    target = base.with_backend(Backend.COMPILED, CompileSettings())
+    base, target = float32_targets()
     drafter = method_drafter(base, spec)
     decoder = SpeculativeDecoder(target, drafter, DecodeConfig(max_new_tokens=128))
     prompts = [p["input_ids"] for p in load_prompts("mt-bench", count, 0, base.tokenizer)]
