@@ -40,6 +40,16 @@ def ab_arguments(argv: list[str], script: str) -> tuple[str, int, str | None]:
             new_output(argv[2] if len(argv) > 2 else None))
 
 
+def float32_arguments(argv: list[str], script: str, refusal: str) -> tuple[int, str | None]:
+    """(prompts, output path or None) of a float32-only A/B script's `argv`, torch on the 2 threads the runs use; any
+    other dtype exits with `refusal`, one line."""
+    name, count, output = ab_arguments(argv, script)
+    if name != "float32":
+        sys.exit(f"error: {refusal}")
+    torch.set_num_threads(2)
+    return count, output
+
+
 def new_output(path: str | None) -> str | None:
     """`path` (None: no output), or exit in one line where it exists: nothing is overwritten."""
     if path is not None and Path(path).exists():

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 import torch
-from ab_arguments import ab_arguments, alternating_rates, int8_tree_decoders, write_result
+from ab_arguments import alternating_rates, float32_arguments, int8_tree_decoders, write_result
 
 from draftsmith.eval.decode import decoder as decoder_module
 from draftsmith.eval.decode import verify
@@ -36,10 +36,7 @@ def timed(arm: str):
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
-    name, count, output = ab_arguments(argv, "argmax_ab.py")
-    if name != "float32":
-        sys.exit("error: argmax_ab.py times the float32 target")
-    torch.set_num_threads(2)
+    count, output = float32_arguments(argv, "argmax_ab.py", "argmax_ab.py times the float32 target")
     _, decoders, prompts = int8_tree_decoders(count)
 
     def set_arm(arm: str) -> None:

@@ -11,7 +11,7 @@ is in the history: commit 5dac9b4.)
 import sys
 
 import torch
-from ab_arguments import (GOAL_TREE, ab_arguments, alternating_rates, float32_targets, method_drafter,
+from ab_arguments import (GOAL_TREE, alternating_rates, float32_arguments, float32_targets, method_drafter,
                           write_result)
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
@@ -32,10 +32,8 @@ def set_arm(arm: str) -> None:
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
-    name, count, output = ab_arguments(argv, "greedy_rows_ab.py")
-    if name != "float32":
-        sys.exit("error: the greedy head serves float32 targets: run with float32")
-    torch.set_num_threads(2)
+    count, output = float32_arguments(argv, "greedy_rows_ab.py",
+                                      "the greedy head serves float32 targets: run with float32")
     base, target = float32_targets()
     int8 = CompileSettings(weights=WeightPrecision.INT8)
     path = bundled_drafter("smollm2-135m-instruct")

@@ -11,7 +11,7 @@ import sys
 import time
 
 import torch
-from ab_arguments import ab_arguments, alternating_rates, float32_targets, method_drafter, write_result
+from ab_arguments import alternating_rates, float32_arguments, float32_targets, method_drafter, write_result
 
 from draftsmith.eval.decode.decoder import DecodeConfig, SpeculativeDecoder
 from draftsmith.eval.decode.drafters.ngram import NgramDrafter
@@ -68,10 +68,8 @@ def timed_propose(lookup: NgramDrafter):
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
-    name, count, output = ab_arguments(argv, "lookup_index_ab.py")
-    if name != "float32":
-        sys.exit("error: the goal cells run a float32 target: run with float32")
-    torch.set_num_threads(2)
+    count, output = float32_arguments(argv, "lookup_index_ab.py",
+                                      "the goal cells run a float32 target: run with float32")
     base, target = float32_targets()
     config = DecodeConfig(max_new_tokens=128)
     best = method_drafter(base)
