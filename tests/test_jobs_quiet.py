@@ -29,8 +29,11 @@ def test_quiet_pauses_jobs_but_not_its_own_command_and_continues_them(tmp_path):
     try:
         time.sleep(0.5)
         own = f"{sys.executable} {tmp_path / 'draftsmith.data.regenerate_fake.py'}"
-        probe = (f"{own} & C=$!; sleep 3; echo own=$(ps -o stat= -p $C | cut -c1) job=$(ps -o stat= -p {job.pid} "
-                 f"| cut -c1); kill $C; exit 3")
+        # the command's own process sleeps between its loop's steps: wait (with a deadline) for a sample that finds it
+        # asleep, since one sample under load can catch it runnable; a paused process would read T every time
+        own_state = "s=$(ps -o stat= -p $C | cut -c1)"
+        probe = (f"{own} & C=$!; sleep 3; for i in $(seq 40); do {own_state}; [ \"$s\" = S ] && break; sleep 0.25; "
+                 f"done; echo own=$s job=$(ps -o stat= -p {job.pid} | cut -c1); kill $C; exit 3")
         done = subprocess.run(["bash", str(QUIET), "bash", "-c", probe], capture_output=True, text=True, timeout=60)
         assert done.returncode == 3 and "own=S job=T" in done.stdout
         assert state(job.pid) in {"S", "R"}
