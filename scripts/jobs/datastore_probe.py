@@ -13,9 +13,11 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from ab_arguments import probe_output
 
 from draftsmith.data.sources import load_source
+from draftsmith.eval.decode.drafters.ngram import NgramDrafter
 from draftsmith.eval.documents import write_document
 from draftsmith.models.target import load_tokenizer
 
@@ -39,14 +41,6 @@ def build_index(sequences: list[list[int]]) -> dict[int, dict]:
                 table[tuple(tokens[end - n:end])][tuple(tokens[end:end + CONTINUATION])] += 1
         index[n] = table
     return index
-
-
-def lookup_repeats(output: list[int], end: int) -> bool:
-    """Whether the LOOKUP_N tokens before `end` stood earlier in output[:end] (prompt lookup would propose)."""
-    if end < LOOKUP_N + 1:
-        return False
-    gram = output[end - LOOKUP_N:end]
-    return any(output[start - LOOKUP_N:start] == gram for start in range(LOOKUP_N, end))
 
 
 def matched(index: dict, output: list[int], end: int) -> tuple[int, int]:
@@ -80,10 +74,11 @@ def main(argv: list[str]) -> None:
     output_path = probe_output(argv[1:])
     index = build_index(answer_tokens())
     by_length = collections.defaultdict(lambda: [0, 0, 0])  # positions, accepted tokens, first token accepted
+    lookup = NgramDrafter(LOOKUP_N, LOOKUP_N)  # the cascade's lookup: it proposes where it finds a continuation
     for row in bench["per_prompt"]:
         output = row["plain-compiled"]["tokens"]
         for end in range(1, len(output)):
-            if not lookup_repeats(output, end):
+            if not lookup.continuations(torch.tensor(output[:end])):
                 n, accepted = matched(index, output, end)
                 cell = by_length[n]
                 cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + accepted, cell[2] + (accepted > 0)
