@@ -14,6 +14,7 @@ import pytest
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+LINK_TEXT = re.compile(r"\[([^\]]*)\]\([^)]*\)")
 HEADING = re.compile(r"^#+\s+(.*?)\s*$", re.M)
 SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:")
 
@@ -24,7 +25,8 @@ def tracked_markdown() -> list[Path]:
 
 
 def anchor_of(heading: str) -> str:
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    text = LINK_TEXT.sub(r"\1", heading).strip().lower()  # a link in a heading anchors by its text
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
 @cache
