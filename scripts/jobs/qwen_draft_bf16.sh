@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Cheaper draft arithmetic on a CPU with AVX512-BF16 (the Intel Xeon, or the Zen 4 AMD EPYC some sessions land on):
+# Cheaper draft arithmetic on a CPU with AVX512-BF16 (the Intel Xeon, or the Zen 4 AMD EPYC):
 # Qwen2.5-Coder-1.5B-Instruct (fp32 target, compiled) with the off-the-shelf 0.5B as the winning cheap chain (32k
 # sliced head, up to 8 tokens, stop_below=0.3), its draft LM compiled in float32 against bfloat16, one lever at a
 # time on the same prompts (NUM per suite, MT-Bench both turns, GSM8K, HumanEval, 128 new tokens), interleaved per

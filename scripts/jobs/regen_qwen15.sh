@@ -3,8 +3,8 @@
 # the distilled 0.5B student and the 1.5B's feature drafter: GSM8K train, python-docstrings code and
 # ShareGPT prompts, batched, resumable per shard (rerun to continue). Measured on the 2-core CPU at batch 32
 # (results/archive/regen_qwen15.md): GSM8K 18.0 answer tok/s, code 11.5, ShareGPT 7.7 (short answers wait in the batch
-# for its longest); 187 conversations, 39k answer tokens in 0.8 h. The limits fit one 3-hour session together
-# with features, both trainings and the bench; raise them in later sessions (or run it on a device).
+# for its longest); 187 conversations, 39k answer tokens in 0.8 h. The limits fit one 3-hour run together
+# with features, both trainings and the bench; raise them in later runs (or run it on a device).
 # Code/ShareGPT prompts over 384 tokens are dropped (the training windows; one long prompt makes its whole
 # left-padded batch that long).
 set -euo pipefail

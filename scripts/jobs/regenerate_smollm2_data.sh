@@ -5,7 +5,7 @@
 # none of them is a test suite (MT-Bench, GSM8K test, HumanEval). The shards are gzipped JSONL written straight
 # into datasets/regenerated/smollm2-135m-instruct/<source>/, the folder that is committed, so a new machine resumes
 # from git: every shard done is skipped, and a killed run loses at most the shard in progress (~7 min).
-# Rounds of a few shards per source keep the mix balanced however long a session runs. Needs llama.cpp built once
+# Rounds of a few shards per source keep the mix balanced however long a run lasts. Needs llama.cpp built once
 # (`python -m draftsmith.models.engines.llamacpp build`).
 #   (nohup nice -n 10 bash scripts/jobs/regenerate_smollm2_data.sh >> outputs/jobs/regenerate_smollm2.log 2>&1 &)
 set -euo pipefail

@@ -3,8 +3,8 @@
 # LeetCode statements) -> their features -> the 1800-step drafter continued on all caches
 # (train/configs/dgf_smollm2_more.yaml) -> report -> goal bench beside the bundled (1800-step) drafter, same
 # settings as results/dgf_smollm2_long/bench.md, each drafter also in a cascade / union with prompt lookup. About 3 h of regeneration at ~53 answer tok/s, then ~20 min of
-# features, ~1.5 h of training and ~40 min of bench on the 2-core CPU: two sessions; every step resumes or
-# skips when done, so rerun it. Re-bundling (scripts/export.py ... models/bundled/...) is a session's decision
+# features, ~1.5 h of training and ~40 min of bench on the 2-core CPU: two 3-hour runs; every step resumes or
+# skips when done, so rerun it. Re-bundling (scripts/export.py ... models/bundled/...) is a decision of its own
 # on the bench's result, not this script's.
 #   (nohup nice -n 15 bash scripts/jobs/smollm2_more_data.sh >> outputs/jobs/smollm2_more.log 2>&1 &)
 # Needs the earlier runs' outputs (outputs/regen/smollm2/{gsm8k,code,sharegpt,sharegpt2}, their feature caches,
