@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 POINTS=${POINTS:-drafters/eagle3_smollm2_human}
 OUT=${OUT:-results/data_curve_smollm2}
 NUM=${NUM:-10}
-MIN_TOKENS=${MIN_TOKENS:-250000}  # the issue's points: 0.25M, 1M, 4M, 10M (0.1M only warms the run up)
+MIN_TOKENS=${MIN_TOKENS:-250000}  # the curve's points: 0.25M, 1M, 4M, 10M (0.1M only warms the run up)
 # One tree for every point, the shape that pays on a 2-core CPU: a chain of 3 (Dovetail's default 7/10/16 tree,
 # which the points' held-out tau uses, costs 7 drafter forwards and 16 verified nodes a round: 0.3-0.5x plain here)
 TREE=${TREE:-depth=3,topk=1,budget=3}

@@ -127,7 +127,7 @@ ablate)  # the architectures at equal data (same records, order and schedule), o
     [eagle3_two_blocks]="drafter.num_blocks=2"
     [eagle3_gated_fusion]="drafter.layer_fusion=gated"
   )
-  # the order they run in (the named comparisons first: a cap on the call loses the last ones)
+  # the order they run in (the named comparisons first: a cap on the call loses the last ones)
   ABLATE_ORDER=${ABLATE_ORDER:-eagle3 dgf_single_layer eagle3_no_unroll eagle3_hard_labels eagle3_full_vocab eagle3_gated_fusion eagle3_two_blocks}
   TAU_PROMPTS=${TAU_PROMPTS:-4}  # held-out prompts the snapshot's tau is measured on
   for name in $ABLATE_ORDER; do  # a misspelt name would train the base config under that name
