@@ -96,8 +96,15 @@ WEIGHT_LABELS = {WeightPrecision.MODEL: "", WeightPrecision.INT8: "int8 weights"
 FLOAT32_INPUTS = (WeightPrecision.W8A8, WeightPrecision.SPLIT_BF16)  # precisions that take float32 inputs only
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the activations draftsmith::linear and ::attention take
+
+
 def check_activations(precision: WeightPrecision, dtype: torch.dtype) -> None:
-    """w8a8 and split_bf16 take float32 inputs; a model in another dtype is refused in one line."""
+    """The kernels take float32 or bfloat16 activations, w8a8 and split_bf16 float32 only; a model in another dtype
+    is refused in one line."""
+    if dtype not in KERNEL_DTYPES:
+        raise UserError(f"the batch-invariant kernels take float32 or bfloat16 and this model runs in "
+                        f"{str(dtype).split('.')[-1]}: use dtype=float32 or dtype=bfloat16, or compile.kernels=inductor")
     if precision in FLOAT32_INPUTS and dtype != torch.float32:
         raise UserError(f"weights={precision} takes float32 inputs and this model runs in {str(dtype).split('.')[-1]}: "
                         "use dtype=float32, or weights=int8 (weight-only) for a bfloat16 model")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -102,14 +103,21 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, what: str = "drafter
 
 
 def from_hub_or_dir(loader, name_or_path: str, path: str, **kwargs):
-    """`loader.from_pretrained(path)`; a hub id that cannot be fetched is one UserError naming it."""
+    """`loader.from_pretrained(path)`; a hub id that cannot be fetched is one UserError naming it (the hub client's
+    own retry warnings held back: the error says what failed)."""
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)
     try:
         return loader.from_pretrained(path, **kwargs)
     except OSError as err:
         if Path(path).is_dir():
             raise
+        first_sentence = " ".join(str(err).split()).split(". ")[0].rstrip(".")[:200]
         raise UserError(f"model {name_or_path!r}: not a registry name ({', '.join(REGISTRY)}) or an existing directory, "
-                        f"and the hub id could not be loaded ({' '.join(str(err).split())[:160]})") from err
+                        f"and the hub id could not be loaded ({first_sentence})") from err
+    finally:
+        hub_logger.setLevel(level)
 
 
 def load_tokenizer(name_or_path: str):

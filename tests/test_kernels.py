@@ -238,6 +238,11 @@ def test_w8a8_refuses_a_bfloat16_model_in_one_line():
         invariant_model(tiny_model("llama", seed=1, num_layers=1).bfloat16(), WeightPrecision.W8A8)
 
 
+def test_a_float16_model_is_refused_in_one_line():
+    with pytest.raises(UserError, match="take float32 or bfloat16 and this model runs in float16"):
+        invariant_model(tiny_model("llama", seed=1, num_layers=1).half())
+
+
 def test_linear_is_thread_count_invariant():
     x, weight, scale, bias = linear_case(13, 300, 130, "float32", seed=1)
     packed, threads = pack_weight(weight), torch.get_num_threads()
