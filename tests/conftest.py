@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+# before transformers and huggingface_hub are imported: they read these once, at import
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest
 import torch
 from draftsmith.models.artifacts import ACCURACY_FILE, CONFIG_FILE, MANIFEST_FILE
@@ -13,8 +17,6 @@ from draftsmith.models.artifacts import MEDUSA_WEIGHTS as HEADS_FILE
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # tiny models: threads only add sync overhead (and thrash under load)
 
 TINY_VOCAB = 96
