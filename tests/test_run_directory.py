@@ -57,6 +57,16 @@ def test_a_finished_run_is_never_replaced_without_overwrite(name, finished, tmp_
     assert digest(out) == before
 
 
+@pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--resume"]], ids=["fresh", "overwrite", "resume"])
+def test_a_folder_of_other_runs_is_refused_whatever_the_flags(flags, finished, tmp_path, capsys):
+    shutil.copytree(finished["medusa"], tmp_path / "runs" / "earlier")
+    before = digest(tmp_path / "runs")
+    assert medusa.cli(["--config", config("medusa"), f"output_dir={tmp_path / 'runs'}", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "other runs or drafters (earlier)" in err, err
+    assert digest(tmp_path / "runs") == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["earlier"]
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_a_second_run_on_a_directory_in_use_is_refused(name, tmp_path, capsys):
     out = tmp_path / "run"

@@ -15,7 +15,8 @@ Guarantees (README "Guarantees", tests/test_faults.py):
 - one run per output directory at a time: `output_dir/.lock` (flock) names the holder; a second run
   refuses in one line;
 - nothing is replaced without `--overwrite`: a fresh run refuses a directory holding checkpoints,
-  `final/` or `metrics.jsonl` (with `--overwrite` they are removed first);
+  `final/` or `metrics.jsonl` (with `--overwrite` they are removed first), and any run a folder that holds other
+  runs or drafters (`drafters/`, say);
 - exact resume: `--resume` continues from the newest checkpoint that verifies (size + sha256 of its
   tensors), with the optimizer, scheduler, data position and every process's RNG;
 - SIGINT / SIGTERM: the run saves a checkpoint at the next step boundary and exits with one line
@@ -55,7 +56,7 @@ from draftsmith.train.distributed import gather_trainable_state, local_rank_zero
 from draftsmith.train.recipe import Recipe, Tracker, lr_factor
 from draftsmith.train.rng import rng_state, seed_everything, set_rng_state
 from draftsmith.train.run_guards import (METRICS_FILE, DirectoryLock, Interrupted, MetricsFile, RunDirectoryError,
-                                         StopRequest, check_finite, launch_command, print_summary,
+                                         StopRequest, check_finite, launch_command, other_runs_in, print_summary,
                                          without_resume_flags)
 
 log = logging.getLogger("draftsmith.train")
@@ -131,6 +132,7 @@ class TrainingRun:
         problem = None
         if self.is_main:
             try:
+                self._check_not_among_others()  # before the lock: a refused run leaves no file there
                 self.lock.acquire()
                 self._check_existing(resume)
             except UserError as err:
@@ -142,6 +144,13 @@ class TrainingRun:
         if problem is not None:
             self.lock.release()
             raise RunDirectoryError(problem)
+
+    def _check_not_among_others(self) -> None:
+        """Whatever the flags (--overwrite would write among them), a run does not take a folder of other runs."""
+        others = other_runs_in(self.output_dir)
+        if others:
+            raise UserError(f"{self.output_dir} holds other runs or drafters ({', '.join(others)}): give the run "
+                            f"a folder of its own, e.g. output_dir={self.output_dir / 'my_run'}")
 
     def _check_existing(self, resume: str | None) -> None:
         existing = [p for p in (self.checkpoints_dir, self.final_dir, self.output_dir / METRICS_FILE) if p.exists()]
