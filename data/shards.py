@@ -24,7 +24,7 @@ import torch
 
 from draftsmith.config import command_parser, parse_command
 from draftsmith.errors import UserError
-from draftsmith.fileio import atomic_write_json, digest_mismatch, dir_lock, file_digest
+from draftsmith.fileio import atomic_write_json, digest_mismatch, dir_lock, file_digest, refuse_folder_of_runs
 from draftsmith.models.target import resolve_device
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class ShardLedger:
 
     def __init__(self, out_dir: str | Path, rank: int, world_size: int, plan: Mapping[str, Any]):
         self.dir = Path(out_dir)
+        refuse_folder_of_runs(self.dir, "dataset")
         self.rank, self.world_size = rank, world_size
         self.plan = {**plan, "world_size": world_size}
         self.path = self.dir / f"progress_rank{rank}.json"

@@ -5,6 +5,7 @@
   compared before the file is trusted again (`verify_digest`).
 - `dir_lock(directory)`: an exclusive flock on `<dir>/.lock` (short critical sections, e.g. index merges).
 - `refuse_overwrite(path, overwrite)`: a user's earlier output is replaced only with --overwrite.
+- `refuse_folder_of_runs(directory, what)`: a run's output goes to a folder of its own, not among other runs.
 """
 
 from __future__ import annotations
@@ -106,6 +107,30 @@ def refuse_overwrite(path: str | Path, overwrite: bool, instead: str = "set outp
     """One line naming `path` when it exists and --overwrite was not given (`instead`: the other way out)."""
     if Path(path).exists() and not overwrite:
         raise UserError(f"{path} exists: pass --overwrite to replace it, or {instead}")
+
+
+# a folder holding one of these is a training run, a drafter, a benchmark's results or a dataset's shards
+RUN_MARKERS = ("metrics.jsonl", "train_config.yaml", "manifest.json", "bench.json", "progress.jsonl", "index.json")
+
+
+def other_runs_in(directory: Path, own_folders: tuple[str, ...] = (), most: int = 3) -> list[str]:
+    """The first `most` folders directly in `directory` (`own_folders` aside: the run's own) that hold another run,
+    a drafter, a benchmark's results or a dataset."""
+    if not directory.is_dir():
+        return []
+    found = sorted(entry.name for entry in directory.iterdir() if entry.is_dir() and entry.name not in own_folders
+                   and any((entry / marker).exists() for marker in RUN_MARKERS))
+    return found[:most]
+
+
+def refuse_folder_of_runs(directory: str | Path, what: str, own_folders: tuple[str, ...] = ()) -> None:
+    """One line when `directory` holds other runs (`drafters/`, `results/`): writing there would mix this run's
+    files among theirs, so no flag allows it."""
+    directory = Path(directory)
+    others = other_runs_in(directory, own_folders)
+    if others:
+        raise UserError(f"{directory} holds other runs' outputs ({', '.join(others)}): give the {what} a folder of "
+                        f"its own, e.g. output_dir={directory / 'my_run'}")
 
 
 def process_alive(pid: int) -> bool:

@@ -93,3 +93,21 @@ def test_common_bad_input_is_short(name, argv, words, tmp_path, capsys, monkeypa
     assert len(err) < SHORT, (len(err), err)
     for word in words:
         assert word in err, (word, err)
+
+
+FOLDER_OF_RUNS = [
+    ("bench", ["target=tiny:llama", "output_dir=RUNS"]),
+    ("regenerate", ["target=tiny:llama", "source=gsm8k:train", "limit=1", "output_dir=RUNS"]),
+    ("features", ["target=tiny:llama", "source=gsm8k:train", "limit=1", "output_dir=RUNS"]),
+]
+
+
+@pytest.mark.parametrize("name,argv", FOLDER_OF_RUNS, ids=[case[0] for case in FOLDER_OF_RUNS])
+def test_a_folder_of_other_runs_is_refused(name, argv, tmp_path, capsys, monkeypatch):
+    runs = tmp_path / "runs"
+    (runs / "earlier").mkdir(parents=True)
+    (runs / "earlier" / "bench.json").write_text("{}")
+    code, err = error_line(name, [arg.replace("RUNS", str(runs)) for arg in argv], tmp_path, capsys, monkeypatch)
+    assert code == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert "other runs' outputs (earlier)" in err, err
+    assert sorted(path.name for path in runs.iterdir()) == ["earlier"]

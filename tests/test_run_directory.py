@@ -63,7 +63,7 @@ def test_a_folder_of_other_runs_is_refused_whatever_the_flags(flags, finished, t
     before = digest(tmp_path / "runs")
     assert medusa.cli(["--config", config("medusa"), f"output_dir={tmp_path / 'runs'}", "--no-progress", *flags]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "other runs or drafters (earlier)" in err, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "other runs' outputs (earlier)" in err, err
     assert digest(tmp_path / "runs") == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["earlier"]
 
 

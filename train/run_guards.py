@@ -23,17 +23,6 @@ from draftsmith.train.checkpoints import latest_verified_checkpoint
 LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
 RUN_FOLDERS = ("checkpoints", "final", "snapshots", "wandb", "resume")  # a run's own folders in its directory
-RUN_MARKERS = (METRICS_FILE, "train_config.yaml", "manifest.json")  # a folder holding one is a run or a drafter
-
-
-def other_runs_in(directory: Path, most: int = 3) -> list[str]:
-    """The first `most` folders directly in `directory` (its own run folders aside) that hold another training run
-    or a drafter: a run given their parent as its directory would write among them."""
-    if not directory.is_dir():
-        return []
-    found = sorted(entry.name for entry in directory.iterdir() if entry.is_dir() and entry.name not in RUN_FOLDERS
-                   and any((entry / marker).exists() for marker in RUN_MARKERS))
-    return found[:most]
 
 
 def launch_command(argv: Sequence[str], environ: Mapping[str, str]) -> str:

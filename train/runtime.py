@@ -16,7 +16,7 @@ Guarantees (README "Guarantees", tests/test_faults.py):
   refuses in one line;
 - nothing is replaced without `--overwrite`: a fresh run refuses a directory holding checkpoints,
   `final/` or `metrics.jsonl` (with `--overwrite` they are removed first), and any run a folder that holds other
-  runs or drafters (`drafters/`, say);
+  runs' outputs (`drafters/`, say);
 - exact resume: `--resume` continues from the newest checkpoint that verifies (size + sha256 of its
   tensors), with the optimizer, scheduler, data position and every process's RNG;
 - SIGINT / SIGTERM: the run saves a checkpoint at the next step boundary and exits with one line
@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from draftsmith.config import ConfigError, command_parser, config_to_dict, flatten_dict, parse_command, save_config
 from draftsmith.data.records import batch_indices
 from draftsmith.errors import UserError, run_main
-from draftsmith.fileio import atomic_write_json
+from draftsmith.fileio import atomic_write_json, refuse_folder_of_runs
 from draftsmith.models.target import resolve_device
 from draftsmith.tracking import prepare_wandb_env
 from draftsmith.train.checkpoints import (CheckpointError, latest_verified_checkpoint, load_checkpoint,
@@ -55,8 +55,8 @@ from draftsmith.train.checkpoints import (CheckpointError, latest_verified_check
 from draftsmith.train.distributed import gather_trainable_state, local_rank_zero
 from draftsmith.train.recipe import Recipe, Tracker, lr_factor
 from draftsmith.train.rng import rng_state, seed_everything, set_rng_state
-from draftsmith.train.run_guards import (METRICS_FILE, DirectoryLock, Interrupted, MetricsFile, RunDirectoryError,
-                                         StopRequest, check_finite, launch_command, other_runs_in, print_summary,
+from draftsmith.train.run_guards import (METRICS_FILE, RUN_FOLDERS, DirectoryLock, Interrupted, MetricsFile, RunDirectoryError,
+                                         StopRequest, check_finite, launch_command, print_summary,
                                          without_resume_flags)
 
 log = logging.getLogger("draftsmith.train")
@@ -147,10 +147,7 @@ class TrainingRun:
 
     def _check_not_among_others(self) -> None:
         """Whatever the flags (--overwrite would write among them), a run does not take a folder of other runs."""
-        others = other_runs_in(self.output_dir)
-        if others:
-            raise UserError(f"{self.output_dir} holds other runs or drafters ({', '.join(others)}): give the run "
-                            f"a folder of its own, e.g. output_dir={self.output_dir / 'my_run'}")
+        refuse_folder_of_runs(self.output_dir, "run", RUN_FOLDERS)
 
     def _check_existing(self, resume: str | None) -> None:
         existing = [p for p in (self.checkpoints_dir, self.final_dir, self.output_dir / METRICS_FILE) if p.exists()]

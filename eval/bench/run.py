@@ -59,7 +59,7 @@ from draftsmith.eval.bench.methods import (PLAIN, PLAIN_COMPILED, BuildContext, 
 from draftsmith.eval.prompts import (PromptSettings, category_of, check_suites, num_turns, select_conversations,
                                     turn_input_ids)
 from draftsmith.eval.bench.report import format_table, log_wandb, write_plots
-from draftsmith.fileio import atomic_write
+from draftsmith.fileio import atomic_write, refuse_folder_of_runs
 from draftsmith.models.bundled import DEFAULT_TARGET, has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread
 from draftsmith.models.kernels import KernelIsa, kernels_on, loaded_isa
@@ -560,13 +560,14 @@ def run_interleaved(config: BenchConfig, target: TargetModel | None, draft: Targ
 
 
 def check_output_dir(config: BenchConfig, overwrite: bool) -> None:
-    """Before any work: refuse an output directory that holds an earlier run (unless overwrite)."""
+    """Before any work: refuse an output directory that holds an earlier run (unless overwrite) or other runs."""
     if config.output_dir is None:
         return
     out = Path(config.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir={config.output_dir!r} is a file: give a directory (bench.json, bench.md and "
                         "the plots are written inside it)")
+    refuse_folder_of_runs(out, "benchmark")
     if (out / RESULTS_FILE).exists() and not overwrite:
         raise UserError(f"output_dir={config.output_dir!r} already holds {RESULTS_FILE} of an earlier run: pass "
                         "--overwrite to replace it, or choose another output_dir")
