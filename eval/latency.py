@@ -34,7 +34,8 @@ from draftsmith.eval.documents import cpu_model, machine_line, parse_document_co
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.compiled import CompileSettings, compile_unread
 from draftsmith.models.engine import Backend, sync
-from draftsmith.models.target import TargetModel
+from draftsmith.models import kernels
+from draftsmith.models.target import TargetModel, resolve_dtype
 
 DEFAULT_WIDTHS = [1, 2, 4, 8, 16, 32, 64]
 
@@ -44,7 +45,8 @@ class LatencyConfig:
     target: str = option(DEFAULT_TARGET, "the target: registry name, model directory, hub id or tiny:<family>")
     backends: list[Backend] = option(factory=lambda: list(Backend),
                                                            help="engines measured")
-    dtypes: list[str] = option(factory=lambda: ["float32"], help="dtypes measured (float32 | bfloat16 | float16)")
+    dtypes: list[str] = option(factory=lambda: ["float32"], help="dtypes measured (float32 | bfloat16; float16 on "
+                               "the eager backend or compile.kernels=inductor)")
     widths: list[int] = option(factory=lambda: list(DEFAULT_WIDTHS), help="new tokens per forward", ge=1)
     context_tokens: int = option(256, "KV-cache length each forward attends over", ge=1)
     repeats: int = option(10, "timed forwards per width", ge=1)
@@ -190,6 +192,9 @@ def run_latency(config: LatencyConfig, progress: bool = True) -> dict:
         if progress:
             print(text, flush=True)
 
+    for dtype in config.dtypes:  # before any work: a dtype the kernels do not take
+        if any(config.compile.runs_invariant_kernels(backend) for backend in config.backends):
+            kernels.check_kernel_dtype(resolve_dtype(dtype))
     info = {"processor": cpu_model(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
             "device": config.device}

@@ -99,12 +99,18 @@ FLOAT32_INPUTS = (WeightPrecision.W8A8, WeightPrecision.SPLIT_BF16)  # precision
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the activations draftsmith::linear and ::attention take
 
 
-def check_activations(precision: WeightPrecision, dtype: torch.dtype) -> None:
-    """The kernels take float32 or bfloat16 activations, w8a8 and split_bf16 float32 only; a model in another dtype
-    is refused in one line."""
+def check_kernel_dtype(dtype: torch.dtype) -> None:
+    """The kernels take float32 or bfloat16 activations; another dtype is refused in one line (entry points call it
+    before any work, invariant_model again when it builds)."""
     if dtype not in KERNEL_DTYPES:
         raise UserError(f"the batch-invariant kernels take float32 or bfloat16 and this model runs in "
                         f"{str(dtype).split('.')[-1]}: use dtype=float32 or dtype=bfloat16, or compile.kernels=inductor")
+
+
+def check_activations(precision: WeightPrecision, dtype: torch.dtype) -> None:
+    """The kernels take float32 or bfloat16 activations, w8a8 and split_bf16 float32 only; a model in another dtype
+    is refused in one line."""
+    check_kernel_dtype(dtype)
     if precision in FLOAT32_INPUTS and dtype != torch.float32:
         raise UserError(f"weights={precision} takes float32 inputs and this model runs in {str(dtype).split('.')[-1]}: "
                         "use dtype=float32, or weights=int8 (weight-only) for a bfloat16 model")
