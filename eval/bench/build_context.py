@@ -58,12 +58,18 @@ class BuildContext:
     engines: dict = field(default_factory=dict)  # (id(module), backend) -> TargetModel
     drafter_engines: list = field(default_factory=list)  # feature drafters' own engines (built with them)
     draft_read: bool = False  # a method drafts with the run's draft model
+    draft_name: str | None = None  # the run's draft model when not given loaded: loaded when a method first reads it
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft is not None or self.draft_name is not None
 
     def check_draft_read(self) -> None:
-        """After the methods are built: a draft model no method reads is refused (it would be loaded for nothing,
-        and a user who named it believes it is in effect)."""
-        if self.draft is not None and not self.draft_read:
-            raise ConfigError(f"draft={self.draft.name or 'the given draft model'}: no method reads it (lm-chain, "
+        """After the methods are built: a draft model no method reads is refused (a user who named it believes it is
+        in effect); one named but not given loaded was never loaded."""
+        if self.has_draft and not self.draft_read:
+            name = self.draft.name if self.draft is not None else self.draft_name
+            raise ConfigError(f"draft={name or 'the given draft model'}: no method reads it (lm-chain, "
                               "lm-parallel, lm-tree, hf-assisted, llmcad or minions without model=/every=); drop it "
                               "or add one")
 
@@ -116,9 +122,12 @@ class BuildContext:
                 self.models[key] = TargetModel(layer_subset_student(self.target.model, layers), self.target.tokenizer)
             return self.models[key]
         if model in (None, "draft"):
-            if self.draft is None:
+            if not self.has_draft:
                 raise ConfigError(f"{what} needs the bench's draft model: set draft=<name> (or give the method "
                                   "model=<name> or every=<N>)")
+            if self.draft is None:
+                self.draft = TargetModel.from_pretrained(self.draft_name, dtype=self.target.dtype,
+                                                         device=self.target.device)
             self.draft_read = True
             return self.draft
         if model not in self.models:

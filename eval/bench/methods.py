@@ -595,7 +595,7 @@ def build_dgf(spec: MethodSpec, ctx: BuildContext) -> Method:
 
 def build_llmcad(spec: MethodSpec, ctx: BuildContext) -> Method:
     o = spec.options
-    every = o.every if (o.every is not None or o.model is not None or ctx.draft is not None) else 3
+    every = o.every if (o.every is not None or o.model is not None or ctx.has_draft) else 3
     vocab = ctx.vocab(o.vocab)
     lm = ctx.small_model(o.model, every, spec.label, vocab, o.precision, weights=o.weights)
     config = LLMCadConfig(**{f.name: getattr(o, f.name) for f in dataclasses.fields(LLMCadConfig)})

@@ -450,13 +450,11 @@ def precision_note(dtype: torch.dtype, config: "BenchConfig") -> str | None:
             "with compile.kernels=invariant is lossless in every precision")
 
 
-def load_models(config: BenchConfig, target: TargetModel | None, draft: TargetModel | None):
+def load_target(config: BenchConfig, target: TargetModel | None) -> TargetModel:
+    """The run's target (the draft model is loaded when a method first reads it: BuildContext)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    target = target or TargetModel.from_pretrained(config.target, dtype=config.dtype, device=config.device)
-    if draft is None and config.draft:
-        draft = TargetModel.from_pretrained(config.draft, dtype=config.dtype, device=config.device)
-    return target, draft
+    return target or TargetModel.from_pretrained(config.target, dtype=config.dtype, device=config.device)
 
 
 def check_sizes(config: BenchConfig, target: TargetModel) -> None:
@@ -515,14 +513,15 @@ def run_interleaved(config: BenchConfig, target: TargetModel | None, draft: Targ
     if target is None and config.compile.runs_invariant_kernels(config.backend):
         check_kernel_dtype(resolve_dtype(config.dtype))  # before any work
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
-    target, draft = load_models(config, target, draft)
+    target = load_target(config, target)
     check_sizes(config, target)
     note = precision_note(target.dtype, config)
     if progress and note:
         print(note, flush=True)
     records = [(suite, conv) for suite in config.suites
                for conv in select_conversations(suite, config.num_prompts, config.seed)]
-    context = BuildContext(target, draft, config.backend, config.compile, greedy=config.temperature == 0)
+    context = BuildContext(target, draft, config.backend, config.compile, greedy=config.temperature == 0,
+                           draft_name=config.draft if draft is None else None)
     methods = build_methods(config, context)
     context.check_draft_read()
     for method in methods.values():
@@ -553,7 +552,8 @@ def run_interleaved(config: BenchConfig, target: TargetModel | None, draft: Targ
     machine.update(memory_stalls(loop_start, stall_start))
     policies = {str(spec): info for spec, method in methods.items() if (info := method.summary())}
     return {"config": config_to_dict(config), "machine": machine, "compile": compile_report,
-            "models": {"target": target.name or config.target, "draft": (draft.name or config.draft) if draft else None},
+            "models": {"target": target.name or config.target,
+                       "draft": (context.draft.name or config.draft) if context.draft else None},
             "suites": list(config.suites), "summary": summarize(state), "policies": policies,
             "resumed_conversations": saved.restored,
             "compiled_vs_hf": [dict(row["compiled_vs_hf"], id=row["id"], turn=row["turn"]) for row in state.rows
