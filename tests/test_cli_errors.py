@@ -47,6 +47,8 @@ CASES = [
     ("fetch", ["nosuch-model"], ["nosuch-model", "smollm2-135m-instruct"]),
     ("bench", ["target=no-such-org/no-such-model"], ["no-such-org/no-such-model", "could not be loaded"]),
     ("bench", ["target=tiny:llama", "dtype=float16"], ["float16", "float32 or bfloat16", "compile.kernels=inductor"]),
+    ("bench", ["target=tiny:llama", "draft=no-such-org/no-such-draft", "methods=[ngram]"],  # refused unloaded
+     ["draft=no-such-org/no-such-draft", "no method reads it"]),
 ]
 MAINS = {**COMMANDS, "export": export.main, "fetch": fetch_models.main}
 # Lines a user meets often enough that they must stay short: under SHORT characters, naming the value and the valid
