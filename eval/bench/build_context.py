@@ -58,7 +58,7 @@ class BuildContext:
     engines: dict = field(default_factory=dict)  # (id(module), backend) -> TargetModel
     drafter_engines: list = field(default_factory=list)  # feature drafters' own engines (built with them)
     draft_read: bool = False  # a method drafts with the run's draft model
-    draft_name: str | None = None  # the run's draft model when not given loaded: loaded when a method first reads it
+    draft_name: str | None = None  # the run's draft model by name (none passed in): loaded when first read
 
     @property
     def has_draft(self) -> bool:
@@ -66,7 +66,7 @@ class BuildContext:
 
     def check_draft_read(self) -> None:
         """After the methods are built: a draft model no method reads is refused (a user who named it believes it is
-        in effect); one named but not given loaded was never loaded."""
+        in effect); one given by name only was never loaded."""
         if self.has_draft and not self.draft_read:
             name = self.draft.name if self.draft is not None else self.draft_name
             raise ConfigError(f"draft={name or 'the given draft model'}: no method reads it (lm-chain, "
