@@ -8,7 +8,7 @@ import pytest
 
 from draftsmith.data import draft_vocab, features, regenerate
 from draftsmith.errors import run_main
-from draftsmith.eval import arca_profile, latency
+from draftsmith.eval import arca_profile, latency, roofline
 from draftsmith.eval.bench import run as bench
 from draftsmith.scripts import export, fetch_models
 from draftsmith.train import dgf, distill, medusa
@@ -16,7 +16,7 @@ from draftsmith.train import dgf, distill, medusa
 CONFIGS = "train/configs/{}_tiny.yaml"
 RECIPES = {"medusa": medusa.cli, "dgf": dgf.cli, "distill": distill.cli}
 COMMANDS = {"regenerate": regenerate.main, "features": features.main, "draft_vocab": draft_vocab.main,
-            "bench": bench.main, "profile": arca_profile.main, "latency": latency.main}
+            "bench": bench.main, "profile": arca_profile.main, "latency": latency.main, "roofline": roofline.main}
 
 # (command, arguments, words the one line must contain)
 CASES = [
@@ -40,6 +40,8 @@ CASES = [
     ("bench", ["--config", "/nonexistent.yaml"], ["/nonexistent.yaml"]),
     ("profile", ["target=tiny:llama", "budgets=0"], ["budgets"]),
     ("latency", ["target=tiny:llama", "widths=[0]"], ["widths"]),
+    ("roofline", ["target=tiny:llama", "dtype=int4"], ["int4", "float32"]),  # before the machine's roofs are timed
+    ("roofline", ["target=tiny:llama", "dtype=float16"], ["float16", "float32 or bfloat16"]),
     ("export", ["dgf", "/nonexistent", "OUT"], ["/nonexistent"]),
     ("export", ["medusa", "/nonexistent", "OUT", "tolerance=-1"], ["tolerance"]),
     ("export", ["medusa", "/nonexistent", "OUT", "--tolerance", "-1"], ["tolerance"]),
