@@ -34,7 +34,6 @@ from draftsmith.eval.documents import cpu_model, machine_line, parse_document_co
 from draftsmith.models.bundled import DEFAULT_TARGET
 from draftsmith.models.compiled import CompileSettings, compile_unread
 from draftsmith.models.engine import Backend, sync
-from draftsmith.models import kernels
 from draftsmith.models.target import TargetModel, resolve_dtype
 
 DEFAULT_WIDTHS = [1, 2, 4, 8, 16, 32, 64]
@@ -192,9 +191,8 @@ def run_latency(config: LatencyConfig, progress: bool = True) -> dict:
         if progress:
             print(text, flush=True)
 
-    for dtype in config.dtypes:  # before any work: a dtype the kernels do not take
-        if any(config.compile.runs_invariant_kernels(backend) for backend in config.backends):
-            kernels.check_kernel_dtype(resolve_dtype(dtype))
+    for dtype in config.dtypes:
+        config.compile.check_dtype(resolve_dtype(dtype), config.backends)
     info = {"processor": cpu_model(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
             "device": config.device}

@@ -41,8 +41,8 @@ from draftsmith.models.bundled import DEFAULT_TARGET, bundled_drafter
 from draftsmith.models.compiled import CompileSettings, CompiledDGFEngine
 from draftsmith.models.medusa import InvariantMedusaHeads
 from draftsmith.models.engine import Backend
-from draftsmith.models.kernels import (InvariantLinear, Kernels, WeightPrecision, arena_zeros, check_kernel_dtype,
-                                      kernel_isa, load_kernels, pack_weight)
+from draftsmith.models.kernels import (InvariantLinear, Kernels, WeightPrecision, arena_zeros, kernel_isa, load_kernels,
+                                      pack_weight)
 from draftsmith.models.target import TargetModel, resolve_dtype
 
 WIDTHS = [1, 2, 4, 8, 16, 32, 64]
@@ -244,12 +244,11 @@ def greedy_step_rows(target: TargetModel, times: dict[int, list[float]], context
 
 
 def run_roofline(config: RooflineConfig) -> dict:
-    dtype = resolve_dtype(config.dtype)  # before the machine's roofs are timed (minutes)
-    if config.compile.kernels is Kernels.INVARIANT:
-        check_kernel_dtype(dtype)
+    dtype = resolve_dtype(config.dtype)
+    config.compile.check_dtype(dtype, [Backend.COMPILED])  # before the machine's roofs are timed (minutes)
     roofs = machine_roofs()
     print("[roofline] machine: " + ", ".join(f"{k} {v:.1f}" for k, v in roofs.items()), flush=True)
-    base = TargetModel.from_pretrained(config.target, dtype=config.dtype)
+    base = TargetModel.from_pretrained(config.target, dtype=dtype)
     target = base.with_backend(Backend.COMPILED, config.compile)
     target.prepare(tuple(config.widths))
     context = mt_bench_context(base.tokenizer, config.context_tokens)

@@ -42,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -58,7 +59,7 @@ from draftsmith.fileio import environment_variable, process_alive
 from draftsmith.models.dgf import DGFModel, invariant_drafter
 from draftsmith.models.engine import Backend, GreedyRows, TargetOutput, additive_mask, with_cache
 from draftsmith.models.kernels import (GreedyHead, HeadLogits, InvariantLinear, JoinedProjection, Kernels,
-                                      SiblingProjection, WeightPrecision, argmax_last, arena_zeros,
+                                      SiblingProjection, WeightPrecision, argmax_last, arena_zeros, check_kernel_dtype,
                                       invariant_attention, invariant_model)
 from draftsmith.models.precision import Int8WeightLinear
 from draftsmith.models.registry import draftsmith_cache
@@ -130,6 +131,11 @@ class CompileSettings:
     def runs_invariant_kernels(self, backend: Backend) -> bool:
         """Whether a model on `backend` with these settings runs on the batch-invariant kernels."""
         return backend is Backend.COMPILED and self.kernels is Kernels.INVARIANT
+
+    def check_dtype(self, dtype: torch.dtype, backends: Sequence[Backend]) -> None:
+        """Before any work: a dtype the batch-invariant kernels do not take, where one of `backends` runs on them."""
+        if any(self.runs_invariant_kernels(backend) for backend in backends):
+            check_kernel_dtype(dtype)
 
 
 def compile_unread(unread, reader: str) -> list[Unread]:

@@ -55,8 +55,8 @@ from draftsmith.train.checkpoints import (CheckpointError, latest_verified_check
 from draftsmith.train.distributed import gather_trainable_state, local_rank_zero
 from draftsmith.train.recipe import Recipe, Tracker, lr_factor
 from draftsmith.train.rng import rng_state, seed_everything, set_rng_state
-from draftsmith.train.run_guards import (METRICS_FILE, RUN_FOLDERS, DirectoryLock, Interrupted, MetricsFile, RunDirectoryError,
-                                         StopRequest, check_finite, launch_command, print_summary,
+from draftsmith.train.run_guards import (METRICS_FILE, RUN_FOLDERS, DirectoryLock, Interrupted, MetricsFile,
+                                         RunDirectoryError, StopRequest, check_finite, launch_command, print_summary,
                                          without_resume_flags)
 
 log = logging.getLogger("draftsmith.train")
@@ -132,7 +132,8 @@ class TrainingRun:
         problem = None
         if self.is_main:
             try:
-                self._check_not_among_others()  # before the lock: a refused run leaves no file there
+                # whatever the flags (--overwrite would write among them); before the lock, so a refusal leaves no file
+                refuse_folder_of_runs(self.output_dir, "run", RUN_FOLDERS)
                 self.lock.acquire()
                 self._check_existing(resume)
             except UserError as err:
@@ -144,10 +145,6 @@ class TrainingRun:
         if problem is not None:
             self.lock.release()
             raise RunDirectoryError(problem)
-
-    def _check_not_among_others(self) -> None:
-        """Whatever the flags (--overwrite would write among them), a run does not take a folder of other runs."""
-        refuse_folder_of_runs(self.output_dir, "run", RUN_FOLDERS)
 
     def _check_existing(self, resume: str | None) -> None:
         existing = [p for p in (self.checkpoints_dir, self.final_dir, self.output_dir / METRICS_FILE) if p.exists()]

@@ -62,7 +62,7 @@ from draftsmith.eval.bench.report import format_table, log_wandb, write_plots
 from draftsmith.fileio import atomic_write, refuse_folder_of_runs
 from draftsmith.models.bundled import DEFAULT_TARGET, has_bundled_drafter
 from draftsmith.models.compiled import CompileSettings, compile_unread
-from draftsmith.models.kernels import KernelIsa, check_kernel_dtype, kernels_on, loaded_isa
+from draftsmith.models.kernels import KernelIsa, kernels_on, loaded_isa
 from draftsmith.models.engine import Backend, sync
 from draftsmith.models.precision import weight_count
 from draftsmith.models.target import TargetModel, dtype_name, resolve_dtype
@@ -510,8 +510,8 @@ def run_benchmark(config: BenchConfig, target: TargetModel | None = None, draft:
 def run_interleaved(config: BenchConfig, target: TargetModel | None, draft: TargetModel | None, progress: bool,
                     overwrite: bool) -> dict:
     """run_benchmark on the run's kernels."""
-    if target is None and config.compile.runs_invariant_kernels(config.backend):
-        check_kernel_dtype(resolve_dtype(config.dtype))  # before any work
+    if target is None:
+        config.compile.check_dtype(resolve_dtype(config.dtype), [config.backend])
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
     target = load_target(config, target)
     check_sizes(config, target)
