@@ -23,7 +23,7 @@ from draftsmith.config import check_config, config_to_dict, option
 from draftsmith.errors import UserError, exit_with
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.documents import parse_document_command, write_document
-from draftsmith.models.artifacts import load_dgf, read_json
+from draftsmith.models.artifacts import DGF_FORMAT, load_dgf, read_json, read_manifest
 from draftsmith.models.dgf import DGFModel
 from draftsmith.models.target import TargetModel
 
@@ -124,6 +124,7 @@ def main(argv: list[str]) -> dict:
     if not Path(config.bench).is_file():
         raise UserError(f"bench={config.bench}: no such file (a bench.json written by draftsmith.eval.bench)")
     results = read_json(Path(config.bench), "bench results")
+    read_manifest(config.drafter, DGF_FORMAT)  # refused before the target loads
     target = TargetModel.from_pretrained(results["config"]["target"], dtype=results["config"]["dtype"])
     drafter, _ = load_dgf(config.drafter, target=target)
     document = {"format": "draftsmith.drafter_top1/1", "config": config_to_dict(config), "bench": config.bench,

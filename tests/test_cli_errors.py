@@ -8,7 +8,7 @@ import pytest
 
 from draftsmith.data import draft_vocab, features, regenerate
 from draftsmith.errors import run_main
-from draftsmith.eval import arca_profile, latency, roofline
+from draftsmith.eval import arca_profile, drafter_top1, latency, roofline
 from draftsmith.eval.bench import run as bench
 from draftsmith.scripts import export, fetch_models
 from draftsmith.train import dgf, distill, medusa
@@ -16,7 +16,8 @@ from draftsmith.train import dgf, distill, medusa
 CONFIGS = "train/configs/{}_tiny.yaml"
 RECIPES = {"medusa": medusa.cli, "dgf": dgf.cli, "distill": distill.cli}
 COMMANDS = {"regenerate": regenerate.main, "features": features.main, "draft_vocab": draft_vocab.main,
-            "bench": bench.main, "profile": arca_profile.main, "latency": latency.main, "roofline": roofline.main}
+            "bench": bench.main, "profile": arca_profile.main, "latency": latency.main, "roofline": roofline.main,
+            "top1": drafter_top1.main}
 
 # (command, arguments, words the one line must contain)
 CASES = [
@@ -42,6 +43,7 @@ CASES = [
     ("latency", ["target=tiny:llama", "widths=[0]"], ["widths"]),
     ("roofline", ["target=tiny:llama", "dtype=int4"], ["int4", "float32"]),  # before the machine's roofs are timed
     ("roofline", ["target=tiny:llama", "dtype=float16"], ["float16", "float32 or bfloat16"]),
+    ("top1", ["drafter=/nonexistent"], ["/nonexistent", "manifest.json"]),  # before the bench's target loads
     ("export", ["dgf", "/nonexistent", "OUT"], ["/nonexistent"]),
     ("export", ["medusa", "/nonexistent", "OUT", "tolerance=-1"], ["tolerance"]),
     ("export", ["medusa", "/nonexistent", "OUT", "--tolerance", "-1"], ["tolerance"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import tiny_target_for
@@ -55,3 +56,12 @@ def test_a_missing_bench_file_is_one_line(tmp_path, capsys):
     assert run_main(main, [f"bench={tmp_path / 'none.json'}"]) == 2
     err = capsys.readouterr().err
     assert "none.json: no such file" in err and "Traceback" not in err
+
+
+def test_a_missing_drafter_is_refused_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"config": {"target": "tiny:llama", "dtype": "float32"}}))
+    monkeypatch.setattr(TargetModel, "from_pretrained", lambda *args, **kwargs: pytest.fail("the target loaded"))
+    assert run_main(main, [f"bench={bench}", f"drafter={tmp_path / 'none'}"]) == 2
+    err = capsys.readouterr().err
+    assert "no manifest.json in" in err and "Traceback" not in err
