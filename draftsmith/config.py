@@ -143,7 +143,7 @@ def _coerce_sequence(value: Any, tp: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if isinstance(value, str):  # `methods="plain ngram"`, `widths="1 2 4"` on the command line
         numeric = bool(args) and args[0] in (int, float, bool)
-        value = [_scalar_word(word) if numeric else word for word in value.split()]
+        value = [_scalar_word(word) if numeric else word for word in list_words(value)]
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"{path}: expected a list, got {value!r}")
     if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
@@ -153,6 +153,38 @@ def _coerce_sequence(value: Any, tp: Any, path: str) -> Any:
     item = args[0] if args else Any
     items = [coerce(v, item, join_path(path, i)) for i, v in enumerate(value)]
     return tuple(items) if origin is tuple else items
+
+
+def _closes_at_end(text: str) -> bool:
+    """Whether the bracket opening `text` closes at its last character."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += BRACKETS.get(char, 0)
+        if depth == 0:
+            return index == len(text) - 1
+    return False
+
+
+BRACKETS = {"(": 1, "[": 1, ")": -1, "]": -1}
+
+
+def list_words(text: str) -> list[str]:
+    """The items of a list given as text: words split at whitespace outside brackets (`cascade:drafters=[(ngram),
+    dgf]` is one word), a comma ending a word dropped, and brackets around the whole list (text YAML did not read as
+    a list, e.g. `[cascade:drafters=[ngram]]`) dropped."""
+    text = text.strip()
+    if text.startswith("[") and _closes_at_end(text):
+        text = text[1:-1]
+    words, current, depth = [], [], 0
+    for char in text:
+        depth += BRACKETS.get(char, 0)
+        if char.isspace() and depth <= 0:
+            words.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    words.append("".join(current))  # an unbalanced last word too: its parser names the brackets
+    return [word.removesuffix(",") for word in words if word.removesuffix(",")]
 
 
 def _scalar_word(word: str) -> Any:

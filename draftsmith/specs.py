@@ -70,6 +70,9 @@ def split_items(text: str) -> tuple[str | None, dict[str, str]]:
 
 def check_spec_name(text: str, name: str) -> None:
     """A name holds no option: `ngram,budget=4` is refused with the form that was meant (`ngram:budget=4`)."""
+    if "=" in name and "," not in name.split("=")[0]:
+        raise SpecError(f"{text!r} is an option, not a spec: a YAML list splits a spec's options at its commas; quote "
+                        "each spec (\"['lm-tree:depth=4,topk=3', ngram]\") or separate the specs by spaces")
     if any(char in name for char in ",=()[] "):
         head = name.split(",")[0].split("=")[0].strip()
         raise SpecError(f"{text!r}: a spec is name[:first][,key=value,...] (options follow a colon: "

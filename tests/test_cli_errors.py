@@ -38,6 +38,7 @@ CASES = [
     ("bench", ["target=tiny:llama", "num_prompts=0"], ["num_prompts", ">= 1"]),
     ("bench", ["target=tiny:llama", "temperature=-1"], ["temperature", ">= 0"]),
     ("bench", ["target=tiny:llama", "methods=lm-chain:budget=0"], ["budget"]),
+    ("bench", ["target=tiny:llama", "methods=cascade:drafters=[]"], ["drafters=[]", "at least one drafter"]),
     ("bench", ["--config", "/nonexistent.yaml"], ["/nonexistent.yaml"]),
     ("profile", ["target=tiny:llama", "budgets=0"], ["budgets"]),
     ("latency", ["target=tiny:llama", "widths=[0]"], ["widths"]),

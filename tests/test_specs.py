@@ -75,6 +75,9 @@ def test_one_grammar_for_methods_sources_and_tiny_models():
     ("source", "gsm8k:train,test", "only the first item"),
     ("source", "python-source,limit=2", "`python-source:key=value`"),
     ("method", "ngram,budget=4", "`ngram:key=value`"),
+    ("method", "topk=3", "is an option, not a spec"),  # `methods=[lm-tree:depth=4,topk=3]` read as YAML
+    ("method", "cascade:drafters=[]", "at least one drafter"),
+    ("method", "union:drafters=[]", "at least one drafter"),
     ("tiny", "tiny:llama,seed=x", "seed=<integer>"),
     ("tiny", "tiny:llama,size=3", "seed=<integer>")])
 def test_one_error_style(load, spec, words):
@@ -87,6 +90,22 @@ def test_one_error_style(load, spec, words):
     with pytest.raises((UserError, ConfigError)) as err:
         call(spec)
     assert words in one_line(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text,methods", [
+    ("cascade:drafters=[(ngram), (lm-chain:budget=4)]", ["cascade:drafters=[(ngram), (lm-chain:budget=4)]"]),
+    ("[cascade:drafters=[ngram]]", ["cascade:drafters=[ngram]"]),  # YAML does not read it as a list
+    ("[ngram, cascade:drafters=[(ngram), lm-chain]]", ["ngram", "cascade:drafters=[(ngram), lm-chain]"]),
+    ("ngram, lm-chain", ["ngram", "lm-chain"]),
+    ("['lm-tree:depth=4,topk=3', ngram]", ["lm-tree:depth=4,topk=3", "ngram"])])
+def test_a_list_of_methods_on_the_command_line(text, methods):
+    """Specs split at spaces outside brackets (a nested list's spaces stay in its spec), with or without brackets
+    around the list."""
+    from draftsmith.config import load_config
+    from draftsmith.eval.bench.run import BenchConfig
+
+    config = load_config(BenchConfig, overrides=["target=tiny:llama", f"methods={text}"])
+    assert [str(spec) for spec in config.methods[2:]] == methods
 
 
 def test_feature_drafter_dtype_option():

@@ -409,10 +409,20 @@ def default_minions_drafters() -> list:
             MethodSpec.from_config("ngram")]
 
 
+def check_drafters(drafters: list | None) -> None:
+    """A composite's drafters, when given, name at least one method."""
+    if drafters is not None and not drafters:
+        raise ConfigError("drafters=[]: give at least one drafter method, e.g. drafters=[(ngram:min_n=3),dgf]")
+
+
 @dataclass
 class MinionsOptions(MinionsConfig):
     drafters: list[MethodSpec] = option(factory=default_minions_drafters, help="sub-drafters (methods)")
     weights: list[float] | None = option(None, "initial weights, one per sub-drafter", gt=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_drafters(self.drafters)
 
 
 def default_union_drafters() -> list:
@@ -444,6 +454,9 @@ class UnionOptions:
                                         help="sub-drafters in priority order (default: the bundled dgf, then ngram)")
     budget: int = option(TREE_BUDGET, "most nodes of the merged tree", ge=1)
 
+    def __post_init__(self):
+        check_drafters(self.drafters)
+
 
 @dataclass
 class CascadeOptions:
@@ -451,6 +464,9 @@ class CascadeOptions:
                                                f"({CASCADE_LOOKUP}), else the bundled drafter: ({CASCADE_TREE}) "
                                                f"in a greedy run on the batch-invariant kernels, ({CASCADE_CHAIN}) "
                                                "elsewhere")
+
+    def __post_init__(self):
+        check_drafters(self.drafters)
 
 
 @dataclass
