@@ -155,6 +155,9 @@ def _coerce_sequence(value: Any, tp: Any, path: str) -> Any:
     return tuple(items) if origin is tuple else items
 
 
+BRACKETS = {"(": 1, "[": 1, ")": -1, "]": -1}  # how each bracket moves the nesting depth
+
+
 def _closes_at_end(text: str) -> bool:
     """Whether the bracket opening `text` closes at its last character."""
     depth = 0
@@ -163,9 +166,6 @@ def _closes_at_end(text: str) -> bool:
         if depth == 0:
             return index == len(text) - 1
     return False
-
-
-BRACKETS = {"(": 1, "[": 1, ")": -1, "]": -1}
 
 
 def list_words(text: str) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftsmith.config import BRACKETS
 from draftsmith.errors import UserError
 
 
@@ -37,7 +38,7 @@ def split_top(text: str, sep: str = ",") -> list[str]:
     """Split at `sep` outside () and [] (`a,b=(c,d),e=[f,g]` -> 3 items)."""
     items, depth, current = [], 0, []
     for char in text:
-        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(char, 0)
+        depth += BRACKETS.get(char, 0)
         if depth < 0:
             raise SpecError(f"unbalanced brackets in {text!r}")
         if char == sep and depth == 0:

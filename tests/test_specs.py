@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 
+from draftsmith.config import list_words, parse_override
 from draftsmith.eval.bench.run import default_methods
 from draftsmith.eval.engines.llamacpp_bench import LlamaCppMethodSpec
 from draftsmith.eval.engines.openvino_bench import OpenVinoMethodSpec
@@ -30,7 +30,8 @@ def documented_specs() -> list[tuple[type, str]]:
             kind = continued or (LlamaCppMethodSpec if "llamacpp_bench" in line else
                                  OpenVinoMethodSpec if "openvino_bench" in line else MethodSpec)
             for match in re.finditer(r'methods=("[^"]*"|\S+)', line):
-                specs += [(kind, spec) for spec in shlex.split(match.group(1).strip("\"'"))]
+                _, value = parse_override("methods=" + match.group(1).strip("\"'`"))  # as the command reads it
+                specs += [(kind, spec) for spec in (value if isinstance(value, list) else list_words(value))]
             continued = kind if line.rstrip().endswith("\\") else None
     return specs
 
