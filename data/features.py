@@ -62,7 +62,7 @@ from draftsmith.data.chat import render_and_mask
 from draftsmith.data.shards import (IncompleteDataError, PlanMismatch, ShardLedger, fingerprint, incomplete_message,
                                     parse_job_command, rank_items, read_job_index,
                                     resolve_rank_device, resolve_rank_world)
-from draftsmith.data.sources import Conversation, load_source, source_help
+from draftsmith.data.sources import Conversation, load_source, refuse_test_suite, source_help
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
 from draftsmith.models.target import TargetModel, dtype_name, resolve_dtype, vocab_fingerprint
@@ -105,6 +105,8 @@ class FeatureCacheConfig:
 
     def __post_init__(self) -> None:
         check_config(self)
+        if self.source is not None:
+            refuse_test_suite(self.source)
         self.hidden_layers = tuple(int(x) for x in self.hidden_layers)
         if not self.hidden_layers:
             raise UserError("hidden_layers must name at least one layer")

@@ -29,7 +29,7 @@ import torch
 
 from draftsmith.config import option, parse_script
 from draftsmith.data.chat import render_and_mask
-from draftsmith.data.sources import CHECKERS, load_source
+from draftsmith.data.sources import CHECKERS, load_source, refuse_test_suite
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import refuse_overwrite
 from draftsmith.models.target import load_tokenizer
@@ -162,6 +162,7 @@ def load_records(spec: str, tokenizer=None, max_length: int | None = None, limit
     else:
         if tokenizer is None:
             raise UserError(f"source {spec!r} needs the target's tokenizer")
+        refuse_test_suite(spec)
         records = []
         for conv in load_source(spec, limit=limit):
             if not conv.has_response:

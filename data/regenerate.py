@@ -60,7 +60,8 @@ from draftsmith.config import TextEnum, check_config, option
 from draftsmith.data.chat import end_of_turn_candidates, prompt_ids, render_text
 from draftsmith.data.shards import (ShardLedger, chunk, fingerprint, parse_job_command, rank_items,
                                     resolve_rank_device, resolve_rank_world)
-from draftsmith.data.sources import CHECKERS, REGEN_FORMAT, Conversation, load_source, source_help
+from draftsmith.data.sources import (CHECKERS, REGEN_FORMAT, Conversation, load_source, refuse_test_suite,
+                                     source_help)
 from draftsmith.errors import UserError, exit_with
 from draftsmith.fileio import atomic_write
 from draftsmith.models.engines.llamacpp import CONVERTER_TYPES, LlamaServer, ServerSettings, cached_gguf
@@ -122,6 +123,8 @@ class RegenerateConfig:
 
     def __post_init__(self) -> None:
         check_config(self)
+        if self.source is not None:
+            refuse_test_suite(self.source)
         if self.engine is RegenerationEngine.LLAMACPP:
             if self.dtype not in CONVERTER_TYPES:
                 raise UserError(f"dtype={self.dtype}: engine=llamacpp converts the target to one of "
@@ -203,7 +206,8 @@ class GenerationBackend:
 def make_backend(model: Any, tokenizer: Any) -> GenerationBackend:
     stops = stop_token_ids(tokenizer, model)
     if not stops:
-        raise ValueError("no EOS / end-of-turn token: set generation_config.eos_token_id or the tokenizer's eos_token")
+        raise UserError("the target has no EOS / end-of-turn token to stop a reply at: set its "
+                        "generation_config.eos_token_id or its tokenizer's eos_token")
     pad = tokenizer.pad_token_id
     if pad is None:
         pad = getattr(model.generation_config, "pad_token_id", None)

@@ -33,6 +33,12 @@ CASES = [
     ("features", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid kinds"]),
     ("draft_vocab", ["target=tiny:llama", "sources=nosuch", "size=8", "output=OUT"], ["nosuch"]),
     ("regenerate", ["target=smolm2", "source=gsm8k:train", "output_dir=OUT"], ["smolm2"]),
+    ("regenerate", ["target=tiny:llama", "source=mt-bench", "output_dir=OUT"], ["'mt-bench' is a test suite"]),
+    ("regenerate", ["target=tiny:llama", "source=gsm8k:train + gsm8k:test", "output_dir=OUT"],
+     ["'gsm8k:test' is a test suite"]),
+    ("features", ["target=tiny:llama", "source=humaneval", "output_dir=OUT"], ["'humaneval' is a test suite"]),
+    *[(name, ["--config", CONFIGS.format(name), "data.source=breadth:qa"], ["'breadth:qa' is a test suite"])
+      for name in RECIPES],
     ("bench", ["target=tiny:llama", "methods=lm-tree:depth=abc"], ["depth", "integer", "abc"]),
     ("bench", ["target=tiny:llama", "methods=lm-chain:k=0"], ["'k'", "budget"]),
     ("bench", ["target=tiny:llama", "num_prompts=0"], ["num_prompts", ">= 1"]),

@@ -61,6 +61,7 @@ from draftsmith.errors import UserError, one_line
 from draftsmith.specs import SpecError, parse_spec
 
 __all__ = [
+    "TEST_SUITE_KINDS", "refuse_test_suite",
     "CHECKERS", "HUMANEVAL_INSTRUCTION", "check_gsm8k", "gsm8k_dir", "gsm8k_final_answer", "humaneval_path",
     "load_gsm8k", "load_humaneval", "load_mt_bench", "mt_bench_question_path", "normalize_number",
     "strip_gsm8k_calculator", "alpaca_prompt", "bundled_sharegpt_path", "load_alpaca", "load_jsonl_prompts",
@@ -130,6 +131,21 @@ def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
             raise UserError(f"source {spec!r}: kind {kind!r} takes no argument")
         kwargs[first_arg] = parsed.first
     return kind, kwargs
+
+
+# The test suites the benchmarks score (eval/prompts.py; breadth: results/breadth_smollm2.md): never training data.
+TEST_SUITE_KINDS = ("mt-bench", "humaneval", "breadth")
+
+
+def refuse_test_suite(spec: str | Mapping[str, Any]) -> None:
+    """A training or regeneration source that is a test suite (GSM8K's test split included) is refused in one line;
+    a mixture `a + b` is checked part by part."""
+    for part in spec.split(" + ") if isinstance(spec, str) else [spec]:
+        kind, kwargs = _parse_spec(part.strip() if isinstance(part, str) else part)
+        kind = _ALIASES.get(kind, kind)
+        if kind in TEST_SUITE_KINDS or (kind == "gsm8k" and kwargs.get("split", "train") == "test"):
+            raise UserError(f"source {part!r} is a test suite the benchmarks score: it never enters training data "
+                            "(train on gsm8k:train, sharegpt, python-docstrings, leetcode, ...)")
 
 
 def load_source(spec: str | Mapping[str, Any], limit: int | None = None) -> list[Conversation]:
