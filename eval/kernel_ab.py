@@ -9,10 +9,10 @@ config with random weights, then models.kernels.invariant_model: q/k/v and gate/
 linears eval.roofline times as its "linear" and "LM head" parts), called in order for w rows: the part of T(w) that
 the kernels decide, with no attention, norms or graph around it. `parts=[attention]` times instead the step's
 attention calls: one per decoder layer, w query rows (a chain: each sees the context and the rows before it) over
-`context_tokens` cached keys, each layer with its own cache of the engine's capacity. Each (sources, instruction
-set, part, precision) runs in a fresh process, the two sources alternating `rounds` times, because these VMs' memory
-bandwidth moves by minutes: compare a baseline cell with the candidate cell of the same round. Medians of `repeats`
-steps per width, the widths interleaved.
+`context_tokens` cached keys, each layer with its own cache of the engine's capacity, all in one huge-page arena as
+the engine's (models.kernels.arena_zeros). Each (sources, instruction set, part, precision) runs in a fresh process,
+the two sources alternating `rounds` times, because these VMs' memory bandwidth moves by minutes: compare a baseline
+cell with the candidate cell of the same round. Medians of `repeats` steps per width, the widths interleaved.
 """
 
 from __future__ import annotations
@@ -133,8 +133,10 @@ def attention_step(spec: dict) -> Callable[[int], None]:
     dtype = PRECISION_PARTS[StepPrecision(spec["precision"])][0]
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
     generator = torch.Generator().manual_seed(0)
-    caches = [torch.randn(2, 1, kv_heads, spec["capacity"], dim, generator=generator).to(dtype)
-              for _ in range(config.num_hidden_layers)]
+    shape = (2, 1, kv_heads, spec["capacity"], dim)
+    caches = kernels.arena_zeros([torch.empty(shape, dtype=dtype) for _ in range(config.num_hidden_layers)])
+    for cache in caches:
+        cache.copy_(torch.randn(shape, generator=generator))
     queries = {w: torch.randn(1, heads, w, dim, generator=generator).to(dtype) for w in spec["widths"]}
     context, masks = spec["context_tokens"], {}
     for w in spec["widths"]:

@@ -51,6 +51,9 @@ bool float32_chunked_passes();
 // How many rows of a verify AVX-512 attention takes a task at most, each key and value read once for all of them (AVX2
 // always takes two): defined with the dispatch below.
 int avx512_attention_rows();
+// Whether attention requests each key's value, and the key KEY_AHEAD keys on, while it scores a key (else the
+// hardware's prefetchers alone fetch them): defined with the dispatch below. The same bits either way.
+bool attention_requests_ahead();
 
 // Cephes' single-precision exp polynomial, shared by every instruction set.
 constexpr float EXP_HI = 88.3f, EXP_LO = -87.3f, LOG2E = 1.44269504088896341f;
@@ -724,6 +727,11 @@ bool float32_chunked_passes() { return isa() == Isa::Avx512Amx; }
 // eight no better than four, two in between). One on the Zen 4, where four rows a task were slower in two of three
 // alternations of eval.kernel_ab (results/engine_kernels_zen4/kernel_ab/attention_four_rows).
 int avx512_attention_rows() { return isa() == Isa::Avx512Amx ? 4 : 1; }
+
+// Everywhere but the Zen 4 (AVX-512 BF16 without AMX): the requests made the Xeon's attention over 2,000 keys 5-12%
+// cheaper; on the Zen 4 one row over 2,000 keys cached on huge pages was 11-17% cheaper without them, in every
+// alternation (results/engine_kernels_zen4/kernel_ab/attention_no_requests_context_2000); the AVX2 EPYC level either way.
+bool attention_requests_ahead() { return isa() != Isa::Avx512Bf16; }
 
 #define DISPATCH_ISA(...)                                          \
   switch (isa()) {                                                  \

@@ -553,8 +553,8 @@ inline V load_row(const T* p, int64_t d, int valid) {
 constexpr int64_t KEY_BLOCK = 512;
 // Keys requested this many keys ahead of the one scored (2 KB of float32 keys): on the Xeon the attention of 1 / 4 / 8
 // rows over 2,000 keys 12 / 9 / 5% cheaper than with the hardware's prefetcher alone, interleaved in one process
-// (results/engine_kernels_xeon/kernel_ab/README.md; the EPYCs take it unmeasured). Values already come in as their
-// keys are scored (requesting them into L2 instead, or not at all, was slower there).
+// (results/engine_kernels_xeon/kernel_ab/README.md). Values already come in as their keys are scored (requesting
+// them into L2 instead, or not at all, was slower there). Where attention_requests_ahead() says so: not on the Zen 4.
 constexpr int64_t KEY_AHEAD = 8;
 
 inline int64_t blocks_of(int64_t visible) { return std::max<int64_t>(1, (visible + KEY_BLOCK - 1) / KEY_BLOCK); }
@@ -686,6 +686,7 @@ void score_keys(const V (*query)[HEADS][CHUNKS], const BlockRow<T>* rows, const 
                 const T* values, int64_t value_stride, int64_t first_key, int64_t last, float scaling,
                 float* const* scores) {
   const int64_t* visible = rows[0].visible;
+  const bool request = attention_requests_ahead();
   for (int64_t first = first_key; first < last; first += VL) {
     const int count = int(std::min<int64_t>(VL, last - first));
     V lanes[ROWS][HEADS][VL];
@@ -695,9 +696,11 @@ void score_keys(const V (*query)[HEADS][CHUNKS], const BlockRow<T>* rows, const 
         for (int h = 0; h < HEADS; ++h) acc[r][h] = vzero();
       if (t < count) {
         const T* key = keys + visible[first + t] * key_stride;
-        prefetch_row(values + visible[first + t] * value_stride, CHUNKS * VL * int64_t(sizeof(T)));
-        if (first + t + KEY_AHEAD < last)
-          prefetch_row(keys + visible[first + t + KEY_AHEAD] * key_stride, CHUNKS * VL * int64_t(sizeof(T)));
+        if (request) {
+          prefetch_row(values + visible[first + t] * value_stride, CHUNKS * VL * int64_t(sizeof(T)));
+          if (first + t + KEY_AHEAD < last)
+            prefetch_row(keys + visible[first + t + KEY_AHEAD] * key_stride, CHUNKS * VL * int64_t(sizeof(T)));
+        }
         V loaded[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) loaded[c] = load_row(key, c * VL, VL);
         for (int c = 0; c < CHUNKS; ++c)
