@@ -334,6 +334,20 @@ def test_load_source_errors(tmp_path):
         load_source(str(f))
 
 
+def test_the_benchmarks_suites_are_refused_as_sources_and_their_neighbours_are_not():
+    """Every suite the benches score (eval.prompts.SUITES) is one of data.sources.TEST_SUITE_SPECS: refused as a
+    training source in any spelling (an option left out takes the loader's default: bare gsm8k is the train split)."""
+    from draftsmith.data.sources import refuse_test_suite
+    from draftsmith.errors import UserError
+    from draftsmith.eval.prompts import SUITES
+
+    for spec in [*SUITES.values(), "breadth:qa", {"kind": "gsm8k", "split": "test"}, "sharegpt + gsm8k:test"]:
+        with pytest.raises(UserError, match="is a test suite the benchmarks score"):
+            refuse_test_suite(spec)
+    for spec in ["gsm8k", "gsm8k:train", {"kind": "gsm8k"}, "sharegpt + gsm8k:train", "leetcode"]:
+        refuse_test_suite(spec)
+
+
 def test_python_docstrings_are_the_same_in_every_process():
     """A resumed regeneration checks the items' digest: prompts must not carry per-process reprs (memory
     addresses of sentinel defaults such as configparser's `fallback=<object object at 0x...>`, or the

@@ -31,10 +31,11 @@ def test_the_cut_keeps_what_precedes_the_first_reply():
 
 def test_test_suite_prompts_never_enter_the_pool(tmp_path):
     pool = _module()
-    mt_bench = load_source("mt-bench")[0]
+    mt_bench, breadth = load_source("mt-bench")[0], load_source("breadth")[0]
     prompts = tmp_path / "prompts.jsonl"
     lines = [{"prompt": "  " + mt_bench.messages[0]["content"].upper() + " "},  # normalised: still a test prompt
              {"prompt": mt_bench.followups[0]},  # MT-Bench's second turn
+             {"prompt": breadth.messages[-1]["content"]},
              {"prompt": "Write a haiku about rivers."}, {"prompt": "Sum 2 and 3."}]
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "pool.jsonl.gz"

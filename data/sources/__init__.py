@@ -61,7 +61,7 @@ from draftsmith.errors import UserError, one_line
 from draftsmith.specs import SpecError, parse_spec
 
 __all__ = [
-    "TEST_SUITE_KINDS", "refuse_test_suite",
+    "TEST_SUITE_SPECS", "refuse_test_suite",
     "CHECKERS", "HUMANEVAL_INSTRUCTION", "check_gsm8k", "gsm8k_dir", "gsm8k_final_answer", "humaneval_path",
     "load_gsm8k", "load_humaneval", "load_mt_bench", "mt_bench_question_path", "normalize_number",
     "strip_gsm8k_calculator", "alpaca_prompt", "bundled_sharegpt_path", "load_alpaca", "load_jsonl_prompts",
@@ -133,8 +133,27 @@ def _parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return kind, kwargs
 
 
-# The test suites the benchmarks score (eval/prompts.py; breadth: results/breadth_smollm2.md): never training data.
-TEST_SUITE_KINDS = ("mt-bench", "humaneval", "breadth")
+# The test suites the benchmarks score, as source specs (eval/prompts.py's suites; breadth:
+# results/breadth_smollm2.md): never training data (refuse_test_suite), and no prompt of theirs in a regeneration
+# pool (scripts/jobs/prompt_pool.py).
+TEST_SUITE_SPECS = ("mt-bench", "humaneval", "gsm8k:test", "breadth")
+
+
+def _loader_default(kind: str, name: str) -> Any:
+    """The default of keyword `name` in the loader of `kind` (None where it declares none)."""
+    parameter = inspect.signature(SOURCE_KINDS[kind][0]).parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def _is_test_suite(kind: str, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a parsed source is one of TEST_SUITE_SPECS: its kind, and every option the suite's spec names equal
+    (an option left out: the loader's default)."""
+    for suite in TEST_SUITE_SPECS:
+        suite_kind, suite_kwargs = _parse_spec(suite)
+        if kind == suite_kind and all(kwargs.get(name, _loader_default(kind, name)) == value
+                                      for name, value in suite_kwargs.items()):
+            return True
+    return False
 
 
 def refuse_test_suite(spec: str | Mapping[str, Any]) -> None:
@@ -142,8 +161,7 @@ def refuse_test_suite(spec: str | Mapping[str, Any]) -> None:
     a mixture `a + b` is checked part by part."""
     for part in spec.split(" + ") if isinstance(spec, str) else [spec]:
         kind, kwargs = _parse_spec(part.strip() if isinstance(part, str) else part)
-        kind = _ALIASES.get(kind, kind)
-        if kind in TEST_SUITE_KINDS or (kind == "gsm8k" and kwargs.get("split", "train") == "test"):
+        if _is_test_suite(_ALIASES.get(kind, kind), kwargs):
             raise UserError(f"source {part!r} is a test suite the benchmarks score: it never enters training data "
                             "(train on gsm8k:train, sharegpt, python-docstrings, leetcode, ...)")
 

@@ -1,7 +1,8 @@
 """The prompt pool a regeneration job answers where the data packages are not installed (the lent GPU): the first
 user turn (with any system message before it) of every conversation of SOURCES, minus any prompt that equals a
-test suite's (MT-Bench, HumanEval, GSM8K test: whitespace- and case-normalised), shuffled with a fixed seed so
-that any prefix of the pool is a mix of the sources; written as `conversations:` JSONL, gzipped.
+test suite's (data.sources.TEST_SUITE_SPECS: MT-Bench, HumanEval, GSM8K test, breadth; whitespace- and
+case-normalised), shuffled with a fixed seed so that any prefix of the pool is a mix of the sources; written as
+`conversations:` JSONL, gzipped.
 
     python scripts/jobs/prompt_pool.py OUT.jsonl.gz ["sources=sharegpt + gsm8k:train + ..."] [seed=0]
 """
@@ -14,10 +15,9 @@ from dataclasses import dataclass
 
 from draftsmith.config import check_config, option, parse_script
 from draftsmith.data.regenerate import context_chunks
-from draftsmith.data.sources import Conversation, load_source
+from draftsmith.data.sources import TEST_SUITE_SPECS, Conversation, load_source
 
 SOURCES = "sharegpt + gsm8k:train + python-docstrings + leetcode"
-TEST_SUITES = ("mt-bench", "humaneval", "gsm8k:test")
 
 
 @dataclass
@@ -48,7 +48,7 @@ def first_prompt(conv: Conversation) -> Conversation | None:
 
 def test_prompts() -> set[str]:
     texts = set()
-    for suite in TEST_SUITES:
+    for suite in TEST_SUITE_SPECS:
         for conv in load_source(suite):
             texts.update(normalised(m["content"]) for m in conv.messages if m["role"] == "user")
             texts.update(normalised(followup) for followup in conv.followups)  # MT-Bench's second turns
