@@ -332,6 +332,8 @@ def test_load_source_errors(tmp_path):
     f = write_jsonl(tmp_path / "bare.jsonl", [{"prompt": "x"}])
     with pytest.raises(ValueError, match="looks like a path"):
         load_source(str(f))
+    with pytest.raises(ValueError, match=r"unknown source kind 'missing.jsonl' \(nor a file: .* does not exist"):
+        load_source("missing.jsonl")
 
 
 def test_the_benchmarks_suites_are_refused_as_sources_and_their_neighbours_are_not():

@@ -166,6 +166,9 @@ def refuse_test_suite(spec: str | Mapping[str, Any]) -> None:
                             "(train on gsm8k:train, sharegpt, python-docstrings, leetcode, ...)")
 
 
+FILE_SUFFIXES = (".json", ".jsonl", ".gz", ".parquet", ".csv", ".arrow", ".txt")  # specs that name a file
+
+
 def load_source(spec: str | Mapping[str, Any], limit: int | None = None) -> list[Conversation]:
     """Load records from a spec string (``"gsm8k:train"``) or dict (``{"kind": "jsonl", "path": ...}``).
 
@@ -180,6 +183,8 @@ def load_source(spec: str | Mapping[str, Any], limit: int | None = None) -> list
         hint = ""
         if isinstance(spec, str) and Path(spec).expanduser().exists():
             hint = f" (it looks like a path: prefix it with a kind, e.g. 'sharegpt:{spec}' or 'jsonl:{spec}')"
+        elif isinstance(spec, str) and ("/" in spec or Path(spec).suffix in FILE_SUFFIXES):
+            hint = f" (nor a file: {spec!r} does not exist; a file is read as '<kind>:<path>', e.g. 'jsonl:<path>')"
         raise UserError(f"unknown source kind {kind!r}{hint}; {source_usage()}")
     loader, _, usage = SOURCE_KINDS[kind]
     params = inspect.signature(loader).parameters
