@@ -513,13 +513,13 @@ def run_interleaved(config: BenchConfig, target: TargetModel | None, draft: Targ
     if target is None:
         config.compile.check_dtype(resolve_dtype(config.dtype), [config.backend])
     saved = Progress.open(config.output_dir, config_to_dict(config), overwrite)
+    records = [(suite, conv) for suite in config.suites  # before the target loads: a bad suite fails at once
+               for conv in select_conversations(suite, config.num_prompts, config.seed)]
     target = load_target(config, target)
     check_sizes(config, target)
     note = precision_note(target.dtype, config)
     if progress and note:
         print(note, flush=True)
-    records = [(suite, conv) for suite in config.suites
-               for conv in select_conversations(suite, config.num_prompts, config.seed)]
     context = BuildContext(target, draft, config.backend, config.compile, greedy=config.temperature == 0,
                            draft_name=config.draft if draft is None else None)
     methods = build_methods(config, context)
