@@ -725,11 +725,13 @@ bool float32_chunked_passes() { return isa() == Isa::Avx512Amx; }
 // With AMX (the Xeon) four: 30 layers' attention of 4 / 8 / 16 rows over 2,000 cached keys 1.2-1.4x faster than one row
 // a task, over 256 keys 1.1x, the settings interleaved in one process (results/engine_kernels_xeon/kernel_ab/README.md;
 // eight no better than four, two in between). One on the Zen 4, where four rows a task were slower in two of three
-// alternations of eval.kernel_ab (results/engine_kernels_zen4/kernel_ab/attention_four_rows).
+// alternations of eval.kernel_ab (results/engine_kernels_zen4/kernel_ab/attention_four_rows), and without requests
+// ahead, with the scoring unrolled, slower still (8 rows 2.50-2.55 against 2.15-2.37 ms at one thread; over 2,000 keys
+// no better: results/engine_kernels_zen4/README.md).
 int avx512_attention_rows() { return isa() == Isa::Avx512Amx ? 4 : 1; }
 
 // Everywhere but the Zen 4 (AVX-512 BF16 without AMX): the requests made the Xeon's attention over 2,000 keys 5-12%
-// cheaper; on the Zen 4 one row over 2,000 keys cached on huge pages was 11-17% cheaper without them, in every
+// cheaper; on the Zen 4 one row over 2,000 keys cached on huge pages was 13-22% cheaper without them, in every
 // alternation (results/engine_kernels_zen4/kernel_ab/attention_no_requests_context_2000); the AVX2 EPYC level either way.
 bool attention_requests_ahead() { return isa() != Isa::Avx512Bf16; }
 
