@@ -73,6 +73,7 @@ SHORT_CASES = [
     ("regenerate", ["target=tiny:llama", "source=nosuch", "output_dir=OUT"], ["nosuch", "valid kinds"]),
     ("bench", ["target=tiny:llama", "backend=eager", "max_new_tokens=100000"], ["max_new_tokens=100000", "1024"]),
     ("bench", ["target=tiny:llama", "max_new_tokens=1000"], ["max_new_tokens=1000", "compile.capacity >= 1064"]),
+    ("latency", ["target=tiny:llama", "context_tokens=5000"], ["context_tokens=5000", "compile.capacity >= 5128"]),
 ]
 
 
