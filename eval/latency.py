@@ -61,7 +61,7 @@ class LatencyConfig:
         if max(self.widths) > max(self.compile.buckets) and Backend.COMPILED in self.backends:
             raise UserError(f"widths: {max(self.widths)} exceeds the largest compiled bucket "
                             f"{max(self.compile.buckets)}")
-        needed = self.context_tokens + max(self.widths) + max(self.compile.buckets)  # models.compiled's fits()
+        needed = self.compile.slots_for(self.context_tokens + max(self.widths))
         if Backend.COMPILED in self.backends and needed > self.compile.capacity:
             raise UserError(f"context_tokens={self.context_tokens}: the compiled engine needs compile.capacity >= "
                             f"{needed} (the context, the widest forward, one padded bucket); it is "

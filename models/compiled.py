@@ -113,6 +113,11 @@ class CompileSettings:
         if self.capacity <= self.buckets[-1]:
             raise ConfigError(f"capacity: {self.capacity} must exceed the largest bucket {self.buckets[-1]}")
 
+    def slots_for(self, max_length: int) -> int:
+        """KV slots an engine of these settings needs for a request of up to `max_length` tokens: those, and one padded
+        forward of the largest bucket past them."""
+        return max_length + self.buckets[-1]
+
     @property
     def greedy_head_applies(self) -> bool:
         """Whether the greedy head can serve these settings (the invariant kernels, the model's own weights or their
@@ -557,7 +562,7 @@ class StaticKVBook:
 
     def fits(self, max_length: int) -> bool:
         """Whether this engine's caches take a request of up to `max_length` tokens (+ one padded bucket)."""
-        return max_length + self.buckets[-1] <= self.capacity
+        return self.settings.slots_for(max_length) <= self.capacity
 
     def truncate(self, cache: StaticKV, length: int) -> None:
         cache.length = min(cache.length, length)
